@@ -21,3 +21,6 @@ def embedded_model():
         return load_model("smollm2-135m", device="cpu")
     except ModelNotFoundError as exc:  # the README install step provides it; say so if it is missing
         pytest.fail(f"embedded model unavailable: {exc}")
+
+
+pytest_plugins = ["pytester"]

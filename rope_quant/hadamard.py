@@ -1,0 +1,291 @@
+"""Walsh–Hadamard transforms and Hadamard matrices of constructed orders.
+
+The online rotations of the pipeline (R3 on post-RoPE q/k, R4 on the down_proj input) and the offline R1
+need a Hadamard matrix of order n acting on the last dimension of a tensor.
+
+* Powers of two use the Sylvester matrix H_{2^m} = H_2^{⊗m} (natural ordering), applied by
+  :func:`fwht`, a pure-torch radix transform: H_n = H_{r_1} ⊗ … ⊗ H_{r_t} with small cached dense factors,
+  one batched matmul per factor. Small n use a single dense factor (a dense matmul is the fastest
+  CPU kernel there); large n use two or three factors (n·Σr_i flops per row instead of n²).
+* Orders n = K·2^m with K a Paley order use H_K ⊗ H_{2^m}: Paley I (q prime, q ≡ 3 mod 4, order q+1) and
+  Paley II (q prime, q ≡ 1 mod 4, order 2(q+1)), built from quadratic residues mod q. This covers
+  K ∈ {12, 20, 28, 36, 44, 60, ...}: SmolLM2 hidden 576 = 36·16 and intermediate 1536 = 12·128, and
+  Llama-3.1-8B / Mistral intermediate 14336 = 28·512.
+* On CUDA, the ``fast-hadamard-transform`` kernel is used for the power-of-two factor when it is importable.
+
+Every matrix here is the same one whichever kernel applies it, so an offline rotation fused into weights
+(:func:`hadamard_matrix`) and its online counterpart (:func:`hadamard_transform`) always agree.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = [
+    "UnsupportedHadamardOrderError",
+    "hadamard_matrix",
+    "hadamard_transform",
+    "fwht",
+    "dense_hadamard_transform",
+    "random_hadamard",
+    "hadamard_order",
+    "is_supported_order",
+    "paley_order_prime",
+    "fast_kernel_available",
+]
+
+#: Largest power-of-two size handled by one dense matmul in :func:`fwht`.
+DENSE_MAX = 256
+#: Largest radix factor used when :func:`fwht` splits a larger power of two.
+RADIX_MAX = 128
+
+
+class UnsupportedHadamardOrderError(ValueError):
+    """No Hadamard matrix of this order can be built here (Sylvester × Paley I/II only)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Constructions (integer arithmetic; exact)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _is_prime(q: int) -> bool:
+    if q < 2:
+        return False
+    if q % 2 == 0:
+        return q == 2
+    f = 3
+    while f * f <= q:
+        if q % f == 0:
+            return False
+        f += 2
+    return True
+
+
+def paley_order_prime(k: int) -> tuple[str, int] | None:
+    """Return ("I", q) or ("II", q) if order k has a Paley construction from a prime q, else None."""
+    if k >= 4 and _is_prime(k - 1) and (k - 1) % 4 == 3:
+        return ("I", k - 1)
+    if k % 2 == 0 and k >= 12 and _is_prime(k // 2 - 1) and (k // 2 - 1) % 4 == 1:
+        return ("II", k // 2 - 1)
+    return None
+
+
+def hadamard_order(n: int) -> tuple[int, int]:
+    """Decompose n = K·2^m with K = 1 (Sylvester) or a Paley order; smallest K wins.
+
+    Raises UnsupportedHadamardOrderError when no such decomposition exists.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UnsupportedHadamardOrderError(f"Hadamard order must be a positive integer, got {n!r}")
+    m_max = (n & -n).bit_length() - 1
+    for m in range(m_max, -1, -1):
+        k = n >> m
+        if k == 1 or paley_order_prime(k) is not None:
+            return k, m
+    raise UnsupportedHadamardOrderError(
+        f"no Hadamard matrix of order {n} is available: supported orders are K·2^m with K = 1 (Sylvester) "
+        "or a Paley order K = q+1 (q prime ≡ 3 mod 4, e.g. 12, 20, 44, 60) or K = 2(q+1) "
+        "(q prime ≡ 1 mod 4, e.g. 28, 36)"
+    )
+
+
+def is_supported_order(n: int) -> bool:
+    """True when :func:`hadamard_matrix` can build order n."""
+    try:
+        hadamard_order(n)
+    except UnsupportedHadamardOrderError:
+        return False
+    return True
+
+
+def _jacobsthal(q: int) -> list[list[int]]:
+    """Jacobsthal matrix Q_ij = χ(j − i) with χ the quadratic character mod the prime q (χ(0) = 0)."""
+    squares = {(x * x) % q for x in range(1, q)}
+    chi = [0] + [1 if a in squares else -1 for a in range(1, q)]
+    return [[chi[(j - i) % q] for j in range(q)] for i in range(q)]
+
+
+def _paley(k: int) -> torch.Tensor:
+    """Paley I/II Hadamard matrix of order k, int64 entries ±1."""
+    kind_q = paley_order_prime(k)
+    if kind_q is None:  # pragma: no cover - guarded by hadamard_order
+        raise UnsupportedHadamardOrderError(f"order {k} has no Paley construction")
+    kind, q = kind_q
+    jac = torch.tensor(_jacobsthal(q), dtype=torch.int64)
+    c = torch.zeros(q + 1, q + 1, dtype=torch.int64)
+    c[0, 1:] = 1
+    c[1:, 1:] = jac
+    if kind == "I":
+        # Q antisymmetric (q ≡ 3 mod 4); S = [[0, 1ᵀ], [−1, Q]] is a skew conference matrix; H = I + S.
+        c[1:, 0] = -1
+        return torch.eye(q + 1, dtype=torch.int64) + c
+    # Q symmetric (q ≡ 1 mod 4); C = [[0, 1ᵀ], [1, Q]] symmetric conference matrix;
+    # replace 0 by [[1, −1], [−1, −1]] and ±1 by ±[[1, 1], [1, −1]].
+    c[1:, 0] = 1
+    h2 = torch.tensor([[1, 1], [1, -1]], dtype=torch.int64)
+    d2 = torch.tensor([[1, -1], [-1, -1]], dtype=torch.int64)
+    return torch.kron(c, h2) + torch.kron(torch.eye(q + 1, dtype=torch.int64), d2)
+
+
+def _sylvester(p: int) -> torch.Tensor:
+    """Sylvester Hadamard matrix of order p = 2^m (natural ordering), int64."""
+    h = torch.ones(1, 1, dtype=torch.int64)
+    while h.shape[0] < p:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+@functools.lru_cache(maxsize=64)
+def _integer_hadamard(n: int) -> torch.Tensor:
+    k, m = hadamard_order(n)
+    syl = _sylvester(1 << m)
+    if k == 1:
+        return syl
+    return torch.kron(_paley(k), syl)
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Unnormalised Hadamard matrix of order n (entries ±1, H Hᵀ = n I): Sylvester ⊗ Paley (Sec. 2 / App. A).
+
+    ``dtype=torch.int64`` gives the exact integer matrix.
+    """
+    return _cached_matrix(n, torch.device(device), dtype, False).clone()
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_matrix(n: int, device: torch.device, dtype: torch.dtype, normalize: bool) -> torch.Tensor:
+    h = _integer_hadamard(n)
+    if normalize:
+        out = h.to(torch.float64) / math.sqrt(n)
+    else:
+        out = h
+    return out.to(device=device, dtype=dtype)
+
+
+def _factor(n: int, x: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """Cached (optionally normalised) Hadamard factor matching x's device and dtype."""
+    return _cached_matrix(n, x.device, x.dtype, normalize)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _fast_kernel():
+    try:
+        import fast_hadamard_transform  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return fast_hadamard_transform.hadamard_transform
+
+
+def fast_kernel_available() -> bool:
+    """True when the CUDA ``fast-hadamard-transform`` package is importable."""
+    return _fast_kernel() is not None
+
+
+def _check_float(x: torch.Tensor) -> None:
+    if not torch.is_floating_point(x):
+        raise TypeError(f"Hadamard transforms need a floating-point tensor, got {x.dtype}")
+
+
+def _radix_split(n: int) -> list[int]:
+    """Split a power of two n into near-equal power-of-two factors, each ≤ RADIX_MAX."""
+    m = n.bit_length() - 1
+    if n <= DENSE_MAX:
+        return [n]
+    r_bits = (RADIX_MAX.bit_length() - 1)
+    t = -(-m // r_bits)  # number of factors
+    base, extra = divmod(m, t)
+    return [1 << (base + (1 if i < extra else 0)) for i in range(t)]
+
+
+def _apply_factors(x: torch.Tensor, factors: list[torch.Tensor]) -> torch.Tensor:
+    """y = (F_1 ⊗ … ⊗ F_t) x along the last dim (row-major index), for symmetric factors F_i.
+
+    Each step views the row as (r, rest), applies F to the leading axis and moves it to the end; after t
+    steps the axis order is restored.
+    """
+    shape = x.shape
+    n = shape[-1]
+    y = x.reshape(-1, n)
+    for f in factors:
+        r = f.shape[0]
+        y = torch.matmul(y.view(-1, r, n // r).transpose(1, 2), f)  # (B, rest, r), F symmetric
+        y = y.reshape(-1, n)
+    return y.view(shape)
+
+
+def dense_hadamard_transform(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """Reference: x @ Hᵀ with the cached dense matrix (H symmetric for Sylvester, not for Paley)."""
+    _check_float(x)
+    h = _factor(x.shape[-1], x, normalize)
+    return torch.matmul(x, h.T)
+
+
+def fwht(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """Pure-torch fast Walsh–Hadamard transform along the last dim (size a power of two), any batch shape.
+
+    Sylvester-ordered: fwht(x) == x @ H_n (H_n symmetric), divided by √n when ``normalize``.
+    """
+    _check_float(x)
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise UnsupportedHadamardOrderError(f"fwht needs a power-of-two size, got {n}")
+    if n == 1:
+        return x.clone()
+    sizes = _radix_split(n)
+    if len(sizes) == 1:
+        return torch.matmul(x, _factor(n, x, normalize))
+    factors = [_factor(r, x, normalize) for r in sizes]
+    return _apply_factors(x, factors)
+
+
+def _pow2_transform(x: torch.Tensor, normalize: bool) -> torch.Tensor:
+    n = x.shape[-1]
+    kernel = _fast_kernel()
+    if (
+        kernel is not None
+        and x.is_cuda
+        and n > 1
+        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and n <= 32768
+    ):
+        scale = 1.0 / math.sqrt(n) if normalize else 1.0
+        return kernel(x.contiguous(), scale)
+    return fwht(x, normalize)
+
+
+def hadamard_transform(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """y = H_n x along the last dim (y = x @ H_nᵀ), normalised by 1/√n by default.
+
+    n = 2^m: fast kernel on CUDA when installed, else :func:`fwht`. n = K·2^m: (H_K ⊗ H_{2^m}) via a dense
+    K×K matmul on the leading factor and the power-of-two transform on the trailing one.
+    """
+    _check_float(x)
+    n = x.shape[-1]
+    k, m = hadamard_order(n)
+    if k == 1:
+        return _pow2_transform(x, normalize)
+    p = 1 << m
+    hk = _factor(k, x, normalize)
+    shape = x.shape
+    y = x.reshape(*shape[:-1], k, p)
+    if p > 1:
+        y = _pow2_transform(y, normalize)
+    y = torch.matmul(hk, y)  # H_K acts on the K axis: (k,k) @ (..., k, p)
+    return y.reshape(shape)
+
+
+def random_hadamard(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Seeded random-sign Hadamard rotation for R1 (QuaRot-style): Q = H_n/√n · diag(s), s_i = ±1."""
+    gen = torch.Generator().manual_seed(int(seed))
+    signs = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int64) * 2 - 1
+    h = _cached_matrix(n, torch.device("cpu"), torch.float64, True)
+    return (h * signs.to(torch.float64)).to(dtype)
