@@ -33,10 +33,6 @@ class PairCov(NamedTuple):
     s12: Any
 
 
-class AngleInputError(ValueError):
-    """Inconsistent inputs to an angle function (e.g. mixed shapes that do not broadcast)."""
-
-
 # ----------------------------------------------------------------------------- backend
 
 

@@ -8,8 +8,8 @@ t quantiles come from :mod:`scipy.stats`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 from scipy import stats as _st
