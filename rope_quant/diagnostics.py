@@ -1,0 +1,148 @@
+"""Streaming K-cache diagnostics after R3 (paper §4 diagnostics, App. A.6).
+
+For keys ``k`` after R3, shape (..., heads, seq, d), quantised per token (and per head) in groups of
+``group_size`` channels of the last dim (-1: the whole head):
+
+- range = max - min over each token's quantisation group (mean and max over all groups);
+- the quantiser step Δ = range·clip/(2^b - 1) (its mean over groups), as :func:`quant.quant_step` gives
+  it: the asymmetric quantiser's range always contains 0, so for a group that does not straddle 0
+  (never the case for real keys) Δ uses [min(lo, 0), max(hi, 0)] instead of max - min;
+- the relative K quantisation error ‖k - q(k)‖² / ‖k‖², a ratio of sums over everything seen, with
+  q = :func:`quant.fake_quant_per_token`.
+
+Sums are accumulated in float64, so feeding batches (and layers) one at a time gives the same summary
+as one pass over their concatenation; ``per_layer=True`` keeps a breakdown by the ``layer`` passed to
+:meth:`KDiagnostics.update`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rope_quant.quant import fake_quant_per_token, quant_step
+
+
+class DiagnosticsError(ValueError):
+    """Bad input to the K diagnostics."""
+
+
+class NonFiniteKeysError(DiagnosticsError):
+    """The keys passed to the diagnostics contain NaN or Inf."""
+
+
+@dataclass
+class KStats:
+    """Float64 running sums of one scope (everything, or one layer)."""
+
+    n_groups: int = 0
+    range_sum: float = 0.0
+    range_max: float = -math.inf
+    delta_sum: float = 0.0
+    err_sq: float = 0.0
+    norm_sq: float = 0.0
+
+    def add(self, other: KStats) -> None:
+        self.n_groups += other.n_groups
+        self.range_sum += other.range_sum
+        self.range_max = max(self.range_max, other.range_max)
+        self.delta_sum += other.delta_sum
+        self.err_sq += other.err_sq
+        self.norm_sq += other.norm_sq
+
+    def summary(self) -> dict[str, float]:
+        n = self.n_groups
+        return {
+            "k_range_mean": self.range_sum / n if n else math.nan,
+            "k_range_max": self.range_max if n else math.nan,
+            "delta_mean": self.delta_sum / n if n else math.nan,
+            "k_rel_err": self.err_sq / self.norm_sq if self.norm_sq > 0 else (0.0 if n else math.nan),
+            "n_groups": n,
+        }
+
+
+class KDiagnostics:
+    """Streaming K range / step / relative error of the per-token K quantiser (see module docstring)."""
+
+    def __init__(
+        self, bits: int, group_size: int = -1, clip_ratio: float = 1.0, per_layer: bool = False
+    ) -> None:
+        if isinstance(bits, bool) or int(bits) != bits or bits < 1:
+            raise DiagnosticsError(f"bits must be a positive integer, got {bits!r}")
+        if int(group_size) != group_size or (group_size != -1 and group_size < 1):
+            raise DiagnosticsError(f"group_size must be -1 or a positive integer, got {group_size!r}")
+        if not 0 < clip_ratio <= 1:
+            raise DiagnosticsError(f"clip_ratio must lie in (0, 1], got {clip_ratio!r}")
+        self.bits, self.group_size, self.clip_ratio = int(bits), int(group_size), float(clip_ratio)
+        self.per_layer = per_layer
+        self.total = KStats()
+        self.layers: dict[int, KStats] = {}
+
+    def batch_stats(self, k: torch.Tensor) -> KStats:
+        """The sums of one batch of keys (..., heads, seq, d), without accumulating them."""
+        if not isinstance(k, torch.Tensor):
+            k = torch.as_tensor(k)
+        if k.ndim < 1 or k.shape[-1] == 0:
+            raise DiagnosticsError(f"keys must have a non-empty last (head_dim) axis, got {tuple(k.shape)}")
+        d = k.shape[-1]
+        if self.group_size != -1 and d % self.group_size:
+            raise DiagnosticsError(f"head_dim {d} is not a multiple of group_size {self.group_size}")
+        if not torch.isfinite(k).all():
+            raise NonFiniteKeysError("keys contain NaN/Inf values")
+        k = k.detach()
+        if k.numel() == 0:
+            return KStats()
+        gs = d if self.group_size == -1 else self.group_size
+        k64 = k.double()
+        lo, hi = torch.aminmax(k64.reshape(-1, gs), dim=-1)
+        rng = hi - lo
+        delta, _ = quant_step(k, self.bits, self.group_size, self.clip_ratio)
+        delta = delta.detach().double().reshape(-1)
+        if delta.numel() != rng.numel():
+            raise DiagnosticsError(
+                f"quant_step returned {delta.numel()} steps for {rng.numel()} groups "
+                f"of keys with shape {tuple(k.shape)}"
+            )
+        err = k64 - fake_quant_per_token(k, self.bits, self.group_size, self.clip_ratio).double()
+        return KStats(
+            n_groups=int(rng.numel()),
+            range_sum=float(rng.sum()),
+            range_max=float(rng.max()),
+            delta_sum=float(delta.sum()),
+            err_sq=float((err * err).sum()),
+            norm_sq=float((k64 * k64).sum()),
+        )
+
+    def update(self, k: torch.Tensor, layer: int | None = None) -> KStats:
+        """Accumulate one batch (e.g. one layer's post-R3 keys); returns that batch's sums."""
+        if self.per_layer and layer is None:
+            raise DiagnosticsError("per_layer=True needs the layer index in update(k, layer=...)")
+        batch = self.batch_stats(k)
+        self.total.add(batch)
+        if self.per_layer:
+            self.layers.setdefault(int(layer), KStats()).add(batch)
+        return batch
+
+    def merge(self, other: KDiagnostics) -> KDiagnostics:
+        """Fold another accumulator with the same quantiser settings into this one."""
+        if (self.bits, self.group_size, self.clip_ratio) != (other.bits, other.group_size, other.clip_ratio):
+            raise DiagnosticsError("cannot merge diagnostics of different quantiser settings")
+        self.total.add(other.total)
+        for layer, st in other.layers.items():
+            self.layers.setdefault(layer, KStats()).add(st)
+        return self
+
+    def reset(self) -> None:
+        self.total = KStats()
+        self.layers = {}
+
+    def summary(self) -> dict[str, Any]:
+        """dict(k_range_mean, k_range_max, delta_mean, k_rel_err, n_groups[, per_layer={layer: ...}])."""
+        out: dict[str, Any] = self.total.summary()
+        out.update(bits=self.bits, group_size=self.group_size, clip_ratio=self.clip_ratio)
+        if self.per_layer:
+            out["per_layer"] = {layer: st.summary() for layer, st in sorted(self.layers.items())}
+        return out

@@ -1,0 +1,334 @@
+"""φ* verification (App. A.5 and J): does the stored angle attain the analytic minimum λ̄?
+
+Inputs are the stored angles, the per-pair covariances reconstructed after raw-moment aggregation
+(:meth:`CalibrationStats.pooled_raw`) and the deployed frequencies with the averaging length L.
+The check is independent of the closed forms used to estimate φ*: the surrogate
+Σ̃ = (1/L) Σ_{m<L} R_m Σ R_mᵀ is rebuilt from direct position sums of cos², sin², cos·sin (not the
+Dirichlet closed form, not the double-angle algebra), the rotated 2x2 matrix G(φ) Σ̃ G(φ)ᵀ is formed
+explicitly, and
+
+    minimax = max(diag(G Σ̃ Gᵀ)),   λ̄ = (s11 + s22)/2,   excess = minimax - λ̄.
+
+``phi_star_verified`` holds when the worst relative excess, max over (layer[, head], pair) of
+excess/λ̄ (pairs with λ̄ = 0 count as 0 when their excess is 0), is at most the tolerance
+(default 5e-5). For comparison the excess of the identity, the per-pair H2 and the Jacobi φ̂
+(which is ½|S|·r with r = sqrt((s11 - s22)² + 4 s12²)) are reported too.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rope_quant.angles import PairCov, jacobi_angle
+from rope_quant.calibration import CalibrationStats
+from rope_quant.rope import check_frequencies, find_inv_freq
+
+DEFAULT_TOLERANCE = 5e-5
+CSV_COLUMNS = (
+    "layer",
+    "pair",
+    "theta",
+    "C",
+    "S",
+    "s11",
+    "s22",
+    "s12",
+    "phi",
+    "minimax",
+    "lambda_bar",
+    "excess",
+    "excess_identity",
+    "excess_h2",
+    "excess_phi_hat",
+)
+EXCESS_MEASURE = "relative: max over pairs of (minimax - lambda_bar) / lambda_bar"
+_CHUNK = 1 << 20
+
+
+class VerificationError(ValueError):
+    """Bad input to the φ* verifier."""
+
+
+class VerificationShapeError(VerificationError):
+    """Angles, covariances and frequencies do not fit together."""
+
+
+class MissingArtifactError(FileNotFoundError, VerificationError):
+    """An input artifact (angles, statistics or frequencies file) does not exist."""
+
+
+@dataclass
+class VerificationResult:
+    """Per-pair arrays (shape of the angles) and the summary of one verification."""
+
+    arrays: dict[str, np.ndarray]
+    summary: dict[str, Any]
+    per_head: bool = False
+    columns: tuple[str, ...] = field(default=CSV_COLUMNS)
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.summary["phi_star_verified"])
+
+
+def position_moments(inv_freq: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Direct sums over m < L of cos²(mθ), sin²(mθ), cos(mθ)sin(mθ), divided by L (chunked)."""
+    if isinstance(length, bool) or int(length) != length or length < 1:
+        raise VerificationError(f"average length must be a positive integer, got {length!r}")
+    theta = np.asarray(inv_freq, dtype=np.float64)
+    k = theta.size
+    step = max(1, _CHUNK // max(k, 1))
+    cc, ss, cs = np.zeros(k), np.zeros(k), np.zeros(k)
+    for start in range(0, int(length), step):
+        m = np.arange(start, min(start + step, int(length)), dtype=np.float64)
+        ang = m[:, None] * theta[None, :]
+        c, s = np.cos(ang), np.sin(ang)
+        cc += (c * c).sum(axis=0)
+        ss += (s * s).sum(axis=0)
+        cs += (c * s).sum(axis=0)
+    return cc / length, ss / length, cs / length
+
+
+def _rotated_diag(s11, s22, s12, phi) -> tuple[np.ndarray, np.ndarray]:
+    """diag(G(φ) Σ Gᵀ) formed explicitly, G = [[c, -s], [s, c]]."""
+    c, s = np.cos(phi), np.sin(phi)
+    v1 = c * c * s11 - 2 * c * s * s12 + s * s * s22
+    v2 = s * s * s11 + 2 * c * s * s12 + c * c * s22
+    return v1, v2
+
+
+def _relative(excess: np.ndarray, lam: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(lam > 0, excess / np.where(lam > 0, lam, 1.0), np.where(excess == 0, 0.0, np.inf))
+    return rel
+
+
+def verify_phi_star(
+    angles: Any,
+    cov: PairCov | CalibrationStats,
+    inv_freq: Any,
+    average_length: int,
+    *,
+    rule: str = "rows",
+    tol: float = DEFAULT_TOLERANCE,
+    frequency_source: str | None = None,
+) -> VerificationResult:
+    """Recompute the surrogate, the achieved minimax variance and λ̄ for stored angles (App. A.5).
+
+    ``cov`` is a PairCov of shape (L, K) / (L, H_kv, K), or a CalibrationStats whose raw-moment
+    covariance under ``rule`` is used. ``inv_freq`` is an array or a torch module holding the live
+    buffer (found with :func:`rope.find_inv_freq`).
+    """
+    if isinstance(cov, CalibrationStats):
+        cov = cov.pooled_raw(rule)
+    s11, s22, s12 = (np.asarray(v, dtype=np.float64) for v in cov)
+    phi = np.asarray(angles, dtype=np.float64)
+    if hasattr(inv_freq, "named_buffers"):
+        values, name = find_inv_freq(inv_freq, head_dim=2 * phi.shape[-1] if phi.ndim else None)
+        freqs, source = check_frequencies(values), frequency_source or f"live buffer {name}"
+    else:
+        freqs, source = check_frequencies(inv_freq), frequency_source or "given array"
+    if not s11.shape == s22.shape == s12.shape:
+        raise VerificationShapeError(
+            f"covariance arrays differ in shape: {s11.shape}, {s22.shape}, {s12.shape}"
+        )
+    if phi.shape != s11.shape:
+        raise VerificationShapeError(f"angles have shape {phi.shape} but the covariances {s11.shape}")
+    if phi.ndim not in (2, 3):
+        raise VerificationShapeError(f"angles must be (n_layers, K) or (n_layers, H_kv, K), got {phi.shape}")
+    if freqs.size != phi.shape[-1]:
+        raise VerificationShapeError(f"{freqs.size} frequencies for {phi.shape[-1]} pairs")
+    if not (
+        np.isfinite(phi).all()
+        and np.isfinite(s11).all()
+        and np.isfinite(s22).all()
+        and np.isfinite(s12).all()
+    ):
+        raise VerificationError("angles or covariances contain NaN/Inf")
+    if not 0 < tol:
+        raise VerificationError(f"tolerance must be positive, got {tol!r}")
+
+    cc, ss, cs = position_moments(freqs, average_length)
+    t11 = cc * s11 - 2 * cs * s12 + ss * s22
+    t22 = ss * s11 + 2 * cs * s12 + cc * s22
+    t12 = cs * (s11 - s22) + (cc - ss) * s12
+    lam = (s11 + s22) / 2
+
+    def excess_at(angle: Any) -> np.ndarray:
+        v1, v2 = _rotated_diag(t11, t22, t12, angle)
+        return np.maximum(v1, v2) - lam
+
+    v1, v2 = _rotated_diag(t11, t22, t12, phi)
+    minimax = np.maximum(v1, v2)
+    excess = minimax - lam
+    phi_hat = np.asarray(jacobi_angle(s11, s22, s12), dtype=np.float64)
+    shape = phi.shape
+    arrays = {
+        "theta": np.broadcast_to(freqs, shape),
+        "C": np.broadcast_to(cc - ss, shape),
+        "S": np.broadcast_to(2 * cs, shape),
+        "s11": s11,
+        "s22": s22,
+        "s12": s12,
+        "phi": phi,
+        "minimax": minimax,
+        "lambda_bar": lam,
+        "excess": excess,
+        "excess_identity": excess_at(0.0),
+        "excess_h2": np.abs(t12),  # H2 output variances on the surrogate: t ± Σ̃12
+        "excess_phi_hat": excess_at(phi_hat),
+    }
+    r = np.sqrt((s11 - s22) ** 2 + (2 * s12) ** 2)
+    predicted_phi_hat = 0.5 * np.abs(arrays["S"]) * r
+
+    rel = _relative(excess, lam)
+    worst = np.unravel_index(int(np.argmax(rel)), shape)
+    location = {"layer": int(worst[0]), "pair": int(worst[-1])}
+    if len(shape) == 3:
+        location["head"] = int(worst[1])
+
+    def stats_of(key: str) -> dict[str, float]:
+        rel_k = _relative(arrays[key], lam)
+        return {
+            "mean_rel_excess": float(rel_k.mean()),
+            "max_rel_excess": float(rel_k.max()),
+            "mean_abs_excess": float(arrays[key].mean()),
+            "max_abs_excess": float(arrays[key].max()),
+        }
+
+    worst_rel = float(rel.max())
+    summary = {
+        "phi_star_verified": bool(worst_rel <= tol),
+        "worst_excess": worst_rel,
+        "excess_measure": EXCESS_MEASURE,
+        "worst_location": location,
+        "worst_abs_excess": float(excess.max()),
+        "tolerance": float(tol),
+        "frequency_source": source,
+        "average_length": int(average_length),
+        "n_layers": int(shape[0]),
+        "n_pairs": int(shape[-1]),
+        "n_kv_heads": int(shape[1]) if len(shape) == 3 else None,
+        "trace_check_max_abs": float(np.max(np.abs((t11 + t22) / 2 - lam))),
+        "phi_hat_formula_max_abs_dev": float(np.max(np.abs(arrays["excess_phi_hat"] - predicted_phi_hat))),
+        "comparison": {
+            "stored": stats_of("excess"),
+            "identity": stats_of("excess_identity"),
+            "h2": stats_of("excess_h2"),
+            "phi_hat": stats_of("excess_phi_hat"),
+        },
+    }
+    return VerificationResult(arrays=arrays, summary=summary, per_head=len(shape) == 3)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_artifacts(
+    result: VerificationResult, out_dir: str | os.PathLike, prefix: str = "phi_star"
+) -> tuple[Path, Path]:
+    """Write ``{prefix}_pairs.csv`` (one row per layer[, head], pair) and ``{prefix}_summary.json``.
+
+    Both are written atomically (temporary file + os.replace). Returns (csv path, json path).
+    """
+    out = Path(out_dir)
+    columns = list(CSV_COLUMNS)
+    if result.per_head:
+        columns.insert(1, "head")
+    shape = result.arrays["phi"].shape
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(columns)
+    for idx in np.ndindex(*shape):
+        row: list[Any] = [idx[0]] + ([idx[1]] if result.per_head else []) + [idx[-1]]
+        row += [repr(float(result.arrays[c][idx])) for c in CSV_COLUMNS[2:]]
+        writer.writerow(row)
+    csv_path, json_path = out / f"{prefix}_pairs.csv", out / f"{prefix}_summary.json"
+    _write_atomic(csv_path, buf.getvalue())
+    _write_atomic(json_path, json.dumps(_finite_json(result.summary), indent=2) + "\n")
+    return csv_path, json_path
+
+
+def _finite_json(obj: Any) -> Any:
+    """JSON has no Inf/NaN: write them as strings."""
+    if isinstance(obj, dict):
+        return {k: _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    return obj
+
+
+def _require(path: str | os.PathLike, what: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise MissingArtifactError(f"{what} file {str(p)!r} does not exist")
+    return p
+
+
+def load_angles(path: str | os.PathLike) -> np.ndarray:
+    """Angles from a .npy file or a .npz holding an ``angles`` array."""
+    p = _require(path, "angles")
+    data = np.load(p, allow_pickle=False)
+    if isinstance(data, np.lib.npyio.NpzFile):
+        with data:
+            if "angles" not in data:
+                raise VerificationError(f"{p}: no 'angles' array")
+            return np.asarray(data["angles"], dtype=np.float64)
+    return np.asarray(data, dtype=np.float64)
+
+
+def load_frequencies(path: str | os.PathLike) -> tuple[np.ndarray, str]:
+    """Frequencies from .npy, or .json ``{"inv_freq": [...], "source": "..."}``; returns (values, source)."""
+    p = _require(path, "frequencies")
+    if p.suffix == ".json":
+        payload = json.loads(p.read_text())
+        if "inv_freq" not in payload:
+            raise VerificationError(f"{p}: no 'inv_freq' key")
+        return np.asarray(payload["inv_freq"], dtype=np.float64), str(payload.get("source", p))
+    return np.asarray(np.load(p, allow_pickle=False), dtype=np.float64), str(p)
+
+
+def save_frequencies(path: str | os.PathLike, inv_freq: Any, source: str) -> Path:
+    """Write deployed frequencies and their source as JSON (atomically)."""
+    p = Path(path)
+    values = [float(v) for v in np.asarray(inv_freq, dtype=np.float64).reshape(-1)]
+    _write_atomic(p, json.dumps({"inv_freq": values, "source": source}, indent=2) + "\n")
+    return p
+
+
+def verify_files(
+    angles_path: str | os.PathLike,
+    stats_path: str | os.PathLike,
+    frequencies_path: str | os.PathLike,
+    average_length: int,
+    out_dir: str | os.PathLike,
+    *,
+    rule: str = "rows",
+    tol: float = DEFAULT_TOLERANCE,
+    prefix: str = "phi_star",
+) -> VerificationResult:
+    """File-based verification: every artifact must exist (MissingArtifactError otherwise)."""
+    angles_p = _require(angles_path, "angles")
+    stats_p = _require(stats_path, "calibration statistics")
+    freq_p = _require(frequencies_path, "frequencies")
+    angles = load_angles(angles_p)
+    stats = CalibrationStats.load(stats_p)
+    freqs, source = load_frequencies(freq_p)
+    result = verify_phi_star(
+        angles, stats, freqs, average_length, rule=rule, tol=tol, frequency_source=source
+    )
+    write_artifacts(result, out_dir, prefix)
+    return result
