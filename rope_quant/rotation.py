@@ -1,0 +1,581 @@
+"""Offline rotations R1, R2 and the online R4 for Llama-family Hugging Face models.
+
+This is the rotation scaffold shared by QuaRot (Ashkboos et al., 2024, Sec. 4), SpinQuant (Liu et al., 2024,
+Sec. 3) and DartQuant (Shao et al., 2025, Sec. 3). Row-vector convention throughout: a rotation ``R`` maps an
+activation row ``x`` to ``x @ R``. A linear ``y = x Wᵀ`` whose input is rotated keeps its output when
+``W ← W R``, and a linear whose output must come out rotated gets ``W ← Rᵀ W`` (and ``b ← b R``).
+
+Steps, all function-preserving, in the order :func:`rotate_model` runs them:
+
+1. :func:`untie_embeddings`: lm_head gets its own copy of the (tied) embedding matrix.
+2. :func:`fuse_norms`: each RMSNorm scale ``g`` moves into the linears it feeds (``W ← W diag(g)``) and
+   the norm weight becomes 1. A unit-weight RMSNorm commutes with any orthogonal ``Q``:
+   ``rms(xQ) = rms(x)``, so ``norm(xQ) = norm(x) Q``. (QuaRot's fusion also subtracts each embedding row's
+   mean, which is invariant only for LayerNorm; it is *not* for RMSNorm, see
+   :func:`subtract_embedding_mean`, which the pipeline never calls.)
+3. :func:`apply_r1`: the residual stream is rotated by ``Q`` (hidden × hidden): embeddings ``E ← E Q``,
+   residual readers (q, k, v, gate, up, lm_head) ``W ← W Q``, residual writers (o_proj, down_proj)
+   ``W ← Qᵀ W``, ``b ← b Q``.
+4. :func:`apply_r2`: per KV head an orthogonal ``R_h`` (head_dim²): v_proj rows of head h ``W ← R_hᵀ W``,
+   o_proj input columns of every Q head of that KV group ``W ← W R_h``. Attention mixes value rows
+   linearly, so the attention output of a head is rotated by the same ``R_h``; no online op is needed.
+5. :func:`apply_r4`: down_proj ``W ← W H`` with ``H`` the normalised Hadamard of size ``intermediate``
+   (as applied by :func:`rope_quant.hadamard.hadamard_transform`), plus an online forward pre-hook that
+   applies the same transform to down_proj's input.
+
+All weight algebra is done in float64 and cast back to the parameter's dtype.
+
+**Ordering with activation quantisers (R4).** The online Hadamard must run *before* the input quantiser of
+down_proj: the quantiser has to see the rotated activation, which is what the fused weight expects.
+:func:`apply_r4` registers its pre-hook with ``prepend=True`` so it runs before any pre-hook registered
+earlier or later without ``prepend``. A pipeline that prefers a single pre-hook can call
+``apply_r4(model, register_hooks=False)`` and then apply :func:`online_r4` itself before quantising.
+Hooks are not part of a state_dict: after reloading cached rotated weights call :func:`install_online_r4`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from rope_quant import hadamard
+
+__all__ = [
+    "RotationError",
+    "UnsupportedArchitectureError",
+    "TiedEmbeddingsError",
+    "NormsNotFusedError",
+    "RotationShapeError",
+    "NotOrthogonalError",
+    "AlreadyRotatedError",
+    "MissingRotationError",
+    "R1_CHOICES",
+    "R2_CHOICES",
+    "ModelDims",
+    "RotationConfig",
+    "RotationResult",
+    "model_dims",
+    "decoder_layers",
+    "embeddings_tied",
+    "untie_embeddings",
+    "fuse_norms",
+    "norms_fused",
+    "subtract_embedding_mean",
+    "r1_hadamard",
+    "r2_hadamard",
+    "apply_r1",
+    "apply_r2",
+    "r4_matrix",
+    "online_r4",
+    "apply_r4",
+    "install_online_r4",
+    "rotate_model",
+]
+
+R1_CHOICES = ("none", "hadamard", "whip", "given")
+R2_CHOICES = ("none", "hadamard", "whip", "given")
+#: Largest tolerated max |RᵀR − I| (float64) for a matrix passed in as a rotation.
+ORTHO_ATOL = 1e-4
+_R4_FLAG = "rq_online_r4"
+_ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+class RotationError(ValueError):
+    """Base class for bad input to the offline rotations."""
+
+
+class UnsupportedArchitectureError(RotationError):
+    """The model does not have the Llama-family module layout the rotations rely on."""
+
+
+class TiedEmbeddingsError(RotationError):
+    """lm_head shares its weight with embed_tokens; call :func:`untie_embeddings` first."""
+
+
+class NormsNotFusedError(RotationError):
+    """R1 needs unit-weight RMSNorms; call :func:`fuse_norms` first."""
+
+
+class RotationShapeError(RotationError):
+    """A rotation matrix (or stack of them) has the wrong shape for this model."""
+
+
+class NotOrthogonalError(RotationError):
+    """A matrix given as a rotation is not orthogonal."""
+
+
+class AlreadyRotatedError(RotationError):
+    """The online R4 Hadamard is already installed on this model."""
+
+
+class MissingRotationError(RotationError):
+    """A rotation choice needs a matrix (or calibration ids) that was not given."""
+
+
+# ------------------------------------------------------------------------------------------ model layout
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Sizes the rotations need, read from the model config."""
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    @property
+    def group(self) -> int:
+        """Q heads per KV head (GQA group size)."""
+        return self.n_heads // self.n_kv_heads
+
+
+def _text_config(model: nn.Module):
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise UnsupportedArchitectureError("model has no .config; expected a Hugging Face causal LM")
+    get_text = getattr(cfg, "get_text_config", None)
+    return get_text() if callable(get_text) else cfg
+
+
+def model_dims(model: nn.Module) -> ModelDims:
+    """Read hidden / heads / KV heads / head_dim / intermediate from the config (GQA aware)."""
+    cfg = _text_config(model)
+    try:
+        hidden = int(cfg.hidden_size)
+        n_heads = int(cfg.num_attention_heads)
+        n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+        n_layers = int(cfg.num_hidden_layers)
+        intermediate = int(cfg.intermediate_size)
+    except (AttributeError, TypeError) as exc:
+        raise UnsupportedArchitectureError(f"config lacks a Llama-family field: {exc}") from exc
+    head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
+    if n_heads % n_kv:
+        raise UnsupportedArchitectureError(
+            f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
+        )
+    return ModelDims(n_layers, hidden, n_heads, n_kv, int(head_dim), intermediate)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
+        raise UnsupportedArchitectureError(
+            "expected model.model.layers and model.model.embed_tokens (Llama-family causal LM)"
+        )
+    return base
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """model.model.layers, checked to carry the attention / MLP / norm modules the rotations touch."""
+    layers = _base(model).layers
+    for i, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        ok = (
+            attn is not None
+            and mlp is not None
+            and all(isinstance(getattr(attn, n, None), nn.Linear) for n in _ATTN_LINEARS)
+            and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in _MLP_LINEARS)
+            and hasattr(layer, "input_layernorm")
+            and hasattr(layer, "post_attention_layernorm")
+        )
+        if not ok:
+            raise UnsupportedArchitectureError(
+                f"layer {i} lacks self_attn.{{q,k,v,o}}_proj, mlp.{{gate,up,down}}_proj or its two norms"
+            )
+    return layers
+
+
+def _lm_head(model: nn.Module) -> nn.Linear:
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise UnsupportedArchitectureError("expected model.lm_head to be an nn.Linear")
+    return head
+
+
+def _rmsnorm_weight(norm: nn.Module, where: str) -> nn.Parameter:
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise UnsupportedArchitectureError(f"{where} has no weight; expected an RMSNorm")
+    if getattr(norm, "bias", None) is not None:
+        raise UnsupportedArchitectureError(f"{where} has a bias: a LayerNorm, not an RMSNorm")
+    return w
+
+
+def _norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    out = []
+    for i, layer in enumerate(decoder_layers(model)):
+        out.append((f"layers.{i}.input_layernorm", layer.input_layernorm))
+        out.append((f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm))
+    norm = getattr(_base(model), "norm", None)
+    if norm is None:
+        raise UnsupportedArchitectureError("expected a final norm at model.model.norm")
+    out.append(("norm", norm))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+@torch.no_grad()
+def _set(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a float64 result back into a parameter, keeping its dtype and device."""
+    param.data.copy_(value.to(device=param.device, dtype=param.dtype))
+
+
+def _check_rotation(mat: torch.Tensor, n: int, what: str) -> torch.Tensor:
+    """Validate a (…, n, n) stack of orthogonal matrices; return it as float64 on CPU."""
+    if not isinstance(mat, torch.Tensor):
+        mat = torch.as_tensor(mat)
+    if mat.ndim < 2 or mat.shape[-2:] != (n, n):
+        raise RotationShapeError(f"{what} must have trailing shape ({n}, {n}), got {tuple(mat.shape)}")
+    m = mat.detach().to("cpu", torch.float64)
+    if not torch.isfinite(m).all():
+        raise NotOrthogonalError(f"{what} has non-finite entries")
+    err = (m.transpose(-1, -2) @ m - torch.eye(n, dtype=torch.float64)).abs().max().item()
+    if err > ORTHO_ATOL:
+        raise NotOrthogonalError(f"{what} is not orthogonal: max |RᵀR − I| = {err:.3g} > {ORTHO_ATOL}")
+    return m
+
+
+def _derived_seed(seed: int, *parts: object) -> int:
+    """Deterministic sub-seed for (seed, parts), stable across runs and platforms."""
+    return zlib.crc32(repr((int(seed),) + parts).encode()) & 0x7FFFFFFF
+
+
+# ------------------------------------------------------------------------------------------ untie / fuse
+
+
+def embeddings_tied(model: nn.Module) -> bool:
+    """True when lm_head and embed_tokens share storage."""
+    emb = _base(model).embed_tokens.weight
+    head = _lm_head(model).weight
+    return head is emb or head.data_ptr() == emb.data_ptr()
+
+
+@torch.no_grad()
+def untie_embeddings(model: nn.Module) -> bool:
+    """Give lm_head its own copy of a tied embedding matrix; set ``tie_word_embeddings=False``.
+
+    Returns True if the model was tied. Needed before R1 (E ← E Q and W_head ← W_head Q would hit the
+    shared tensor twice) and before fusing the final norm into lm_head.
+    """
+    head = _lm_head(model)
+    tied = embeddings_tied(model)
+    if tied:
+        head.weight = nn.Parameter(_base(model).embed_tokens.weight.detach().clone(), requires_grad=False)
+    for cfg in {id(c): c for c in (model.config, _text_config(model))}.values():
+        if hasattr(cfg, "tie_word_embeddings"):
+            cfg.tie_word_embeddings = False
+    return tied
+
+
+@torch.no_grad()
+def fuse_norms(model: nn.Module) -> None:
+    """Fuse RMSNorm scales into the following linears and set the norm weights to 1 (QuaRot Sec. 4.1).
+
+    input_layernorm → q, k, v; post_attention_layernorm → gate, up; final norm → lm_head:
+    ``W ← W diag(g)``. Exact: ``g ⊙ n(x)`` then ``Wᵀ`` equals ``n(x)`` then ``(W diag g)ᵀ``.
+    No embedding-mean subtraction (see :func:`subtract_embedding_mean`).
+    """
+    layers = decoder_layers(model)
+    if embeddings_tied(model):
+        raise TiedEmbeddingsError("fusing the final norm into a tied lm_head would alter the embeddings")
+    pairs: list[tuple[nn.Module, str, list[nn.Linear]]] = []
+    for i, layer in enumerate(layers):
+        a, m = layer.self_attn, layer.mlp
+        pairs.append((layer.input_layernorm, f"layers.{i}.input_layernorm", [a.q_proj, a.k_proj, a.v_proj]))
+        pairs.append((layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm",
+                      [m.gate_proj, m.up_proj]))
+    pairs.append((_base(model).norm, "norm", [_lm_head(model)]))
+    for norm, where, linears in pairs:
+        w = _rmsnorm_weight(norm, where)
+        g = w.detach().to(torch.float64).cpu()
+        for lin in linears:
+            _set(lin.weight, lin.weight.detach().to("cpu", torch.float64) * g[None, :])
+        w.data.fill_(1.0)
+
+
+def norms_fused(model: nn.Module) -> bool:
+    """True when every RMSNorm weight the rotations rely on is exactly 1."""
+    return all(bool((_rmsnorm_weight(n, where) == 1).all()) for where, n in _norms(model))
+
+
+@torch.no_grad()
+def subtract_embedding_mean(model: nn.Module) -> None:
+    """QuaRot's LayerNorm trick: subtract each embedding row's mean (``E ← E − mean_j E[:, j]``).
+
+    Function-preserving only when the first consumer is a LayerNorm (which removes the mean anyway).
+    For RMSNorm models it changes ``rms(x)`` and the residual stream itself, hence the logits; it is kept
+    here only so that a test can demonstrate this, and :func:`rotate_model` never calls it.
+    """
+    w = _base(model).embed_tokens.weight
+    w64 = w.detach().to("cpu", torch.float64)
+    _set(w, w64 - w64.mean(dim=-1, keepdim=True))
+
+
+# ------------------------------------------------------------------------------------------ R1
+
+
+def r1_hadamard(hidden: int, seed: int) -> torch.Tensor:
+    """Seeded random Hadamard ``H/√n · diag(s)`` of order ``hidden`` (float64), QuaRot's R1."""
+    return hadamard.random_hadamard(hidden, seed, dtype=torch.float64)
+
+
+@torch.no_grad()
+def apply_r1(model: nn.Module, q: torch.Tensor) -> None:
+    """Rotate the residual stream by ``Q`` (hidden × hidden orthogonal): ``x ← x Q`` (QuaRot Sec. 4.1, R1).
+
+    Embeddings and residual readers ``W ← W Q``; residual writers ``W ← Qᵀ W`` and ``b ← b Q``.
+    Requires untied embeddings and fused norms.
+    """
+    dims = model_dims(model)
+    qm = _check_rotation(q, dims.hidden, "R1")
+    if embeddings_tied(model):
+        raise TiedEmbeddingsError("R1 on tied embeddings would rotate the shared matrix twice; untie first")
+    if not norms_fused(model):
+        raise NormsNotFusedError("R1 needs unit-weight RMSNorms (they commute with Q); call fuse_norms first")
+    emb = _base(model).embed_tokens.weight
+    _set(emb, emb.detach().to("cpu", torch.float64) @ qm)
+    readers: list[nn.Linear] = [_lm_head(model)]
+    writers: list[nn.Linear] = []
+    for layer in decoder_layers(model):
+        a, m = layer.self_attn, layer.mlp
+        readers += [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj]
+        writers += [a.o_proj, m.down_proj]
+    for lin in readers:
+        _set(lin.weight, lin.weight.detach().to("cpu", torch.float64) @ qm)
+    for lin in writers:
+        _set(lin.weight, qm.T @ lin.weight.detach().to("cpu", torch.float64))
+        if lin.bias is not None:
+            _set(lin.bias, lin.bias.detach().to("cpu", torch.float64) @ qm)
+
+
+# ------------------------------------------------------------------------------------------ R2
+
+
+def r2_hadamard(model_or_dims: nn.Module | ModelDims, seed: int) -> torch.Tensor:
+    """Seeded random Hadamards for R2, one per (layer, KV head): float64 (n_layers, n_kv, d, d)."""
+    dims = model_or_dims if isinstance(model_or_dims, ModelDims) else model_dims(model_or_dims)
+    mats = [
+        torch.stack([hadamard.random_hadamard(dims.head_dim, _derived_seed(seed, "r2", li, h), torch.float64)
+                     for h in range(dims.n_kv_heads)])
+        for li in range(dims.n_layers)
+    ]
+    return torch.stack(mats)
+
+
+def _r2_stack(model: nn.Module, dims: ModelDims, mats: int | torch.Tensor | list) -> torch.Tensor:
+    """Normalise an R2 spec (seed, (d,d), (L,d,d), (L,n_kv,d,d) or a list per layer) to (L, n_kv, d, d)."""
+    if isinstance(mats, bool):
+        raise RotationShapeError("R2 spec must be a seed (int) or rotation matrices, not a bool")
+    if isinstance(mats, int):
+        return r2_hadamard(dims, mats)
+    if isinstance(mats, (list, tuple)):
+        if len(mats) != dims.n_layers:
+            raise RotationShapeError(f"R2 list has {len(mats)} entries for {dims.n_layers} layers")
+        per_layer = [torch.as_tensor(m) for m in mats]
+        mats = torch.stack([m.expand(dims.n_kv_heads, -1, -1) if m.ndim == 2 else m for m in per_layer])
+    m = torch.as_tensor(mats)
+    d, L, k = dims.head_dim, dims.n_layers, dims.n_kv_heads
+    if m.ndim == 2:
+        m = m.expand(L, k, d, d)
+    elif m.ndim == 3:
+        if m.shape[0] != L:
+            raise RotationShapeError(f"R2 of shape {tuple(m.shape)}: expected ({L}, {d}, {d})")
+        m = m[:, None].expand(L, k, d, d)
+    elif m.ndim == 4:
+        if m.shape[:2] != (L, k):
+            raise RotationShapeError(f"R2 of shape {tuple(m.shape)}: expected ({L}, {k}, {d}, {d})")
+    else:
+        raise RotationShapeError(f"R2 of shape {tuple(m.shape)}: expected ({L}, {k}, {d}, {d})")
+    return _check_rotation(m, d, "R2")
+
+
+@torch.no_grad()
+def apply_r2(model: nn.Module, mats: int | torch.Tensor | list) -> torch.Tensor:
+    """Per-KV-head value/output rotation (SpinQuant R2): ``v_h ← v_h R_h`` offline, no online op.
+
+    ``mats``: a seed (random Hadamards, :func:`r2_hadamard`) or matrices of shape (d, d), (L, d, d),
+    (L, n_kv, d, d), or a per-layer list. v_proj rows of KV head k: ``W ← R_kᵀ W`` (bias ``b ← b R_k``);
+    o_proj input columns of Q head h: ``W[:, h] ← W[:, h] R_{h // group}``. Returns the (L, n_kv, d, d)
+    float64 stack applied.
+    """
+    dims = model_dims(model)
+    stack = _r2_stack(model, dims, mats)
+    d, k, g = dims.head_dim, dims.n_kv_heads, dims.group
+    for li, layer in enumerate(decoder_layers(model)):
+        r = stack[li]  # (k, d, d)
+        v, o = layer.self_attn.v_proj, layer.self_attn.o_proj
+        wv = v.weight.detach().to("cpu", torch.float64).view(k, d, -1)
+        _set(v.weight, torch.einsum("kij,kil->kjl", r, wv).reshape(k * d, -1))
+        if v.bias is not None:
+            bv = v.bias.detach().to("cpu", torch.float64).view(k, d)
+            _set(v.bias, torch.einsum("ki,kij->kj", bv, r).reshape(-1))
+        r_q = r.repeat_interleave(g, dim=0)  # Q head h uses KV head h // g
+        wo = o.weight.detach().to("cpu", torch.float64).view(o.weight.shape[0], dims.n_heads, d)
+        _set(o.weight, torch.einsum("ohi,hij->ohj", wo, r_q).reshape(o.weight.shape[0], -1))
+    return stack
+
+
+# ------------------------------------------------------------------------------------------ R4
+
+
+def r4_matrix(n: int) -> torch.Tensor:
+    """Matrix ``A`` (float64, n × n) with ``online_r4(x) == x @ A`` (``A = Hᵀ/√n`` of hadamard.py)."""
+    return hadamard.hadamard_transform(torch.eye(n, dtype=torch.float64))
+
+
+def online_r4(x: torch.Tensor) -> torch.Tensor:
+    """The online half of R4: normalised Hadamard on the last dim (down_proj input), same dtype."""
+    return hadamard.hadamard_transform(x)
+
+
+def _r4_pre_hook(module: nn.Module, args: tuple) -> tuple:
+    return (online_r4(args[0]),) + tuple(args[1:])
+
+
+def install_online_r4(model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    """Register only the online half of R4 (pre-hook on every down_proj, ``prepend=True``).
+
+    For a model whose down_proj weights already hold ``W A`` (e.g. rotated weights reloaded from a cache:
+    hooks are not part of a state_dict). Raises AlreadyRotatedError where the hook is already installed.
+    """
+    layers = decoder_layers(model)
+    if any(getattr(layer.mlp.down_proj, _R4_FLAG, False) == "hook" for layer in layers):
+        raise AlreadyRotatedError("the online R4 hook is already installed on this model's down_proj")
+    handles = []
+    for layer in layers:
+        down = layer.mlp.down_proj
+        handles.append(down.register_forward_pre_hook(_r4_pre_hook, prepend=True))
+        setattr(down, _R4_FLAG, "hook")
+    return handles
+
+
+@torch.no_grad()
+def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.hooks.RemovableHandle]:
+    """Online Hadamard on the down_proj input (QuaRot R4): ``W_down ← W_down A``, input ``x ← x A``.
+
+    With ``register_hooks`` (default) a forward pre-hook is registered on every down_proj with
+    ``prepend=True`` so it runs before any activation quantiser pre-hook; the handles are returned.
+    With ``register_hooks=False`` only the weights change and the caller must apply :func:`online_r4`
+    to down_proj's input itself (before quantising it), or the model is no longer equivalent.
+    Each down_proj gets ``rq_online_r4 = "hook"`` or ``"external"``.
+    """
+    dims = model_dims(model)
+    layers = decoder_layers(model)
+    if any(getattr(layer.mlp.down_proj, _R4_FLAG, False) for layer in layers):
+        raise AlreadyRotatedError("R4 is already applied to this model's down_proj")
+    a = r4_matrix(dims.intermediate)
+    for layer in layers:
+        down = layer.mlp.down_proj
+        _set(down.weight, down.weight.detach().to("cpu", torch.float64) @ a)
+        setattr(down, _R4_FLAG, "external")
+    if not register_hooks:
+        return []
+    for layer in layers:
+        setattr(layer.mlp.down_proj, _R4_FLAG, False)
+    return install_online_r4(model)
+
+
+# ------------------------------------------------------------------------------------------ pipeline
+
+
+@dataclass(frozen=True)
+class RotationConfig:
+    """Which offline rotations to apply: r1/r2 in "none" | "hadamard" | "whip" | "given", r4 on/off.
+
+    "whip" takes a DartQuant-calibrated matrix (passed in, or fitted from ``calib_ids`` by
+    :func:`rotate_model` with ``whip`` options); "given" takes a matrix from the caller.
+    """
+
+    r1: str = "hadamard"
+    r2: str = "hadamard"
+    r4: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.r1 not in R1_CHOICES:
+            raise RotationError(f"r1 must be one of {R1_CHOICES}, got {self.r1!r}")
+        if self.r2 not in R2_CHOICES:
+            raise RotationError(f"r2 must be one of {R2_CHOICES}, got {self.r2!r}")
+        if not isinstance(self.r4, bool):
+            raise RotationError(f"r4 must be a bool, got {self.r4!r}")
+
+    def key(self) -> str:
+        """Stable short key for caches."""
+        return f"r1={self.r1},r2={self.r2},r4={int(self.r4)},seed={self.seed}"
+
+
+@dataclass
+class RotationResult:
+    """What :func:`rotate_model` applied: the R1 matrix, the R2 stack, the R4 hook handles."""
+
+    config: RotationConfig
+    r1: torch.Tensor | None = None
+    r2: torch.Tensor | None = None
+    r4_handles: list = field(default_factory=list)
+    untied: bool = False
+
+
+def rotate_model(
+    model: nn.Module,
+    cfg: RotationConfig,
+    r1_matrix: torch.Tensor | None = None,
+    r2_matrices: torch.Tensor | list | None = None,
+    calib_ids: torch.Tensor | None = None,
+    whip_options: dict | None = None,
+    register_r4_hooks: bool = True,
+) -> RotationResult:
+    """Untie → fuse norms → R1 → R2 → R4, in place; every step function-preserving.
+
+    r1="hadamard" / r2="hadamard" use seeded random Hadamards (``cfg.seed``); "given" needs the matrix;
+    "whip" uses the given matrix or, when it is None, fits one with :mod:`rope_quant.whip` on
+    ``calib_ids`` (token ids, (n, seqlen)) before any weight changes (both R1 and R2 samples are
+    invariant under untie and fuse; R2 samples under R1 too). ``whip_options`` go to
+    :func:`rope_quant.whip.calibrate_model_rotations`.
+    """
+    if not isinstance(cfg, RotationConfig):
+        raise RotationError(f"cfg must be a RotationConfig, got {type(cfg).__name__}")
+    if r1_matrix is not None and cfg.r1 not in ("given", "whip"):
+        raise RotationError(f"r1_matrix was given but cfg.r1={cfg.r1!r}; use r1='given' or 'whip'")
+    if r2_matrices is not None and cfg.r2 not in ("given", "whip"):
+        raise RotationError(f"r2_matrices were given but cfg.r2={cfg.r2!r}; use r2='given' or 'whip'")
+    if cfg.r1 == "given" and r1_matrix is None:
+        raise MissingRotationError("r1='given' needs r1_matrix")
+    if cfg.r2 == "given" and r2_matrices is None:
+        raise MissingRotationError("r2='given' needs r2_matrices")
+    need_r1 = cfg.r1 == "whip" and r1_matrix is None
+    need_r2 = cfg.r2 == "whip" and r2_matrices is None
+    dims = model_dims(model)
+    if need_r1 or need_r2:
+        if calib_ids is None:
+            raise MissingRotationError("whip rotations need r1_matrix/r2_matrices or calib_ids to fit them")
+        from rope_quant import whip  # deferred: whip imports this module
+
+        fitted = whip.calibrate_model_rotations(
+            model, calib_ids, fit_r1=need_r1, fit_r2=need_r2, seed=cfg.seed, **(whip_options or {})
+        )
+        r1_matrix = fitted.r1 if need_r1 else r1_matrix
+        r2_matrices = fitted.r2 if need_r2 else r2_matrices
+
+    result = RotationResult(config=cfg)
+    result.untied = untie_embeddings(model)
+    fuse_norms(model)
+    if cfg.r1 != "none":
+        q = r1_hadamard(dims.hidden, cfg.seed) if cfg.r1 == "hadamard" else r1_matrix
+        apply_r1(model, q)
+        result.r1 = _check_rotation(q, dims.hidden, "R1")
+    if cfg.r2 != "none":
+        spec = int(cfg.seed) if cfg.r2 == "hadamard" else r2_matrices
+        result.r2 = apply_r2(model, spec)
+    if cfg.r4:
+        result.r4_handles = apply_r4(model, register_hooks=register_r4_hooks)
+    model.rq_rotation = cfg  # provenance for caches and env.json
+    return result

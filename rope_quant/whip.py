@@ -1,0 +1,473 @@
+"""DartQuant rotation calibration: the whip loss with a QR-orthogonal parameterisation.
+
+DartQuant (Shao et al., 2025) fits the offline rotations R1 and R2 by making the rotated activations
+close to uniformly distributed rather than by end-to-end training:
+
+* Whip loss (Sec. 3.2, Eq. 6): ``L(R) = mean_t Σ_j exp(−|(x_t R)_j|)``. A rotation preserves ‖x_t‖, so
+  the loss is lowered by moving mass away from zero, which flattens the distribution and shrinks the
+  largest entries (outliers) at a fixed norm.
+* QR-Orth (Sec. 3.3): a free matrix ``A`` is optimised with plain SGD (momentum 0.9) and the rotation is
+  the Q factor of ``A = QR``, sign-fixed so that diag(R) > 0 (this makes the map A ↦ Q unique and gives
+  Q = A when A is already orthogonal). It replaces Cayley / Riemannian optimisers.
+* R1 is fitted once on activations pooled across layers (the unit-RMS-normalised residual entering every
+  layer's attention and MLP norm: what q/k/v and gate/up read once norms are fused); R2 per layer on the
+  per-head values (v_proj outputs, or, as in the released code, o_proj inputs).
+
+The training loop mirrors the released scripts: epochs over shuffled samples, micro-batches of
+``batch_size`` samples, the loss divided by ``accumulation`` and one optimiser step every
+``accumulation`` micro-batches.
+
+**The released R2 schedule never steps.** The released R2 script (defaults nsamples=128, bsz=128,
+accumulation_steps=2) tests ``(batch_idx + 1) % accumulation_steps == 0`` with ``batch_idx`` the index
+*within the epoch*. With 128 samples and batch 128 each epoch has one batch (``batch_idx`` = 0), so the
+test is never true and R2 stays at its Hadamard initialisation, whatever the number of epochs (the
+gradient keeps accumulating and is never used). ``released_schedule=True`` reproduces that counting (the
+zero-step outcome emerges from the loop, it is not special-cased). The default (``False``) counts
+micro-batches across epochs and flushes a pending partial accumulation at the end, so every sample
+contributes to at least one step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from rope_quant import hadamard
+from rope_quant.rotation import decoder_layers, model_dims
+
+__all__ = [
+    "WhipError",
+    "WhipConfig",
+    "WhipResult",
+    "CalibratedRotations",
+    "RELEASED_R2",
+    "whip_loss",
+    "qr_orthogonal",
+    "QR_METHODS",
+    "fit_rotation",
+    "collect_r1_samples",
+    "collect_r2_samples",
+    "calibrate_model_rotations",
+]
+
+
+class WhipError(ValueError):
+    """Bad input to the whip calibration (shapes, schedule settings, sources)."""
+
+
+@dataclass(frozen=True)
+class WhipConfig:
+    """Optimiser and schedule of one whip fit (DartQuant Sec. 3.3 / released scripts).
+
+    ``nsamples``: use the first ``nsamples`` samples (None: all); ``subset``: fraction of them drawn per
+    epoch (released R1: 0.1); ``max_steps``: stop after this many optimiser steps (None: run all epochs).
+    Defaults are small so a fit runs in seconds on CPU; raise ``epochs`` for real calibrations.
+    """
+
+    lr: float = 1e-3
+    momentum: float = 0.9
+    epochs: int = 10
+    batch_size: int = 8
+    accumulation: int = 1
+    nsamples: int | None = None
+    subset: float = 1.0
+    max_steps: int | None = None
+    released_schedule: bool = False
+    init: str = "hadamard"
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise WhipError(f"lr must be positive and finite, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise WhipError(f"momentum must be in [0, 1), got {self.momentum}")
+        for name in ("epochs", "batch_size", "accumulation"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise WhipError(f"{name} must be a positive integer, got {v!r}")
+        if self.nsamples is not None and (not isinstance(self.nsamples, int) or self.nsamples < 1):
+            raise WhipError(f"nsamples must be a positive integer or None, got {self.nsamples!r}")
+        if not 0 < self.subset <= 1:
+            raise WhipError(f"subset must be in (0, 1], got {self.subset}")
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 0):
+            raise WhipError(f"max_steps must be a non-negative integer or None, got {self.max_steps!r}")
+        if self.init not in ("hadamard", "identity"):
+            raise WhipError(f"init must be 'hadamard' or 'identity', got {self.init!r}")
+
+
+#: The released r2_base_qr.py defaults: nsamples 128, bsz 128, accumulation 2, 5 epochs, lr 1e-3, SGD 0.9.
+RELEASED_R2 = WhipConfig(lr=1e-3, momentum=0.9, epochs=5, batch_size=128, accumulation=2, nsamples=128,
+                         released_schedule=True)
+
+
+@dataclass
+class WhipResult:
+    """Outcome of :func:`fit_rotation`.
+
+    ``rotation`` / ``init``: float64 (G, d, d) (or (d, d) for a single matrix), the sign-fixed QR factor of
+    the final / initial free matrix. ``n_steps``: optimiser steps taken; ``n_batches``: micro-batches seen;
+    ``epoch_losses``: mean whip loss per epoch (undivided by accumulation); ``initial_loss`` /
+    ``final_loss``: whip loss of ``init`` / ``rotation`` on all used samples.
+    """
+
+    rotation: torch.Tensor
+    init: torch.Tensor
+    n_steps: int
+    n_batches: int
+    epoch_losses: list[float] = field(default_factory=list)
+    initial_loss: float = float("nan")
+    final_loss: float = float("nan")
+
+
+@dataclass
+class CalibratedRotations:
+    """R1 (hidden × hidden, float64) and R2 ((L, n_kv, d, d), float64) fitted on a model, with fit logs."""
+
+    r1: torch.Tensor | None
+    r2: torch.Tensor | None
+    r1_result: WhipResult | None = None
+    r2_results: list[WhipResult] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------ loss / QR
+
+
+def whip_loss(x: torch.Tensor, r: torch.Tensor | None = None) -> torch.Tensor:
+    """DartQuant whip loss (Eq. 6): token mean of ``Σ_j exp(−|(x R)_j|)`` over the last dim.
+
+    ``x``: (..., n); ``r``: (n, n) or None (identity). Every leading index is a token.
+    """
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise WhipError(f"whip_loss needs x of shape (..., n) with n > 0, got {tuple(x.shape)}")
+    if r is not None:
+        if r.shape != (x.shape[-1], x.shape[-1]):
+            raise WhipError(f"rotation of shape {tuple(r.shape)} does not match x's last dim {x.shape[-1]}")
+        x = x @ r.to(x.dtype)
+    return torch.exp(-x.abs()).sum(dim=-1).mean()
+
+
+QR_METHODS = ("householder", "cholesky")
+
+
+def _qr_householder(a: torch.Tensor) -> torch.Tensor:
+    q, r = torch.linalg.qr(a)
+    d = torch.diagonal(r, dim1=-2, dim2=-1)
+    s = torch.where(d < 0, -torch.ones_like(d), torch.ones_like(d))
+    return q * s.unsqueeze(-2)
+
+
+def _cholesky_pass(a: torch.Tensor) -> torch.Tensor:
+    """One CholeskyQR pass: R = chol(AᵀA)ᵀ (upper, positive diagonal), Q = A R⁻¹."""
+    lower = torch.linalg.cholesky(a.transpose(-1, -2) @ a)  # AᵀA = L Lᵀ, R = Lᵀ
+    # Q = A L⁻ᵀ  <=>  Qᵀ = L⁻¹ Aᵀ
+    return torch.linalg.solve_triangular(lower, a.transpose(-1, -2), upper=False).transpose(-1, -2)
+
+
+def qr_orthogonal(a: torch.Tensor, method: str = "cholesky") -> torch.Tensor:
+    """Q of ``A = QR`` with diag(R) > 0 (unique; Q = A for orthogonal A). Batched over leading dims.
+
+    ``"householder"``: LAPACK QR plus the sign fix. ``"cholesky"`` (default): CholeskyQR2, two passes of
+    ``R = chol(AᵀA)ᵀ, Q = A R⁻¹``; the product of the two upper factors has a positive diagonal, so it is the
+    same unique factor, and it is an order of magnitude faster on CPU than Householder QR for the
+    hidden-size matrices here (matmul + Cholesky + triangular solve, all with cheap autograd). It needs a
+    full-rank A, which holds along the fit (A starts orthogonal and moves by small steps); if the Cholesky
+    factorisation fails it falls back to Householder.
+    """
+    if method not in QR_METHODS:
+        raise WhipError(f"QR method must be one of {QR_METHODS}, got {method!r}")
+    if method == "householder":
+        return _qr_householder(a)
+    try:
+        q = _cholesky_pass(_cholesky_pass(a))
+    except torch.linalg.LinAlgError:
+        return _qr_householder(a)
+    with torch.no_grad():  # ill-conditioned A: CholeskyQR2 loses orthogonality; use Householder then
+        eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
+        err = (q.transpose(-1, -2) @ q - eye).abs().max()
+    tol = 1e-4 if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-10
+    if not torch.isfinite(err) or err > tol:
+        return _qr_householder(a)
+    return q
+
+
+# ------------------------------------------------------------------------------------------ fitting
+
+
+def _as_heads(samples: torch.Tensor, n: int | None, groups: int) -> torch.Tensor:
+    """Reshape samples to (N, T, H, d): (N, T, n) → H = 1, (N, T, H, d) kept, (N, n) → T = 1."""
+    if not isinstance(samples, torch.Tensor) or not torch.is_floating_point(samples):
+        raise WhipError("samples must be a floating-point tensor")
+    if samples.ndim == 2:
+        samples = samples[:, None, :]
+    if samples.ndim == 3:
+        samples = samples[:, :, None, :]
+    if samples.ndim != 4:
+        raise WhipError(f"samples must be (N, n), (N, T, n) or (N, T, H, d); got {tuple(samples.shape)}")
+    if n is not None and samples.shape[-1] != n:
+        raise WhipError(f"samples have last dim {samples.shape[-1]}, expected n={n}")
+    if samples.shape[0] == 0 or samples.shape[1] == 0:
+        raise WhipError("samples are empty")
+    if samples.shape[2] % groups:
+        raise WhipError(f"{samples.shape[2]} heads cannot be split into {groups} rotation groups")
+    if not torch.isfinite(samples).all():
+        raise WhipError("samples contain NaN or inf")
+    return samples
+
+
+def _rotate_heads(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, d), r (G, d, d), head h uses r[h // (H/G)]: returns x_h @ r_g."""
+    b, t, h, d = x.shape
+    g = r.shape[0]
+    xg = x.reshape(b, t, g, h // g, d)
+    return torch.einsum("btgkd,gde->btgke", xg, r).reshape(b, t, h, d)
+
+
+def _loss_heads(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Whip loss with the head-grouped rotation: token mean of the sum over all heads and channels."""
+    y = _rotate_heads(x, r)
+    return torch.exp(-y.abs()).sum(dim=(-2, -1)).mean()
+
+
+def _init_matrix(d: int, groups: int, seed: int, init: str, dtype: torch.dtype) -> torch.Tensor:
+    if init == "identity":
+        base = torch.eye(d, dtype=torch.float64)
+    else:
+        base = hadamard.random_hadamard(d, seed, dtype=torch.float64)
+    return base.expand(groups, d, d).clone().to(dtype)
+
+
+def fit_rotation(
+    samples: torch.Tensor,
+    n: int | None = None,
+    seed: int = 0,
+    steps: int | None = None,
+    lr: float | None = None,
+    cfg: WhipConfig | None = None,
+    groups: int = 1,
+    init: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+    **overrides,
+) -> WhipResult:
+    """Fit a whip-optimal rotation by QR-Orth SGD (DartQuant Sec. 3.3).
+
+    ``samples``: (N, T, n) (N samples of T tokens), (N, n), or (N, T, H, d) per-head values with ``groups``
+    rotations shared by consecutive head blocks (head h uses group h // (H/groups), the GQA mapping).
+    ``steps`` / ``lr`` override ``cfg.max_steps`` / ``cfg.lr``; other ``WhipConfig`` fields can be given as
+    keyword overrides. ``init``: a (d, d) or (groups, d, d) starting matrix instead of ``cfg.init``.
+    ``device``: where the optimisation runs (default: the samples' device); batches are moved there.
+    Returns float64 rotations on the CPU, acting on rows (``x @ R``).
+    """
+    cfg = cfg or WhipConfig()
+    if steps is not None:
+        overrides["max_steps"] = steps
+    if lr is not None:
+        overrides["lr"] = lr
+    if overrides:
+        try:
+            cfg = replace(cfg, **overrides)
+        except TypeError as exc:
+            raise WhipError(f"unknown whip option: {exc}") from exc
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise WhipError(f"groups must be a positive integer, got {groups!r}")
+    x_all = _as_heads(samples, n, groups)
+    if cfg.nsamples is not None:
+        x_all = x_all[: cfg.nsamples]
+    x_all = x_all.detach().to(torch.float32)
+    n_total, d = x_all.shape[0], x_all.shape[-1]
+
+    if init is None:
+        a0 = _init_matrix(d, groups, seed, cfg.init, torch.float32)
+    else:
+        a0 = torch.as_tensor(init, dtype=torch.float32)
+        a0 = (a0.expand(groups, d, d) if a0.ndim == 2 else a0).clone()
+        if a0.shape != (groups, d, d):
+            raise WhipError(f"init of shape {tuple(a0.shape)}: expected ({d}, {d}) or ({groups}, {d}, {d})")
+    dev = torch.device(device) if device is not None else x_all.device
+    a = nn.Parameter(a0.clone().to(dev))
+    opt = torch.optim.SGD([a], lr=cfg.lr, momentum=cfg.momentum)
+    gen = torch.Generator().manual_seed(int(seed))
+    n_draw = max(1, int(n_total * cfg.subset))
+
+    n_steps = 0
+    micro = 0  # micro-batches across epochs (working schedule)
+    pending = False
+    epoch_losses: list[float] = []
+    done = cfg.max_steps is not None and cfg.max_steps == 0
+    for _epoch in range(cfg.epochs):
+        if done:
+            break
+        order = torch.randperm(n_total, generator=gen)[:n_draw]
+        losses = []
+        for batch_idx, start in enumerate(range(0, n_draw, cfg.batch_size)):
+            xb = x_all[order[start : start + cfg.batch_size]].to(dev, non_blocking=True)
+            loss = _loss_heads(xb, qr_orthogonal(a)) / cfg.accumulation
+            loss.backward()
+            pending = True
+            losses.append(loss.item() * cfg.accumulation)
+            counter = batch_idx if cfg.released_schedule else micro
+            micro += 1
+            if (counter + 1) % cfg.accumulation == 0:
+                opt.step()
+                opt.zero_grad()
+                pending = False
+                n_steps += 1
+                if cfg.max_steps is not None and n_steps >= cfg.max_steps:
+                    done = True
+                    break
+        epoch_losses.append(sum(losses) / len(losses))
+    if pending and not cfg.released_schedule and not done:
+        opt.step()  # flush the last partial accumulation (working schedule only)
+        opt.zero_grad()
+        n_steps += 1
+
+    with torch.no_grad():
+        r_init = qr_orthogonal(a0.to(torch.float64))
+        r_fit = qr_orthogonal(a.detach().to("cpu", torch.float64))
+        x64 = x_all.to("cpu", torch.float64)
+        init_loss = _loss_heads(x64, r_init).item()
+        final_loss = _loss_heads(x64, r_fit).item()
+    if samples.ndim < 4 and groups == 1:
+        r_init, r_fit = r_init[0], r_fit[0]
+    return WhipResult(r_fit, r_init, n_steps, micro, epoch_losses, init_loss, final_loss)
+
+
+# ------------------------------------------------------------------------------------------ model data
+
+
+def _norm_eps(norm: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        v = getattr(norm, name, None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return 1e-6
+
+
+def _check_ids(ids: torch.Tensor) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise WhipError("calibration ids must be an integer tensor of shape (n_windows, seqlen)")
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.numel() == 0:
+        raise WhipError(f"calibration ids must be (n_windows, seqlen), got {tuple(ids.shape)}")
+    return ids.long()
+
+
+def _forward(model: nn.Module, ids: torch.Tensor) -> None:
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for row in ids:
+            model(input_ids=row[None].to(device), use_cache=False)
+
+
+def collect_r1_samples(
+    model: nn.Module,
+    ids: torch.Tensor,
+    tokens_per_sample: int = 64,
+    seed: int = 0,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """Residual-stream inputs of every layer's input/post-attention norm, pooled: (N, T, hidden) float32.
+
+    One sample per (window, layer, norm) with ``tokens_per_sample`` tokens drawn without replacement
+    (all when the window is shorter). ``normalize``: divide by the RMS (``x / sqrt(mean x² + eps)``),
+    i.e. the unit-weight RMSNorm output that q/k/v and gate/up read once norms are fused (what the
+    released data script hooks). The values do not depend on norm fusion, untying or R2.
+    """
+    ids = _check_ids(ids)
+    if tokens_per_sample < 1:
+        raise WhipError(f"tokens_per_sample must be positive, got {tokens_per_sample}")
+    gen = torch.Generator().manual_seed(int(seed))
+    out: list[torch.Tensor] = []
+
+    def hook(norm: nn.Module, args: tuple) -> None:
+        x = args[0].detach()[0].to(torch.float32)  # (seq, hidden), batch of one window
+        if normalize:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _norm_eps(norm))
+        k = min(tokens_per_sample, x.shape[0])
+        idx = torch.randperm(x.shape[0], generator=gen)[:k].sort().values
+        out.append(x[idx].cpu())
+
+    handles = []
+    for layer in decoder_layers(model):
+        handles.append(layer.input_layernorm.register_forward_pre_hook(hook))
+        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(hook))
+    try:
+        _forward(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    t = min(s.shape[0] for s in out)
+    return torch.stack([s[:t] for s in out])
+
+
+def collect_r2_samples(model: nn.Module, ids: torch.Tensor, source: str = "v_proj") -> list[torch.Tensor]:
+    """Per-layer per-head values: a list over layers of (n_windows, seq, H, head_dim) float32.
+
+    ``source="v_proj"``: v_proj outputs (H = n_kv heads, the brief's choice); ``"o_proj_input"``: the
+    attention output entering o_proj (H = n_q heads; the released code's choice). Both are rotated by
+    the same per-KV-head R2, and neither depends on norm fusion or R1.
+    """
+    if source not in ("v_proj", "o_proj_input"):
+        raise WhipError(f"R2 source must be 'v_proj' or 'o_proj_input', got {source!r}")
+    ids = _check_ids(ids)
+    dims = model_dims(model)
+    layers = decoder_layers(model)
+    store: list[list[torch.Tensor]] = [[] for _ in layers]
+    handles = []
+    for li, layer in enumerate(layers):
+        if source == "v_proj":
+            def hook(mod, args, output, li=li):
+                store[li].append(output.detach()[0].to(torch.float32).cpu())
+
+            handles.append(layer.self_attn.v_proj.register_forward_hook(hook))
+        else:
+            def pre(mod, args, li=li):
+                store[li].append(args[0].detach()[0].to(torch.float32).cpu())
+
+            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(pre))
+    try:
+        _forward(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    heads = dims.n_kv_heads if source == "v_proj" else dims.n_heads
+    return [torch.stack(s).reshape(len(s), -1, heads, dims.head_dim) for s in store]
+
+
+def calibrate_model_rotations(
+    model: nn.Module,
+    ids: torch.Tensor,
+    fit_r1: bool = True,
+    fit_r2: bool = True,
+    seed: int = 0,
+    r1: WhipConfig | None = None,
+    r2: WhipConfig | None = None,
+    tokens_per_sample: int = 64,
+    r2_source: str = "v_proj",
+    r1_normalize: bool = True,
+) -> CalibratedRotations:
+    """Fit DartQuant R1 (pooled over layers) and per-layer R2 on calibration windows ``ids``.
+
+    Run on the unrotated model (or any model with only untie/fuse applied): the collected activations are
+    the ones R1/R2 will then rotate. Returns float64 matrices in the row convention of
+    :func:`rope_quant.rotation.apply_r1` / :func:`rope_quant.rotation.apply_r2`.
+    """
+    dims = model_dims(model)
+    out = CalibratedRotations(r1=None, r2=None)
+    if fit_r1:
+        samples = collect_r1_samples(model, ids, tokens_per_sample=tokens_per_sample, seed=seed,
+                                     normalize=r1_normalize)
+        res = fit_rotation(samples, n=dims.hidden, seed=seed, cfg=r1 or WhipConfig())
+        out.r1, out.r1_result = res.rotation, res
+    if fit_r2:
+        per_layer = collect_r2_samples(model, ids, source=r2_source)
+        mats = []
+        for li, x in enumerate(per_layer):
+            res = fit_rotation(x, n=dims.head_dim, seed=seed + 1 + li, cfg=r2 or WhipConfig(),
+                               groups=dims.n_kv_heads)
+            out.r2_results.append(res)
+            mats.append(res.rotation)
+        out.r2 = torch.stack(mats)
+    return out
