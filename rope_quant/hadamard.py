@@ -26,6 +26,7 @@ import torch
 
 __all__ = [
     "UnsupportedHadamardOrderError",
+    "NonFloatTensorError",
     "hadamard_matrix",
     "hadamard_transform",
     "fwht",
@@ -39,12 +40,18 @@ __all__ = [
 
 #: Largest power-of-two size handled by one dense matmul in :func:`fwht`.
 DENSE_MAX = 256
+#: Largest order whose dense matrix is cached per (n, device, dtype).
+CACHE_MAX = 4096
 #: Largest radix factor used when :func:`fwht` splits a larger power of two.
 RADIX_MAX = 128
 
 
 class UnsupportedHadamardOrderError(ValueError):
     """No Hadamard matrix of this order can be built here (Sylvester × Paley I/II only)."""
+
+
+class NonFloatTensorError(TypeError, ValueError):
+    """A rotation or quantiser was given an integer/bool tensor."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -139,31 +146,44 @@ def _sylvester(p: int) -> torch.Tensor:
     return h
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)
+def _paley_cached(k: int) -> torch.Tensor:
+    return _paley(k)
+
+
 def _integer_hadamard(n: int) -> torch.Tensor:
     k, m = hadamard_order(n)
     syl = _sylvester(1 << m)
     if k == 1:
         return syl
-    return torch.kron(_paley(k), syl)
+    return torch.kron(_paley_cached(k), syl)
 
 
-def hadamard_matrix(n: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
+def hadamard_matrix(
+    n: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Unnormalised Hadamard matrix of order n (entries ±1, H Hᵀ = n I): Sylvester ⊗ Paley (Sec. 2 / App. A).
 
     ``dtype=torch.int64`` gives the exact integer matrix.
     """
-    return _cached_matrix(n, torch.device(device), dtype, False).clone()
+    if n <= CACHE_MAX:
+        return _cached_matrix(n, torch.device(device), dtype, False).clone()
+    return _build_matrix(n, torch.device(device), dtype, False)
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_matrix(n: int, device: torch.device, dtype: torch.dtype, normalize: bool) -> torch.Tensor:
+def _build_matrix(n: int, device: torch.device, dtype: torch.dtype, normalize: bool) -> torch.Tensor:
     h = _integer_hadamard(n)
     if normalize:
         out = h.to(torch.float64) / math.sqrt(n)
     else:
         out = h
     return out.to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_matrix(n: int, device: torch.device, dtype: torch.dtype, normalize: bool) -> torch.Tensor:
+    """Per-(n, device, dtype) cache of the small factors the kernels use (read-only: never mutate)."""
+    return _build_matrix(n, device, dtype, normalize)
 
 
 def _factor(n: int, x: torch.Tensor, normalize: bool) -> torch.Tensor:
@@ -192,7 +212,7 @@ def fast_kernel_available() -> bool:
 
 def _check_float(x: torch.Tensor) -> None:
     if not torch.is_floating_point(x):
-        raise TypeError(f"Hadamard transforms need a floating-point tensor, got {x.dtype}")
+        raise NonFloatTensorError(f"Hadamard transforms need a floating-point tensor, got {x.dtype}")
 
 
 def _radix_split(n: int) -> list[int]:
@@ -200,7 +220,7 @@ def _radix_split(n: int) -> list[int]:
     m = n.bit_length() - 1
     if n <= DENSE_MAX:
         return [n]
-    r_bits = (RADIX_MAX.bit_length() - 1)
+    r_bits = RADIX_MAX.bit_length() - 1
     t = -(-m // r_bits)  # number of factors
     base, extra = divmod(m, t)
     return [1 << (base + (1 if i < extra else 0)) for i in range(t)]
@@ -225,7 +245,8 @@ def _apply_factors(x: torch.Tensor, factors: list[torch.Tensor]) -> torch.Tensor
 def dense_hadamard_transform(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
     """Reference: x @ Hᵀ with the cached dense matrix (H symmetric for Sylvester, not for Paley)."""
     _check_float(x)
-    h = _factor(x.shape[-1], x, normalize)
+    n = x.shape[-1]
+    h = _factor(n, x, normalize) if n <= CACHE_MAX else _build_matrix(n, x.device, x.dtype, normalize)
     return torch.matmul(x, h.T)
 
 
@@ -287,5 +308,5 @@ def random_hadamard(n: int, seed: int, dtype: torch.dtype = torch.float32) -> to
     """Seeded random-sign Hadamard rotation for R1 (QuaRot-style): Q = H_n/√n · diag(s), s_i = ±1."""
     gen = torch.Generator().manual_seed(int(seed))
     signs = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int64) * 2 - 1
-    h = _cached_matrix(n, torch.device("cpu"), torch.float64, True)
+    h = _build_matrix(n, torch.device("cpu"), torch.float64, True)
     return (h * signs.to(torch.float64)).to(dtype)

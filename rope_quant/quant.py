@@ -1,0 +1,296 @@
+"""Fake quantisers: dynamic per-token activations/KV, a static per-channel control, and weight RTN.
+
+Conventions follow the rotation-PTQ baselines the paper builds on (QuaRot/SpinQuant, Sec. 4 and App. A.6):
+
+* Asymmetric INT-b on a group g: lo = min(min g, 0)·c, hi = max(max g, 0)·c (c the clip ratio), step
+  Δ = (hi − lo)/(2^b − 1), zero point z = round(−lo/Δ), q = clamp(round(x/Δ) + z, 0, 2^b − 1), x̂ = (q − z)Δ.
+  The range always contains 0 (so 0 is exactly representable); unclipped values err by at most Δ/2.
+* Symmetric INT-b: Δ = max|g|·c/(2^(b−1) − 1), q = clamp(round(x/Δ), −2^(b−1), 2^(b−1) − 1).
+* A zero range (an all-zero group) is guarded: it reconstructs exactly, never NaN.
+* bits ≥ 16 means "off": the input is returned unchanged.
+
+Computation runs in float32 for half-precision inputs and the result is cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rope_quant.hadamard import NonFloatTensorError
+
+__all__ = [
+    "QuantConfigError",
+    "NotCalibratedError",
+    "QuantConfig",
+    "OFF_BITS",
+    "is_off",
+    "fake_quant_per_token",
+    "fake_quant",
+    "quant_step",
+    "StaticChannelQuantizer",
+    "rtn_quantize_weight",
+]
+
+OFF_BITS = 16
+
+
+class QuantConfigError(ValueError):
+    """Invalid quantiser settings (bits, group size, clip ratio), or a group size not dividing the dim."""
+
+
+class NotCalibratedError(ValueError):
+    """A static quantiser was used before it observed any calibration data."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """One quantiser's settings; bits ≥ 16 means off. group_size −1 = the whole last dim."""
+
+    bits: int = 16
+    group_size: int = -1
+    clip_ratio: float = 1.0
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+        _check_clip(self.clip_ratio)
+        if self.group_size != -1 and self.group_size < 1:
+            raise QuantConfigError(f"group_size must be -1 or a positive integer, got {self.group_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return not is_off(self.bits)
+
+
+def is_off(bits: int) -> bool:
+    """bits ≥ 16 disables quantisation."""
+    return bits >= OFF_BITS
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
+        raise QuantConfigError(f"bits must be a positive integer (≥ 16 = off), got {bits!r}")
+
+
+def _check_clip(clip_ratio: float) -> None:
+    if not (0.0 < float(clip_ratio) <= 1.0):
+        raise QuantConfigError(f"clip_ratio must lie in (0, 1], got {clip_ratio!r}")
+
+
+def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """View (..., n) as (..., n/g, g); group_size −1 → one group."""
+    n = x.shape[-1]
+    g = n if group_size in (-1, None) or group_size == n else group_size
+    if g < 1 or n % g:
+        raise QuantConfigError(f"group_size {group_size} does not divide the last dimension {n}")
+    return x.reshape(*x.shape[:-1], n // g, g)
+
+
+def _work(x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_floating_point(x):
+        raise NonFloatTensorError(f"fake quantisation needs a floating-point tensor, got {x.dtype}")
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _asym_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Δ, z) for an asymmetric range [lo, hi] ∋ 0; zero ranges get Δ = 1 (then x̂ = 0 = x exactly)."""
+    maxq = (1 << bits) - 1
+    delta = (hi - lo) / maxq
+    delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+    zero = torch.round(-lo / delta)
+    return delta, zero
+
+
+def _asym_range(g: torch.Tensor, clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
+    lo = lo.clamp(max=0.0)
+    hi = hi.clamp(min=0.0)
+    if clip_ratio != 1.0:
+        lo, hi = lo * clip_ratio, hi * clip_ratio
+    return lo, hi
+
+
+def _fq_asym(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
+    """x̂ = (clamp(round(x/Δ) + z, 0, 2^b − 1) − z)·Δ, computed as clamp(round(x/Δ), −z, 2^b − 1 − z)·Δ
+    (the same integers) with in-place ops: one allocation, four passes."""
+    delta, zero = _asym_params(lo, hi, bits)
+    q = torch.div(g, delta)
+    q.round_()
+    q.clamp_(min=-zero, max=((1 << bits) - 1) - zero)
+    return q.mul_(delta)
+
+
+def _fq_sym(g: torch.Tensor, amax: torch.Tensor, bits: int) -> torch.Tensor:
+    maxq = (1 << (bits - 1)) - 1
+    if maxq < 1:
+        raise QuantConfigError("symmetric quantisation needs bits ≥ 2")
+    delta = amax / maxq
+    delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+    q = torch.div(g, delta)
+    q.round_()
+    q.clamp_(-maxq - 1, maxq)
+    return q.mul_(delta)
+
+
+def fake_quant_per_token(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int = -1,
+    clip_ratio: float = 1.0,
+    *,
+    symmetric: bool = False,
+) -> torch.Tensor:
+    """Dynamic per-token (per-group) INT-b fake quantisation over the last dim; returns x̂ in x's dtype.
+
+    Asymmetric by default (activations into every linear except lm_head, and K/V, Sec. 4 / App. A.6).
+    """
+    _check_bits(bits)
+    if is_off(bits):
+        return x
+    _check_clip(clip_ratio)
+    w = _work(x)
+    g = _grouped(w, group_size)
+    if symmetric:
+        amax = g.abs().amax(dim=-1, keepdim=True) * clip_ratio
+        out = _fq_sym(g, amax, bits)
+    else:
+        lo, hi = _asym_range(g, clip_ratio)
+        out = _fq_asym(g, lo, hi, bits)
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def fake_quant(x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """Apply a dynamic per-token quantiser described by a :class:`QuantConfig`."""
+    return fake_quant_per_token(x, cfg.bits, cfg.group_size, cfg.clip_ratio, symmetric=cfg.symmetric)
+
+
+def quant_step(
+    x: torch.Tensor, bits: int, group_size: int = -1, clip_ratio: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token/group step Δ and range (hi − lo) of the asymmetric quantiser, shape (..., n_groups).
+
+    The range is the quantiser's (it contains 0 and is scaled by the clip ratio); Δ = range/(2^b − 1).
+    """
+    _check_bits(bits)
+    _check_clip(clip_ratio)
+    g = _grouped(_work(x), group_size)
+    lo, hi = _asym_range(g, clip_ratio)
+    rng = (hi - lo).squeeze(-1)
+    return rng / ((1 << bits) - 1), rng
+
+
+class StaticChannelQuantizer:
+    """Static per-channel INT-b control (App. A.6/D): one range per channel of the last dim, calibrated once.
+
+    Usage: ``q = StaticChannelQuantizer(n_channels, bits=4)``; ``q.observe(x)`` on calibration tensors
+    (..., n_channels) accumulates the running per-channel min/max over all other axes; ``q.finalize()``
+    freezes the ranges; ``q(x)`` fake-quantises with them (values outside are clamped). Ranges follow the
+    dynamic quantiser's convention (asymmetric with 0 in range, or symmetric), scaled by ``clip_ratio``.
+    """
+
+    def __init__(
+        self,
+        n_channels: int | None = None,
+        bits: int = 4,
+        clip_ratio: float = 1.0,
+        symmetric: bool = False,
+    ) -> None:
+        _check_bits(bits)
+        _check_clip(clip_ratio)
+        if n_channels is not None and (isinstance(n_channels, bool) or int(n_channels) < 1):
+            raise QuantConfigError(f"n_channels must be a positive integer or None, got {n_channels!r}")
+        self.n_channels = None if n_channels is None else int(n_channels)
+        self.bits = bits
+        self.clip_ratio = float(clip_ratio)
+        self.symmetric = symmetric
+        self.lo: torch.Tensor | None = None
+        self.hi: torch.Tensor | None = None
+        self.frozen = False
+        self._params: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        return self.lo is not None
+
+    def _check_channels(self, x: torch.Tensor) -> None:
+        n = x.shape[-1] if x.dim() else 0
+        if self.n_channels is not None and n != self.n_channels:
+            raise QuantConfigError(
+                f"expected {self.n_channels} channels on the last dim, got shape {tuple(x.shape)}"
+            )
+        if self.lo is not None and n != self.lo.shape[0]:
+            raise QuantConfigError(f"channel count changed: {n} vs {self.lo.shape[0]} observed before")
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Accumulate running per-channel min/max from a calibration tensor (..., n_channels)."""
+        if self.frozen:
+            raise QuantConfigError("observe() after finalize(): the static ranges are frozen")
+        self._check_channels(x)
+        flat = x.detach().reshape(-1, x.shape[-1]).float()
+        if flat.shape[0] == 0:
+            return
+        lo, hi = torch.aminmax(flat, dim=0)
+        if self.lo is None:
+            self.lo, self.hi = lo, hi
+        else:
+            self.lo = torch.minimum(self.lo, lo.to(self.lo.device))
+            self.hi = torch.maximum(self.hi, hi.to(self.hi.device))  # type: ignore[arg-type]
+
+    def merge(self, other: StaticChannelQuantizer) -> None:
+        """Combine the ranges observed by another quantiser with the same settings."""
+        if other.lo is None or other.hi is None:
+            return
+        if self.lo is None or self.hi is None:
+            self.lo, self.hi = other.lo.clone(), other.hi.clone()
+            return
+        self.lo = torch.minimum(self.lo, other.lo.to(self.lo.device))
+        self.hi = torch.maximum(self.hi, other.hi.to(self.hi.device))
+
+    def finalize(self) -> None:
+        """Freeze the calibrated ranges and precompute (Δ, z) or Δ per channel."""
+        if self.lo is None or self.hi is None:
+            raise NotCalibratedError("StaticChannelQuantizer.finalize() before observe() saw any data")
+        if self.symmetric:
+            amax = torch.maximum(self.lo.abs(), self.hi.abs()) * self.clip_ratio
+            self._params = (amax, amax)
+        else:
+            lo = self.lo.clamp(max=0.0) * self.clip_ratio
+            hi = self.hi.clamp(min=0.0) * self.clip_ratio
+            self._params = (lo, hi)
+        self.frozen = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Fake-quantise x (..., n_channels) with the frozen per-channel ranges."""
+        if is_off(self.bits):
+            return x
+        if self._params is None:
+            if self.lo is None:
+                raise NotCalibratedError("StaticChannelQuantizer used before observe() saw any data")
+            self.finalize()
+        self._check_channels(x)
+        w = _work(x)
+        a, b = (t.to(device=w.device, dtype=w.dtype) for t in self._params)  # type: ignore[union-attr]
+        out = _fq_sym(w, a, self.bits) if self.symmetric else _fq_asym(w, a, b, self.bits)
+        return out.to(x.dtype)
+
+    quantize = __call__
+
+
+def rtn_quantize_weight(
+    w: torch.Tensor,
+    bits: int,
+    group_size: int = -1,
+    symmetric: bool = True,
+    clip_ratio: float = 1.0,
+) -> torch.Tensor:
+    """Round-to-nearest weight fake quantisation per output channel (rows of w: (out, in)), grouped along in.
+
+    Symmetric by default (the W4 baseline of Sec. 4); returns the dequantised weight in w's dtype.
+    """
+    if w.dim() != 2:
+        raise QuantConfigError(
+            f"rtn_quantize_weight expects a 2-D (out, in) weight, got shape {tuple(w.shape)}"
+        )
+    return fake_quant_per_token(w, bits, group_size, clip_ratio, symmetric=symmetric)
