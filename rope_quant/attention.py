@@ -1,0 +1,333 @@
+"""Online R3 and the KV quantiser inside attention (paper §3, Fig. 1; DartQuant-style W4A4KV4 pipeline).
+
+The only place that touches transformers' attention. A custom attention function is registered through
+the library's attention interface (``transformers.AttentionInterface`` on 4.51+, the
+``ALL_ATTENTION_FUNCTIONS`` mapping on 4.48–4.50) and selected per model with
+``model.set_attn_implementation`` (4.57+) or ``config._attn_implementation``. No modeling file is copied
+and no module global is replaced.
+
+The function receives the post-RoPE ``query`` (b, H_q, L, d) and ``key`` (b, H_kv, L_kv, d) before the GQA
+repeat, once per layer. It reads the layer's :class:`AttentionState` from ``module.rq_attention`` (state
+lives on the model, never in globals), then
+
+1. applies the layer's R3 transform to q and k (``x -> M_h x`` per head; q heads of a GQA group use
+   their KV head's matrix, which the transform derives from the tensor's head count): since
+   ``(M q)^T (M k) = q^T k`` for orthogonal ``M``, the logits are unchanged in exact arithmetic;
+2. streams K diagnostics on the post-R3 keys of the new tokens (before quantisation);
+3. fake-quantises K and V per token per head (asymmetric dynamic INT-b, group = head_dim by default),
+   or with the static per-channel control (App. A.6, D) when one is installed;
+4. calls the library's SDPA function.
+
+With a KV cache the function sees the whole cache (stored un-rotated, un-quantised) at every step and
+re-applies R3 and the per-token quantiser to it: both are token-local, so this equals quantising each
+token once when it enters the cache.
+
+Calibration mode (:func:`calibration_hooks`) streams the pre-RoPE q_proj/k_proj outputs into
+:class:`rope_quant.calibration.CalibrationStats` through forward hooks that are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from rope_quant import rope
+
+__all__ = [
+    "ATTN_NAME",
+    "STATE_ATTR",
+    "AttentionWrapError",
+    "UnsupportedAttentionError",
+    "AttentionGeometry",
+    "AttentionState",
+    "register_attention",
+    "check_model",
+    "attention_modules",
+    "attention_states",
+    "install_attention",
+    "uninstall_attention",
+    "set_attn_implementation",
+    "calibration_hooks",
+    "rq_attention_forward",
+]
+
+#: Name under which the attention function is registered in transformers' attention interface.
+ATTN_NAME = "rq_sdpa"
+#: Attribute of each attention module that holds its :class:`AttentionState`.
+STATE_ATTR = "rq_attention"
+
+
+class AttentionWrapError(ValueError):
+    """The model's attention cannot be wrapped by rope_quant."""
+
+
+class UnsupportedAttentionError(AttentionWrapError):
+    """The model type's attention lacks what the wrapper needs (self_attn with q_proj/k_proj/layer_idx,
+    a config with ``_attn_implementation`` plumbing, a transformers version with an attention registry)."""
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@dataclass
+class AttentionState:
+    """Per-layer configuration read by the attention function (stored on the attention module).
+
+    ``transform``: an :class:`rope_quant.transforms.R3Transform` (or any object with ``apply``), None = off.
+    ``k_bits``/``v_bits`` >= 16 means no quantisation. ``k_static``/``v_static``: optional static
+    per-channel quantisers (App. A.6, D) used instead of the dynamic per-token ones.
+    ``diagnostics``: a :class:`rope_quant.diagnostics.KDiagnostics`-like object with ``update(k)``.
+    ``observers``: callables ``fn(layer_idx, key, value)`` seeing post-R3, pre-quantisation K and V of the
+    new tokens (used to calibrate the static control).
+    """
+
+    layer_idx: int
+    transform: Any = None
+    k_bits: int = 16
+    k_group: int = -1
+    k_clip: float = 1.0
+    v_bits: int = 16
+    v_group: int = -1
+    v_clip: float = 1.0
+    k_static: Any = None
+    v_static: Any = None
+    diagnostics: Any = None
+    observers: list[Callable[[int, torch.Tensor, torch.Tensor], None]] = field(default_factory=list)
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Shapes of a wrappable model's attention."""
+
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+# ----------------------------------------------------------------------------- the attention function
+
+
+def _sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def _apply_quant(x: torch.Tensor, bits: int, group: int, clip: float, static: Any) -> torch.Tensor:
+    if static is not None:
+        return static(x)
+    if bits >= 16:
+        return x
+    from rope_quant.quant import fake_quant_per_token
+
+    return fake_quant_per_token(x, bits, group_size=group, clip_ratio=clip)
+
+
+def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, **kwargs: Any):
+    """Attention function: R3 on post-RoPE q/k, K diagnostics, K/V fake-quant, then the library's SDPA."""
+    state: AttentionState | None = getattr(module, STATE_ATTR, None)
+    if state is not None and state.enabled:
+        if state.transform is not None:
+            query = state.transform.apply(query)
+            key = state.transform.apply(key)
+        n_new = query.shape[-2]
+        if state.diagnostics is not None or state.observers:
+            k_new, v_new = key[..., -n_new:, :], value[..., -n_new:, :]
+            if state.diagnostics is not None:
+                state.diagnostics.update(k_new, layer=state.layer_idx)
+            for fn in state.observers:
+                fn(state.layer_idx, k_new, v_new)
+        key = _apply_quant(key, state.k_bits, state.k_group, state.k_clip, state.k_static)
+        value = _apply_quant(value, state.v_bits, state.v_group, state.v_clip, state.v_static)
+    return _sdpa()(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_attention(name: str = ATTN_NAME) -> str:
+    """Register :func:`rq_attention_forward` (and the SDPA mask builder) under ``name``; idempotent."""
+    import transformers
+
+    if hasattr(transformers, "AttentionInterface"):  # 4.51+
+        transformers.AttentionInterface.register(name, rq_attention_forward)
+    else:  # 4.48-4.50
+        try:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        except ImportError as exc:
+            raise UnsupportedAttentionError(
+                f"transformers {transformers.__version__} has no attention registry; rope_quant needs >= 4.48"
+            ) from exc
+        ALL_ATTENTION_FUNCTIONS[name] = rq_attention_forward
+    # Masks: build the same (padding-aware) masks as SDPA; without this, newer versions pass mask=None.
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError:  # older versions build masks from the implementation name's family
+        return name
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name
+
+
+# ----------------------------------------------------------------------------- model checks
+
+
+def _config(model: nn.Module):
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise UnsupportedAttentionError(f"{type(model).__name__} has no config")
+    return cfg
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers' ``self_attn`` modules, in layer order; raise if the model cannot be wrapped."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    mtype = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise UnsupportedAttentionError(
+            f"model type {mtype!r}: no decoder layer list at model.model.layers; rope_quant wraps "
+            "Llama-family attention (self_attn with q_proj/k_proj/v_proj and layer_idx)"
+        )
+    mods = []
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        missing = [n for n in ("q_proj", "k_proj", "v_proj") if attn is None or not hasattr(attn, n)]
+        if attn is None or missing:
+            raise UnsupportedAttentionError(
+                f"model type {mtype!r}: decoder layer {i} has no self_attn with q_proj/k_proj/v_proj "
+                f"(missing: {', '.join(missing) or 'self_attn'})"
+            )
+        if getattr(attn, "layer_idx", None) is None:
+            raise UnsupportedAttentionError(f"model type {mtype!r}: self_attn of layer {i} has no layer_idx")
+        if int(attn.layer_idx) != i:
+            raise UnsupportedAttentionError(
+                f"model type {mtype!r}: self_attn of layer {i} has layer_idx {attn.layer_idx}"
+            )
+        mods.append(attn)
+    return mods
+
+
+def check_model(model: nn.Module) -> AttentionGeometry:
+    """Check that ``model`` can be wrapped and return its geometry.
+
+    Raises :class:`UnsupportedAttentionError` (no Llama-style attention, no ``_attn_implementation``),
+    :class:`rope_quant.rope.OddHeadDimError` (odd head_dim) or
+    :class:`rope_quant.rope.MissingInvFreqError` (no RoPE / no materialised ``inv_freq``).
+    """
+    cfg = _config(model)
+    mods = attention_modules(model)
+    if not hasattr(cfg, "_attn_implementation"):
+        raise UnsupportedAttentionError(
+            f"{type(cfg).__name__} has no _attn_implementation: this transformers model does not dispatch "
+            "attention through the attention interface"
+        )
+    first = mods[0]
+    head_dim = getattr(first, "head_dim", None)
+    if head_dim is None:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope.check_head_dim(int(head_dim))
+    n_q = first.q_proj.out_features // head_dim
+    n_kv = first.k_proj.out_features // head_dim
+    if n_q * head_dim != first.q_proj.out_features or n_kv * head_dim != first.k_proj.out_features:
+        raise UnsupportedAttentionError(
+            f"q_proj/k_proj widths {first.q_proj.out_features}/{first.k_proj.out_features} are not "
+            f"multiples of head_dim {head_dim}"
+        )
+    if n_kv == 0 or n_q % n_kv:
+        raise UnsupportedAttentionError(f"{n_q} query heads are not a multiple of {n_kv} KV heads")
+    rope.find_inv_freq(model, head_dim=int(head_dim))  # raises MissingInvFreqError / AmbiguousInvFreqError
+    return AttentionGeometry(len(mods), n_q, n_kv, int(head_dim))
+
+
+def set_attn_implementation(model: nn.Module, name: str) -> None:
+    """Select an attention implementation: ``set_attn_implementation`` (4.57+) or the config field."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(name)
+    else:
+        model.config._attn_implementation = name
+    if getattr(model.config, "_attn_implementation", None) != name:
+        raise UnsupportedAttentionError(
+            f"could not select attention implementation {name!r} on {type(model).__name__} "
+            f"(it is {getattr(model.config, '_attn_implementation', None)!r})"
+        )
+
+
+# ----------------------------------------------------------------------------- install / uninstall
+
+
+def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None, *, k_bits: int = 16,
+                      k_group: int = -1, k_clip: float = 1.0, v_bits: int = 16, v_group: int = -1,
+                      v_clip: float = 1.0, k_static: Sequence[Any] | None = None,
+                      v_static: Sequence[Any] | None = None, diagnostics: Any = None,
+                      name: str = ATTN_NAME) -> list[AttentionState]:
+    """Attach an :class:`AttentionState` to every layer's attention and select the custom function.
+
+    ``transforms``/``k_static``/``v_static``: one entry per layer (or None). Returns the states, which
+    callers may edit in place (e.g. swap ``diagnostics``). The previous implementation is remembered on
+    the model for :func:`uninstall_attention`.
+    """
+    geom = check_model(model)
+    mods = attention_modules(model)
+    for what, seq in (("transforms", transforms), ("k_static", k_static), ("v_static", v_static)):
+        if seq is not None and len(seq) != geom.n_layers:
+            raise AttentionWrapError(
+                f"{what}: expected {geom.n_layers} entries (one per layer), got {len(seq)}")
+    for bits, what in ((k_bits, "k_bits"), (v_bits, "v_bits")):
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
+            raise AttentionWrapError(f"{what} must be a positive integer (16 = off), got {bits!r}")
+    register_attention(name)
+    states = []
+    for i, mod in enumerate(mods):
+        st = AttentionState(
+            layer_idx=i, transform=None if transforms is None else transforms[i],
+            k_bits=k_bits, k_group=k_group, k_clip=k_clip, v_bits=v_bits, v_group=v_group, v_clip=v_clip,
+            k_static=None if k_static is None else k_static[i],
+            v_static=None if v_static is None else v_static[i],
+            diagnostics=diagnostics,
+        )
+        setattr(mod, STATE_ATTR, st)
+        states.append(st)
+    current = model.config._attn_implementation
+    if current != name and not hasattr(model, "rq_previous_attn"):
+        model.rq_previous_attn = current
+    set_attn_implementation(model, name)
+    return states
+
+
+def attention_states(model: nn.Module) -> list[AttentionState]:
+    """The installed per-layer states (empty list when none is installed)."""
+    return [s for s in (getattr(m, STATE_ATTR, None) for m in attention_modules(model)) if s is not None]
+
+
+def uninstall_attention(model: nn.Module) -> None:
+    """Remove the states and restore the previous attention implementation (default ``sdpa``)."""
+    for mod in attention_modules(model):
+        if hasattr(mod, STATE_ATTR):
+            delattr(mod, STATE_ATTR)
+    previous = getattr(model, "rq_previous_attn", None) or "sdpa"
+    set_attn_implementation(model, previous)
+    if hasattr(model, "rq_previous_attn"):
+        del model.rq_previous_attn
+
+
+@contextlib.contextmanager
+def calibration_hooks(model: nn.Module, stats: Any) -> Iterator[Any]:
+    """Collect mode: stream pre-RoPE q_proj/k_proj outputs into ``stats`` (a CalibrationStats).
+
+    Forward hooks (public API) are registered on every layer's q_proj and k_proj and removed on exit.
+    """
+    from rope_quant.calibration import register_projection_hooks
+
+    check_model(model)
+    handles = register_projection_hooks(model, stats)
+    try:
+        yield stats
+    finally:
+        for h in handles:
+            h.remove()

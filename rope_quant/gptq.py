@@ -1,0 +1,440 @@
+"""GPTQ weight quantisation (Frantar et al. 2022), written from the algorithm.
+
+For one linear layer ``y = W x`` with calibration inputs ``X`` (columns = tokens), GPTQ quantises the
+columns of ``W`` one at a time and spreads each column's rounding error over the not-yet-quantised
+columns, using the inverse of the layer Hessian ``H = 2 X X^T / n`` (the Hessian of ``||W X - Q X||^2``):
+
+1. damp ``H += percdamp * mean(diag H) * I`` (dead inputs, ``H_jj = 0``, get ``H_jj = 1`` and ``W_:j = 0``);
+2. optionally permute columns by decreasing ``diag H`` (``act_order``);
+3. ``U = chol(H^{-1})^T`` (upper Cholesky factor of the inverse Hessian);
+4. for each block of ``blocksize`` columns, for each column ``j``: ``q_j = quant(w_j)``,
+   ``e_j = (w_j - q_j) / U_jj``, ``w_{j+1:} -= e_j U_{j, j+1:}`` inside the block; after the block, the
+   block's errors update all later columns in one matmul (lazy batch update).
+
+The quantiser is symmetric INT-b per output channel (or per group of ``group_size`` input columns), with
+an optional MSE clip search: for every output channel (group) the clip ratio minimising ``||w - q(w)||^2``
+over a grid is used (QuaRot/DartQuant ``w_clip``).
+
+:func:`quantize_model_gptq` runs GPTQ layer by layer through a decoder: the inputs of layer 0 are captured
+by a pre-hook that stops the forward, and every quantised layer is run to produce the next layer's inputs.
+Inside a layer, linears are quantised in execution groups (``q/k/v``, ``o``, ``gate/up``, ``down``:
+"true sequential"), so each group's Hessian comes from inputs that already pass through the quantised
+earlier groups. The Hessian of each linear is accumulated by a forward pre-hook registered *after* any
+hooks already on that linear: it therefore sees exactly what the linear sees, including the online R4
+Hadamard on ``down_proj`` and the activation fake-quantiser when the pipeline has installed them (our
+choice, recorded in the weight cache key). The attention's K/V quantisers and R3 are not active during
+GPTQ: they depend on the R3 choice, which must not influence the weights (paired design).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "GPTQConfig",
+    "GPTQError",
+    "HessianAccumulator",
+    "LayerGroups",
+    "weight_scales",
+    "quantize_with_scales",
+    "rtn_quantize",
+    "gptq_quantize",
+    "quantize_model_gptq",
+    "quantize_model_rtn",
+    "GPTQ_CALLS",
+]
+
+#: Number of per-linear GPTQ solves run in this process (the weight-cache test checks it does not grow).
+GPTQ_CALLS = {"linear": 0, "model": 0}
+
+
+class GPTQError(ValueError):
+    """Bad GPTQ settings or a Hessian that cannot be factorised."""
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ settings (Frantar et al. 2022, Alg. 1; QuaRot/DartQuant defaults).
+
+    ``group_size=-1``: one scale per output channel. ``mse``: clip-ratio grid search per channel/group.
+    ``act_order``: quantise columns by decreasing Hessian diagonal (groups then use static scales computed
+    on the original contiguous column groups). ``true_sequential``: quantise a layer's linears in
+    execution order groups. ``grid``/``max_shrink``: the MSE search grid ``1, 1 - 1/grid, ...,
+    1 - max_shrink``.
+    """
+
+    percdamp: float = 0.01
+    blocksize: int = 128
+    act_order: bool = True
+    group_size: int = -1
+    mse: bool = True
+    true_sequential: bool = True
+    grid: int = 100
+    max_shrink: float = 0.8
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.percdamp < 1.0):
+            raise GPTQError(f"percdamp must be in [0, 1), got {self.percdamp}")
+        if self.blocksize < 1:
+            raise GPTQError(f"blocksize must be positive, got {self.blocksize}")
+        if self.group_size != -1 and self.group_size < 1:
+            raise GPTQError(f"group_size must be -1 or positive, got {self.group_size}")
+        if self.grid < 1 or not (0.0 <= self.max_shrink < 1.0):
+            raise GPTQError(f"bad MSE grid: grid={self.grid}, max_shrink={self.max_shrink}")
+
+
+def _check_bits(bits: int) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits < 2:
+        raise GPTQError(f"weight bits must be an integer >= 2, got {bits!r}")
+    return bits
+
+
+# ----------------------------------------------------------------------------- the quantiser
+
+
+def _qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric INT-b fake quantisation ``s * clamp(round(w / s), -2^(b-1), 2^(b-1) - 1)``.
+
+    ``scale`` broadcasts against ``w`` (e.g. ``(out, 1)`` for a column ``(out, 1)`` or a whole matrix).
+    """
+    qmax = _qmax(bits)
+    return torch.clamp(torch.round(w / scale), -qmax - 1, qmax) * scale
+
+
+def weight_scales(w: torch.Tensor, bits: int, mse: bool = True, clip_ratio: float = 1.0,
+                  grid: int = 100, max_shrink: float = 0.8, norm: float = 2.0,
+                  chunk_rows: int = 4096) -> torch.Tensor:
+    """Per-row symmetric scales (rows, 1) for ``w`` (rows = output channels, or channel x group).
+
+    Without ``mse``: ``s = clip_ratio * max|w| / (2^(b-1) - 1)``. With ``mse``: for each row, the ratio
+    ``r`` in ``{1, 1 - 1/grid, ..., 1 - max_shrink}`` (times ``clip_ratio``) minimising
+    ``sum |w - q_r(w)|^norm``. The search runs on ``x = w / max|w|`` (the error of a row scales by a
+    per-row constant, so the argmin is unchanged) with in-place scalar ops, ``chunk_rows`` rows at a time.
+    """
+    _check_bits(bits)
+    w = w.float()
+    qmax = _qmax(bits)
+    amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) * clip_ratio
+    if not mse:
+        return amax / qmax
+    ratios = [1.0 - i / grid for i in range(int(max_shrink * grid) + 1)]
+    best_ratio = torch.ones_like(amax)
+    for r0 in range(0, w.shape[0], chunk_rows):
+        x = w[r0:r0 + chunk_rows] / amax[r0:r0 + chunk_rows]  # |x| <= 1 / clip_ratio
+        buf = torch.empty_like(x)
+        best_err = torch.full((x.shape[0],), float("inf"), device=x.device)
+        best = best_ratio[r0:r0 + chunk_rows, 0]
+        for r in ratios:
+            step = r / qmax
+            torch.mul(x, 1.0 / step, out=buf)
+            buf.round_().clamp_(-qmax - 1, qmax).mul_(step).sub_(x)
+            err = torch.linalg.vector_norm(buf, ord=norm, dim=1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best.masked_fill_(better, r)
+    return amax * best_ratio / qmax
+
+
+def _group_scales(w: torch.Tensor, bits: int, group_size: int, mse: bool, clip_ratio: float,
+                  grid: int, max_shrink: float) -> torch.Tensor:
+    """Scales of shape (out, n_groups) for contiguous column groups (``group_size=-1``: one group)."""
+    out_f, in_f = w.shape
+    gs = in_f if group_size == -1 else group_size
+    n_groups = math.ceil(in_f / gs)
+    scales = torch.empty(out_f, n_groups, dtype=torch.float32, device=w.device)
+    for g in range(n_groups):
+        cols = w[:, g * gs:(g + 1) * gs]
+        scales[:, g] = weight_scales(cols, bits, mse, clip_ratio, grid, max_shrink)[:, 0]
+    return scales
+
+
+def rtn_quantize(w: torch.Tensor, bits: int, group_size: int = -1, mse: bool = True,
+                 clip_ratio: float = 1.0, grid: int = 100, max_shrink: float = 0.8) -> torch.Tensor:
+    """Round-to-nearest symmetric INT-b with the same scales as GPTQ (the RTN baseline)."""
+    _check_bits(bits)
+    w32 = w.float()
+    in_f = w.shape[1]
+    gs = in_f if group_size == -1 else group_size
+    scales = _group_scales(w32, bits, group_size, mse, clip_ratio, grid, max_shrink)
+    col_scale = scales.repeat_interleave(gs, dim=1)[:, :in_f]
+    return quantize_with_scales(w32, col_scale, bits).to(w.dtype)
+
+
+# ----------------------------------------------------------------------------- Hessian
+
+
+@dataclass
+class HessianAccumulator:
+    """Running ``H = 2/n sum_t x_t x_t^T`` over the rows ``x_t`` of a linear's inputs (float32)."""
+
+    n_features: int
+    device: torch.device | str = "cpu"
+    H: torch.Tensor = field(init=False)
+    n_samples: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.H = torch.zeros(self.n_features, self.n_features, dtype=torch.float32, device=self.device)
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate a batch of inputs of shape (..., n_features)."""
+        x = x.detach().reshape(-1, x.shape[-1]).to(device=self.H.device, dtype=torch.float32)
+        if x.shape[-1] != self.n_features:
+            raise GPTQError(f"input has {x.shape[-1]} features, Hessian expects {self.n_features}")
+        m = x.shape[0]
+        if m == 0:
+            return
+        total = self.n_samples + m
+        self.H.mul_(self.n_samples / total)
+        x = x * math.sqrt(2.0 / total)
+        self.H.addmm_(x.T, x)
+        self.n_samples = total
+
+
+# ----------------------------------------------------------------------------- GPTQ for one matrix
+
+
+def _inverse_hessian_factor(H: torch.Tensor, percdamp: float, max_tries: int = 6) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^{-1}``, raising the damping tenfold if H is not PD."""
+    diag_mean = torch.mean(torch.diag(H)).item()
+    if not math.isfinite(diag_mean):
+        raise GPTQError("Hessian contains NaN or infinite values (did the calibration inputs overflow?)")
+    damp = percdamp * diag_mean if percdamp > 0 else 0.0
+    idx = torch.arange(H.shape[0], device=H.device)
+    for attempt in range(max_tries):
+        Hd = H.clone()
+        Hd[idx, idx] += damp
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if int(info2) == 0:
+                if attempt:
+                    log.warning("GPTQ: Hessian needed damping %.3g (percdamp x %d)", damp, 10**attempt)
+                return U
+        damp = max(damp, 1e-8 * max(diag_mean, 1e-8)) * 10.0
+    raise GPTQError(
+        f"Hessian is not positive definite even with damping {damp:.3g}; "
+        "increase percdamp or use more calibration data"
+    )
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig = GPTQConfig(),
+                  clip_ratio: float = 1.0) -> torch.Tensor:
+    """GPTQ (Frantar et al. 2022, Alg. 1) of ``W`` (out, in) given the input Hessian ``H`` (in, in).
+
+    Returns the dequantised weight (same dtype/device as ``W``).
+    """
+    _check_bits(bits)
+    if W.ndim != 2 or H.shape != (W.shape[1], W.shape[1]):
+        raise GPTQError(f"shape mismatch: W {tuple(W.shape)}, H {tuple(H.shape)}")
+    GPTQ_CALLS["linear"] += 1
+    out_f, in_f = W.shape
+    Wf = W.detach().clone().float()
+    H = H.detach().clone().float().to(Wf.device)
+
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    Wf[:, dead] = 0.0
+
+    gs = in_f if cfg.group_size == -1 else cfg.group_size
+    n_groups = math.ceil(in_f / gs)
+    grp = lambda W_: _group_scales(W_, bits, cfg.group_size, cfg.mse, clip_ratio,  # noqa: E731
+                                   cfg.grid, cfg.max_shrink)
+    # Static scales (computed once, on the original contiguous groups) unless groups are formed on the fly.
+    lazy_groups = cfg.group_size != -1 and not cfg.act_order
+    scales = None if lazy_groups else grp(Wf)  # (out, n_groups)
+    group_of_col = torch.arange(in_f, device=Wf.device) // gs
+
+    perm = None
+    if cfg.act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        Wf = Wf[:, perm]
+        H = H[perm][:, perm]
+        group_of_col = group_of_col[perm]
+
+    U = _inverse_hessian_factor(H, cfg.percdamp)
+    Q = torch.zeros_like(Wf)
+    if lazy_groups:
+        scales = torch.empty(out_f, n_groups, dtype=torch.float32, device=Wf.device)
+
+    for i1 in range(0, in_f, cfg.blocksize):
+        i2 = min(i1 + cfg.blocksize, in_f)
+        W1 = Wf[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if lazy_groups and col % gs == 0:
+                # Scales of the group starting here, from the error-updated weights (Frantar et al.).
+                block = torch.cat([W1[:, i:], Wf[:, i2:]], dim=1)[:, :gs]
+                scales[:, col // gs] = weight_scales(block, bits, cfg.mse, clip_ratio, cfg.grid,
+                                                     cfg.max_shrink)[:, 0]
+            w = W1[:, i]
+            s = scales[:, group_of_col[col]]
+            q = quantize_with_scales(w, s, bits)
+            Q1[:, i] = q
+            err = (w - q) / U1[i, i]
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
+            Err1[:, i] = err
+        Q[:, i1:i2] = Q1
+        if i2 < in_f:
+            Wf[:, i2:] -= Err1 @ U[i1:i2, i2:]
+
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    if not torch.isfinite(Q).all():
+        raise GPTQError("GPTQ produced non-finite weights")
+    return Q.to(dtype=W.dtype)
+
+
+# ----------------------------------------------------------------------------- layer-by-layer driver
+
+
+#: Execution groups of a Llama-family decoder layer (true-sequential order).
+LayerGroups = tuple[tuple[str, ...], ...]
+LLAMA_GROUPS: LayerGroups = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook on decoder layer 0 once its inputs are recorded."""
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise GPTQError(f"{type(model).__name__} has no decoder layer list at model.model.layers")
+    return layers
+
+
+def _linear_groups(layer: nn.Module, true_sequential: bool) -> list[list[tuple[str, nn.Linear]]]:
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    if not true_sequential:
+        return [list(linears.items())]
+    groups, seen = [], set()
+    for names in LLAMA_GROUPS:
+        g = [(n, linears[n]) for n in names if n in linears]
+        if g:
+            groups.append(g)
+            seen.update(n for n, _ in g)
+    rest = [(n, m) for n, m in linears.items() if n not in seen]
+    if rest:
+        groups.append(rest)
+    return groups
+
+
+def capture_layer_inputs(model: nn.Module, windows: torch.Tensor,
+                         device: torch.device | str | None = None) -> list[tuple[tuple, dict]]:
+    """Run the model on each window until decoder layer 0 and return that layer's (args, kwargs)."""
+    layers = _decoder_layers(model)
+    captured: list[tuple[tuple, dict]] = []
+
+    def hook(_mod, args, kwargs):
+        captured.append((tuple(a.detach() if torch.is_tensor(a) else a for a in args), dict(kwargs)))
+        raise _StopForward
+
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    dev = device or next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for row in windows:
+                try:
+                    model(row.unsqueeze(0).to(dev), use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        handle.remove()
+    if len(captured) != len(windows):
+        raise GPTQError("could not capture the inputs of decoder layer 0")
+    return captured
+
+
+def _layer_output(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg: GPTQConfig = GPTQConfig(),
+                        clip_ratio: float = 1.0, progress: bool = True,
+                        skip: Callable[[str], bool] | None = None) -> dict[str, float]:
+    """Quantise every linear of every decoder layer with GPTQ, sequentially over layers (in place).
+
+    ``windows``: (n, seqlen) token ids. The embedding, final norm and lm_head stay in full precision
+    (QuaRot/DartQuant keep lm_head at 16 bit). Returns per-linear relative output errors
+    ``||W X - Q X||_F^2 / ||W X||_F^2`` estimated from the Hessian (``tr(D H D^T) / tr(W H W^T)``).
+    """
+    from tqdm.auto import tqdm
+
+    _check_bits(bits)
+    GPTQ_CALLS["model"] += 1
+    layers = _decoder_layers(model)
+    inputs = capture_layer_inputs(model, windows)
+    errors: dict[str, float] = {}
+    for li, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
+        for group in _linear_groups(layer, cfg.true_sequential):
+            group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
+            if not group:
+                continue
+            accs = {n: HessianAccumulator(m.in_features, m.weight.device) for n, m in group}
+            handles = []
+            for n, m in group:
+                def pre(_mod, args, _acc=accs[n]):
+                    _acc.add(args[0])
+                handles.append(m.register_forward_pre_hook(pre))
+            try:
+                with torch.no_grad():
+                    for args, kwargs in inputs:
+                        layer(*args, **kwargs)
+            finally:
+                for h in handles:
+                    h.remove()
+            for n, m in group:
+                H = accs[n].H
+                W = m.weight.data
+                Q = gptq_quantize(W, H, bits, cfg, clip_ratio)
+                D = (W.float() - Q.float())
+                num = torch.einsum("oi,ij,oj->", D, H, D).item()
+                den = torch.einsum("oi,ij,oj->", W.float(), H, W.float()).item()
+                errors[f"layers.{li}.{n}"] = num / max(den, 1e-30)
+                m.weight.data.copy_(Q)
+        # Inputs of the next layer: this layer, now quantised (with whatever hooks are installed).
+        with torch.no_grad():
+            inputs = [((_layer_output(layer(*args, **kwargs)),) + tuple(args[1:]), kwargs)
+                      for args, kwargs in inputs]
+    return errors
+
+
+def quantize_model_rtn(model: nn.Module, bits: int, group_size: int = -1, mse: bool = True,
+                       clip_ratio: float = 1.0, skip: Callable[[str], bool] | None = None) -> int:
+    """Round-to-nearest quantisation of every decoder-layer linear (in place); returns the count."""
+    _check_bits(bits)
+    count = 0
+    for li, layer in enumerate(_decoder_layers(model)):
+        for n, m in layer.named_modules():
+            if isinstance(m, nn.Linear) and not (skip and skip(f"layers.{li}.{n}")):
+                m.weight.data.copy_(rtn_quantize(m.weight.data, bits, group_size, mse, clip_ratio))
+                count += 1
+    return count
+
+
+def linear_names(model: nn.Module) -> Sequence[str]:
+    """Qualified names of the decoder-layer linears GPTQ/RTN quantise."""
+    return [f"layers.{li}.{n}" for li, layer in enumerate(_decoder_layers(model))
+            for n, m in layer.named_modules() if isinstance(m, nn.Linear)]

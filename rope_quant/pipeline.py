@@ -1,0 +1,733 @@
+"""One quantised model per run configuration: the DartQuant-style W4A4KV4 pipeline with a chosen R3.
+
+:func:`build_quantized_model` follows the natural path of the data (DESIGN.md, "One cell"):
+
+1. load the model (or deep-copy a given one);
+2. offline rotations R1/R2/R4 (:func:`rope_quant.rotation.rotate_model`);
+3. activation quantisers: a forward pre-hook on every decoder linear (lm_head stays 16-bit) doing
+   per-token asymmetric dynamic INT-a fake quantisation (or the static per-channel control, App. A.6/D).
+   On down_proj the online R4 Hadamard pre-hook is registered with ``prepend=True`` by rotation.py, so it
+   runs before the quantiser;
+4. weights: GPTQ (:mod:`rope_quant.gptq`) or RTN, cached on disk per :meth:`RunConfig.weight_key`. GPTQ's
+   Hessians see the inputs each linear actually sees (R4 and the activation quantiser included);
+5. a calibration pass in collect mode over the same calibration windows (pre-RoPE q/k statistics);
+6. R3 angles (:func:`rope_quant.objectives.estimate_angles`; φ̂, or φ* with the live ``inv_freq``) and the
+   per-layer R3 from the registry (:mod:`rope_quant.transforms`);
+7. the quantise-mode attention (:mod:`rope_quant.attention`): R3 on post-RoPE q/k, K/V quantisers.
+
+Nothing in steps 1–5 depends on the R3 fields of the configuration: within a seed every R3 variant shares
+the offline rotations, the quantised weights and the calibration sample (paired design), and the weight
+cache is keyed accordingly. :func:`run_cell` evaluates perplexity and K diagnostics on the evaluation split.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from rope_quant import attention, gptq, rope
+from rope_quant.gptq import GPTQConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PipelineError",
+    "RunConfig",
+    "GPTQConfig",
+    "QuantizedModel",
+    "build_quantized_model",
+    "run_cell",
+    "install_activation_quantizers",
+    "model_fingerprint",
+    "remove_activation_quantizers",
+    "PIPELINE_COUNTERS",
+]
+
+WEIGHT_CACHE_FORMAT = 1
+ESTIMATORS = ("rows", "k_only", "balanced", "per_head")
+OBJECTIVES = ("variance", "linf", "l2max", "quantile")
+WEIGHT_MODES = ("gptq", "rtn", "none")
+STATIC_SCOPES = (None, "both", "act", "kv")
+ROTATIONS = ("hadamard", "whip", "none")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: Work done in this process (the weight-cache test checks that a cache hit runs no GPTQ/RTN).
+PIPELINE_COUNTERS = {"weight_quantizations": 0, "weight_cache_hits": 0, "calibration_passes": 0}
+
+
+class PipelineError(ValueError):
+    """Bad run configuration or pipeline state."""
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def _check_bits(name: str, value: Any, low: int = 2) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise PipelineError(f"{name} must be an integer >= {low} (16 = off), got {value!r}")
+
+
+def _check_clip(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise PipelineError(f"{name} must lie in (0, 1], got {value!r}")
+
+
+def _check_group(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (value != -1 and value < 1):
+        raise PipelineError(f"{name} must be -1 (whole row/head) or a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One cell of an experiment (frozen; :meth:`key` identifies it for caching and resume).
+
+    Bits of 16 (or more) switch a quantiser off. Groups of -1 mean the whole row (activations) or the
+    whole head (K/V). ``static_scope`` swaps the dynamic per-token quantisers for the static per-channel
+    control (App. A.6, D) on activations (``act``), K/V (``kv``) or both. ``position_average=False``
+    uses the Jacobi angle φ̂; ``True`` the position-averaged φ* over ``average_length`` (default seqlen).
+    """
+
+    model: str = "smollm2-135m"
+    corpus: str = "pydoc"
+    seed: int = 0
+    w_bits: int = 4
+    a_bits: int = 4
+    k_bits: int = 4
+    v_bits: int = 4
+    a_group: int = -1
+    k_group: int = -1
+    v_group: int = -1
+    a_clip: float = 1.0
+    k_clip: float = 1.0
+    v_clip: float = 1.0
+    w_clip: float = 1.0
+    weights: str = "gptq"
+    static_scope: str | None = None
+    r1: str = "hadamard"
+    r2: str = "hadamard"
+    r4: bool = True
+    r3: str = "hadamard"
+    r3_block: int | None = None
+    estimator: str = "rows"
+    objective: str = "variance"
+    position_average: bool = False
+    average_length: int | None = None
+    seqlen: int = 2048
+    calib_windows: int = 128
+    eval_windows: int | None = None
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("w_bits", "a_bits", "k_bits", "v_bits"):
+            _check_bits(name, getattr(self, name))
+        for name in ("a_group", "k_group", "v_group"):
+            _check_group(name, getattr(self, name))
+        for name in ("a_clip", "k_clip", "v_clip", "w_clip"):
+            _check_clip(name, getattr(self, name))
+        if self.weights not in WEIGHT_MODES:
+            raise PipelineError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if self.static_scope not in STATIC_SCOPES:
+            raise PipelineError(f"static_scope must be one of {STATIC_SCOPES}, got {self.static_scope!r}")
+        for name in ("r1", "r2"):
+            if getattr(self, name) not in ROTATIONS:
+                raise PipelineError(f"{name} must be one of {ROTATIONS}, got {getattr(self, name)!r}")
+        if not isinstance(self.r4, bool):
+            raise PipelineError(f"r4 must be a bool, got {self.r4!r}")
+        if not isinstance(self.r3, str) or not self.r3:
+            raise PipelineError(f"r3 must be a registry name, got {self.r3!r}")
+        blk = self.r3_block
+        if blk is not None and (isinstance(blk, bool) or not isinstance(blk, int) or blk < 1):
+            raise PipelineError(f"r3_block must be None or a positive integer, got {self.r3_block!r}")
+        if self.estimator not in ESTIMATORS:
+            raise PipelineError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
+        if self.objective not in OBJECTIVES:
+            raise PipelineError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        for name in ("seqlen", "calib_windows"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PipelineError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("eval_windows", "average_length"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise PipelineError(f"{name} must be None or a positive integer, got {v!r}")
+        if not isinstance(self.gptq, GPTQConfig):
+            raise PipelineError(f"gptq must be a GPTQConfig, got {type(self.gptq).__name__}")
+        if self.dtype not in DTYPES:
+            raise PipelineError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+
+    # -- keys
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        data = dict(data)
+        if isinstance(data.get("gptq"), dict):
+            data["gptq"] = GPTQConfig(**data["gptq"])
+        return cls(**data)
+
+    def key(self) -> str:
+        """Stable short hash of every field (cell identity for caches and resume)."""
+        return _hash(self.to_dict())
+
+    @property
+    def gptq_sees_act_quant(self) -> bool:
+        """GPTQ Hessians are accumulated on the quantised activations when activation quant is on."""
+        return self.weights == "gptq" and (self.a_bits < 16 or self.static_scope in ("act", "both"))
+
+    def weight_fields(self) -> dict[str, Any]:
+        """The fields that determine the quantised weights (never the R3 fields)."""
+        d: dict[str, Any] = {
+            "format": WEIGHT_CACHE_FORMAT, "model": self.model, "seed": self.seed, "dtype": self.dtype,
+            "r1": self.r1, "r2": self.r2, "r4": self.r4, "weights": self.weights,
+        }
+        if self.weights != "none":
+            d.update(w_bits=self.w_bits, w_clip=self.w_clip, w_group=self.gptq.group_size,
+                     w_mse=self.gptq.mse, w_grid=self.gptq.grid, w_max_shrink=self.gptq.max_shrink)
+        uses_calib = self.weights == "gptq" or "whip" in (self.r1, self.r2)
+        if uses_calib:
+            d.update(corpus=self.corpus, calib_windows=self.calib_windows, seqlen=self.seqlen)
+        if self.weights == "gptq":
+            d["gptq"] = dataclasses.asdict(self.gptq)
+        if self.gptq_sees_act_quant:
+            d.update(a_bits=self.a_bits, a_group=self.a_group, a_clip=self.a_clip,
+                     static_act=self.static_scope in ("act", "both"))
+        return d
+
+    def weight_key(self) -> str:
+        """Hash of :meth:`weight_fields`: identical for all R3 variants (and K/V settings) of a cell."""
+        return _hash(self.weight_fields())
+
+    def stats_key(self) -> str:
+        """Hash of what determines the calibration statistics: weights, activation quantisers, sample."""
+        return _hash({"weights": self.weight_fields(), "corpus": self.corpus,
+                      "calib_windows": self.calib_windows, "seqlen": self.seqlen, "a_bits": self.a_bits,
+                      "a_group": self.a_group,
+                      "a_clip": self.a_clip, "static_act": self.static_scope in ("act", "both")})
+
+
+def _hash(obj: Any) -> str:
+    text = json.dumps(obj, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- activation quantisers
+
+
+_ACT_FLAG = "rq_act_quant"
+
+
+def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    layers = attention.attention_modules(model)  # validates the architecture
+    base = getattr(model, "model", model)
+    out = []
+    for li, layer in enumerate(base.layers):
+        for n, m in layer.named_modules():
+            if isinstance(m, nn.Linear):
+                out.append((f"layers.{li}.{n}", m))
+    del layers
+    return out
+
+
+def install_activation_quantizers(model: nn.Module, bits: int, group_size: int = -1, clip_ratio: float = 1.0,
+                                  static: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+                                  ) -> list[torch.utils.hooks.RemovableHandle]:
+    """Fake-quantise the input of every decoder-layer linear (lm_head excluded) with a forward pre-hook.
+
+    Dynamic per-token asymmetric INT-``bits`` (``quant.fake_quant_per_token``, groups of ``group_size``
+    channels, ``clip_ratio``), or ``static[name]`` (a calibrated per-channel quantiser) where given. The
+    hooks are appended after existing pre-hooks, so down_proj's online R4 Hadamard (registered with
+    ``prepend=True``) runs first. Returns the handles.
+    """
+    from rope_quant.quant import fake_quant_per_token
+
+    handles = []
+    for name, mod in _decoder_linears(model):
+        if getattr(mod, _ACT_FLAG, False):
+            raise PipelineError(f"{name} already has an activation quantiser")
+        fn = None if static is None else static.get(name)
+        if fn is None and bits >= 16:
+            continue
+        if fn is None:
+            def hook(_mod, args, _b=bits, _g=group_size, _c=clip_ratio):
+                return (fake_quant_per_token(args[0], _b, group_size=_g, clip_ratio=_c),) + tuple(args[1:])
+        else:
+            def hook(_mod, args, _fn=fn):
+                return (_fn(args[0]),) + tuple(args[1:])
+        handles.append(mod.register_forward_pre_hook(hook))
+        setattr(mod, _ACT_FLAG, True)
+    return handles
+
+
+def remove_activation_quantizers(model: nn.Module, handles: list) -> None:
+    for h in handles:
+        h.remove()
+    for _, mod in _decoder_linears(model):
+        if hasattr(mod, _ACT_FLAG):
+            delattr(mod, _ACT_FLAG)
+
+
+# ----------------------------------------------------------------------------- result object
+
+
+@dataclass
+class QuantizedModel:
+    """A model ready for evaluation, with everything that went into it."""
+
+    model: nn.Module
+    tokenizer: Any
+    cfg: RunConfig
+    angles: np.ndarray
+    transforms: list[Any]
+    stats: Any
+    inv_freq: np.ndarray
+    inv_freq_source: str
+    geometry: attention.AttentionGeometry
+    corpus: Any = None
+    diagnostics: Any = None
+    act_handles: list = field(default_factory=list)
+    rotation: Any = None
+    weight_cache_hit: bool = False
+    weight_errors: dict[str, float] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)
+    calib: torch.Tensor | None = None
+
+    def reconfigure(self, cfg: RunConfig, progress: bool = False) -> QuantizedModel:
+        """Switch this model to another R3 / K-V setting in place (steps 6-7 only) and return it.
+
+        Only fields that change neither the weights nor the calibration statistics may differ (the R3
+        fields, K/V bits/groups/clips, the static KV control, eval_windows); anything else raises
+        :class:`PipelineError`. This is the paired design: every R3 variant reuses the same rotated,
+        quantised model and the same calibration sample.
+        """
+        if cfg.weight_key() != self.cfg.weight_key() or cfg.stats_key() != self.cfg.stats_key():
+            raise PipelineError("reconfigure() only changes R3 and K/V settings; the weights or the "
+                                "calibration statistics of this configuration differ: build a new model")
+        if (cfg.static_scope in ("act", "both")) != (self.cfg.static_scope in ("act", "both")):
+            raise PipelineError("reconfigure() cannot switch the static activation control")
+        t = time.perf_counter()
+        angles = _estimate_angles(cfg, self.stats, self.model)
+        transforms_ = _build_transforms(cfg, self.geometry, angles)
+        self.timing["angles_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        attention.install_attention(self.model, transforms_, k_bits=cfg.k_bits, k_group=cfg.k_group,
+                                    k_clip=cfg.k_clip, v_bits=cfg.v_bits, v_group=cfg.v_group,
+                                    v_clip=cfg.v_clip)
+        if cfg.static_scope in ("kv", "both"):
+            if self.calib is None:
+                raise PipelineError("the static KV control needs the calibration windows")
+            k_static, v_static = _kv_static_quantizers(self.model, cfg, self.geometry, self.calib, progress)
+            for st, kq, vq in zip(attention.attention_states(self.model), k_static, v_static, strict=True):
+                st.k_static, st.v_static = kq, vq
+        self.timing["attention_s"] = time.perf_counter() - t
+        self.cfg, self.angles, self.transforms = cfg, angles, transforms_
+        return self
+
+    @property
+    def states(self) -> list[attention.AttentionState]:
+        return attention.attention_states(self.model)
+
+    def attach_diagnostics(self, per_layer: bool = False):
+        """Attach a fresh K diagnostics accumulator (bits = k_bits, or 4 when K is not quantised)."""
+        from rope_quant.diagnostics import KDiagnostics
+
+        c = self.cfg
+        bits = c.k_bits if c.k_bits < 16 else 4
+        self.diagnostics = KDiagnostics(bits, c.k_group, c.k_clip, per_layer=per_layer)
+        for st in self.states:
+            st.diagnostics = self.diagnostics
+        return self.diagnostics
+
+    def detach_diagnostics(self) -> None:
+        for st in self.states:
+            st.diagnostics = None
+
+
+# ----------------------------------------------------------------------------- build steps
+
+
+def _load(cfg: RunConfig, base: tuple[nn.Module, Any] | None) -> tuple[nn.Module, Any]:
+    dtype = DTYPES[cfg.dtype]
+    if base is not None:
+        model, tokenizer = base
+        model = copy.deepcopy(model)
+        model.to(device=cfg.device, dtype=dtype)
+    else:
+        from rope_quant.models import load_model
+
+        model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=dtype)
+    model.eval()
+    return model, tokenizer
+
+
+def _forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progress: bool) -> None:
+    """Run the decoder stack (no lm_head) over each window, for hooks to observe."""
+    from tqdm.auto import tqdm
+
+    base = getattr(model, "model", model)
+    dev = next(model.parameters()).device
+    # no_grad, not inference_mode: tensors cached by hooks/transforms during this pass must stay usable
+    # by later forwards that run with autograd enabled.
+    with torch.no_grad():
+        for row in tqdm(windows, desc=desc, disable=not progress, leave=False):
+            base(input_ids=row.unsqueeze(0).to(dev), use_cache=False)
+
+
+def _rotation_config(cfg: RunConfig):
+    from rope_quant.rotation import RotationConfig
+
+    return RotationConfig(r1=cfg.r1, r2=cfg.r2, r4=cfg.r4, seed=cfg.seed)
+
+
+def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor):
+    """Offline R1/R2 (+ R4 weights and its online pre-hook) with :func:`rotation.rotate_model`."""
+    from rope_quant.rotation import rotate_model
+
+    kwargs: dict[str, Any] = {}
+    if "whip" in (cfg.r1, cfg.r2):
+        kwargs["calib_ids"] = calib
+    return rotate_model(model, _rotation_config(cfg), **kwargs)
+
+
+def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
+    """Cache hit: rebuild the rotated model's structure and load its cached (quantised) parameters.
+
+    The weight algebra of :func:`rotation.rotate_model` is skipped (the cached state already holds its
+    result): embeddings are untied, the full state dict is loaded, and the online R4 Hadamard is
+    registered on down_proj with ``prepend=True`` (:func:`rotation.online_r4`, as ``apply_r4`` does).
+    """
+    from rope_quant import rotation
+
+    rotation.untie_embeddings(model)
+    missing, unexpected = model.load_state_dict(payload["state"], strict=False)
+    if missing or unexpected:
+        raise PipelineError(f"weight cache does not match the model: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
+    result = rotation.RotationResult(config=_rotation_config(cfg), r1=payload.get("r1"), r2=payload.get("r2"),
+                                     untied=bool(payload.get("untied")))
+    if cfg.r4:
+        for layer in rotation.decoder_layers(model):
+            down = layer.mlp.down_proj
+            result.r4_handles.append(down.register_forward_pre_hook(_r4_hook, prepend=True))
+            down.rq_online_r4 = "hook"
+    model.rq_rotation = result.config
+    return result
+
+
+def _r4_hook(_mod: nn.Module, args: tuple) -> tuple:
+    from rope_quant.rotation import online_r4
+
+    return (online_r4(args[0]),) + tuple(args[1:])
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Short hash of a loaded model's shape and weights (taken before any rotation).
+
+    Cache files carry it in their names, so a test model built from ``base=`` never collides with the
+    checkpoint named in ``cfg.model``.
+    """
+    c = model.config
+    names = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "intermediate_size")
+    parts: list[Any] = [getattr(c, n, None) for n in names]
+    base = getattr(model, "model", model)
+    with torch.no_grad():
+        for t in (base.embed_tokens.weight, base.layers[0].self_attn.q_proj.weight,
+                  base.layers[-1].mlp.down_proj.weight):
+            t64 = t.detach().double()
+            parts += [float(t64.sum()), float(t64.abs().sum()), float((t64 * t64).sum())]
+    return _hash(parts)[:8]
+
+
+def _weight_cache_path(cache_dir: Path | None, cfg: RunConfig, fingerprint: str) -> Path | None:
+    if cache_dir is None:
+        return None
+    return Path(cache_dir) / f"weights-{cfg.weight_key()}-{fingerprint}.pt"
+
+
+def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, errors: dict,
+                  static_act: dict | None) -> None:
+    """Write the rotated, quantised state (every parameter and buffer) atomically (tmp + os.replace)."""
+    payload = {
+        "format": WEIGHT_CACHE_FORMAT, "weight_fields": cfg.weight_fields(),
+        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "r1": None if rotation is None or rotation.r1 is None else rotation.r1.cpu(),
+        "r2": None if rotation is None or rotation.r2 is None else rotation.r2.cpu(),
+        "untied": bool(getattr(rotation, "untied", False)), "errors": errors,
+        "static_act": None if static_act is None else {
+            n: (q.lo.cpu(), q.hi.cpu()) for n, q in static_act.items()},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def _read_weight_cache(path: Path | None, cfg: RunConfig) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, OSError, EOFError, ValueError) as exc:  # a corrupt or partial file: recompute
+        log.warning("ignoring unreadable weight cache %s: %s", path, exc)
+        return None
+    fields = json.loads(json.dumps(cfg.weight_fields(), default=str))
+    if payload.get("format") != WEIGHT_CACHE_FORMAT or payload.get("weight_fields") != fields:
+        log.warning("ignoring weight cache %s: its fields do not match this configuration", path)
+        return None
+    return payload
+
+
+def _static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, progress: bool,
+                       saved: dict | None = None) -> dict:
+    """One static per-channel activation quantiser per decoder linear (App. A.6, D).
+
+    Calibrated on the rotated full-precision model over the calibration windows (running per-channel
+    min/max of each linear's input, after the R4 Hadamard on down_proj), or restored from ``saved``.
+    """
+    from rope_quant.quant import StaticChannelQuantizer
+
+    quantizers: dict[str, Any] = {}
+    handles = []
+    if saved is not None:
+        for name, mod in _decoder_linears(model):
+            q = StaticChannelQuantizer(mod.in_features, bits=cfg.a_bits, clip_ratio=cfg.a_clip)
+            q.lo, q.hi = (t.clone() for t in saved[name])
+            q.finalize()
+            quantizers[name] = q
+        return quantizers
+    for name, mod in _decoder_linears(model):
+        q = StaticChannelQuantizer(mod.in_features, bits=cfg.a_bits, clip_ratio=cfg.a_clip)
+        quantizers[name] = q
+
+        def pre(_mod, args, _q=q):
+            _q.observe(args[0])
+        handles.append(mod.register_forward_pre_hook(pre))
+    try:
+        _forward_windows(model, calib, "static act calibration", progress)
+    finally:
+        for h in handles:
+            h.remove()
+    for q in quantizers.values():
+        q.finalize()
+    return quantizers
+
+
+def _kv_static_quantizers(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry,
+                          calib: torch.Tensor, progress: bool) -> tuple[list, list]:
+    """Calibrate per-layer static per-channel K and V quantisers on post-R3 keys / values (App. A.6, D)."""
+    from rope_quant.quant import StaticChannelQuantizer
+
+    ks = [StaticChannelQuantizer(geom.head_dim * geom.n_kv_heads, bits=cfg.k_bits, clip_ratio=cfg.k_clip)
+          for _ in range(geom.n_layers)]
+    vs = [StaticChannelQuantizer(geom.head_dim * geom.n_kv_heads, bits=cfg.v_bits, clip_ratio=cfg.v_clip)
+          for _ in range(geom.n_layers)]
+
+    def observe(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        ks[layer].observe(_heads_last(k))
+        vs[layer].observe(_heads_last(v))
+
+    states = attention.attention_states(model)
+    saved = [(s.k_bits, s.v_bits) for s in states]
+    for s in states:
+        s.k_bits = s.v_bits = 16
+        s.observers.append(observe)
+    try:
+        _forward_windows(model, calib, "static KV calibration", progress)
+    finally:
+        for s, (kb, vb) in zip(states, saved, strict=True):
+            s.observers.remove(observe)
+            s.k_bits, s.v_bits = kb, vb
+    for q in ks + vs:
+        q.finalize()
+    return [_HeadsQuantizer(q) for q in ks], [_HeadsQuantizer(q) for q in vs]
+
+
+def _heads_last(x: torch.Tensor) -> torch.Tensor:
+    """(b, H, L, d) -> (b, L, H*d): channels of all heads on the last axis."""
+    b, h, length, d = x.shape
+    return x.transpose(1, 2).reshape(b, length, h * d)
+
+
+@dataclass
+class _HeadsQuantizer:
+    """Apply a per-channel quantiser over (H*d) channels to a (b, H, L, d) tensor."""
+
+    q: Any
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, length, d = x.shape
+        y = self.q(_heads_last(x))
+        return y.reshape(b, length, h, d).transpose(1, 2)
+
+
+def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray) -> list[Any]:
+    from rope_quant import transforms
+
+    out = []
+    for layer in range(geom.n_layers):
+        params: dict[str, Any] = {"layout": "rotate_half"}
+        if transforms.needs_angles(cfg.r3):
+            params["angles"] = angles[layer]
+        if cfg.r3_block is not None:
+            params["block"] = cfg.r3_block
+        out.append(transforms.build(cfg.r3, geom.head_dim, **params))
+    return out
+
+
+def _estimate_angles(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray:
+    from rope_quant.objectives import estimate_angles
+
+    if cfg.position_average:
+        return estimate_angles(stats, cfg.estimator, cfg.objective, inv_freq=model,
+                               average_length=cfg.average_length or cfg.seqlen)
+    return estimate_angles(stats, cfg.estimator, cfg.objective)
+
+
+def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry, calib: torch.Tensor,
+               cache: Path | None, progress: bool, fingerprint: str = ""):
+    """Collect mode: pre-RoPE q/k statistics over the calibration windows (cached per stats_key)."""
+    from rope_quant.calibration import CalibrationStats
+
+    spath = None if cache is None else cache / f"stats-{cfg.stats_key()}-{fingerprint}.npz"
+    if spath is not None and spath.is_file():
+        return CalibrationStats.load(spath)
+    stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim)
+    with attention.calibration_hooks(model, stats):
+        _forward_windows(model, calib, "calibration", progress)
+    PIPELINE_COUNTERS["calibration_passes"] += 1
+    if spath is not None:
+        stats.save(spath)
+    return stats
+
+
+def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
+                          base: tuple[nn.Module, Any] | None = None, progress: bool = False,
+                          corpus: Any = None) -> QuantizedModel:
+    """Build the quantised model of one cell (see the module docstring for the steps).
+
+    ``base=(model, tokenizer)`` is deep-copied instead of loading ``cfg.model`` (tests reuse one model).
+    ``cache_dir`` caches the rotated, quantised state per :meth:`RunConfig.weight_key` (shared by every R3
+    variant) and the calibration statistics per :meth:`RunConfig.stats_key`. ``corpus`` may pass an
+    already-loaded corpus. Raises :class:`rope_quant.attention.UnsupportedAttentionError`,
+    :class:`rope_quant.rope.OddHeadDimError` or :class:`rope_quant.rope.MissingInvFreqError` for models
+    the pipeline cannot handle, before any expensive step.
+    """
+    from rope_quant import data
+
+    timing: dict[str, float] = {}
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = _load(cfg, base)
+    geom = attention.check_model(model)  # clear errors before any expensive step
+    inv_freq, inv_source = rope.find_inv_freq(model, head_dim=geom.head_dim)
+    fingerprint = model_fingerprint(model) if cache_dir is not None else ""
+    if corpus is None:
+        corpus = data.load_corpus(cfg.corpus, tokenizer)
+    calib = data.calibration_windows(corpus, cfg.calib_windows, cfg.seqlen, cfg.seed)
+    cache = Path(cache_dir) if cache_dir is not None else None
+    timing["load_s"] = time.perf_counter() - t0
+
+    # 2. offline rotations (+ the online R4 pre-hook); a cache hit restores the rotated quantised state
+    t = time.perf_counter()
+    wpath = _weight_cache_path(cache, cfg, fingerprint)
+    cached = _read_weight_cache(wpath, cfg)
+    rotation = _restore_rotated(model, cfg, cached) if cached is not None else _rotate(model, cfg, calib)
+    timing["rotate_s"] = time.perf_counter() - t
+
+    # 3. activation quantisers (static ranges come from the rotated fp model, before the weights change)
+    t = time.perf_counter()
+    static_act = None
+    if cfg.static_scope in ("act", "both"):
+        static_act = _static_quantizers(model, cfg, calib, progress,
+                                        saved=None if cached is None else cached.get("static_act"))
+    act_handles = install_activation_quantizers(model, cfg.a_bits, cfg.a_group, cfg.a_clip, static=static_act)
+    timing["act_calib_s"] = time.perf_counter() - t
+
+    # 4. weights (GPTQ Hessians see R4 and the activation quantisers installed above)
+    t = time.perf_counter()
+    errors: dict[str, float] = {}
+    if cached is not None:
+        errors = dict(cached.get("errors") or {})
+        PIPELINE_COUNTERS["weight_cache_hits"] += 1
+    else:
+        if cfg.weights == "gptq":
+            errors = gptq.quantize_model_gptq(model, calib, cfg.w_bits, cfg.gptq, clip_ratio=cfg.w_clip,
+                                              progress=progress)
+            PIPELINE_COUNTERS["weight_quantizations"] += 1
+        elif cfg.weights == "rtn":
+            gptq.quantize_model_rtn(model, cfg.w_bits, cfg.gptq.group_size, cfg.gptq.mse, cfg.w_clip)
+            PIPELINE_COUNTERS["weight_quantizations"] += 1
+        if wpath is not None:
+            _save_weights(wpath, cfg, model, rotation, errors, static_act)
+    timing["weights_s"] = time.perf_counter() - t
+
+    # 5. calibration statistics (pre-RoPE q/k) on the same windows
+    t = time.perf_counter()
+    stats = _calibrate(model, cfg, geom, calib, cache, progress, fingerprint)
+    timing["calibration_s"] = time.perf_counter() - t
+
+    qm = QuantizedModel(
+        model=model, tokenizer=tokenizer, cfg=cfg, angles=np.zeros((geom.n_layers, geom.head_dim // 2)),
+        transforms=[], stats=stats, inv_freq=inv_freq, inv_freq_source=inv_source, geometry=geom,
+        corpus=corpus, act_handles=act_handles, rotation=rotation, weight_cache_hit=cached is not None,
+        weight_errors=errors, timing=timing, calib=calib,
+    )
+    # 6-7. angles, R3 and the quantise-mode attention
+    qm.reconfigure(cfg, progress=progress)
+    timing["build_s"] = time.perf_counter() - t0
+    return qm
+
+
+def angles_summary(angles: np.ndarray) -> dict[str, Any]:
+    """Small JSON-able summary of an angle array (radians)."""
+    a = np.abs(np.asarray(angles, dtype=np.float64))
+    return {"shape": list(a.shape), "mean_abs": float(a.mean()), "max_abs": float(a.max()),
+            "frac_below_0.01": float((a < 0.01).mean())}
+
+
+def run_cell(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
+             base: tuple[nn.Module, Any] | None = None, progress: bool = False,
+             qm: QuantizedModel | None = None, corpus: Any = None) -> dict[str, Any]:
+    """Build (unless ``qm`` is given) and evaluate one cell: perplexity and K diagnostics (JSON-able dict)."""
+    from rope_quant import evaluate
+
+    if qm is None:
+        qm = build_quantized_model(cfg, cache_dir=cache_dir, base=base, progress=progress, corpus=corpus)
+    diag = qm.attach_diagnostics()
+    t = time.perf_counter()
+    try:
+        res = evaluate.perplexity(qm.model, qm.corpus.eval_ids, cfg.seqlen, max_windows=cfg.eval_windows,
+                                  device=cfg.device, progress=progress)
+    finally:
+        qm.detach_diagnostics()
+    eval_s = time.perf_counter() - t
+    summary = diag.summary()
+    out = {
+        "key": cfg.key(), "weight_key": cfg.weight_key(), "config": cfg.to_dict(),
+        "ppl": res.ppl, "nll": res.nll, "n_windows": res.n_windows, "n_tokens": res.n_tokens,
+        "seqlen": res.seqlen, "window_nll": list(res.window_nll),
+        "k_range_mean": summary["k_range_mean"], "k_range_max": summary["k_range_max"],
+        "delta_mean": summary["delta_mean"], "k_rel_err": summary["k_rel_err"],
+        "diag_bits": diag.bits,
+        "angles": angles_summary(qm.angles), "inv_freq_source": qm.inv_freq_source,
+        "weight_cache_hit": qm.weight_cache_hit,
+        "timing": {**qm.timing, "eval_s": eval_s},
+    }
+    return json.loads(json.dumps(out, default=float))
