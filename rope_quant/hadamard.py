@@ -182,8 +182,13 @@ def _build_matrix(n: int, device: torch.device, dtype: torch.dtype, normalize: b
 
 @functools.lru_cache(maxsize=256)
 def _cached_matrix(n: int, device: torch.device, dtype: torch.dtype, normalize: bool) -> torch.Tensor:
-    """Per-(n, device, dtype) cache of the small factors the kernels use (read-only: never mutate)."""
-    return _build_matrix(n, device, dtype, normalize)
+    """Per-(n, device, dtype) cache of the small factors the kernels use (read-only: never mutate).
+
+    Built outside ``torch.inference_mode`` so that a factor first made during evaluation can still be
+    used later by a forward that records autograd (an inference tensor cannot be saved for backward).
+    """
+    with torch.inference_mode(False):
+        return _build_matrix(n, device, dtype, normalize)
 
 
 def _factor(n: int, x: torch.Tensor, normalize: bool) -> torch.Tensor:

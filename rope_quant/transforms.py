@@ -273,10 +273,11 @@ class Pairwise(R3Transform):
         key = (x.device, x.dtype, n_heads)
         hit = self._cache.get(key)
         if hit is None:
-            phi = torch.from_numpy(self.angles)
-            if rows:
-                phi = phi.repeat_interleave(n_heads // rows, dim=0)[:, None, :]  # (H, 1, K)
-            hit = (torch.cos(phi).to(x.device, x.dtype), torch.sin(phi).to(x.device, x.dtype))
+            with torch.inference_mode(False):  # cached tables must stay usable outside inference mode
+                phi = torch.from_numpy(self.angles)
+                if rows:
+                    phi = phi.repeat_interleave(n_heads // rows, dim=0)[:, None, :]  # (H, 1, K)
+                hit = (torch.cos(phi).to(x.device, x.dtype), torch.sin(phi).to(x.device, x.dtype))
             self._cache[key] = hit
         return hit
 

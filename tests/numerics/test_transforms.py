@@ -347,3 +347,18 @@ def test_autograd_path_matches_inplace_path() -> None:
     y.square().sum().backward()
     torch.testing.assert_close(y.detach(), t.apply(x.detach()), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, 2 * x.detach(), rtol=1e-5, atol=1e-5)  # orthogonal: d|Mx|²/dx = 2x
+
+
+def test_cached_tables_built_in_inference_mode_are_usable_with_autograd() -> None:
+    """Regression: a cache first filled under torch.inference_mode must not poison later autograd forwards."""
+    import numpy as np
+    import torch
+
+    from rope_quant import transforms
+
+    t = transforms.build("pairwise_plus_hadamard", 64, angles=np.linspace(-0.5, 0.5, 32))
+    with torch.inference_mode():
+        t.apply(torch.randn(1, 3, 4, 64))
+    x = torch.randn(1, 3, 4, 64, requires_grad=True)
+    t.apply(x).square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
