@@ -1,0 +1,597 @@
+"""The ``rope-quant`` command line: run cells and sweeps, verify φ*, and report (argparse).
+
+Subcommands::
+
+    rope-quant run           one cell (one R3 config at one seed)
+    rope-quant compare       the paper's main comparison (hadamard vs pairwise vs identity ...)
+    rope-quant support       mixing support: block size b = 2 ... d_h (K range, relative error, gap)
+    rope-quant estimators    rows / k_only / balanced (+ φ* with --phi-star)
+    rope-quant long-context  perplexity gap against context length L (crossover)
+    rope-quant verify        φ* artefacts of a results directory (App. A.5)
+    rope-quant report        tables and figures from a results directory (--check: completion only)
+
+Defaults run on CPU in minutes on the embedded SmolLM2-135M and the ``pydoc`` corpus; with
+``--device cuda`` the paper's budgets (seqlen 2048, 128 calibration windows, all evaluation windows)
+are the defaults. ``--model PATH`` takes a local Hugging Face checkpoint or a .gguf file.
+
+Exit codes: 0 success; 1 some cells failed (or ``report --check`` found incomplete cells, or φ* was
+not verified); 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CORPUS = "pydoc"
+DEFAULT_CONFIGS = ("hadamard", "pairwise_only", "pairwise_plus_hadamard", "identity")
+DEFAULT_SEEDS = (0, 1, 2)
+DEFAULT_ESTIMATORS = ("rows", "k_only", "balanced")
+#: Defaults per device: window length, calibration / evaluation windows (None = every window), the
+#: weight quantiser and its MSE clipping search. The CPU budget keeps the default ``compare`` (4 configs
+#: x 3 seeds) within about 15 minutes on 2 cores: GPTQ with the MSE search took about 27 minutes for ONE
+#: seed at 8 x 512 calibration tokens on the shared 2-core machine, so CPU defaults to RTN without the
+#: search (``--weights gptq --w-mse`` restores the paper's setting, as on CUDA).
+BUDGETS: dict[str, dict[str, Any]] = {
+    "cpu": {"seqlen": 512, "calib_windows": 4, "eval_windows": 4, "weights": "rtn", "w_mse": False},
+    "cuda": {"seqlen": 2048, "calib_windows": 128, "eval_windows": None, "weights": "gptq", "w_mse": True},
+}
+BUDGET_FIELDS = ("seqlen", "calib_windows", "eval_windows", "weights", "w_mse")
+LONG_CONTEXT_LENGTHS = {"cpu": (256, 512, 1024), "cuda": (2048, 4096, 8192, 16384)}
+#: A hook for tests: a function ``cfg -> dict`` used instead of the real pipeline.
+CELL_FN: Callable[[Any], dict] | None = None
+
+
+class CLIError(ValueError):
+    """Bad command-line input (exit code 2)."""
+
+
+# ----------------------------------------------------------------------------- parsing helpers
+
+
+def parse_int_list(text: str, what: str, *, minimum: int | None = None) -> tuple[int, ...]:
+    """``"0,1,2"`` -> ``(0, 1, 2)``; distinct integers, at least one."""
+    items = [s.strip() for s in str(text).split(",")]
+    if not text or not all(items):
+        raise CLIError(f"{what} must be a comma-separated list of integers like 0,1,2, got {text!r}")
+    try:
+        values = tuple(int(s) for s in items)
+    except ValueError:
+        raise CLIError(
+            f"{what} must be a comma-separated list of integers like 0,1,2, got {text!r}"
+        ) from None
+    if len(set(values)) != len(values):
+        raise CLIError(f"{what} has repeated values: {text!r}")
+    if minimum is not None and any(v < minimum for v in values):
+        raise CLIError(f"{what} values must be >= {minimum}, got {text!r}")
+    return values
+
+
+def parse_names(text: str, what: str, valid: Sequence[str]) -> tuple[str, ...]:
+    """Comma-separated names, each in ``valid`` (the error lists the valid names)."""
+    names = tuple(s.strip() for s in str(text).split(",") if s.strip())
+    if not names:
+        raise CLIError(f"{what} is empty")
+    if len(set(names)) != len(names):
+        raise CLIError(f"{what} has repeated names: {text!r}")
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise CLIError(f"unknown {what} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    return names
+
+
+def valid_configs() -> list[str]:
+    """R3 registry names (``transforms.names()``)."""
+    from rope_quant import transforms
+
+    return list(transforms.names())
+
+
+def parse_configs(text: str) -> tuple[str, ...]:
+    """R3 names for compare / long-context; block transforms need ``support`` (they take a block size)."""
+    from rope_quant import transforms
+
+    configs = parse_names(text, "config", valid_configs())
+    blocky = [c for c in configs if transforms.needs_block(c)]
+    if blocky:
+        raise CLIError(f"{', '.join(blocky)} need a block size: use `rope-quant support --transform NAME` "
+                       "or `rope-quant run --config NAME --block b`")
+    return configs
+
+
+def check_corpus(name: str) -> str:
+    """An embedded corpus name, ``wikitext2``, or an existing local path."""
+    from rope_quant import data
+
+    known = data.list_corpora(include_unavailable=True)
+    if name in known and name not in data.list_corpora():
+        raise CLIError(f"corpus {name!r} is not installed here; available: {', '.join(data.list_corpora())}")
+    if name in known or name.lower() in data.HF_WIKITEXT_NAMES or Path(name).expanduser().exists():
+        return name
+    raise CLIError(f"unknown corpus {name!r}: use one of {', '.join(known)}, wikitext2, or a local path")
+
+
+def check_model(name: str) -> str:
+    """An embedded model name or an existing local checkpoint / .gguf file."""
+    from rope_quant.models import ModelNotFoundError, resolve_model
+
+    try:
+        resolve_model(name)
+    except ModelNotFoundError as exc:
+        raise CLIError(str(exc)) from None
+    return name
+
+
+def check_device(device: str) -> str:
+    if device == "cpu":
+        return device
+    if device == "cuda" or device.startswith("cuda:"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CLIError(f"--device {device}: CUDA is not available on this machine")
+        return device
+    raise CLIError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def _common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
+    g = parser.add_argument_group("cell configuration")
+    g.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|PATH",
+                   help=f"embedded model name, local HF checkpoint or .gguf file (default {DEFAULT_MODEL})")
+    g.add_argument("--corpus", default=DEFAULT_CORPUS, metavar="NAME|PATH",
+                   help="pydoc, shakespeare, debian-reference, kjv, wikitext2 or a path "
+                   f"(default {DEFAULT_CORPUS})")
+    if seeds:
+        g.add_argument("--seeds", default=None, metavar="0,1,2",
+                       help="comma-separated seeds (default 0,1,2)")
+    g.add_argument("--estimator", default="rows", choices=("rows", "k_only", "balanced", "per_head"),
+                   help="covariance pooling for the pairwise angles (default rows)")
+    for q in ("w", "a", "k", "v"):
+        g.add_argument(f"--{q}-bits", type=int, default=4, metavar="B",
+                       help=f"{q.upper()} bits (16 = off; default 4)")
+    g.add_argument("--weights", default=None, choices=("gptq", "rtn", "none"),
+                   help="weight quantiser, cached per seed (CPU rtn, CUDA gptq)")
+    g.add_argument("--w-mse", action=argparse.BooleanOptionalAction, default=None,
+                   help="per-channel MSE clipping search for the weight scales (CPU off, CUDA on)")
+    g.add_argument("--seqlen", type=int, default=None, metavar="N", help="window length (CPU 512, CUDA 2048)")
+    g.add_argument("--calib-windows", type=int, default=None, metavar="N",
+                   help="calibration windows (CPU 4, CUDA 128)")
+    g.add_argument("--eval-windows", type=int, default=None, metavar="N",
+                   help="evaluation windows (CPU 4, CUDA all; 0 = all)")
+    g.add_argument("--device", default="cpu", metavar="cpu|cuda", help="compute device (default cpu)")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (default float32)")
+    r = parser.add_argument_group("results")
+    r.add_argument("--out", required=True, metavar="DIR", help="results directory")
+    r.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="recompute cells that are already complete (default: skip them)")
+    r.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="weight/statistics cache (default DIR/cache)")
+    r.add_argument("--progress", action="store_true", help="progress bars inside each cell")
+
+
+def _sweep_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("execution (parallelism through existing engines)")
+    g.add_argument("--shard", default=None, metavar="i/n",
+                   help="run only shard i of n (0-based, deterministic contiguous split); 'auto' reads "
+                        "SLURM_ARRAY_TASK_ID/COUNT or PYTEST_XDIST_WORKER/COUNT")
+    g.add_argument("--slurm", type=int, default=None, metavar="N",
+                   help="submit N Slurm array tasks through submitit (if installed) and return")
+    g.add_argument("--slurm-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="submitit executor parameter (repeatable), e.g. timeout_min=120, slurm_partition=gpu")
+    g.add_argument("--comparator", default="hadamard", help="config every other one is paired against")
+    g.add_argument("--no-figures", dest="figures", action="store_false", help="skip the PNG figures")
+    g.add_argument("--quiet", action="store_true", help="do not print per-cell progress")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rope-quant",
+        description="RoPE-commuting vs Hadamard R3 rotations in W4A4KV4 rotation-based PTQ.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run one cell")
+    p.add_argument("--config", default="hadamard", help="R3 registry name (default hadamard)")
+    p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    p.add_argument("--block", type=int, default=None, help="block size for block_* transforms")
+    p.add_argument("--phi-star", action="store_true", help="position-averaged angle φ* instead of φ̂")
+    p.add_argument("--average-length", type=int, default=None, help="φ* averaging length (default seqlen)")
+    p.add_argument("--name", default=None, help="cell name in the results directory (default: --config)")
+    _common(p, seeds=False)
+
+    p = sub.add_parser("compare", help="the main comparison over R3 configs and seeds")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="A,B,...",
+                   help=f"R3 configs (default {','.join(DEFAULT_CONFIGS)})")
+    _common(p)
+    _sweep_options(p)
+
+    p = sub.add_parser("support", help="mixing support: block size b against K range, error and gap")
+    p.add_argument("--blocks", default=None, metavar="2,4,...",
+                   help="block sizes (default powers of two 2 ... head_dim)")
+    p.add_argument("--transform", default="block_hadamard",
+                   choices=("block_hadamard", "block_hadamard_contiguous", "block_hadamard_raw"),
+                   help="block transform (default block_hadamard)")
+    _common(p)
+    _sweep_options(p)
+
+    p = sub.add_parser("estimators", help="angle estimators rows / k_only / balanced (+ φ*)")
+    p.add_argument("--estimators", default=",".join(DEFAULT_ESTIMATORS), metavar="A,B,...",
+                   help=f"estimators (default {','.join(DEFAULT_ESTIMATORS)}; per_head also valid)")
+    p.add_argument("--phi-star", action="store_true", help="add the position-averaged φ* (with --estimator)")
+    p.add_argument("--average-length", type=int, default=None, help="φ* averaging length (default seqlen)")
+    p.add_argument("--transform", default="pairwise_only",
+                   choices=("pairwise_only", "pairwise_plus_hadamard"),
+                   help="R3 using the angles (default pairwise_only)")
+    _common(p)
+    _sweep_options(p)
+
+    p = sub.add_parser("long-context", help="perplexity gap against context length")
+    p.add_argument("--lengths", default=None, metavar="L1,L2,...",
+                   help="context lengths (CPU 256,512,1024; CUDA 2048,4096,8192,16384)")
+    p.add_argument("--configs", default="hadamard,pairwise_only", metavar="A,B,...",
+                   help="R3 configs (default hadamard,pairwise_only)")
+    _common(p)
+    _sweep_options(p)
+
+    p = sub.add_parser("verify", help="verify φ* from the artefacts of a results directory")
+    p.add_argument("dir", metavar="DIR", help="results directory")
+    p.add_argument("--all", action="store_true",
+                   help="also check φ̂ cells (averaging length = seqlen); default: φ* cells only")
+    p.add_argument("--tol", type=float, default=None, help="relative excess tolerance (default 5e-5)")
+
+    p = sub.add_parser("report", help="tables and figures from a results directory")
+    p.add_argument("dir", metavar="DIR", help="results directory")
+    p.add_argument("--check", action="store_true", help="only check completion (exit 1 if incomplete)")
+    p.add_argument("--comparator", default=None, help="comparator config (default: the manifest's)")
+    p.add_argument("--family", default=None, metavar="A,B,...", help="Holm family (default: manifest's)")
+    p.add_argument("--level", type=float, default=0.90, help="paired CI level (default 0.90)")
+    p.add_argument("--no-figures", dest="figures", action="store_false", help="skip the PNG figures")
+    return parser
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def resolve_budget(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """seqlen, windows, weights and w_mse from the flags or the device defaults; lists the defaults used."""
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    budget, used = {}, []
+    for field in BUDGET_FIELDS:
+        value = getattr(args, field)
+        if value is None:
+            value = BUDGETS[kind][field]
+            used.append(f"{field}={'all' if value is None else value}")
+        elif field == "eval_windows" and value == 0:
+            value = None
+        elif field in ("seqlen", "calib_windows", "eval_windows") and value < 1:
+            raise CLIError(f"--{field.replace('_', '-')} must be a positive integer, got {value}")
+        budget[field] = value
+    return budget, used
+
+
+def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The ``pipeline.RunConfig`` shared by every cell of the command (seed and R3 set per cell)."""
+    from rope_quant import pipeline
+
+    budget, _ = resolve_budget(args)
+    w_mse = budget.pop("w_mse")
+    fields = dict(model=args.model, corpus=args.corpus, w_bits=args.w_bits, a_bits=args.a_bits,
+                  k_bits=args.k_bits, v_bits=args.v_bits, estimator=args.estimator,
+                  device=args.device, dtype=args.dtype, **budget)
+    fields.update(overrides)
+    try:
+        fields["gptq"] = dataclasses.replace(pipeline.GPTQConfig(), mse=bool(w_mse))
+        return pipeline.RunConfig(**fields)
+    except pipeline.PipelineError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _seeds(args: argparse.Namespace, used: list[str]) -> tuple[int, ...]:
+    if args.seeds is None:
+        used.append("seeds=" + ",".join(map(str, DEFAULT_SEEDS)))
+        return DEFAULT_SEEDS
+    return parse_int_list(args.seeds, "--seeds", minimum=0)
+
+
+def _validate_common(args: argparse.Namespace) -> None:
+    check_device(args.device)
+    check_model(args.model)
+    check_corpus(args.corpus)
+    for q in ("w", "a", "k", "v"):
+        bits = getattr(args, f"{q}_bits")
+        if not 2 <= bits <= 16:
+            raise CLIError(f"--{q}-bits must be between 2 and 16 (16 = off), got {bits}")
+
+
+def _head_dim(model: str) -> int:
+    """head_dim of a model from its config alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    from rope_quant.models import resolve_model
+
+    src = resolve_model(model)
+    extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    cfg = AutoConfig.from_pretrained(src.directory, **extra)
+    head_dim = getattr(cfg, "head_dim", None)
+    return int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _cell_fn(args: argparse.Namespace, out: Path) -> Callable[[Any], dict] | None:
+    if CELL_FN is not None:
+        return CELL_FN
+    from rope_quant.sweep import CACHE_DIR, pipeline_cell_fn
+
+    cache = Path(args.cache_dir) if args.cache_dir else out / CACHE_DIR
+    return pipeline_cell_fn(cache, artifacts=out, progress=args.progress)
+
+
+def describe(cfg: Any) -> str:
+    """One line with the settings shared by a sweep's cells."""
+    run = getattr(cfg, "run", cfg)
+    evals = "all" if run.eval_windows is None else run.eval_windows
+    return (f"model={run.model} corpus={run.corpus} W{run.w_bits}A{run.a_bits}K{run.k_bits}V{run.v_bits} "
+            f"weights={run.weights}{'' if run.gptq.mse else ' (no MSE clip search)'} "
+            f"estimator={run.estimator} seqlen={run.seqlen} calib_windows={run.calib_windows} "
+            f"eval_windows={evals} device={run.device} dtype={run.dtype}")
+
+
+def _slurm_params(items: Sequence[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise CLIError(f"--slurm-param expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    return params
+
+
+def _execute(args: argparse.Namespace, manifest: Any, used: list[str]) -> int:
+    """Run (or submit) a sweep's cells, then write and print the report."""
+    from rope_quant import report, sweep
+
+    out = Path(args.out)
+    print(f"rope-quant {args.command}: {len(manifest)} cells -> {out}", flush=True)
+    print("settings: " + describe(manifest.cells[0][1]), flush=True)
+    if used:
+        print("defaults used: " + ", ".join(used), flush=True)
+    if args.slurm is not None:
+        if args.slurm < 1:
+            raise CLIError("--slurm needs a positive number of array tasks")
+        sweep.write_manifest(out, manifest)
+        jobs = sweep.submit_slurm(out, args.slurm, **_slurm_params(args.slurm_param))
+        print(f"submitted {len(jobs)} Slurm array tasks; when done run `rope-quant report {out}`")
+        return 0
+    selection = None
+    if args.shard is not None:
+        selection = sweep.shard_from_env() if args.shard == "auto" else sweep.parse_shard(args.shard)
+        if selection is None:
+            raise CLIError("--shard auto: no SLURM_ARRAY_TASK_ID/COUNT or PYTEST_XDIST_WORKER/COUNT set")
+    start = time.perf_counter()
+    result = sweep.run_cells(manifest, out, selection, cell_fn=_cell_fn(args, out), resume=args.resume,
+                             cache_dir=args.cache_dir, device=args.device,
+                             log=None if args.quiet else (lambda s: print(s, flush=True)))
+    print(f"cells: {result.summary()}", flush=True)
+    rep = report.write_report(out, comparator=args.comparator, figures=args.figures)
+    print()
+    print(rep["markdown"])
+    print(f"wrote {out / 'summary.json'} and {out / 'summary.md'} "
+          f"(wall {time.perf_counter() - start:.1f}s)")
+    return 1 if result.failed else 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rope_quant import sweep
+
+    _validate_common(args)
+    if args.config not in valid_configs():
+        raise CLIError(f"unknown config {args.config!r}; valid: {', '.join(valid_configs())}")
+    if args.seed < 0:
+        raise CLIError(f"--seed must be >= 0, got {args.seed}")
+    from rope_quant import transforms
+
+    if transforms.needs_block(args.config) and args.block is None:
+        raise CLIError(f"--config {args.config} needs --block b (a power of two dividing head_dim)")
+    if args.block is not None and not transforms.needs_block(args.config):
+        raise CLIError(f"--block applies to block_* configs only, not {args.config!r}")
+    used = resolve_budget(args)[1]
+    cfg = base_config(args, seed=args.seed, r3=args.config, r3_block=args.block,
+                      position_average=args.phi_star, average_length=args.average_length)
+    name = args.name or (args.config if args.block is None else f"{args.config}-b{args.block}")
+    meta = {name: {"r3": args.config, **({"block": args.block} if args.block else {})}}
+    manifest = sweep.Manifest(cells=[(name, cfg)], kind="run", comparator="hadamard", meta=meta)
+    out = Path(args.out)
+    print("settings: " + describe(cfg), flush=True)
+    if used:
+        print("defaults used: " + ", ".join(used), flush=True)
+    path = sweep.cell_path(out, name, cfg)
+    if args.resume and sweep.is_complete(path, cfg.key()):
+        print(f"already complete: {path}")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        sweep.write_manifest(out, manifest, merge=True)
+        sweep.write_env(out, args.device)
+        start = time.perf_counter()
+        _, ok = sweep.run_cell_record(name, cfg, out, _cell_fn(args, out), sweep.env_info(args.device))
+        print(f"{'done' if ok else 'FAILED'} in {time.perf_counter() - start:.1f}s: {path}")
+        if not ok:
+            record = sweep.read_record(path) or {}
+            print(f"error: {record.get('error', {}).get('type')}: {record.get('error', {}).get('message')}",
+                  file=sys.stderr)
+            return 1
+    result = (sweep.read_record(path) or {}).get("result", {})
+    keys = ("ppl", "n_windows", "n_tokens", "k_range_mean", "k_range_max", "delta_mean", "k_rel_err")
+    print(json.dumps({k: result.get(k) for k in keys}, indent=2))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rope_quant import sweep
+
+    _validate_common(args)
+    configs = parse_configs(args.configs)
+    used: list[str] = []
+    seeds = _seeds(args, used)
+    used += resolve_budget(args)[1]
+    if args.comparator not in configs:
+        print(f"note: comparator {args.comparator!r} is not among --configs: no paired statistics",
+              file=sys.stderr)
+    manifest = sweep.compare_manifest(base_config(args), configs, seeds, comparator=args.comparator)
+    return _execute(args, manifest, used)
+
+
+def cmd_support(args: argparse.Namespace) -> int:
+    from rope_quant import sweep
+
+    _validate_common(args)
+    used: list[str] = []
+    seeds = _seeds(args, used)
+    used += resolve_budget(args)[1]
+    if args.blocks is None:
+        head_dim = _head_dim(args.model)
+        blocks = tuple(2 ** i for i in range(1, head_dim.bit_length()) if 2 ** i <= head_dim)
+        used.append("blocks=" + ",".join(map(str, blocks)))
+    else:
+        blocks = parse_int_list(args.blocks, "--blocks", minimum=2)
+    manifest = sweep.support_manifest(base_config(args), blocks, seeds, transform=args.transform,
+                                      comparator=args.comparator)
+    return _execute(args, manifest, used)
+
+
+def cmd_estimators(args: argparse.Namespace) -> int:
+    from rope_quant import sweep
+
+    _validate_common(args)
+    estimators = parse_names(args.estimators, "estimator", ("rows", "k_only", "balanced", "per_head"))
+    used: list[str] = []
+    seeds = _seeds(args, used)
+    used += resolve_budget(args)[1]
+    manifest = sweep.estimators_manifest(base_config(args), estimators, seeds, transform=args.transform,
+                                         phi_star=args.phi_star, phi_star_estimator=args.estimator,
+                                         average_length=args.average_length, comparator=args.comparator)
+    return _execute(args, manifest, used)
+
+
+def cmd_long_context(args: argparse.Namespace) -> int:
+    from rope_quant import sweep
+
+    _validate_common(args)
+    configs = parse_configs(args.configs)
+    used: list[str] = []
+    seeds = _seeds(args, used)
+    used += resolve_budget(args)[1]
+    if args.lengths is None:
+        lengths = LONG_CONTEXT_LENGTHS["cuda" if args.device.startswith("cuda") else "cpu"]
+        used.append("lengths=" + ",".join(map(str, lengths)))
+    else:
+        lengths = parse_int_list(args.lengths, "--lengths", minimum=2)
+    manifest = sweep.long_context_manifest(base_config(args), configs, seeds, lengths,
+                                           comparator=args.comparator)
+    return _execute(args, manifest, used)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from rope_quant import sweep, verify
+    from rope_quant.envinfo import atomic_write_json
+
+    out = Path(args.dir)
+    data = sweep.read_manifest(out)
+    rows, checked = [], 0
+    for entry in data["cells"]:
+        cfg = entry["config"].get("run", entry["config"])
+        if not (cfg.get("position_average") or args.all):
+            continue
+        art = out / sweep.ARTIFACTS_DIR / entry["key"]
+        if not (art / "angles.npy").is_file():
+            rows.append({"config": entry["name"], "seed": entry["seed"], "verified": None,
+                         "worst_excess": None, "note": "no artefacts (cell not run?)"})
+            continue
+        length = cfg.get("average_length") or cfg["seqlen"]
+        dest = out / "verify" / entry["name"] / f"seed{entry['seed']}"
+        kwargs = {"tol": args.tol} if args.tol is not None else {}
+        result = verify.verify_files(art / "angles.npy", art / "stats.npz", art / "frequencies.json", length,
+                                     dest, rule=cfg.get("estimator", "rows"), **kwargs)
+        checked += 1
+        rows.append({"config": entry["name"], "seed": entry["seed"], "verified": result.verified,
+                     "worst_excess": result.summary["worst_excess"], "average_length": length,
+                     "artefacts": str(dest)})
+    if not rows:
+        raise CLIError(f"{out} has no φ* cells (use `rope-quant estimators --phi-star` or `run --phi-star`, "
+                       "or --all for φ̂ cells)")
+    atomic_write_json(out / "verify" / "verify_summary.json", {"cells": rows})
+    print("| config | seed | φ* verified | worst relative excess |\n|---|---|---|---|")
+    for r in rows:
+        excess = "–" if r["worst_excess"] is None else f"{r['worst_excess']:.3g}"
+        verdict = r.get("note") or ("yes" if r["verified"] else "no")
+        print(f"| {r['config']} | {r['seed']} | {verdict} | {excess} |")
+    print(f"{checked} cells checked; artefacts under {out / 'verify'}")
+    return 0 if checked and all(r["verified"] for r in rows) else 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rope_quant import report, sweep
+
+    out = Path(args.dir)
+    st = sweep.status(out)
+    print(st.summary())
+    if args.check:
+        return 0 if st.done else 1
+    family = None
+    if args.family is not None:
+        family = [s.strip() for s in args.family.split(",") if s.strip()]
+    if not 0 < args.level < 1:
+        raise CLIError(f"--level must lie in (0, 1), got {args.level}")
+    rep = report.write_report(out, comparator=args.comparator, family=family, level=args.level,
+                              figures=args.figures)
+    print(rep["markdown"])
+    print("wrote " + ", ".join(str(Path(f).relative_to(out)) for f in rep["files"]))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": cmd_run, "compare": cmd_compare, "support": cmd_support, "estimators": cmd_estimators,
+    "long-context": cmd_long_context, "verify": cmd_verify, "report": cmd_report,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rope-quant`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    from rope_quant.sweep import SweepError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (CLIError, SweepError) as exc:
+        print(f"rope-quant {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"rope-quant {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rope-quant {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
+

@@ -1,0 +1,620 @@
+"""Paired analysis of a results directory: summary.json, CSV/Markdown tables, figures (DESIGN.md step 9).
+
+Every config is paired *within seed* against a comparator (default ``hadamard``): for each seed
+both cells share the model, rotations R1/R2/R4, weights and calibration windows, so the unit of
+analysis is the per-seed difference ``d_s = ppl(config, s) - ppl(comparator, s)`` (positive: worse
+than the comparator). On the differences we report the mean, the sample sd (``n - 1``) and the 90%
+paired t interval (:func:`rope_quant.stats.paired_ci`); TOST equivalence at margins 0.02, 0.05 and
+0.10 perplexity points (:func:`rope_quant.stats.equivalent`, the 90% interval form); and Holm's
+step-down correction over a declared family of paired t tests (:func:`rope_quant.stats.holm`).
+
+Tables, in the shape of the paper's: ``multiseed`` (per-seed ppl, mean ± sd, Δ with CI),
+``corrected-star`` (Holm-corrected stars and TOST), ``crossover`` (gap vs comparator per context length
+L), ``estimators`` (rows / k_only / balanced / φ*), ``mixing-support`` (block size b: K range, relative
+error, gap). Each is written as ``DIR/tables/<name>.csv`` and ``.md``; ``DIR/summary.md`` collects them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rope_quant import stats
+from rope_quant.envinfo import atomic_write_bytes, atomic_write_json, atomic_write_text
+from rope_quant.sweep import complete_records, read_manifest, status
+
+DEFAULT_COMPARATOR = "hadamard"
+DEFAULT_MARGINS: tuple[float, ...] = (0.02, 0.05, 0.10)
+DEFAULT_LEVEL = 0.90
+DEFAULT_ALPHA = 0.05
+METRICS = ("k_range_mean", "k_range_max", "delta_mean", "k_rel_err")
+
+
+class ReportError(ValueError):
+    """A results directory that cannot be summarised as asked."""
+
+
+def margin_key(margin: float) -> str:
+    """JSON key of an equivalence margin: ``0.02 -> "0.02"``, ``0.1 -> "0.10"``."""
+    return f"{margin:.2f}"
+
+
+def stars(p_adjusted: float | None, alpha: float = DEFAULT_ALPHA) -> str:
+    """Significance stars of a Holm-adjusted p-value: *** < 0.001, ** < 0.01, * <= alpha."""
+    if p_adjusted is None:
+        return ""
+    if p_adjusted < 0.001:
+        return "***"
+    if p_adjusted < 0.01:
+        return "**"
+    return "*" if p_adjusted <= alpha else ""
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _mean(values: Sequence[Any]) -> float | None:
+    vals = [float(v) for v in values if _finite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _sd(values: Sequence[Any]) -> float | None:
+    vals = [float(v) for v in values if _finite(v)]
+    return stats.sample_sd(vals) if len(vals) >= 2 else None
+
+
+# ----------------------------------------------------------------------------- paired statistics
+
+
+def paired_block(
+    treatment: Mapping[int, float], control: Mapping[int, float], comparator: str,
+    level: float = DEFAULT_LEVEL, margins: Sequence[float] = DEFAULT_MARGINS,
+) -> dict[str, Any] | None:
+    """Paired statistics of ``treatment - control`` over the seeds both have (None if no common seed).
+
+    With one common seed only the difference is known: ``sd``, ``low``, ``high`` and ``p`` are None and
+    no equivalence is claimed.
+    """
+    common = [s for s in treatment if s in control and _finite(treatment[s]) and _finite(control[s])]
+    if not common:
+        return None
+    t = [float(treatment[s]) for s in common]
+    c = [float(control[s]) for s in common]
+    block: dict[str, Any] = {"comparator": comparator, "n": len(common), "seeds": common, "level": level}
+    if len(common) >= 2:
+        ci = stats.paired_ci(t, c, level=level)
+        block.update(mean=ci.mean, sd=ci.sd, low=ci.low, high=ci.high, p=stats.paired_t_pvalue(t, c))
+        block["equivalence"] = {margin_key(m): stats.equivalent(ci, m) for m in margins}
+    else:
+        block.update(mean=t[0] - c[0], sd=None, low=None, high=None, p=None)
+        block["equivalence"] = {margin_key(m): False for m in margins}
+    return block
+
+
+def holm_family(
+    paired: Mapping[str, Mapping[str, Any]], family: Sequence[str] | None, alpha: float = DEFAULT_ALPHA
+) -> dict[str, Any]:
+    """Holm over the family's paired t p-values (members without a p-value are left out and listed)."""
+    names = list(family) if family is not None else list(paired)
+    unknown = [n for n in names if n not in paired]
+    tested = [n for n in names if n in paired and paired[n].get("p") is not None]
+    reject, adjusted = stats.holm([paired[n]["p"] for n in tested], alpha=alpha) if tested else ([], [])
+    results = {
+        n: {"p": paired[n]["p"], "p_holm": adj, "reject": rej, "stars": stars(adj, alpha)}
+        for n, rej, adj in zip(tested, reject, adjusted, strict=True)
+    }
+    return {"family": tested, "alpha": alpha, "untested": [n for n in names if n not in tested and n not in
+                                                          unknown], "unknown": unknown, "results": results}
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def _seed_map(values: Mapping[str, Mapping[int, Any]], name: str) -> dict[int, Any]:
+    return dict(values.get(name, {}))
+
+
+def summarize(
+    results_dir: str | os.PathLike[str],
+    *,
+    comparator: str | None = None,
+    family: Sequence[str] | None = None,
+    level: float = DEFAULT_LEVEL,
+    margins: Sequence[float] = DEFAULT_MARGINS,
+    alpha: float = DEFAULT_ALPHA,
+    write: bool = True,
+) -> dict[str, Any]:
+    """Build (and by default write atomically) ``DIR/summary.json`` from the complete cells of ``DIR``.
+
+    Shape (a contract other tools read)::
+
+        {"configs": {NAME: {"ppl": [...], "k_range_mean": [...], "k_rel_err": [...], "seeds": [...], ...}},
+         "paired": {NAME: {"comparator", "n", "mean", "sd", "low", "high", "p", "seeds", "level"}},
+         "equivalence": {NAME: {"0.02": bool, "0.05": bool, "0.10": bool}},
+         "holm": {"family": [...], "alpha": .., "results": {NAME: {"p", "p_holm", "reject", "stars"}}},
+         "seeds": [...], "comparator": .., "kind": .., "meta": {...}, "long_context": {...}, "status": {...}}
+
+    Per-config lists are aligned with that config's ``seeds``. ``paired`` excludes the comparator.
+    """
+    manifest = read_manifest(results_dir)
+    comparator = comparator or manifest.get("comparator") or DEFAULT_COMPARATOR
+    if family is None and manifest.get("family") is not None:
+        family = list(manifest["family"])
+    records = complete_records(results_dir)
+    seed_order = list(dict.fromkeys(int(c["seed"]) for c in manifest["cells"]))
+    name_order = list(dict.fromkeys(c["name"] for c in manifest["cells"]))
+
+    ppl: dict[str, dict[int, float]] = {}
+    metrics: dict[str, dict[str, dict[int, Any]]] = {m: {} for m in METRICS}
+    lengths: dict[str, dict[int, dict[int, float | None]]] = {}
+    for rec in records:
+        name, seed, result = rec["name"], int(rec["seed"]), rec["result"]
+        if _finite(result.get("ppl")):
+            ppl.setdefault(name, {})[seed] = float(result["ppl"])
+            for m in METRICS:
+                metrics[m].setdefault(name, {})[seed] = result.get(m)
+        if isinstance(result.get("lengths"), Mapping):
+            for length, res in result["lengths"].items():
+                value = res.get("ppl") if isinstance(res, Mapping) else None
+                lengths.setdefault(name, {}).setdefault(int(length), {})[seed] = (
+                    float(value) if _finite(value) else None
+                )
+
+    configs: dict[str, Any] = {}
+    for name in name_order:
+        if name not in ppl:
+            continue
+        seeds = [s for s in seed_order if s in ppl[name]]
+        configs[name] = {
+            "seeds": seeds,
+            "ppl": [ppl[name][s] for s in seeds],
+            **{m: [metrics[m][name].get(s) for s in seeds] for m in METRICS},
+            "mean": _mean([ppl[name][s] for s in seeds]),
+            "sd": _sd([ppl[name][s] for s in seeds]),
+        }
+
+    paired: dict[str, Any] = {}
+    if comparator in ppl:
+        for name in configs:
+            if name == comparator:
+                continue
+            block = paired_block(ppl[name], ppl[comparator], comparator, level, margins)
+            if block is not None:
+                paired[name] = block
+    equivalence = {name: block.pop("equivalence") for name, block in paired.items()}
+    holm = holm_family(paired, family, alpha)
+
+    long_context: dict[str, Any] = {}
+    if lengths:
+        all_lengths = sorted({length for per in lengths.values() for length in per})
+        lc_paired: dict[str, dict[str, Any]] = {}
+        for length in all_lengths:
+            control = {s: v for s, v in lengths.get(comparator, {}).get(length, {}).items() if v is not None}
+            for name in name_order:
+                if name == comparator or name not in lengths:
+                    continue
+                treat = {s: v for s, v in lengths[name].get(length, {}).items() if v is not None}
+                block = paired_block(treat, control, comparator, level, margins) if control else None
+                if block is not None:
+                    block.pop("equivalence")
+                    lc_paired.setdefault(str(length), {})[name] = block
+        long_context = {
+            "lengths": all_lengths,
+            "configs": {
+                name: {str(length): [lengths[name][length].get(s) for s in seed_order
+                                     if s in lengths[name][length]]
+                       for length in sorted(lengths[name])}
+                for name in name_order if name in lengths
+            },
+            "seeds": {
+                name: {str(length): [s for s in seed_order if s in lengths[name][length]]
+                       for length in sorted(lengths[name])}
+                for name in name_order if name in lengths
+            },
+            "paired": lc_paired,
+        }
+
+    st = status(results_dir)
+    summary = {
+        "kind": manifest.get("kind", "custom"),
+        "comparator": comparator,
+        "seeds": [s for s in seed_order if any(s in per for per in ppl.values())],
+        "level": level,
+        "margins": [margin_key(m) for m in margins],
+        "configs": configs,
+        "paired": paired,
+        "equivalence": equivalence,
+        "holm": holm,
+        "meta": manifest.get("meta") or {},
+        "long_context": long_context,
+        "status": {"total": st.total, "complete": len(st.complete), "failed": st.failed,
+                   "missing": st.missing},
+    }
+    if write:
+        atomic_write_json(Path(results_dir) / "summary.json", summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+@dataclass
+class Table:
+    """One table: raw rows for CSV, formatted rows for Markdown."""
+
+    name: str
+    title: str
+    columns: list[str]
+    rows: list[dict[str, Any]]
+    md_columns: list[str] = field(default_factory=list)
+    md_rows: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def csv(self) -> str:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=self.columns, extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        for row in self.rows:
+            writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        return buf.getvalue()
+
+    def markdown(self) -> str:
+        cols = self.md_columns or self.columns
+        rows = self.md_rows or [{c: _fmt(r.get(c)) for c in cols} for r in self.rows]
+        lines = [f"### {self.title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+        lines += [""] + [f"_{n}_" for n in self.notes] if self.notes else []
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return "–"
+        if x != 0 and (abs(x) < 10 ** -digits or abs(x) >= 1e5):
+            return f"{x:.{digits}g}" if abs(x) >= 1e5 else f"{x:.2e}"
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _fmt_p(p: Any) -> str:
+    if p is None:
+        return "–"
+    return f"{p:.2e}" if p < 1e-3 else f"{p:.4f}"
+
+
+def _mean_sd(mean: Any, sd: Any) -> str:
+    return _fmt(mean) if sd is None else f"{_fmt(mean)} ± {_fmt(sd)}"
+
+
+def _delta_ci(block: Mapping[str, Any] | None) -> str:
+    if not block:
+        return "–"
+    if block.get("low") is None:
+        return f"{block['mean']:+.3f} (n={block['n']})"
+    return f"{block['mean']:+.3f} [{block['low']:+.3f}, {block['high']:+.3f}]"
+
+
+def multiseed_table(summary: Mapping[str, Any]) -> Table:
+    """Per config: per-seed ppl, mean ± sd, Δ vs comparator with the paired CI, K diagnostics."""
+    seeds = summary["seeds"]
+    comp = summary["comparator"]
+    level = int(round(100 * summary.get("level", DEFAULT_LEVEL)))
+    holm = summary["holm"]["results"]
+    seed_cols = [f"seed {s}" for s in seeds]
+    columns = ["config", *seed_cols, "mean", "sd", "delta", "sd_delta", "ci_low", "ci_high", "n_pairs",
+               "k_range_mean", "k_rel_err"]
+    rows, md_rows = [], []
+    for name, cfg in summary["configs"].items():
+        per_seed = dict(zip(cfg["seeds"], cfg["ppl"], strict=True))
+        block = summary["paired"].get(name)
+        row = {"config": name, **{f"seed {s}": per_seed.get(s) for s in seeds},
+               "mean": cfg["mean"], "sd": cfg["sd"],
+               "delta": block["mean"] if block else (0.0 if name == comp else None),
+               "sd_delta": block["sd"] if block else None,
+               "ci_low": block["low"] if block else None, "ci_high": block["high"] if block else None,
+               "n_pairs": block["n"] if block else None,
+               "k_range_mean": _mean(cfg["k_range_mean"]), "k_rel_err": _mean(cfg["k_rel_err"])}
+        rows.append(row)
+        md_rows.append({
+            "config": f"**{name}**" if name == comp else name,
+            **{f"seed {s}": _fmt(per_seed.get(s)) for s in seeds},
+            "mean ± sd": _mean_sd(cfg["mean"], cfg["sd"]),
+            f"Δ vs {comp} [{level}% CI]": ("(comparator)" if name == comp else
+                                           _delta_ci(block) + holm.get(name, {}).get("stars", "")),
+            "K range": _fmt(row["k_range_mean"]),
+            "K rel. err": _fmt(row["k_rel_err"], 4),
+        })
+    md_cols = ["config", *seed_cols, "mean ± sd", f"Δ vs {comp} [{level}% CI]", "K range", "K rel. err"]
+    return Table("multiseed", f"Perplexity per seed, paired against {comp}", columns, rows, md_cols, md_rows,
+                 notes=[f"Δ = ppl(config) − ppl({comp}) within seed; {level}% paired t interval; stars: "
+                        "Holm-corrected paired t test (* ≤ 0.05, ** < 0.01, *** < 0.001)."])
+
+
+def corrected_star_table(summary: Mapping[str, Any]) -> Table:
+    """Holm-corrected significance and TOST equivalence of each config against the comparator."""
+    comp = summary["comparator"]
+    margins = summary["margins"]
+    holm = summary["holm"]
+    columns = ["config", "n", "delta", "sd", "ci_low", "ci_high", "p", "p_holm", "reject", "stars",
+               *[f"tost_{m}" for m in margins]]
+    rows, md_rows = [], []
+    for name, block in summary["paired"].items():
+        h = holm["results"].get(name, {})
+        eq = summary["equivalence"].get(name, {})
+        row = {"config": name, "n": block["n"], "delta": block["mean"], "sd": block["sd"],
+               "ci_low": block["low"], "ci_high": block["high"], "p": block["p"],
+               "p_holm": h.get("p_holm"), "reject": h.get("reject"), "stars": h.get("stars", ""),
+               **{f"tost_{m}": eq.get(m) for m in margins}}
+        rows.append(row)
+        md_rows.append({
+            "config": name, "n": str(block["n"]), "Δ [CI]": _delta_ci(block), "p": _fmt_p(block["p"]),
+            "p (Holm)": _fmt_p(h.get("p_holm")) + ("" if name in holm["results"] else " (not in family)"),
+            "sig": h.get("stars", "") or ("n.s." if name in holm["results"] else "–"),
+            **{f"≡ ±{m}": ("yes" if eq.get(m) else "no") for m in margins},
+        })
+    md_cols = ["config", "n", "Δ [CI]", "p", "p (Holm)", "sig", *[f"≡ ±{m}" for m in margins]]
+    fam = ", ".join(holm["family"]) or "(empty)"
+    return Table("corrected-star", f"Holm-corrected comparisons against {comp}", columns, rows, md_cols,
+                 md_rows, notes=[f"Holm family (alpha {holm['alpha']}): {fam}. ≡ ±m: TOST equivalence "
+                                 "(90% CI inside ±m perplexity points)."])
+
+
+def crossover_table(summary: Mapping[str, Any]) -> Table | None:
+    """Gap ppl(config) − ppl(comparator) at each context length L, with the paired CI."""
+    lc = summary.get("long_context") or {}
+    if not lc:
+        return None
+    comp = summary["comparator"]
+    columns = ["L", "config", "ppl", "ppl_comparator", "gap", "sd", "ci_low", "ci_high", "n"]
+    rows, md_rows = [], []
+    for length in lc["lengths"]:
+        comp_vals = lc["configs"].get(comp, {}).get(str(length), [])
+        for name, per_len in lc["configs"].items():
+            if name == comp:
+                continue
+            block = lc["paired"].get(str(length), {}).get(name)
+            row = {"L": length, "config": name, "ppl": _mean(per_len.get(str(length), [])),
+                   "ppl_comparator": _mean(comp_vals), "gap": block["mean"] if block else None,
+                   "sd": block["sd"] if block else None, "ci_low": block["low"] if block else None,
+                   "ci_high": block["high"] if block else None, "n": block["n"] if block else 0}
+            rows.append(row)
+            md_rows.append({"L": str(length), "config": name, "ppl": _fmt(row["ppl"]),
+                            f"ppl {comp}": _fmt(row["ppl_comparator"]), "gap [CI]": _delta_ci(block)})
+    return Table("crossover", f"Perplexity gap against {comp} by context length", columns, rows,
+                 ["L", "config", "ppl", f"ppl {comp}", "gap [CI]"], md_rows,
+                 notes=["gap = ppl(config) − ppl(comparator) within seed; "
+                        "a sign change in L is a crossover."])
+
+
+def _meta_table(summary: Mapping[str, Any], key: str) -> list[tuple[Any, str]]:
+    meta = summary.get("meta") or {}
+    return [(meta[name][key], name) for name in summary["configs"] if key in meta.get(name, {})]
+
+
+def estimators_table(summary: Mapping[str, Any]) -> Table | None:
+    """Per angle estimator (rows, k_only, balanced, φ*): ppl, Δ vs comparator, K diagnostics."""
+    entries = _meta_table(summary, "estimator")
+    if not entries:
+        return None
+    comp = summary["comparator"]
+    columns = ["estimator", "config", "mean", "sd", "delta", "ci_low", "ci_high", "n", "k_range_mean",
+               "k_rel_err"]
+    rows, md_rows = [], []
+    for est, name in entries:
+        cfg = summary["configs"][name]
+        block = summary["paired"].get(name)
+        row = {"estimator": est, "config": name, "mean": cfg["mean"], "sd": cfg["sd"],
+               "delta": block["mean"] if block else None, "ci_low": block["low"] if block else None,
+               "ci_high": block["high"] if block else None, "n": block["n"] if block else 0,
+               "k_range_mean": _mean(cfg["k_range_mean"]), "k_rel_err": _mean(cfg["k_rel_err"])}
+        rows.append(row)
+        md_rows.append({"estimator": str(est), "ppl": _mean_sd(cfg["mean"], cfg["sd"]),
+                        f"Δ vs {comp} [CI]": _delta_ci(block), "K range": _fmt(row["k_range_mean"]),
+                        "K rel. err": _fmt(row["k_rel_err"], 4)})
+    return Table("estimators", "Angle estimators", columns, rows,
+                 ["estimator", "ppl", f"Δ vs {comp} [CI]", "K range", "K rel. err"], md_rows)
+
+
+def support_table(summary: Mapping[str, Any]) -> Table | None:
+    """Mixing support: block size b against K range, relative K error and the gap to the comparator."""
+    entries = sorted(_meta_table(summary, "block"), key=lambda e: (int(e[0]), e[1]))
+    if not entries:
+        return None
+    comp = summary["comparator"]
+    columns = ["b", "config", "k_range_mean", "k_rel_err", "ppl", "gap", "ci_low", "ci_high", "n"]
+    rows, md_rows = [], []
+    for b, name in entries:
+        cfg = summary["configs"][name]
+        block = summary["paired"].get(name)
+        row = {"b": int(b), "config": name, "k_range_mean": _mean(cfg["k_range_mean"]),
+               "k_rel_err": _mean(cfg["k_rel_err"]), "ppl": cfg["mean"],
+               "gap": block["mean"] if block else None, "ci_low": block["low"] if block else None,
+               "ci_high": block["high"] if block else None, "n": block["n"] if block else 0}
+        rows.append(row)
+        md_rows.append({"b": str(b), "config": name, "K range": _fmt(row["k_range_mean"]),
+                        "K rel. err": _fmt(row["k_rel_err"], 4), "ppl": _fmt(row["ppl"]),
+                        f"gap vs {comp} [CI]": _delta_ci(block)})
+    return Table("mixing-support", "Mixing support: block size b", columns, rows,
+                 ["b", "config", "K range", "K rel. err", "ppl", f"gap vs {comp} [CI]"], md_rows)
+
+
+def build_tables(summary: Mapping[str, Any]) -> list[Table]:
+    """Every table the summary has data for, main table first."""
+    tables: list[Table | None] = []
+    if summary["configs"]:
+        tables.append(multiseed_table(summary))
+    if summary["paired"]:
+        tables.append(corrected_star_table(summary))
+    tables += [estimators_table(summary), support_table(summary), crossover_table(summary)]
+    return [t for t in tables if t is not None]
+
+
+def summary_markdown(summary: Mapping[str, Any], tables: Sequence[Table]) -> str:
+    """The text of ``summary.md`` (also printed by the CLI)."""
+    st = summary["status"]
+    blocks = [f"## rope_quant {summary['kind']}: {st['complete']}/{st['total']} cells, seeds "
+              f"{', '.join(map(str, summary['seeds'])) or '–'}, comparator {summary['comparator']}"]
+    if st["failed"]:
+        blocks.append(f"Failed cells: {', '.join(st['failed'])}")
+    if st["missing"]:
+        blocks.append(f"Missing cells: {', '.join(st['missing'])}")
+    if not tables:
+        blocks.append("No complete cells yet.")
+    blocks += [t.markdown().rstrip("\n") for t in tables]
+    return "\n\n".join(blocks) + "\n"
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def plot_crossover(table: Table, path: str | os.PathLike[str]) -> Path:
+    """Perplexity gap against context length, one line per config, with its CI as error bars."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for name in dict.fromkeys(r["config"] for r in table.rows):
+        rows = [r for r in table.rows if r["config"] == name and r["gap"] is not None]
+        xs = [r["L"] for r in rows]
+        ys = [r["gap"] for r in rows]
+        err = [[(r["gap"] - r["ci_low"]) if r["ci_low"] is not None else 0 for r in rows],
+               [(r["ci_high"] - r["gap"]) if r["ci_high"] is not None else 0 for r in rows]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length L")
+    ax.set_ylabel("Δ ppl vs comparator")
+    ax.legend(fontsize=8)
+    out = _save(fig, Path(path))
+    plt.close(fig)
+    return out
+
+
+def plot_support(table: Table, path: str | os.PathLike[str]) -> Path:
+    """Support interpolation: K range, relative K error and perplexity gap against block size b."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    bs = [r["b"] for r in table.rows]
+    for ax, key, label in zip(axes, ("k_range_mean", "k_rel_err", "gap"),
+                              ("mean K range", "relative K error", "Δ ppl vs comparator"), strict=True):
+        ys = [r[key] if r[key] is not None else math.nan for r in table.rows]
+        if key == "gap":
+            err = [[(r["gap"] - r["ci_low"]) if r["ci_low"] is not None else 0 for r in table.rows],
+                   [(r["ci_high"] - r["gap"]) if r["ci_high"] is not None else 0 for r in table.rows]]
+            ax.errorbar(bs, ys, yerr=err, marker="o", capsize=3)
+            ax.axhline(0.0, color="grey", lw=0.8)
+        else:
+            ax.plot(bs, ys, marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size b")
+        ax.set_ylabel(label)
+    out = _save(fig, Path(path))
+    plt.close(fig)
+    return out
+
+
+def read_csv_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
+    """Rows of a CSV file as dicts of strings."""
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """Per-pair minimax excess of φ̂ and φ* (from verify's per-pair CSV) against the pair index k.
+
+    Plots every column whose name contains ``excess``, averaged over layers/heads per pair index.
+    """
+    rows = read_csv_rows(csv_path)
+    if not rows:
+        raise ReportError(f"{csv_path} has no rows")
+    pair_col = next((c for c in ("pair", "k", "pair_index") if c in rows[0]), None)
+    excess_cols = [c for c in rows[0] if "excess" in c.lower()]
+    if pair_col is None or not excess_cols:
+        raise ReportError(f"{csv_path}: need a pair column (pair/k) and excess columns, got {list(rows[0])}")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for col in excess_cols:
+        acc: dict[int, list[float]] = {}
+        for r in rows:
+            try:
+                acc.setdefault(int(r[pair_col]), []).append(float(r[col]))
+            except (TypeError, ValueError):
+                continue
+        ks = sorted(acc)
+        ax.plot(ks, [sum(acc[k]) / len(acc[k]) for k in ks], marker=".", label=col)
+    ax.set_yscale("symlog", linthresh=1e-8)
+    ax.set_xlabel("pair index k")
+    ax.set_ylabel("minimax excess (mean over layers)")
+    ax.legend(fontsize=8)
+    out = _save(fig, Path(path))
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def write_report(
+    results_dir: str | os.PathLike[str],
+    *,
+    comparator: str | None = None,
+    family: Sequence[str] | None = None,
+    level: float = DEFAULT_LEVEL,
+    margins: Sequence[float] = DEFAULT_MARGINS,
+    alpha: float = DEFAULT_ALPHA,
+    figures: bool = True,
+    phi_star_csv: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """summary.json, summary.md, tables/*.csv|md and figures/*.png for ``results_dir``.
+
+    Returns ``{"summary": dict, "markdown": str, "files": [paths]}``. ``phi_star_csv`` (default: the
+    first ``**/*_pairs.csv`` under the directory, as written by ``rope-quant verify``) feeds the
+    per-pair φ* excess figure.
+    """
+    root = Path(results_dir)
+    summary = summarize(root, comparator=comparator, family=family, level=level, margins=margins,
+                        alpha=alpha, write=True)
+    tables = build_tables(summary)
+    files: list[Path] = [root / "summary.json"]
+    for table in tables:
+        files.append(atomic_write_text(root / "tables" / f"{table.name}.csv", table.csv()))
+        files.append(atomic_write_text(root / "tables" / f"{table.name}.md", table.markdown()))
+    text = summary_markdown(summary, tables)
+    files.append(atomic_write_text(root / "summary.md", text))
+    if figures:
+        by_name = {t.name: t for t in tables}
+        if "crossover" in by_name and by_name["crossover"].rows:
+            files.append(plot_crossover(by_name["crossover"], root / "figures" / "crossover.png"))
+        if "mixing-support" in by_name and by_name["mixing-support"].rows:
+            files.append(plot_support(by_name["mixing-support"], root / "figures" / "support.png"))
+        found = sorted(root.glob("**/*_pairs.csv"))
+        csv_path = Path(phi_star_csv) if phi_star_csv else (found[0] if found else None)
+        if csv_path is not None:
+            files.append(plot_phi_star_excess(csv_path, root / "figures" / "phi_star_excess.png"))
+    return {"summary": summary, "markdown": text, "files": [str(f) for f in files]}
