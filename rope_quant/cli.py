@@ -40,7 +40,7 @@ DEFAULT_ESTIMATORS = ("rows", "k_only", "balanced")
 #: seed at 8 x 512 calibration tokens on the shared 2-core machine, so CPU defaults to RTN without the
 #: search (``--weights gptq --w-mse`` restores the paper's setting, as on CUDA).
 BUDGETS: dict[str, dict[str, Any]] = {
-    "cpu": {"seqlen": 512, "calib_windows": 4, "eval_windows": 4, "weights": "rtn", "w_mse": False},
+    "cpu": {"seqlen": 512, "calib_windows": 4, "eval_windows": 4, "weights": "rtn", "w_mse": True},
     "cuda": {"seqlen": 2048, "calib_windows": 128, "eval_windows": None, "weights": "gptq", "w_mse": True},
 }
 BUDGET_FIELDS = ("seqlen", "calib_windows", "eval_windows", "weights", "w_mse")

@@ -139,8 +139,8 @@ def test_compare_writes_summary_table_and_resumes(tmp_path: Path, capsys, fake: 
     assert cli.main(["compare", "--out", str(out), "--no-figures"]) == 0
     printed = capsys.readouterr().out
     assert ("defaults used: seeds=0,1,2, seqlen=512, calib_windows=4, eval_windows=4, weights=rtn, "
-            "w_mse=False") in printed
-    assert ("settings: model=smollm2-135m corpus=pydoc W4A4K4V4 weights=rtn (no MSE clip search) "
+            "w_mse=True") in printed
+    assert ("settings: model=smollm2-135m corpus=pydoc W4A4K4V4 weights=rtn "
             "estimator=rows seqlen=512") in printed
     assert len(fake.calls) == 12
     assert {(c.r3, c.seed) for c in fake.calls} == {(n, s) for n in cli.DEFAULT_CONFIGS for s in (0, 1, 2)}
