@@ -145,7 +145,7 @@ def test_compare_writes_summary_table_and_resumes(tmp_path: Path, capsys, fake: 
     assert len(fake.calls) == 12
     assert {(c.r3, c.seed) for c in fake.calls} == {(n, s) for n in cli.DEFAULT_CONFIGS for s in (0, 1, 2)}
     assert all(c.seqlen == 512 and c.weights == "rtn" and c.k_bits == 4 for c in fake.calls)
-    assert not any(c.gptq.mse for c in fake.calls)
+    assert all(c.gptq.mse for c in fake.calls)  # CPU default: RTN with the MSE clip search
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["configs"]) == set(cli.DEFAULT_CONFIGS)
     assert set(summary["configs"]["identity"]) >= {"ppl", "k_range_mean", "k_rel_err"}
