@@ -1,0 +1,102 @@
+"""The e2e claims suite's shared experiment: paired cells on the embedded model, run once per session.
+
+Every test asks the session-scoped :class:`Experiment` for cells; a cell is computed once, keyed by
+``RunConfig.key()``, and every R3 variant of a seed shares that seed's offline rotations, GPTQ weights and
+calibration sample (the pipeline caches them per ``weight_key``/``stats_key`` in one cache directory).
+That is what makes the comparisons paired, and what keeps the whole marker within its CPU budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+
+@dataclass(frozen=True)
+class E2EBudget:
+    """Token budgets sized so that ``pytest -m e2e`` runs in <= 20 minutes on 2 CPU cores.
+
+    Short context: ``eval_windows`` x ``seqlen`` scored tokens per cell, ``calib_windows`` x ``seqlen``
+    calibration tokens per seed (shared by GPTQ and the R3 statistics). ``long_lengths`` are scored with
+    ``long_windows`` windows each, on the long-form corpus (Gutenberg plays), up to the model's context.
+    """
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    seqlen: int = 512
+    calib_windows: int = 16
+    eval_windows: int | None = 12
+    long_corpus: str = "shakespeare"
+    long_lengths: tuple[int, ...] = (1024, 4096, 8192)
+    long_windows: int = 1
+
+
+class Experiment:
+    """Memoised paired cells through the public API (``pipeline.run_cell`` / ``build_quantized_model``)."""
+
+    def __init__(self, base: tuple[Any, Any], cache_dir: str, budget: E2EBudget, corpus: str,
+                 model: str = "smollm2-135m", device: str = "cpu") -> None:
+        self.base, self.cache_dir, self.budget, self.corpus = base, cache_dir, budget, corpus
+        self.model, self.device = model, device
+        self._cells: dict[str, dict[str, Any]] = {}
+
+    def config(self, seed: int = 0, **overrides: Any):
+        from rope_quant.pipeline import RunConfig
+
+        b = self.budget
+        fields = dict(model=self.model, corpus=self.corpus, seed=seed, seqlen=b.seqlen, device=self.device,
+                      calib_windows=b.calib_windows, eval_windows=b.eval_windows)
+        fields.update(overrides)
+        return RunConfig(**fields)
+
+    def cell(self, seed: int = 0, **overrides: Any) -> dict[str, Any]:
+        from rope_quant.pipeline import run_cell
+
+        cfg = self.config(seed, **overrides)
+        if cfg.key() not in self._cells:
+            self._cells[cfg.key()] = run_cell(cfg, cache_dir=self.cache_dir, base=self.base)
+        return self._cells[cfg.key()]
+
+    def per_seed(self, metric: str = "ppl", **overrides: Any) -> list[float]:
+        return [float(self.cell(seed, **overrides)[metric]) for seed in self.budget.seeds]
+
+    def long_context(self, seed: int = 0, **overrides: Any) -> dict[int, Any]:
+        """Perplexity per length on the long-form corpus (App. A.4 protocol), one entry per length."""
+        from rope_quant import evaluate
+        from rope_quant.pipeline import build_quantized_model
+
+        b = self.budget
+        key = ("long", self.config(seed, **overrides).key())
+        if key not in self._cells:
+            cfg = self.config(seed, **overrides)
+            qm = build_quantized_model(cfg, cache_dir=self.cache_dir, base=self.base)
+            from rope_quant.data import load_corpus
+
+            corpus = load_corpus(b.long_corpus, qm.tokenizer)
+            self._cells[key] = evaluate.long_context(qm.model, corpus.eval_ids, list(b.long_lengths),
+                                                     max_windows=b.long_windows)
+        return self._cells[key]
+
+
+@pytest.fixture(scope="session")
+def experiment_factory():
+    """The ``Experiment`` and ``E2EBudget`` classes, for test modules that size their own protocol."""
+    return Experiment, E2EBudget
+
+
+@pytest.fixture(scope="session")
+def e2e_budget(rq_options) -> E2EBudget:
+    budget = E2EBudget()
+    if rq_options.seeds is not None:
+        budget = dataclasses.replace(budget, seeds=rq_options.seeds)
+    return budget
+
+
+@pytest.fixture(scope="session")
+def experiment(embedded_model, tmp_path_factory, e2e_budget, rq_options) -> Experiment:
+    # ROPE_QUANT_E2E_CACHE keeps GPTQ weights and calibration statistics across sessions (keyed by content).
+    cache = os.environ.get("ROPE_QUANT_E2E_CACHE") or tmp_path_factory.mktemp("e2e-cache")
+    return Experiment(embedded_model, str(cache), e2e_budget, rq_options.corpus)
