@@ -409,8 +409,8 @@ def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
     """Cache hit: rebuild the rotated model's structure and load its cached (quantised) parameters.
 
     The weight algebra of :func:`rotation.rotate_model` is skipped (the cached state already holds its
-    result): embeddings are untied, the full state dict is loaded, and the online R4 Hadamard is
-    registered on down_proj with ``prepend=True`` (:func:`rotation.online_r4`, as ``apply_r4`` does).
+    result): embeddings are untied, the full state dict is loaded, and only the online half of R4 is
+    registered (:func:`rotation.install_online_r4`, ``prepend=True`` as in ``apply_r4``).
     """
     from rope_quant import rotation
 
@@ -422,18 +422,9 @@ def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
     result = rotation.RotationResult(config=_rotation_config(cfg), r1=payload.get("r1"), r2=payload.get("r2"),
                                      untied=bool(payload.get("untied")))
     if cfg.r4:
-        for layer in rotation.decoder_layers(model):
-            down = layer.mlp.down_proj
-            result.r4_handles.append(down.register_forward_pre_hook(_r4_hook, prepend=True))
-            down.rq_online_r4 = "hook"
+        result.r4_handles.extend(rotation.install_online_r4(model))
     model.rq_rotation = result.config
     return result
-
-
-def _r4_hook(_mod: nn.Module, args: tuple) -> tuple:
-    from rope_quant.rotation import online_r4
-
-    return (online_r4(args[0]),) + tuple(args[1:])
 
 
 def model_fingerprint(model: nn.Module) -> str:
