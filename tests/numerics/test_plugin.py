@@ -29,7 +29,7 @@ def test_markers_are_registered(pytester: pytest.Pytester) -> None:
 
 def test_gpu_e2e_skips_with_reason_without_cuda(pytester: pytest.Pytester) -> None:
     torch = pytest.importorskip("torch")
-    pytester.makepyfile(test_gpu="import pytest\n@pytest.mark.gpu_e2e\ndef test_needs_gpu():\n    assert False\n")
+    pytester.makepyfile(test_rqplugin_gpu="import pytest\n@pytest.mark.gpu_e2e\ndef test_needs_gpu():\n    assert False\n")
     result = pytester.runpytest("-rs", "--rq-device=cpu")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*gpu_e2e: --rq-device=cpu is not a CUDA device*"])
@@ -40,7 +40,7 @@ def test_gpu_e2e_skips_with_reason_without_cuda(pytester: pytest.Pytester) -> No
 
 
 def test_claims_table_printed_and_written(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_claims=CLAIMS_TESTS)
+    pytester.makepyfile(test_rqplugin_claims=CLAIMS_TESTS)
     out = pytester.path / "claims"
     result = pytester.runpytest(f"--rq-claims-out={out}")
     result.assert_outcomes(passed=1, xfailed=1)
@@ -58,7 +58,7 @@ def test_claims_table_printed_and_written(pytester: pytest.Pytester) -> None:
 
 
 def test_bad_seeds_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    pytester.makepyfile(test_rqplugin_x="def test_x():\n    pass\n")
     result = pytester.runpytest("--rq-seeds=0,x")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--rq-seeds expects comma-separated integers*"])
