@@ -23,6 +23,12 @@ Per-head accumulators are kept (H is small), so every pooling rule is derived af
 
 Optionally a per-(layer, pair) candidate set of the ``topk`` rows with the largest |a|+|b| is kept
 (K stream by default) for the grid objectives of :mod:`rope_quant.objectives`; merging re-ranks.
+
+With ``sample_rows`` > 0 a uniform sample of whole pre-RoPE K tokens (every KV head, every channel) is
+kept per layer together with each token's position (its index along the sequence axis, the
+second-to-last axis of the k_proj output): the ``range`` objective needs the RoPE phase m·θ_k of every
+row. Sampling is bottom-k on seeded uniform keys, so it is uniform without replacement and merging two
+samples re-ranks their union (the same sample as one pass over both).
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ from rope_quant.rope import check_head_dim, check_layout, pair_indices
 
 STREAMS = ("q", "k")
 POOLING_RULES = ("rows", "k_only", "balanced", "per_head")
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 1 files have no K sample
 _STABLE = ("mean_a", "mean_b", "m2_aa", "m2_bb", "m2_ab")
 _RAW = ("sum_a", "sum_b", "sum_aa", "sum_bb", "sum_ab")
 
@@ -181,6 +188,8 @@ class CalibrationStats:
         layout: str = "rotate_half",
         topk: int = 256,
         topk_streams: Sequence[str] = ("k",),
+        sample_rows: int = 0,
+        sample_seed: int = 0,
     ) -> None:
         for name, value in (("n_layers", n_layers), ("n_q_heads", n_q_heads), ("n_kv_heads", n_kv_heads)):
             if int(value) != value or value < 1:
@@ -191,6 +200,8 @@ class CalibrationStats:
             )
         if int(topk) != topk or topk < 0:
             raise CalibrationShapeError(f"topk must be a non-negative integer, got {topk!r}")
+        if int(sample_rows) != sample_rows or sample_rows < 0:
+            raise CalibrationShapeError(f"sample_rows must be a non-negative integer, got {sample_rows!r}")
         streams = tuple(topk_streams)
         for st in streams:
             if st not in STREAMS:
@@ -210,6 +221,13 @@ class CalibrationStats:
             self._acc[st] = {key: np.zeros(shape) for key in _STABLE + _RAW}
         self._cand = np.zeros((self.n_layers, self.topk, self.n_pairs, 2))
         self._cand_count = np.zeros(self.n_layers, dtype=np.int64)
+        self.sample_rows, self.sample_seed = int(sample_rows), int(sample_seed)
+        self._rng = np.random.default_rng(self.sample_seed)
+        # per layer: (keys (n,), positions (n,), rows (n, H_kv, d) float32), bottom-k by key
+        self._sample: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [
+            (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros((0, self.n_kv_heads, self.head_dim), np.float32))
+            for _ in range(self.n_layers)
+        ]
 
     # ------------------------------------------------------------------ configuration helpers
 
@@ -231,6 +249,8 @@ class CalibrationStats:
             "layout": self.layout,
             "topk": self.topk,
             "topk_streams": list(self.topk_streams),
+            "sample_rows": self.sample_rows,
+            "sample_seed": self.sample_seed,
         }
 
     @staticmethod
@@ -288,6 +308,37 @@ class CalibrationStats:
         if self.topk and stream in self.topk_streams:
             new = np.stack([a, b], axis=-1).reshape(-1, self.n_pairs, 2)  # rows = (token, head)
             self._push_candidates(layer, new)
+        if self.sample_rows and stream == "k":
+            if arr.ndim < 2:
+                raise CalibrationShapeError(
+                    f"layer {layer}: the K sample needs a sequence axis, input (..., seq, H*d), got {arr.shape}"
+                )
+            seq = arr.shape[-2]
+            positions = np.broadcast_to(np.arange(seq), arr.shape[:-1]).reshape(-1)
+            keys = self._rng.random(positions.size)
+            self._push_sample(layer, keys, positions, rows.astype(np.float32))
+
+    def _push_sample(self, layer: int, keys: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
+        """Keep the ``sample_rows`` rows with the smallest keys of the kept and the new rows."""
+        old = self._sample[layer]
+        keys = np.concatenate([old[0], keys])
+        positions = np.concatenate([old[1], positions])
+        rows = np.concatenate([old[2], rows])
+        if keys.size > self.sample_rows:
+            keep = np.argpartition(keys, self.sample_rows - 1)[: self.sample_rows]
+            keep.sort()
+            keys, positions, rows = keys[keep], positions[keep], rows[keep]
+        self._sample[layer] = (keys, positions, rows)
+
+    def k_sample(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The K sample of a layer: pre-RoPE rows (n, H_kv, head_dim) float64 and positions (n,) int64."""
+        layer = self._layer(layer)
+        if not self.sample_rows:
+            raise CalibrationError("no K sample was kept: build CalibrationStats with sample_rows > 0")
+        _, positions, rows = self._sample[layer]
+        if rows.shape[0] == 0:
+            raise EmptyStatisticsError(f"layer {layer}: the K sample is empty (no K rows seen)")
+        return rows.astype(np.float64), positions.copy()
 
     @staticmethod
     def _batch_moments(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
@@ -336,8 +387,11 @@ class CalibrationStats:
         """
         if not isinstance(other, CalibrationStats):
             raise IncompatibleStatsError(f"cannot merge {type(other).__name__} into CalibrationStats")
-        if other.config() != self.config():
-            raise IncompatibleStatsError(f"configurations differ: {self.config()} vs {other.config()}")
+        mine, theirs = self.config(), other.config()
+        mine.pop("sample_seed")
+        theirs.pop("sample_seed")  # processes sample with their own seeds
+        if mine != theirs:
+            raise IncompatibleStatsError(f"configurations differ: {mine} vs {theirs}")
         for st in STREAMS:
             n1 = self._n[st][:, None, None]
             n2 = other._n[st][:, None, None]
@@ -352,12 +406,16 @@ class CalibrationStats:
                 count = int(other._cand_count[layer])
                 if count:
                     self._push_candidates(layer, other._cand[layer, :count])
+        if self.sample_rows:
+            for layer in range(self.n_layers):
+                self._push_sample(layer, *other._sample[layer])
         return self
 
     def copy(self) -> CalibrationStats:
         """Deep copy."""
         out = CalibrationStats(**{**self.config(), "topk_streams": tuple(self.topk_streams)})
         out.merge(self)
+        out._rng.bit_generator.state = self._rng.bit_generator.state
         return out
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -368,6 +426,10 @@ class CalibrationStats:
             "cand": self._cand,
             "cand_count": self._cand_count,
         }
+        for layer, (keys, positions, rows) in enumerate(self._sample):
+            if self.sample_rows:
+                arrays[f"sample_{layer}_keys"], arrays[f"sample_{layer}_pos"] = keys, positions
+                arrays[f"sample_{layer}_rows"] = rows
         for st in STREAMS:
             arrays[f"{st}_n"] = self._n[st]
             for key in _STABLE + _RAW:
@@ -389,7 +451,7 @@ class CalibrationStats:
         try:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(str(data["meta"]))
-                if meta.pop("version", None) != _FORMAT_VERSION:
+                if meta.pop("version", None) not in _READABLE_VERSIONS:
                     raise StatsFileError(f"{path}: unknown statistics format version")
                 meta["topk_streams"] = tuple(meta["topk_streams"])
                 out = cls(**meta)
@@ -407,6 +469,12 @@ class CalibrationStats:
                         out._acc[st][key] = arr
                 out._cand = np.asarray(data["cand"], dtype=np.float64).reshape(out._cand.shape)
                 out._cand_count = np.asarray(data["cand_count"], dtype=np.int64)
+                for layer in range(out.n_layers if out.sample_rows else 0):
+                    rows = np.asarray(data[f"sample_{layer}_rows"], dtype=np.float32)
+                    if rows.shape[1:] != (out.n_kv_heads, out.head_dim):
+                        raise StatsFileError(f"{path}: sample_{layer}_rows has shape {rows.shape}")
+                    out._sample[layer] = (np.asarray(data[f"sample_{layer}_keys"], dtype=np.float64),
+                                          np.asarray(data[f"sample_{layer}_pos"], dtype=np.int64), rows)
         except (KeyError, ValueError, OSError) as exc:
             if isinstance(exc, CalibrationError):
                 raise

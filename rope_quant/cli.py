@@ -3,7 +3,8 @@
 Subcommands::
 
     rope-quant run           one cell (one R3 config at one seed)
-    rope-quant compare       the paper's main comparison (hadamard vs pairwise vs identity ...)
+    rope-quant compare       the paper's main comparison (hadamard vs pairwise vs identity ...);
+                             ``--configs beyond``: per-head / range-objective / K-only φ* angles
     rope-quant support       mixing support: block size b = 2 ... d_h (K range, relative error, gap)
     rope-quant estimators    rows / k_only / balanced (+ φ* with --phi-star)
     rope-quant long-context  perplexity gap against context length L (crossover)
@@ -34,6 +35,8 @@ DEFAULT_CORPUS = "pydoc"
 DEFAULT_CONFIGS = ("hadamard", "pairwise_only", "pairwise_plus_hadamard", "identity")
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_ESTIMATORS = ("rows", "k_only", "balanced")
+#: ``--configs`` preset name for the beyond-the-paper study (``sweep.beyond_manifest``).
+BEYOND = "beyond"
 #: Defaults per device: window length, calibration / evaluation windows (None = every window), the
 #: weight quantiser and its MSE clipping search. The CPU budget keeps the default ``compare`` (4 configs
 #: x 3 seeds) within about 15 minutes on 2 cores: GPTQ with the MSE search took about 27 minutes for ONE
@@ -156,6 +159,9 @@ def _common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
                        help="comma-separated seeds (default 0,1,2)")
     g.add_argument("--estimator", default="rows", choices=("rows", "k_only", "balanced", "per_head"),
                    help="covariance pooling for the pairwise angles (default rows)")
+    g.add_argument("--objective", default="variance", choices=("variance", "linf", "l2max", "quantile", "range"),
+                   help="angle objective: variance (φ̂/φ*, the paper), a top-k grid, or range (coordinate "
+                        "descent on the K quantiser's mean tokenwise range; default variance)")
     for q in ("w", "a", "k", "v"):
         g.add_argument(f"--{q}-bits", type=int, default=4, metavar="B",
                        help=f"{q.upper()} bits (16 = off; default 4)")
@@ -211,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, seeds=False)
 
     p = sub.add_parser("compare", help="the main comparison over R3 configs and seeds")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="A,B,...",
-                   help=f"R3 configs (default {','.join(DEFAULT_CONFIGS)})")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="A,B,...|beyond",
+                   help=f"R3 configs (default {','.join(DEFAULT_CONFIGS)}); 'beyond': the preset of "
+                        "head-dependent, range-objective and K-only φ* angles against hadamard")
     _common(p)
     _sweep_options(p)
 
@@ -239,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("long-context", help="perplexity gap against context length")
     p.add_argument("--lengths", default=None, metavar="L1,L2,...",
                    help="context lengths (CPU 256,512,1024; CUDA 2048,4096,8192,16384)")
-    p.add_argument("--configs", default="hadamard,pairwise_only", metavar="A,B,...",
-                   help="R3 configs (default hadamard,pairwise_only)")
+    p.add_argument("--configs", default="hadamard,pairwise_only", metavar="A,B,...|beyond",
+                   help="R3 configs (default hadamard,pairwise_only); 'beyond': a subset of the beyond "
+                        "preset plus φ*(k_only) with the averaging length matched to each L")
     _common(p)
     _sweep_options(p)
 
@@ -287,7 +295,7 @@ def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
     budget, _ = resolve_budget(args)
     w_mse = budget.pop("w_mse")
     fields = dict(model=args.model, corpus=args.corpus, w_bits=args.w_bits, a_bits=args.a_bits,
-                  k_bits=args.k_bits, v_bits=args.v_bits, estimator=args.estimator,
+                  k_bits=args.k_bits, v_bits=args.v_bits, estimator=args.estimator, objective=args.objective,
                   device=args.device, dtype=args.dtype, **budget)
     fields.update(overrides)
     try:
@@ -445,10 +453,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from rope_quant import sweep
 
     _validate_common(args)
-    configs = parse_configs(args.configs)
     used: list[str] = []
     seeds = _seeds(args, used)
     used += resolve_budget(args)[1]
+    if args.configs.strip() == BEYOND:
+        manifest = sweep.beyond_manifest(base_config(args), seeds, comparator=args.comparator)
+        return _execute(args, manifest, used)
+    configs = parse_configs(args.configs)
     if args.comparator not in configs:
         print(f"note: comparator {args.comparator!r} is not among --configs: no paired statistics",
               file=sys.stderr)
@@ -492,7 +503,8 @@ def cmd_long_context(args: argparse.Namespace) -> int:
     from rope_quant import sweep
 
     _validate_common(args)
-    configs = parse_configs(args.configs)
+    beyond = args.configs.strip() == BEYOND
+    configs = () if beyond else parse_configs(args.configs)
     used: list[str] = []
     seeds = _seeds(args, used)
     used += resolve_budget(args)[1]
@@ -501,8 +513,12 @@ def cmd_long_context(args: argparse.Namespace) -> int:
         used.append("lengths=" + ",".join(map(str, lengths)))
     else:
         lengths = parse_int_list(args.lengths, "--lengths", minimum=2)
-    manifest = sweep.long_context_manifest(base_config(args), configs, seeds, lengths,
-                                           comparator=args.comparator)
+    if beyond:
+        manifest = sweep.beyond_long_context_manifest(base_config(args), seeds, lengths,
+                                                      comparator=args.comparator)
+    else:
+        manifest = sweep.long_context_manifest(base_config(args), configs, seeds, lengths,
+                                               comparator=args.comparator)
     return _execute(args, manifest, used)
 
 

@@ -17,23 +17,41 @@ per-(layer, pair) top-k candidate rows kept by :class:`~rope_quant.calibration.C
 
 Ties go to the grid angle nearest 0. A zero-variance band (s11 + s22 = 0) always gets the identity
 angle 0. All objectives are π/2-periodic, so the grid covers every distinct rotation.
+
+``range`` (beyond the paper, §6's untested objective): the angles minimise the calibration mean of the
+dynamic K quantiser's tokenwise group range r = max(max_c y_c, 0) − min(min_c y_c, 0) (the statistic
+its step Δ = r/(2^b − 1) is set from), over every KV head and sampled token, where y = M·R_m·k is the key
+after RoPE at the token's position m and after R3 M. For ``pairwise_only`` M R_m = ⊕_k G(φ_k + m θ_k),
+so the live ``inv_freq`` enters through the phases; ``pairwise_plus_hadamard`` adds the Hadamard after.
+The range couples the pairs of a head, so :func:`fit_range_angles` runs coordinate descent: per pair, a
+grid over the full circle (the asymmetric range is not π/2-periodic) plus a local refinement, the other
+pairs held fixed. ``per_head`` gives φ_{h,k} per KV head (Q heads use their group's angle); any other
+pooling rule one angle per (layer, pair) shared by the heads (the objective is a K statistic either
+way). Cost per layer and sweep: O(K·N·H·d) to update the rest-of-head extrema plus
+O(K·(G + R)·N·H) for the candidate scores (×4 sign classes with the Hadamard), N sampled tokens,
+G grid and R refinement points.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from rope_quant.angles import PairCov, equalising_angle, jacobi_angle, wrap_angle
 from rope_quant.calibration import CalibrationError, CalibrationStats
-from rope_quant.rope import check_frequencies, find_inv_freq, phase_averages
+from rope_quant.rope import check_frequencies, find_inv_freq, pair_indices, phase_averages
 
-OBJECTIVES = ("variance", "linf", "l2max", "quantile")
+OBJECTIVES = ("variance", "linf", "l2max", "quantile", "range")
 GRID_OBJECTIVES = ("linf", "l2max", "quantile")
 DEFAULT_GRID_SIZE = 200
 DEFAULT_QUANTILE = 0.99
+RANGE_GRID_SIZE = 64
+RANGE_REFINE = 16
+RANGE_SWEEPS = 2
 
 
 class AngleEstimationError(ValueError):
@@ -155,11 +173,13 @@ def estimate_angles(
     branch_matched: bool = False,
     grid_size: int = DEFAULT_GRID_SIZE,
     quantile: float = DEFAULT_QUANTILE,
+    then_hadamard: bool = False,
 ) -> np.ndarray:
     """Per-pair R3 angles, shape (n_layers, K), or (n_layers, n_kv_heads, K) for ``per_head``.
 
     ``estimator`` is the pooling rule of :meth:`CalibrationStats.pooled`; ``inv_freq`` may be an
-    array or a torch module holding the live RoPE buffer (e.g. the model).
+    array or a torch module holding the live RoPE buffer (e.g. the model). ``then_hadamard`` (range
+    objective only) scores the keys after the Hadamard of ``pairwise_plus_hadamard``.
     """
     if objective not in OBJECTIVES:
         raise UnknownObjectiveError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")
@@ -170,6 +190,18 @@ def estimate_angles(
                 f"inv_freq has {inv_freq.size} frequencies, "
                 f"head_dim {stats.head_dim} has {stats.n_pairs} pairs"
             )
+    if objective == "range":
+        if inv_freq is None:
+            raise AngleEstimationError("objective 'range' needs the live inv_freq (the RoPE phase of each row)")
+        if average_length is not None or branch_matched:
+            raise AngleEstimationError("average_length/branch_matched apply to objective='variance' only")
+        return np.stack([
+            fit_range_angles(*stats.k_sample(layer), inv_freq, per_head=estimator == "per_head",
+                             then_hadamard=then_hadamard, layout=stats.layout).angles
+            for layer in range(stats.n_layers)
+        ])
+    if then_hadamard:
+        raise AngleEstimationError("then_hadamard applies to objective='range' only")
     cov = stats.pooled(estimator)
     if objective == "variance":
         return variance_angles(cov, inv_freq, average_length, branch_matched)
@@ -192,3 +224,155 @@ def estimate_angles(
             raise AngleEstimationError(f"layer {layer}: no candidate rows (stream(s) {stats.topk_streams})")
         out[layer] = grid_search(cand, objective, grid_size, quantile)
     return np.where(cov.s11 + cov.s22 == 0, 0.0, out)
+
+
+# ----------------------------------------------------------------------------- range objective
+
+
+@dataclass
+class RangeFit:
+    """Result of :func:`fit_range_angles` for one layer: angles (K,) or (H_kv, K) in (-π, π], and the
+    objective (mean group range over tokens and heads) at the start and after every sweep."""
+
+    angles: np.ndarray
+    trace: list[float] = field(default_factory=list)
+
+
+def group_range(y: torch.Tensor) -> torch.Tensor:
+    """max(max_c y_c, 0) − min(min_c y_c, 0) over the last axis: the asymmetric quantiser's range."""
+    lo, hi = torch.aminmax(y, dim=-1)
+    return hi.clamp(min=0.0) - lo.clamp(max=0.0)
+
+
+def mean_group_range(rows: Any, positions: Any, inv_freq: Any, angles: Any, then_hadamard: bool = False,
+                     layout: str = "rotate_half") -> float:
+    """The range objective of dense matrices, for checks: mean over (token, head) of the group range of
+    M·R_m·k with M from the R3 registry (``pairwise_only`` or ``pairwise_plus_hadamard``)."""
+    from rope_quant import transforms
+    from rope_quant.rope import rope_matrix
+
+    x = np.asarray(rows, dtype=np.float64)
+    freqs = check_frequencies(inv_freq)
+    name = "pairwise_plus_hadamard" if then_hadamard else "pairwise_only"
+    tr = transforms.build(name, x.shape[-1], angles=angles, layout=layout)
+    total = 0.0
+    for n, m in enumerate(np.asarray(positions)):
+        rm = rope_matrix(freqs, int(m), layout=layout)
+        for h in range(x.shape[1]):
+            y = tr.matrix(h, x.shape[1]) @ rm @ x[n, h]
+            total += max(y.max(), 0.0) - min(y.min(), 0.0)
+    return total / (x.shape[0] * x.shape[1])
+
+
+def fit_range_angles(
+    rows: Any, positions: Any, inv_freq: Any, *, per_head: bool = False, then_hadamard: bool = False,
+    layout: str = "rotate_half", grid_size: int = RANGE_GRID_SIZE, refine: int = RANGE_REFINE,
+    sweeps: int = RANGE_SWEEPS, init: Any = None,
+) -> RangeFit:
+    """Coordinate descent on the range objective (module docstring) for one layer.
+
+    ``rows``: pre-RoPE keys (N, H_kv, d); ``positions``: (N,) RoPE positions. Each pair step scores the
+    current angle first, so the objective never increases (ties keep the current angle).
+    """
+    x = torch.as_tensor(np.asarray(rows, dtype=np.float64))
+    if x.ndim != 3 or x.shape[0] == 0:
+        raise AngleEstimationError(f"range objective: rows must be (N > 0, H_kv, head_dim), got {tuple(x.shape)}")
+    n_tok, n_heads, d = x.shape
+    freqs = check_frequencies(inv_freq)
+    ia, ib = pair_indices(d, layout)
+    if freqs.size != ia.size:
+        raise AngleEstimationError(f"inv_freq has {freqs.size} frequencies, head_dim {d} has {ia.size} pairs")
+    pos = torch.as_tensor(np.asarray(positions, dtype=np.float64))
+    if pos.shape != (n_tok,):
+        raise AngleEstimationError(f"positions must have shape ({n_tok},), got {tuple(pos.shape)}")
+    if int(grid_size) != grid_size or grid_size < 4 or refine < 0 or sweeps < 1:
+        raise AngleEstimationError("range objective needs grid_size >= 4, refine >= 0, sweeps >= 1")
+    n_pairs = ia.size
+    rows_ = n_heads if per_head else 1
+    phi = torch.zeros(rows_, n_pairs, dtype=torch.float64)
+    if init is not None:
+        phi += torch.as_tensor(np.asarray(init, dtype=np.float64))
+    psi = pos[:, None] * torch.as_tensor(freqs)[None, :]  # (N, K) RoPE phases m·θ_k
+    a, b = x[..., ia], x[..., ib]  # (N, H, K)
+    hmat = None
+    if then_hadamard:
+        from rope_quant import hadamard as _hd
+
+        hmat = _hd.hadamard_matrix(d).to(torch.float64) / math.sqrt(d)
+
+    def pair_out(p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both outputs of pair k for angles p (C, rows_) -> (C, N, H)."""
+        ang = p[:, None, :] + psi[None, :, k, None]  # (C, N, rows_)
+        c, s = torch.cos(ang), torch.sin(ang)
+        return c * a[None, :, :, k] - s * b[None, :, :, k], s * a[None, :, :, k] + c * b[None, :, :, k]
+
+    def full(p: torch.Tensor) -> torch.Tensor:
+        """y = M R_m k for all tokens (N, H, d) at angles p (rows_, K)."""
+        ang = p[None, :, :] + psi[:, None, :]  # (N, rows_, K)
+        c, s = torch.cos(ang), torch.sin(ang)
+        y = torch.empty_like(x)
+        y[..., ia], y[..., ib] = c * a - s * b, s * a + c * b
+        return y if hmat is None else y @ hmat.T
+
+    def score(r: torch.Tensor) -> torch.Tensor:
+        """Mean range per candidate: (C, N, H) -> (C, rows_)."""
+        return r.mean(dim=1) if per_head else r.mean(dim=(1, 2))[:, None]
+
+    step = 2 * math.pi / grid_size
+    grid = torch.arange(grid_size, dtype=torch.float64) * step - math.pi + step
+    fine = torch.linspace(-step, step, refine + 2, dtype=torch.float64)[1:-1] if refine else None
+    y = full(phi)  # the quantised keys M·R_m·k (after the Hadamard when then_hadamard)
+    trace = [float(group_range(y).mean())]
+    for _ in range(int(sweeps)):
+        for k in range(n_pairs):
+            if hmat is None:
+                rest = y.clone()
+                rest[..., [ia[k], ib[k]]] = float("nan")
+                rest_hi = torch.nan_to_num(rest, nan=-math.inf).amax(-1)
+                rest_lo = torch.nan_to_num(rest, nan=math.inf).amin(-1)
+            else:
+                old1, old2 = pair_out(phi[None, :, k], k)
+                z_rest = y - old1[0, ..., None] * hmat[:, ia[k]] - old2[0, ..., None] * hmat[:, ib[k]]
+                signs = torch.stack([torch.sign(hmat[:, ia[k]]), torch.sign(hmat[:, ib[k]])])  # (2, d)
+                classes = []
+                for sa in (1.0, -1.0):
+                    for sb in (1.0, -1.0):
+                        mask = (signs[0] == sa) & (signs[1] == sb)
+                        if mask.any():
+                            classes.append((sa, sb, z_rest[..., mask].amax(-1), z_rest[..., mask].amin(-1)))
+                unit = 1.0 / math.sqrt(d)
+
+            def candidate_scores(cands: torch.Tensor) -> torch.Tensor:
+                u1, u2 = pair_out(cands, k)  # (C, N, H)
+                if hmat is None:
+                    hi = torch.maximum(torch.maximum(rest_hi, u1), u2)
+                    lo = torch.minimum(torch.minimum(rest_lo, u1), u2)
+                else:
+                    his, los = [], []
+                    for sa, sb, cmax, cmin in classes:
+                        shift = (sa * u1 + sb * u2) * unit
+                        his.append(cmax + shift)
+                        los.append(cmin + shift)
+                    hi, lo = torch.stack(his).amax(0), torch.stack(los).amin(0)
+                return score(hi.clamp(min=0.0) - lo.clamp(max=0.0))
+
+            current = phi[:, k]
+            cands = torch.cat([current[None, :], grid[:, None].expand(-1, rows_)])
+            sc = candidate_scores(cands)
+            best = cands.gather(0, sc.argmin(0, keepdim=True))[0]
+            if fine is not None:
+                cands = torch.cat([best[None, :], best[None, :] + fine[:, None]])
+                sc = candidate_scores(cands)
+                best = cands.gather(0, sc.argmin(0, keepdim=True))[0]
+            phi[:, k] = best
+            u1, u2 = pair_out(best[None, :], k)
+            if hmat is None:
+                y[..., ia[k]], y[..., ib[k]] = u1[0], u2[0]
+            else:  # y holds the Hadamard output here
+                y = z_rest + u1[0, ..., None] * hmat[:, ia[k]] + u2[0, ..., None] * hmat[:, ib[k]]
+        y = full(phi)
+        trace.append(float(group_range(y).mean()))
+    wrapped = torch.remainder(phi + math.pi, 2 * math.pi) - math.pi
+    wrapped = torch.where(wrapped == -math.pi, torch.full_like(wrapped, math.pi), wrapped)
+    out = wrapped.numpy()
+    return RangeFit(out if per_head else out[0], trace)

@@ -58,7 +58,9 @@ __all__ = [
 
 WEIGHT_CACHE_FORMAT = 1
 ESTIMATORS = ("rows", "k_only", "balanced", "per_head")
-OBJECTIVES = ("variance", "linf", "l2max", "quantile")
+OBJECTIVES = ("variance", "linf", "l2max", "quantile", "range")
+#: Pre-RoPE K tokens sampled per layer during calibration (positions kept) for the ``range`` objective.
+K_SAMPLE_ROWS = 2048
 WEIGHT_MODES = ("gptq", "rtn", "none")
 STATIC_SCOPES = (None, "both", "act", "kv")
 ROTATIONS = ("hadamard", "whip", "none")
@@ -157,6 +159,13 @@ class RunConfig:
             raise PipelineError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.objective not in OBJECTIVES:
             raise PipelineError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.objective == "range":
+            if self.position_average:
+                raise PipelineError("objective 'range' already scores every row at its position: "
+                                    "position_average applies to objective='variance'")
+            if self.k_group != -1:
+                raise PipelineError("objective 'range' scores whole-head K groups: it needs k_group=-1")
+
         for name in ("seqlen", "calib_windows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -216,7 +225,7 @@ class RunConfig:
 
     def stats_key(self) -> str:
         """Hash of what determines the calibration statistics: weights, activation quantisers, sample."""
-        return _hash({"weights": self.weight_fields(), "corpus": self.corpus,
+        return _hash({"weights": self.weight_fields(), "corpus": self.corpus, "k_sample": K_SAMPLE_ROWS,
                       "calib_windows": self.calib_windows, "seqlen": self.seqlen, "a_bits": self.a_bits,
                       "a_group": self.a_group,
                       "a_clip": self.a_clip, "static_act": self.static_scope in ("act", "both")})
@@ -588,6 +597,13 @@ def _estimate_angles(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray
     if cfg.position_average:
         return estimate_angles(stats, cfg.estimator, cfg.objective, inv_freq=model,
                                average_length=cfg.average_length or cfg.seqlen)
+    if cfg.objective == "range":
+        from rope_quant import transforms
+
+        if not transforms.needs_angles(cfg.r3):  # the fit is costly; an angle-free R3 ignores it
+            return np.zeros((stats.n_layers, stats.n_pairs))
+        return estimate_angles(stats, cfg.estimator, "range", inv_freq=model,
+                               then_hadamard=cfg.r3 == "pairwise_plus_hadamard")
     return estimate_angles(stats, cfg.estimator, cfg.objective)
 
 
@@ -599,7 +615,8 @@ def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeomet
     spath = None if cache is None else cache / f"stats-{cfg.stats_key()}-{fingerprint}.npz"
     if spath is not None and spath.is_file():
         return CalibrationStats.load(spath)
-    stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim)
+    stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
+                             sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
     with attention.calibration_hooks(model, stats):
         _forward_windows(model, calib, "calibration", progress)
     PIPELINE_COUNTERS["calibration_passes"] += 1

@@ -548,17 +548,21 @@ class LongContextConfig:
     """A long-context cell: a RunConfig evaluated at several context lengths (App. A.4).
 
     ``key()`` adds the lengths to the run's key; ``weight_key()`` is the run's, so long-context cells
-    share weights and calibration with the short-context cells of the same seed.
+    share weights and calibration with the short-context cells of the same seed. ``matched_average``
+    (φ* cells, ``run.position_average``) re-estimates φ* for every evaluated L with averaging length L.
     """
 
     run: Any
     lengths: tuple[int, ...]
+    matched_average: bool = False
 
     def __post_init__(self) -> None:
         lengths = tuple(int(v) for v in self.lengths)
         if not lengths or any(v < 2 for v in lengths) or len(set(lengths)) != len(lengths):
             raise SweepError(f"lengths must be distinct integers >= 2, got {self.lengths!r}")
         object.__setattr__(self, "lengths", lengths)
+        if self.matched_average and not getattr(self.run, "position_average", False):
+            raise SweepError("matched_average re-estimates φ* per length: the run needs position_average=True")
 
     @property
     def seed(self) -> int:
@@ -573,14 +577,20 @@ class LongContextConfig:
         return getattr(self.run, "device", "cpu")
 
     def key(self) -> str:
-        blob = json.dumps({"run": self.run.key(), "lengths": list(self.lengths)}, sort_keys=True)
+        ident: dict[str, Any] = {"run": self.run.key(), "lengths": list(self.lengths)}
+        if self.matched_average:
+            ident["matched_average"] = True
+        blob = json.dumps(ident, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def weight_key(self) -> str:
         return self.run.weight_key()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run": config_dict(self.run), "lengths": list(self.lengths)}
+        out: dict[str, Any] = {"run": config_dict(self.run), "lengths": list(self.lengths)}
+        if self.matched_average:
+            out["matched_average"] = True
+        return out
 
 
 def compare_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int],
@@ -634,6 +644,62 @@ def long_context_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int
     return Manifest(cells=cells, kind="long-context", comparator=comparator,
                     family=[c for c in configs if c != comparator],
                     meta={name: {"r3": name, "lengths": list(lengths)} for name in configs})
+
+
+#: The "beyond the paper" angle variants (issue: can a RoPE-commuting R3 close the gap?): name suffix ->
+#: RunConfig overrides. Every variant resets the angle fields, so the base config's own do not leak in.
+BEYOND_ANGLES: dict[str, dict[str, Any]] = {
+    "rows": {"estimator": "rows"},
+    "k_only": {"estimator": "k_only"},
+    "per_head": {"estimator": "per_head"},
+    "phi_star_k_only": {"estimator": "k_only", "position_average": True},
+    "range": {"estimator": "k_only", "objective": "range"},
+    "range_per_head": {"estimator": "per_head", "objective": "range"},
+}
+BEYOND_TRANSFORMS = ("pairwise_only", "pairwise_plus_hadamard")
+#: The subset evaluated at long context (the paired short-context study runs every variant).
+BEYOND_LONG = ("pairwise_only-rows", "pairwise_only-phi_star_k_only", "pairwise_only-range_per_head",
+               "pairwise_plus_hadamard-range_per_head")
+
+
+def beyond_variants(comparator: str = "hadamard") -> dict[str, dict[str, Any]]:
+    """``{name: overrides}``: the comparator, then ``<transform>-<angles>`` for every beyond variant."""
+    reset = {"r3_block": None, "estimator": "rows", "objective": "variance", "position_average": False,
+             "average_length": None}
+    out: dict[str, dict[str, Any]] = {comparator: {**reset, "r3": comparator}}
+    for transform in BEYOND_TRANSFORMS:
+        for suffix, overrides in BEYOND_ANGLES.items():
+            out[f"{transform}-{suffix}"] = {**reset, "r3": transform, **overrides}
+    return out
+
+
+def beyond_manifest(base: Any, seeds: Sequence[int], comparator: str = "hadamard") -> Manifest:
+    """``compare --configs beyond``: every beyond variant against the comparator, paired over seeds."""
+    variants = beyond_variants(comparator)
+    meta = {name: {k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "position_average")}
+            for name, ov in variants.items()}
+    return build_manifest(base, variants, seeds, kind="beyond", comparator=comparator,
+                          family=[n for n in variants if n != comparator], meta=meta)
+
+
+def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Sequence[int],
+                                 comparator: str = "hadamard") -> Manifest:
+    """``long-context --configs beyond``: :data:`BEYOND_LONG` plus φ*(k_only) with the averaging length
+    matched to each evaluated L (``pairwise_only-phi_star_k_only-matched``)."""
+    variants = beyond_variants(comparator)
+    chosen = {name: variants[name] for name in (comparator, *BEYOND_LONG)}
+    cells: list[tuple[str, Any]] = []
+    for seed in seeds:
+        for name, overrides in chosen.items():
+            run = dataclasses.replace(base, seed=int(seed), **overrides)
+            cells.append((name, LongContextConfig(run, tuple(lengths))))
+        run = dataclasses.replace(base, seed=int(seed), **variants["pairwise_only-phi_star_k_only"])
+        cells.append(("pairwise_only-phi_star_k_only-matched",
+                      LongContextConfig(run, tuple(lengths), matched_average=True)))
+    names = [*chosen, "pairwise_only-phi_star_k_only-matched"]
+    return Manifest(cells=cells, kind="long-context", comparator=comparator,
+                    family=[n for n in names if n != comparator],
+                    meta={n: {"lengths": list(lengths)} for n in names})
 
 
 # ----------------------------------------------------------------------------- real pipeline
@@ -762,10 +828,21 @@ def pipeline_cell_fn(
 
         diag = qm.attach_diagnostics()
         start = time.perf_counter()
+        max_windows = run_cfg.eval_windows or evaluate.LONG_CONTEXT_MAX_WINDOWS
         try:
-            res = evaluate.long_context(qm.model, qm.corpus.eval_ids, cfg.lengths,
-                                        max_windows=run_cfg.eval_windows or evaluate.LONG_CONTEXT_MAX_WINDOWS,
-                                        device=run_cfg.device, progress=progress)
+            if cfg.matched_average:  # φ* re-estimated with averaging length L for every length L
+                res = {}
+                for length in cfg.lengths:
+                    qm.reconfigure(dataclasses.replace(run_cfg, average_length=int(length)), progress=progress)
+                    for st in qm.states:  # reconfigure installs fresh attention states
+                        st.diagnostics = diag
+                    res.update(evaluate.long_context(qm.model, qm.corpus.eval_ids, (length,),
+                                                     max_windows=max_windows, device=run_cfg.device,
+                                                     progress=progress))
+                qm.reconfigure(run_cfg, progress=progress)
+            else:
+                res = evaluate.long_context(qm.model, qm.corpus.eval_ids, cfg.lengths, max_windows=max_windows,
+                                            device=run_cfg.device, progress=progress)
         finally:
             qm.detach_diagnostics()
         return {"lengths": {str(k): _ppl_entry(v) for k, v in res.items()}, **diag.summary(),
@@ -779,7 +856,8 @@ def config_from_dict(data: Mapping[str, Any]) -> Any:
     from rope_quant import pipeline  # deferred: heavy
 
     if "run" in data and "lengths" in data:
-        return LongContextConfig(pipeline.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]))
+        return LongContextConfig(pipeline.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),
+                                 matched_average=bool(data.get("matched_average", False)))
     return pipeline.RunConfig.from_dict(dict(data))
 
 
