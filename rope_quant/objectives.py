@@ -294,11 +294,11 @@ def fit_range_angles(
         phi += torch.as_tensor(np.asarray(init, dtype=np.float64))
     psi = pos[:, None] * torch.as_tensor(freqs)[None, :]  # (N, K) RoPE phases m·θ_k
     a, b = x[..., ia], x[..., ib]  # (N, H, K)
-    hmat = None
+    mix = torch.eye(d, dtype=torch.float64)  # what follows the pair rotations: I, or the Hadamard
     if then_hadamard:
         from rope_quant import hadamard as _hd
 
-        hmat = _hd.hadamard_matrix(d).to(torch.float64) / math.sqrt(d)
+        mix = _hd.hadamard_matrix(d).to(torch.float64) / math.sqrt(d)
 
     def pair_out(p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Both outputs of pair k for angles p (C, rows_) -> (C, N, H)."""
@@ -312,11 +312,7 @@ def fit_range_angles(
         c, s = torch.cos(ang), torch.sin(ang)
         y = torch.empty_like(x)
         y[..., ia], y[..., ib] = c * a - s * b, s * a + c * b
-        return y if hmat is None else y @ hmat.T
-
-    def score(r: torch.Tensor) -> torch.Tensor:
-        """Mean range per candidate: (C, N, H) -> (C, rows_)."""
-        return r.mean(dim=1) if per_head else r.mean(dim=(1, 2))[:, None]
+        return y @ mix.T
 
     step = 2 * math.pi / grid_size
     grid = torch.arange(grid_size, dtype=torch.float64) * step - math.pi + step
@@ -325,54 +321,42 @@ def fit_range_angles(
     trace = [float(group_range(y).mean())]
     for _ in range(int(sweeps)):
         for k in range(n_pairs):
-            if hmat is None:
-                rest = y.clone()
-                rest[..., [ia[k], ib[k]]] = float("nan")
-                rest_hi = torch.nan_to_num(rest, nan=-math.inf).amax(-1)
-                rest_lo = torch.nan_to_num(rest, nan=math.inf).amin(-1)
-            else:
-                old1, old2 = pair_out(phi[None, :, k], k)
-                z_rest = y - old1[0, ..., None] * hmat[:, ia[k]] - old2[0, ..., None] * hmat[:, ib[k]]
-                signs = torch.stack([torch.sign(hmat[:, ia[k]]), torch.sign(hmat[:, ib[k]])])  # (2, d)
-                classes = []
-                for sa in (1.0, -1.0):
-                    for sb in (1.0, -1.0):
-                        mask = (signs[0] == sa) & (signs[1] == sb)
-                        if mask.any():
-                            classes.append((sa, sb, z_rest[..., mask].amax(-1), z_rest[..., mask].amin(-1)))
-                unit = 1.0 / math.sqrt(d)
-
-            def candidate_scores(cands: torch.Tensor) -> torch.Tensor:
-                u1, u2 = pair_out(cands, k)  # (C, N, H)
-                if hmat is None:
-                    hi = torch.maximum(torch.maximum(rest_hi, u1), u2)
-                    lo = torch.minimum(torch.minimum(rest_lo, u1), u2)
-                else:
-                    his, los = [], []
-                    for sa, sb, cmax, cmin in classes:
-                        shift = (sa * u1 + sb * u2) * unit
-                        his.append(cmax + shift)
-                        los.append(cmin + shift)
-                    hi, lo = torch.stack(his).amax(0), torch.stack(los).amin(0)
-                return score(hi.clamp(min=0.0) - lo.clamp(max=0.0))
-
+            # y = y_rest + u1·mix[:, a_k] + u2·mix[:, b_k]; channels sharing a coefficient pair form a class
+            cols = mix[:, [ia[k], ib[k]]]  # (d, 2)
+            old1, old2 = pair_out(phi[None, :, k], k)
+            y_rest = y - old1[0, ..., None] * cols[:, 0] - old2[0, ..., None] * cols[:, 1]
+            coef, which = torch.unique(cols, dim=0, return_inverse=True)
+            classes = [(coef[j], y_rest[..., which == j].amax(-1), y_rest[..., which == j].amin(-1))
+                       for j in range(coef.shape[0])]
             current = phi[:, k]
             cands = torch.cat([current[None, :], grid[:, None].expand(-1, rows_)])
-            sc = candidate_scores(cands)
-            best = cands.gather(0, sc.argmin(0, keepdim=True))[0]
+            best = _best_candidate(cands, *pair_out(cands, k), classes, per_head)
             if fine is not None:
                 cands = torch.cat([best[None, :], best[None, :] + fine[:, None]])
-                sc = candidate_scores(cands)
-                best = cands.gather(0, sc.argmin(0, keepdim=True))[0]
+                best = _best_candidate(cands, *pair_out(cands, k), classes, per_head)
             phi[:, k] = best
             u1, u2 = pair_out(best[None, :], k)
-            if hmat is None:
-                y[..., ia[k]], y[..., ib[k]] = u1[0], u2[0]
-            else:  # y holds the Hadamard output here
-                y = z_rest + u1[0, ..., None] * hmat[:, ia[k]] + u2[0, ..., None] * hmat[:, ib[k]]
+            y = y_rest + u1[0, ..., None] * cols[:, 0] + u2[0, ..., None] * cols[:, 1]
         y = full(phi)
         trace.append(float(group_range(y).mean()))
     wrapped = torch.remainder(phi + math.pi, 2 * math.pi) - math.pi
     wrapped = torch.where(wrapped == -math.pi, torch.full_like(wrapped, math.pi), wrapped)
     out = wrapped.numpy()
     return RangeFit(out if per_head else out[0], trace)
+
+
+def _best_candidate(cands: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor, classes: list,
+                    per_head: bool) -> torch.Tensor:
+    """The candidate angle (C, rows) with the least mean range; ties keep the first (the current angle).
+
+    ``u1, u2`` (C, N, H): the pair's outputs per candidate; ``classes``: (coefficients (2,), max, min
+    of the rest of the channel class (N, H)), so a class's extreme is max + c1·u1 + c2·u2.
+    """
+    hi = lo = None
+    for c, cmax, cmin in classes:
+        shift = c[0] * u1 + c[1] * u2
+        hi = cmax + shift if hi is None else torch.maximum(hi, cmax + shift)
+        lo = cmin + shift if lo is None else torch.minimum(lo, cmin + shift)
+    r = hi.clamp(min=0.0) - lo.clamp(max=0.0)
+    score = r.mean(dim=1) if per_head else r.mean(dim=(1, 2))[:, None]
+    return cands.gather(0, score.argmin(0, keepdim=True))[0]

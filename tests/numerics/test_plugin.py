@@ -29,7 +29,8 @@ def test_markers_are_registered(pytester: pytest.Pytester) -> None:
 
 def test_gpu_e2e_skips_with_reason_without_cuda(pytester: pytest.Pytester) -> None:
     torch = pytest.importorskip("torch")
-    pytester.makepyfile(test_rqplugin_gpu="import pytest\n@pytest.mark.gpu_e2e\ndef test_needs_gpu():\n    assert False\n")
+    pytester.makepyfile(
+        test_rqplugin_gpu="import pytest\n@pytest.mark.gpu_e2e\ndef test_needs_gpu():\n    assert False\n")
     result = pytester.runpytest("-rs", "--rq-device=cpu")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*gpu_e2e: --rq-device=cpu is not a CUDA device*"])
