@@ -406,7 +406,7 @@ def _meta_table(summary: Mapping[str, Any], key: str) -> list[tuple[Any, str]]:
 def estimators_table(summary: Mapping[str, Any]) -> Table | None:
     """Per angle estimator (rows, k_only, balanced, φ*): ppl, Δ vs comparator, K diagnostics."""
     entries = _meta_table(summary, "estimator")
-    if not entries:
+    if not entries or summary.get("kind") == "beyond":
         return None
     comp = summary["comparator"]
     columns = ["estimator", "config", "mean", "sd", "delta", "ci_low", "ci_high", "n", "k_range_mean",
@@ -450,6 +450,51 @@ def support_table(summary: Mapping[str, Any]) -> Table | None:
                  ["b", "config", "K range", "K rel. err", "ppl", f"gap vs {comp} [CI]"], md_rows)
 
 
+def _commutes(r3: str) -> bool | None:
+    from rope_quant import transforms
+
+    try:
+        if transforms.needs_block(r3):
+            return None
+        params = {"angles": [0.0] * 32} if transforms.needs_angles(r3) else {}
+        return transforms.commutes_with_rope(r3, 64, **params)
+    except transforms.TransformError:
+        return None
+
+
+def beyond_table(summary: Mapping[str, Any]) -> Table | None:
+    """The beyond-the-paper study: per R3 variant, whether it commutes with RoPE, its angles, ppl, Δ vs the
+    comparator with the paired CI, and the K diagnostics (range and relative error after R3)."""
+    if summary.get("kind") != "beyond" or not summary["configs"]:
+        return None
+    comp, meta = summary["comparator"], summary.get("meta") or {}
+    columns = ["config", "r3", "commutes", "angles", "mean", "sd", "delta", "ci_low", "ci_high", "n",
+               "k_range_mean", "k_rel_err"]
+    rows, md_rows = [], []
+    for name, cfg in summary["configs"].items():
+        m = meta.get(name, {})
+        r3 = m.get("r3", name)
+        if r3 == comp:
+            angles = "–"
+        else:
+            kind = "φ*" if m.get("position_average") else ("range" if m.get("objective") == "range" else "φ̂")
+            angles = f"{kind} ({m.get('estimator', 'rows')})"
+        block = summary["paired"].get(name)
+        row = {"config": name, "r3": r3, "commutes": _commutes(r3), "angles": angles, "mean": cfg["mean"],
+               "sd": cfg["sd"], "delta": block["mean"] if block else None,
+               "ci_low": block["low"] if block else None, "ci_high": block["high"] if block else None,
+               "n": block["n"] if block else 0, "k_range_mean": _mean(cfg["k_range_mean"]),
+               "k_rel_err": _mean(cfg["k_rel_err"])}
+        rows.append(row)
+        md_rows.append({"R3": r3, "commutes": _fmt(row["commutes"]), "angles": angles,
+                        "ppl": _mean_sd(cfg["mean"], cfg["sd"]), f"Δ vs {comp} [CI]": _delta_ci(block),
+                        "K range": _fmt(row["k_range_mean"]), "K rel. err": _fmt(row["k_rel_err"], 4)})
+    return Table("beyond", f"Beyond the paper: can a RoPE-commuting R3 match {comp}?", columns, rows,
+                 ["R3", "commutes", "angles", "ppl", f"Δ vs {comp} [CI]", "K range", "K rel. err"], md_rows,
+                 notes=["commutes: the map commutes with RoPE (foldable into W_Q/W_K); Δ = paired "
+                        "ppl difference within seed."])
+
+
 def build_tables(summary: Mapping[str, Any]) -> list[Table]:
     """Every table the summary has data for, main table first."""
     tables: list[Table | None] = []
@@ -457,7 +502,8 @@ def build_tables(summary: Mapping[str, Any]) -> list[Table]:
         tables.append(multiseed_table(summary))
     if summary["paired"]:
         tables.append(corrected_star_table(summary))
-    tables += [estimators_table(summary), support_table(summary), crossover_table(summary)]
+    tables += [beyond_table(summary), estimators_table(summary), support_table(summary),
+               crossover_table(summary)]
     return [t for t in tables if t is not None]
 
 
@@ -539,6 +585,27 @@ def plot_support(table: Table, path: str | os.PathLike[str]) -> Path:
     return out
 
 
+def plot_beyond(table: Table, path: str | os.PathLike[str]) -> Path:
+    """Δ ppl vs the comparator (with its CI) against the mean K range, commuting maps filled."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for row in table.rows:
+        if row["k_range_mean"] is None:
+            continue
+        gap = row["delta"] if row["delta"] is not None else 0.0
+        err = [[gap - row["ci_low"]], [row["ci_high"] - gap]] if row["ci_low"] is not None else None
+        marker = "o" if row["commutes"] else "s"
+        ax.errorbar([row["k_range_mean"]], [gap], yerr=err, marker=marker, capsize=3, ls="none",
+                    mfc=None if row["commutes"] else "white", label=f"{row['r3']}: {row['angles']}")
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xlabel("mean K range after R3 (quantised keys)")
+    ax.set_ylabel("Δ ppl vs comparator")
+    ax.legend(fontsize=7, loc="upper left", frameon=False)
+    out = _save(fig, Path(path))
+    plt.close(fig)
+    return out
+
+
 def read_csv_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
     """Rows of a CSV file as dicts of strings."""
     with open(path, newline="") as handle:
@@ -611,6 +678,8 @@ def write_report(
         by_name = {t.name: t for t in tables}
         if "crossover" in by_name and by_name["crossover"].rows:
             files.append(plot_crossover(by_name["crossover"], root / "figures" / "crossover.png"))
+        if "beyond" in by_name and by_name["beyond"].rows:
+            files.append(plot_beyond(by_name["beyond"], root / "figures" / "beyond.png"))
         if "mixing-support" in by_name and by_name["mixing-support"].rows:
             files.append(plot_support(by_name["mixing-support"], root / "figures" / "support.png"))
         found = sorted(root.glob("**/*_pairs.csv"))

@@ -628,7 +628,7 @@ def estimators_manifest(base: Any, estimators: Sequence[str], seeds: Sequence[in
     if phi_star:
         name = f"{transform}-phi_star"
         variants[name] = {"r3": transform, "estimator": phi_star_estimator, "position_average": True,
-                          "average_length": average_length}
+                          "average_length": average_length, "objective": "variance"}
         meta[name] = {"r3": transform, "estimator": f"phi_star({phi_star_estimator})"}
     return build_manifest(base, variants, seeds, kind="estimators", comparator=comparator,
                           family=[n for n in variants if n != comparator], meta=meta)

@@ -244,7 +244,19 @@ def test_cli_compare_beyond_preset(tmp_path: Path, monkeypatch, capsys):
     assert summary["kind"] == "beyond"
     assert summary["paired"]["pairwise_only-range"]["mean"] == pytest.approx(0.5)
     assert summary["paired"]["pairwise_only-rows"]["mean"] == pytest.approx(1.0)
-    assert "pairwise_plus_hadamard-range_per_head" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Beyond the paper" in printed and "pairwise_plus_hadamard-range_per_head" in json.dumps(summary)
+    from rope_quant import report
+
+    written = report.write_report(out)
+    assert any(f.endswith("figures/beyond.png") for f in written["files"])
+    table = {r["config"]: r for r in report.beyond_table(written["summary"]).rows}
+    assert table["pairwise_only-range"]["commutes"] is True
+    assert table["pairwise_plus_hadamard-rows"]["commutes"] is False
+    assert table["pairwise_only-phi_star_k_only"]["angles"] == "φ* (k_only)"
+    assert table["pairwise_only-range_per_head"]["angles"] == "range (per_head)"
+    assert table["pairwise_only-range"]["delta"] == pytest.approx(0.5)
+    assert report.estimators_table(written["summary"]) is None  # the beyond table replaces it
     calls.clear()
     lc = tmp_path / "lc"
     assert cli.main(["long-context", "--configs", "beyond", "--seeds", "0", "--lengths", "64,128",
@@ -301,3 +313,15 @@ def test_matched_phi_star_cell_equals_separate_phi_star_cells(embedded_model, tm
         assert had["angles"]["max_abs"] == 0.0  # an angle-free R3 skips the fit
     finally:
         sweep.BASE_MODELS.clear()
+
+
+def test_estimators_command_with_the_range_objective(tmp_path: Path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli, "CELL_FN", lambda cfg: calls.append(cfg) or {"ppl": 10.0})
+    assert cli.main(["estimators", "--objective", "range", "--estimators", "k_only,per_head", "--phi-star",
+                     "--seeds", "0", "--out", str(tmp_path), "--no-figures"]) == 0
+    got = {(c.r3, c.estimator, c.objective, c.position_average) for c in calls}
+    assert ("pairwise_only", "per_head", "range", False) in got
+    assert ("pairwise_only", "rows", "variance", True) in got  # φ* stays a variance-objective angle
+    assert cli.main(["run", "--config", "pairwise_only", "--objective", "range", "--phi-star",
+                     "--out", str(tmp_path / "bad")]) == 2
