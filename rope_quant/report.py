@@ -586,21 +586,25 @@ def plot_support(table: Table, path: str | os.PathLike[str]) -> Path:
 
 
 def plot_beyond(table: Table, path: str | os.PathLike[str]) -> Path:
-    """Δ ppl vs the comparator (with its CI) against the mean K range, commuting maps filled."""
+    """Δ ppl vs the comparator (with its CI) against the mean K range: colour = angle rule, filled circles =
+    RoPE-commuting maps, open squares = maps that mix across pairs."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = plt.subplots(figsize=(8.0, 4.2))
+    colours = {a: plt.get_cmap("tab10")(i % 10) for i, a in enumerate(dict.fromkeys(r["angles"] for r in table.rows))}
     for row in table.rows:
         if row["k_range_mean"] is None:
             continue
         gap = row["delta"] if row["delta"] is not None else 0.0
         err = [[gap - row["ci_low"]], [row["ci_high"] - gap]] if row["ci_low"] is not None else None
-        marker = "o" if row["commutes"] else "s"
-        ax.errorbar([row["k_range_mean"]], [gap], yerr=err, marker=marker, capsize=3, ls="none",
-                    mfc=None if row["commutes"] else "white", label=f"{row['r3']}: {row['angles']}")
+        colour = colours[row["angles"]]
+        ax.errorbar([row["k_range_mean"]], [gap], yerr=err, marker="o" if row["commutes"] else "s", capsize=3,
+                    ls="none", color=colour, mfc=colour if row["commutes"] else "white", ms=7,
+                    label=f"{row['r3']}: {row['angles']}")
     ax.axhline(0.0, color="grey", lw=0.8)
-    ax.set_xlabel("mean K range after R3 (quantised keys)")
-    ax.set_ylabel("Δ ppl vs comparator")
-    ax.legend(fontsize=7, loc="upper left", frameon=False)
+    ax.set_xlabel("mean K range after R3 (the dynamic quantiser's range)")
+    ax.set_ylabel("Δ ppl vs comparator (90% CI)")
+    ax.set_title("filled: commutes with RoPE; open: mixes across pairs", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     out = _save(fig, Path(path))
     plt.close(fig)
     return out
