@@ -291,7 +291,11 @@ def fit_range_angles(
     rows_ = n_heads if per_head else 1
     phi = torch.zeros(rows_, n_pairs, dtype=torch.float64)
     if init is not None:
-        phi += torch.as_tensor(np.asarray(init, dtype=np.float64))
+        start = np.asarray(init, dtype=np.float64)
+        if start.shape not in ((n_pairs,), (rows_, n_pairs)) or not np.all(np.isfinite(start)):
+            raise AngleEstimationError(f"init must be finite with shape ({n_pairs},) or ({rows_}, {n_pairs}), "
+                                       f"got {start.shape}")
+        phi += torch.as_tensor(start)
     psi = pos[:, None] * torch.as_tensor(freqs)[None, :]  # (N, K) RoPE phases m·θ_k
     a, b = x[..., ia], x[..., ib]  # (N, H, K)
     mix = torch.eye(d, dtype=torch.float64)  # what follows the pair rotations: I, or the Hadamard

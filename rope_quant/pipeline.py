@@ -10,8 +10,10 @@
    runs before the quantiser;
 4. weights: GPTQ (:mod:`rope_quant.gptq`) or RTN, cached on disk per :meth:`RunConfig.weight_key`. GPTQ's
    Hessians see the inputs each linear actually sees (R4 and the activation quantiser included);
-5. a calibration pass in collect mode over the same calibration windows (pre-RoPE q/k statistics);
-6. R3 angles (:func:`rope_quant.objectives.estimate_angles`; φ̂, or φ* with the live ``inv_freq``) and the
+5. a calibration pass in collect mode over the same calibration windows (pre-RoPE q/k statistics and a
+   sample of :data:`K_SAMPLE_ROWS` K tokens per layer with their positions);
+6. R3 angles (:func:`rope_quant.objectives.estimate_angles`; φ̂, φ* with the live ``inv_freq``, or the
+   ``range`` objective's coordinate descent on the K sample) and the
    per-layer R3 from the registry (:mod:`rope_quant.transforms`);
 7. the quantise-mode attention (:mod:`rope_quant.attention`): R3 on post-RoPE q/k, K/V quantisers.
 

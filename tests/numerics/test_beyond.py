@@ -164,6 +164,8 @@ def test_range_objective_bad_input():
         fit_range_angles(rows, positions[:-1], inv_freq)
     with pytest.raises(AngleEstimationError, match="rows"):
         fit_range_angles(rows[:0], positions[:0], inv_freq)
+    with pytest.raises(AngleEstimationError, match="init"):
+        fit_range_angles(rows, positions, inv_freq, init=np.zeros((H_KV, D // 2)))  # shared fit, per-head init
     stats = CalibrationStats(1, H_Q, H_KV, D, sample_rows=8)
     stats.update(0, "k", rows.reshape(1, -1, H_KV * D))
     with pytest.raises(AngleEstimationError, match="inv_freq"):
