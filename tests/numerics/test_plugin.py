@@ -73,3 +73,14 @@ def test_plugin_module_imports_nothing_heavy() -> None:
     code = f"import sys, rope_quant.pytest_plugin; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_test_module_basenames_are_unique() -> None:
+    """pytest's default import mode imports test modules by basename (the test folders are not packages), so
+    two files with one name in different layers stop the whole session at collection."""
+    from collections import Counter
+    from pathlib import Path
+
+    names = Counter(p.name for p in (Path(__file__).parents[1]).rglob("test_*.py"))
+    clashes = sorted(name for name, count in names.items() if count > 1)
+    assert not clashes, f"test module basenames used more than once: {clashes}"
