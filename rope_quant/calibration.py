@@ -27,8 +27,8 @@ Optionally a per-(layer, pair) candidate set of the ``topk`` rows with the large
 With ``sample_rows`` > 0 a uniform sample of whole pre-RoPE K tokens (every KV head, every channel) is
 kept per layer together with each token's position (its index along the sequence axis, the
 second-to-last axis of the k_proj output): the ``range`` objective needs the RoPE phase m·θ_k of every
-row. Sampling is bottom-k on seeded uniform keys, so it is uniform without replacement and merging two
-samples re-ranks their union (the same sample as one pass over both).
+row. Sampling is bottom-k on seeded uniform keys, so it is uniform without replacement; merging keeps the
+smallest keys of the union, again a uniform sample of every row either side saw.
 """
 
 from __future__ import annotations
