@@ -19,7 +19,8 @@ import pytest
 @dataclass(frozen=True)
 class E2EBudget:
     """Token budgets sized so that ``pytest -m e2e`` runs in <= 20 minutes on 2 CPU cores (measured: 16 min 11 s
-    with a fresh cache, 2 threads, the machine otherwise idle; three GPTQ seeds are about 9 of those minutes).
+    with a fresh cache, 2 threads, the machine otherwise idle; the first test, which also builds the three
+    GPTQ seeds, takes 9.6 of those minutes).
 
     Short context: ``eval_windows`` x ``seqlen`` scored tokens per cell, ``calib_windows`` x ``seqlen``
     calibration tokens per seed (shared by GPTQ and the R3 statistics). ``long_lengths`` are scored with
