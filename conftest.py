@@ -15,7 +15,7 @@ def embedded_model():
 
     Tests must not mutate it: build rotated or quantised copies with ``copy.deepcopy``.
     """
-    from rope_quant.models import ModelNotFoundError, load_model
+    from rope_quant.model.loading import ModelNotFoundError, load_model
 
     try:
         return load_model("smollm2-135m", device="cpu")

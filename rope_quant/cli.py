@@ -92,14 +92,14 @@ def parse_names(text: str, what: str, valid: Sequence[str]) -> tuple[str, ...]:
 
 def valid_configs() -> list[str]:
     """R3 registry names (``transforms.names()``)."""
-    from rope_quant import transforms
+    from rope_quant.core import transforms
 
     return list(transforms.names())
 
 
 def parse_configs(text: str) -> tuple[str, ...]:
     """R3 names for compare / long-context; block transforms need ``support`` (they take a block size)."""
-    from rope_quant import transforms
+    from rope_quant.core import transforms
 
     configs = parse_names(text, "config", valid_configs())
     blocky = [c for c in configs if transforms.needs_block(c)]
@@ -111,7 +111,7 @@ def parse_configs(text: str) -> tuple[str, ...]:
 
 def check_corpus(name: str) -> str:
     """An embedded corpus name, ``wikitext2``, or an existing local path."""
-    from rope_quant import data
+    from rope_quant.experiment import data
 
     known = data.list_corpora(include_unavailable=True)
     if name in known and name not in data.list_corpora():
@@ -123,7 +123,7 @@ def check_corpus(name: str) -> str:
 
 def check_model(name: str) -> str:
     """An embedded model name or an existing local checkpoint / .gguf file."""
-    from rope_quant.models import ModelNotFoundError, resolve_model
+    from rope_quant.model.loading import ModelNotFoundError, resolve_model
 
     try:
         resolve_model(name)
@@ -290,7 +290,7 @@ def resolve_budget(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]
 
 def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
     """The ``pipeline.RunConfig`` shared by every cell of the command (seed and R3 set per cell)."""
-    from rope_quant import pipeline
+    from rope_quant.experiment import pipeline
 
     budget, _ = resolve_budget(args)
     w_mse = budget.pop("w_mse")
@@ -326,7 +326,7 @@ def _head_dim(model: str) -> int:
     """head_dim of a model from its config alone (no weights loaded)."""
     from transformers import AutoConfig
 
-    from rope_quant.models import resolve_model
+    from rope_quant.model.loading import resolve_model
 
     src = resolve_model(model)
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
@@ -341,7 +341,7 @@ def _head_dim(model: str) -> int:
 def _cell_fn(args: argparse.Namespace, out: Path) -> Callable[[Any], dict] | None:
     if CELL_FN is not None:
         return CELL_FN
-    from rope_quant.sweep import CACHE_DIR, pipeline_cell_fn
+    from rope_quant.sweep.runner import CACHE_DIR, pipeline_cell_fn
 
     cache = Path(args.cache_dir) if args.cache_dir else out / CACHE_DIR
     return pipeline_cell_fn(cache, artifacts=out, progress=args.progress)
@@ -372,7 +372,8 @@ def _slurm_params(items: Sequence[str]) -> dict[str, Any]:
 
 def _execute(args: argparse.Namespace, manifest: Any, used: list[str]) -> int:
     """Run (or submit) a sweep's cells, then write and print the report."""
-    from rope_quant import report, sweep
+    from rope_quant.sweep import report
+    from rope_quant.sweep import runner as sweep
 
     out = Path(args.out)
     print(f"rope-quant {args.command}: {len(manifest)} cells -> {out}", flush=True)
@@ -405,14 +406,14 @@ def _execute(args: argparse.Namespace, manifest: Any, used: list[str]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rope_quant import sweep
+    from rope_quant.sweep import runner as sweep
 
     _validate_common(args)
     if args.config not in valid_configs():
         raise CLIError(f"unknown config {args.config!r}; valid: {', '.join(valid_configs())}")
     if args.seed < 0:
         raise CLIError(f"--seed must be >= 0, got {args.seed}")
-    from rope_quant import transforms
+    from rope_quant.core import transforms
 
     if transforms.needs_block(args.config) and args.block is None:
         raise CLIError(f"--config {args.config} needs --block b (a power of two dividing head_dim)")
@@ -450,7 +451,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from rope_quant import sweep
+    from rope_quant.sweep import runner as sweep
 
     _validate_common(args)
     used: list[str] = []
@@ -468,7 +469,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_support(args: argparse.Namespace) -> int:
-    from rope_quant import sweep
+    from rope_quant.sweep import runner as sweep
 
     _validate_common(args)
     used: list[str] = []
@@ -486,7 +487,7 @@ def cmd_support(args: argparse.Namespace) -> int:
 
 
 def cmd_estimators(args: argparse.Namespace) -> int:
-    from rope_quant import sweep
+    from rope_quant.sweep import runner as sweep
 
     _validate_common(args)
     estimators = parse_names(args.estimators, "estimator", ("rows", "k_only", "balanced", "per_head"))
@@ -500,7 +501,7 @@ def cmd_estimators(args: argparse.Namespace) -> int:
 
 
 def cmd_long_context(args: argparse.Namespace) -> int:
-    from rope_quant import sweep
+    from rope_quant.sweep import runner as sweep
 
     _validate_common(args)
     beyond = args.configs.strip() == BEYOND
@@ -523,8 +524,9 @@ def cmd_long_context(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from rope_quant import sweep, verify
-    from rope_quant.envinfo import atomic_write_json
+    from rope_quant.calib import verify
+    from rope_quant.experiment.envinfo import atomic_write_json
+    from rope_quant.sweep import runner as sweep
 
     out = Path(args.dir)
     data = sweep.read_manifest(out)
@@ -561,7 +563,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from rope_quant import report, sweep
+    from rope_quant.sweep import report
+    from rope_quant.sweep import runner as sweep
 
     out = Path(args.dir)
     st = sweep.status(out)
@@ -593,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
-    from rope_quant.sweep import SweepError
+    from rope_quant.sweep.runner import SweepError
 
     try:
         return COMMANDS[args.command](args)

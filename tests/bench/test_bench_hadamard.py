@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from rope_quant import hadamard as hd
+from rope_quant.core import hadamard as hd
 
 ROWS = 4096
 SIZES = (64, 128, 1024, 8192)

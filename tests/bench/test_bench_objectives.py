@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from rope_quant.calibration import CalibrationStats
-from rope_quant.objectives import RANGE_GRID_SIZE, RANGE_REFINE, RANGE_SWEEPS, estimate_angles, fit_range_angles
+from rope_quant.calib.moments import CalibrationStats
+from rope_quant.calib.objectives import RANGE_GRID_SIZE, RANGE_REFINE, RANGE_SWEEPS, estimate_angles, fit_range_angles
 
 N, H_Q, H_KV, D = 2048, 9, 3, 64
 INV_FREQ = 100000.0 ** (-np.arange(0, D, 2) / D)

@@ -21,9 +21,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from rope_quant import attention, data
-from rope_quant.calibration import CalibrationStats
-from rope_quant.pipeline import RunConfig, build_quantized_model
+from rope_quant.calib.moments import CalibrationStats
+from rope_quant.experiment import data
+from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
+from rope_quant.rotations import attention
 
 L_FWD = 2048
 W4A4KV4 = dict(w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4, seqlen=256, calib_windows=1)
@@ -134,8 +135,9 @@ def test_calibration_pass_vs_plain(benchmark, rq_record, embedded_model, ids, tm
 
 _MEMORY_SCRIPT = r"""
 import json, resource, sys, torch
-from rope_quant import data, evaluate
-from rope_quant.pipeline import RunConfig, build_quantized_model
+from rope_quant.experiment import data
+from rope_quant.experiment import evaluate
+from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 torch.set_num_threads(int(sys.argv[2]))
 L = int(sys.argv[1])
 cfg = RunConfig(w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4, seqlen=256, calib_windows=1)

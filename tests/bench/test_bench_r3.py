@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant import transforms as T
+from rope_quant.core import transforms as T
 
 D, H_Q, H_KV, L = 64, 9, 3, 2048
 ANGLES = np.random.default_rng(0).uniform(-math.pi / 4, math.pi / 4, (H_KV, D // 2))

@@ -46,7 +46,7 @@ class Experiment:
         self._cells: dict[str, dict[str, Any]] = {}
 
     def config(self, seed: int = 0, **overrides: Any):
-        from rope_quant.pipeline import RunConfig
+        from rope_quant.experiment.pipeline import RunConfig
 
         b = self.budget
         fields = dict(model=self.model, corpus=self.corpus, seed=seed, seqlen=b.seqlen, device=self.device,
@@ -55,7 +55,7 @@ class Experiment:
         return RunConfig(**fields)
 
     def cell(self, seed: int = 0, **overrides: Any) -> dict[str, Any]:
-        from rope_quant.pipeline import run_cell
+        from rope_quant.experiment.pipeline import run_cell
 
         cfg = self.config(seed, **overrides)
         if cfg.key() not in self._cells:
@@ -67,15 +67,15 @@ class Experiment:
 
     def long_context(self, seed: int = 0, **overrides: Any) -> dict[int, Any]:
         """Perplexity per length on the long-form corpus (App. A.4 protocol), one entry per length."""
-        from rope_quant import evaluate
-        from rope_quant.pipeline import build_quantized_model
+        from rope_quant.experiment import evaluate
+        from rope_quant.experiment.pipeline import build_quantized_model
 
         b = self.budget
         key = ("long", self.config(seed, **overrides).key())
         if key not in self._cells:
             cfg = self.config(seed, **overrides)
             qm = build_quantized_model(cfg, cache_dir=self.cache_dir, base=self.base)
-            from rope_quant.data import load_corpus
+            from rope_quant.experiment.data import load_corpus
 
             corpus = load_corpus(b.long_corpus, qm.tokenizer)
             self._cells[key] = evaluate.long_context(qm.model, corpus.eval_ids, list(b.long_lengths),

@@ -9,7 +9,7 @@ measured study (README, "Beyond the paper"; ``rope-quant compare --configs beyon
 
 from __future__ import annotations
 
-from rope_quant import stats
+from rope_quant.core import stats
 
 HADAMARD = dict(r3="hadamard")
 #: The RoPE-commuting candidates: the paper's φ̂ (rows), head-dependent φ̂, K-only φ*, and the range

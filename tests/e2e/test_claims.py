@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rope_quant import stats
+from rope_quant.core import stats
 
 W4A4KV4 = {}  # the RunConfig defaults: W4A4KV4, GPTQ weights, R1/R2 random Hadamard, online R4
 K_ONLY = dict(w_bits=16, a_bits=16, k_bits=4, v_bits=16, weights="none", r1="none", r2="none", r4=False)
@@ -158,9 +158,9 @@ def test_c4_block_endpoints_match(experiment, rq_claim) -> None:
 
 def _excess_table(experiment) -> dict[str, np.ndarray]:
     """Relative excess over λ̄ per angle rule, on the embedded model's own calibration statistics (App. J)."""
-    from rope_quant import angles, rope
-    from rope_quant.calibration import CalibrationStats
-    from rope_quant.pipeline import build_quantized_model
+    from rope_quant.calib.moments import CalibrationStats
+    from rope_quant.core import angles, rope
+    from rope_quant.experiment.pipeline import build_quantized_model
 
     cfg = experiment.config(0, r3="pairwise_only", position_average=True, **K_ONLY)
     qm = build_quantized_model(cfg, cache_dir=experiment.cache_dir, base=experiment.base)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from rope_quant import stats
+from rope_quant.core import stats
 
 pytestmark = pytest.mark.gpu_e2e
 
@@ -31,7 +31,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="module")
 def gpu_experiment(gpu_model, rq_options, tmp_path_factory, experiment_factory):
-    from rope_quant.models import ModelNotFoundError, load_model
+    from rope_quant.model.loading import ModelNotFoundError, load_model
 
     Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
 

@@ -1,4 +1,4 @@
-"""Online R3 and the K/V quantiser inside attention (rope_quant.attention)."""
+"""Online R3 and the K/V quantiser inside attention (rope_quant.rotations.attention)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rope_quant import attention, rope
-from rope_quant import transforms as T
-from rope_quant.calibration import CalibrationStats
+from rope_quant.calib.moments import CalibrationStats
+from rope_quant.core import rope
+from rope_quant.core import transforms as T
+from rope_quant.rotations import attention
 
 VOCAB = 128
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rope_quant.calibration import (
+from rope_quant.calib.moments import (
     CalibrationShapeError,
     CalibrationStats,
     EmptyStatisticsError,
@@ -20,7 +20,7 @@ from rope_quant.calibration import (
     UnknownStreamError,
     merge_all,
 )
-from rope_quant.rope import OddHeadDimError, UnsupportedLayoutError, layout_permutation, pair_indices
+from rope_quant.core.rope import OddHeadDimError, UnsupportedLayoutError, layout_permutation, pair_indices
 
 L, HQ, HK, D = 2, 9, 3, 8
 K = D // 2

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rope_quant import cli, report, sweep
+from rope_quant import cli
 from rope_quant.cli import CLIError, parse_int_list, parse_names
+from rope_quant.sweep import report
+from rope_quant.sweep import runner as sweep
 
 TINY = ["--seqlen", "128", "--calib-windows", "2", "--eval-windows", "2", "--weights", "rtn", "--no-w-mse"]
 
@@ -99,7 +101,7 @@ def test_bad_input_exits_2(argv, message, tmp_path: Path, capsys, fake: FakeCell
 
 
 def test_unknown_config_lists_registry_names(tmp_path: Path, capsys, fake: FakeCell) -> None:
-    from rope_quant import transforms
+    from rope_quant.core import transforms
 
     assert cli.main(["run", "--config", "bogus", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant import data
-from rope_quant.data import (
+from rope_quant.experiment import data
+from rope_quant.experiment.data import (
     Corpus,
     CorpusFormatError,
     CorpusNotInstalledError,

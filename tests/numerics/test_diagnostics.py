@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant.diagnostics import DiagnosticsError, KDiagnostics, NonFiniteKeysError
-from rope_quant.hadamard import hadamard_transform
-from rope_quant.quant import fake_quant_per_token
+from rope_quant.calib.diagnostics import DiagnosticsError, KDiagnostics, NonFiniteKeysError
+from rope_quant.core.hadamard import hadamard_transform
+from rope_quant.quant.quantizers import fake_quant_per_token
 
 SUMMARY_KEYS = ("k_range_mean", "k_range_max", "delta_mean", "k_rel_err")
 

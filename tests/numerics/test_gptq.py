@@ -1,4 +1,4 @@
-"""GPTQ (Frantar et al. 2022) on random linear layers and a tiny random Llama (rope_quant.gptq)."""
+"""GPTQ (Frantar et al. 2022) on random linear layers and a tiny random Llama (rope_quant.quant.gptq)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rope_quant import gptq
-from rope_quant.gptq import GPTQConfig, GPTQError, HessianAccumulator, gptq_quantize, rtn_quantize
+from rope_quant.quant import gptq
+from rope_quant.quant.gptq import GPTQConfig, GPTQError, HessianAccumulator, gptq_quantize, rtn_quantize
 
 
 def _problem(out_f: int = 96, in_f: int = 128, n: int = 2048, seed: int = 0):
@@ -112,7 +112,7 @@ def test_damping_handles_singular_and_dead_inputs(caplog):
     assert torch.isfinite(Q).all()
     assert torch.all(Q[:, 5] == 0)  # dead columns are dropped (their input is always zero)
     # No damping on a singular Hessian: the solver escalates the damping and says so.
-    with caplog.at_level(logging.WARNING, logger="rope_quant.gptq"):
+    with caplog.at_level(logging.WARNING, logger="rope_quant.quant.gptq"):
         Q0 = gptq_quantize(W, acc.H, 4, GPTQConfig(percdamp=0.0))
     assert torch.isfinite(Q0).all()
     assert any("damping" in r.getMessage() for r in caplog.records)

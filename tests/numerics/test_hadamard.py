@@ -1,4 +1,4 @@
-"""Hadamard kernels and constructed orders (rope_quant.hadamard)."""
+"""Hadamard kernels and constructed orders (rope_quant.core.hadamard)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rope_quant import hadamard as hd
-from rope_quant.hadamard import (
+from rope_quant.core import hadamard as hd
+from rope_quant.core.hadamard import (
     NonFloatTensorError,
     UnsupportedHadamardOrderError,
     dense_hadamard_transform,

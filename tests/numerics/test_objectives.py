@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant.angles import jacobi_angle, wrap_angle
-from rope_quant.calibration import CalibrationStats
-from rope_quant.objectives import (
+from rope_quant.calib.moments import CalibrationStats
+from rope_quant.calib.objectives import (
     AngleEstimationError,
     UnknownObjectiveError,
     angle_grid,
     estimate_angles,
     objective_scores,
 )
-from rope_quant.rope import NonDistinctFrequencyError
+from rope_quant.core.angles import jacobi_angle, wrap_angle
+from rope_quant.core.rope import NonDistinctFrequencyError
 
 N_LAYERS, HQ, HK, D = 3, 9, 3, 64
 K = D // 2

@@ -1,4 +1,4 @@
-"""The one-cell pipeline (rope_quant.pipeline): configuration keys, quantised linears, weight cache,
+"""The one-cell pipeline (rope_quant.experiment.pipeline): configuration keys, quantised linears, weight cache,
 invariance of the unquantised rotated model, the K-only R3 ordering, and the full W4A4KV4 pipeline.
 
 Budgets are small (2 shared CPU cores): mechanics run on a tiny random Llama that uses the embedded
@@ -16,9 +16,13 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rope_quant import attention, data, evaluate, gptq, pipeline, rope, rotation
-from rope_quant.pipeline import GPTQConfig, PipelineError, RunConfig, build_quantized_model, run_cell
-from rope_quant.quant import fake_quant_per_token
+from rope_quant.core import rope
+from rope_quant.experiment import data, evaluate, pipeline
+from rope_quant.experiment.pipeline import GPTQConfig, PipelineError, RunConfig, build_quantized_model, run_cell
+from rope_quant.quant import gptq
+from rope_quant.quant.quantizers import fake_quant_per_token
+from rope_quant.rotations import attention
+from rope_quant.rotations import offline as rotation
 
 R3_VARIANTS = [("identity", None), ("hadamard", None), ("pairwise_only", None),
                ("pairwise_plus_hadamard", None), ("pair_h2", None), ("block_hadamard", 4)]

@@ -1,4 +1,4 @@
-"""Quantisers (rope_quant.quant): dynamic per-token, static per-channel, weight RTN."""
+"""Quantisers (rope_quant.quant.quantizers): dynamic per-token, static per-channel, weight RTN."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rope_quant.quant import (
+from rope_quant.quant.quantizers import (
     NotCalibratedError,
     QuantConfig,
     QuantConfigError,

@@ -13,16 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant import cli, sweep, transforms
-from rope_quant.calibration import CalibrationError, CalibrationShapeError, CalibrationStats
-from rope_quant.objectives import (
+from rope_quant import cli
+from rope_quant.calib.moments import CalibrationError, CalibrationShapeError, CalibrationStats
+from rope_quant.calib.objectives import (
     AngleEstimationError,
     estimate_angles,
     fit_range_angles,
     mean_group_range,
 )
-from rope_quant.pipeline import PipelineError, RunConfig
-from rope_quant.rope import NonDistinctFrequencyError, rope_matrix
+from rope_quant.core import transforms
+from rope_quant.core.rope import NonDistinctFrequencyError, rope_matrix
+from rope_quant.experiment.pipeline import PipelineError, RunConfig
+from rope_quant.sweep import runner as sweep
 
 D, H_KV, H_Q = 16, 2, 6
 
@@ -248,7 +250,7 @@ def test_cli_compare_beyond_preset(tmp_path: Path, monkeypatch, capsys):
     assert summary["paired"]["pairwise_only-rows"]["mean"] == pytest.approx(1.0)
     printed = capsys.readouterr().out
     assert "Beyond the paper" in printed and "pairwise_plus_hadamard-range_per_head" in json.dumps(summary)
-    from rope_quant import report
+    from rope_quant.sweep import report
 
     written = report.write_report(out)
     assert any(f.endswith("figures/beyond.png") for f in written["files"])
@@ -291,7 +293,7 @@ def tiny_llama(embedded_model):
 
 def test_matched_phi_star_cell_equals_separate_phi_star_cells(embedded_model, tmp_path):
     """The matched cell at L is the φ* cell with average_length = L; range cells build and run."""
-    from rope_quant import data
+    from rope_quant.experiment import data
 
     base = tiny_llama(embedded_model)
     corpus = data.load_corpus("pydoc", base[1])

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rope_quant import report
-from rope_quant.sweep import build_manifest, run_cells
+from rope_quant.sweep import report
+from rope_quant.sweep.runner import build_manifest, run_cells
 
 SEEDS = (0, 1, 2)
 HADAMARD = [10.0, 10.5, 11.0]
@@ -263,7 +263,7 @@ def test_crossover_table_and_figure(tmp_path: Path) -> None:
 
 
 def test_phi_star_excess_figure(tmp_path: Path) -> None:
-    from rope_quant.verify import CSV_COLUMNS
+    from rope_quant.calib.verify import CSV_COLUMNS
 
     path = tmp_path / "verify" / "phi_star_pairs.csv"
     path.parent.mkdir()

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from rope_quant.rope import (
+from rope_quant.core.rope import (
     AmbiguousInvFreqError,
     MissingInvFreqError,
     check_frequencies,

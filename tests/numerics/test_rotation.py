@@ -1,4 +1,4 @@
-"""Function preservation of the offline rotations (untie, norm fusion, R1, R2, R4) in rope_quant.rotation.
+"""Function preservation of the offline rotations (untie, norm fusion, R1, R2, R4) in rope_quant.rotations.offline.
 
 Each step is checked cumulatively: the logits after untie, then after fuse, then after R1, R2 and R4 must
 equal the original model's logits to fp32 tolerance, and the weights each step touches must have changed
@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rope_quant import hadamard, rotation
-from rope_quant.rotation import (
+from rope_quant.core import hadamard
+from rope_quant.rotations import offline as rotation
+from rope_quant.rotations.offline import (
     AlreadyRotatedError,
     MissingRotationError,
     NormsNotFusedError,
@@ -25,7 +26,7 @@ from rope_quant.rotation import (
     RotationShapeError,
     TiedEmbeddingsError,
 )
-from rope_quant.whip import WhipConfig
+from rope_quant.rotations.whip import WhipConfig
 
 REL_TOL = 1e-4  # max |Δlogit| / max |logit| for an exact (function-preserving) step in fp32
 STEPS = ("untie", "fuse", "r1", "r2", "r4")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rope_quant import sweep
-from rope_quant.sweep import (
+from rope_quant.sweep import runner as sweep
+from rope_quant.sweep.runner import (
     DuplicateCellError,
     InvalidCellNameError,
     Manifest,
@@ -331,7 +331,7 @@ def test_slurm_submits_one_array_task_per_shard(tmp_path: Path, monkeypatch: pyt
 
 
 def test_env_info_and_atomic_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rope_quant import envinfo
+    from rope_quant.experiment import envinfo
 
     info = envinfo.env_info("cpu")
     assert set(info["packages"]) == {"torch", "transformers", "numpy", "scipy", "gguf", "rope_quant"}

@@ -1,4 +1,4 @@
-"""The R3 registry (rope_quant.transforms): orthogonality, q·k invariance, RoPE commutation, layouts, GQA."""
+"""The R3 registry (rope_quant.core.transforms): orthogonality, q·k invariance, RoPE commutation, layouts, GQA."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rope_quant import transforms as T
-from rope_quant.hadamard import hadamard_matrix
-from rope_quant.quant import fake_quant_per_token, quant_step
-from rope_quant.rope import (
+from rope_quant.core import transforms as T
+from rope_quant.core.hadamard import hadamard_matrix
+from rope_quant.core.rope import (
     OddHeadDimError,
     UnsupportedLayoutError,
     layout_permutation,
     rope_matrix,
 )
+from rope_quant.quant.quantizers import fake_quant_per_token, quant_step
 
 D = 64
 K = D // 2
@@ -354,7 +354,7 @@ def test_cached_tables_built_in_inference_mode_are_usable_with_autograd() -> Non
     import numpy as np
     import torch
 
-    from rope_quant import transforms
+    from rope_quant.core import transforms
 
     t = transforms.build("pairwise_plus_hadamard", 64, angles=np.linspace(-0.5, 0.5, 32))
     with torch.inference_mode():

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant.calibration import CalibrationStats, register_projection_hooks
-from rope_quant.objectives import estimate_angles
-from rope_quant.rope import NonDistinctFrequencyError, find_inv_freq, phase_averages
-from rope_quant.verify import (
+from rope_quant.calib.moments import CalibrationStats, register_projection_hooks
+from rope_quant.calib.objectives import estimate_angles
+from rope_quant.calib.verify import (
     CSV_COLUMNS,
     MissingArtifactError,
     VerificationShapeError,
@@ -22,6 +21,7 @@ from rope_quant.verify import (
     verify_phi_star,
     write_artifacts,
 )
+from rope_quant.core.rope import NonDistinctFrequencyError, find_inv_freq, phase_averages
 
 N_LAYERS, HQ, HK, D = 2, 6, 2, 32
 K = D // 2

@@ -1,4 +1,4 @@
-"""DartQuant whip calibration (rope_quant.whip): loss, QR-Orth parameterisation, schedules, model data."""
+"""DartQuant whip calibration (rope_quant.rotations.whip): loss, QR-Orth parameterisation, schedules, model data."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rope_quant import hadamard, rotation, whip
-from rope_quant.whip import RELEASED_R2, WhipConfig, WhipError
+from rope_quant.core import hadamard
+from rope_quant.rotations import offline as rotation
+from rope_quant.rotations import whip
+from rope_quant.rotations.whip import RELEASED_R2, WhipConfig, WhipError
 
 ORTHO_TOL = 1e-5
 

@@ -1,4 +1,4 @@
-"""Hypothesis properties of rope_quant.angles and rope_quant.rope (Theorem, Eq. Sigmatilde, Eq. CkSk)."""
+"""Hypothesis properties of rope_quant.core.angles and rope_quant.core.rope (Theorem, Eq. Sigmatilde, Eq. CkSk)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rope_quant import angles as A
-from rope_quant.rope import (
+from rope_quant.core import angles as A
+from rope_quant.core.rope import (
     LAYOUTS,
     layout_permutation,
     pair_indices,

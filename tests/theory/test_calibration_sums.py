@@ -1,7 +1,7 @@
 """The calibration-only proposition: five streaming sums (with n) determine each pair's covariance,
 hence phi_hat and phi*, independently of how the calibration stream is chunked.
 
-Plain numpy on purpose: this checks the statement, not rope_quant.calibration's implementation.
+Plain numpy on purpose: this checks the statement, not rope_quant.calib.moments's implementation.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_quant.angles import PairCov, equalising_angle, jacobi_angle
+from rope_quant.core.angles import PairCov, equalising_angle, jacobi_angle
 
 
 def five_sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_quant.rope import LAYOUTS, layout_permutation, pair_indices, rope_matrix
+from rope_quant.core.rope import LAYOUTS, layout_permutation, pair_indices, rope_matrix
 
 TOL = 1e-9
 J2 = np.array([[0.0, -1.0], [1.0, 0.0]])

@@ -1,4 +1,4 @@
-"""rope_quant.stats against hand-worked cases and independent re-derivations."""
+"""rope_quant.core.stats against hand-worked cases and independent re-derivations."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy import stats as st_scipy
 
-from rope_quant.stats import (
+from rope_quant.core.stats import (
     LengthMismatchError,
     NonFiniteValueError,
     PairedCI,

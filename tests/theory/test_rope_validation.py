@@ -1,11 +1,11 @@
-"""Input validation of rope_quant.rope and rope_quant.angles (specific ValueError subclasses)."""
+"""Input validation of rope_quant.core.rope and rope_quant.core.angles (specific ValueError subclasses)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rope_quant.rope import (
+from rope_quant.core.rope import (
     InvalidFrequencyError,
     NonDistinctFrequencyError,
     OddHeadDimError,

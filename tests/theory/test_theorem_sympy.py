@@ -1,6 +1,6 @@
 """The Theorem of §3 (steps (0), (ii), (iii), (iv) and the phi* / excess corollaries), in sympy.
 
-Notation as in rope_quant.angles: Sigma = [[s1^2, rho s1 s2], [rho s1 s2, s2^2]],
+Notation as in rope_quant.core.angles: Sigma = [[s1^2, rho s1 s2], [rho s1 s2, s2^2]],
 p = (s1^2 - s2^2)/2, q = rho s1 s2, t = (s1^2 + s2^2)/2, and G(x) = R(x) = [[cos, -sin], [sin, cos]].
 """
 

@@ -3,19 +3,19 @@
 :func:`build_quantized_model` follows the natural path of the data (DESIGN.md, "One cell"):
 
 1. load the model (or deep-copy a given one);
-2. offline rotations R1/R2/R4 (:func:`rope_quant.rotation.rotate_model`);
+2. offline rotations R1/R2/R4 (:func:`rope_quant.rotations.offline.rotate_model`);
 3. activation quantisers: a forward pre-hook on every decoder linear (lm_head stays 16-bit) doing
    per-token asymmetric dynamic INT-a fake quantisation (or the static per-channel control, App. A.6/D).
    On down_proj the online R4 Hadamard pre-hook is registered with ``prepend=True`` by rotation.py, so it
    runs before the quantiser;
-4. weights: GPTQ (:mod:`rope_quant.gptq`) or RTN, cached on disk per :meth:`RunConfig.weight_key`. GPTQ's
+4. weights: GPTQ (:mod:`rope_quant.quant.gptq`) or RTN, cached on disk per :meth:`RunConfig.weight_key`. GPTQ's
    Hessians see the inputs each linear actually sees (R4 and the activation quantiser included);
 5. a calibration pass in collect mode over the same calibration windows (pre-RoPE q/k statistics and a
    sample of :data:`K_SAMPLE_ROWS` K tokens per layer with their positions);
-6. R3 angles (:func:`rope_quant.objectives.estimate_angles`; φ̂, φ* with the live ``inv_freq``, or the
+6. R3 angles (:func:`rope_quant.calib.objectives.estimate_angles`; φ̂, φ* with the live ``inv_freq``, or the
    ``range`` objective's coordinate descent on the K sample) and the
-   per-layer R3 from the registry (:mod:`rope_quant.transforms`);
-7. the quantise-mode attention (:mod:`rope_quant.attention`): R3 on post-RoPE q/k, K/V quantisers.
+   per-layer R3 from the registry (:mod:`rope_quant.core.transforms`);
+7. the quantise-mode attention (:mod:`rope_quant.rotations.attention`): R3 on post-RoPE q/k, K/V quantisers.
 
 Nothing in steps 1–5 depends on the R3 fields of the configuration: within a seed every R3 variant shares
 the offline rotations, the quantised weights and the calibration sample (paired design), and the weight
@@ -40,8 +40,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from rope_quant import attention, gptq, rope
-from rope_quant.gptq import GPTQConfig
+from rope_quant.core import rope
+from rope_quant.quant import gptq
+from rope_quant.quant.gptq import GPTQConfig
+from rope_quant.rotations import attention
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +268,7 @@ def install_activation_quantizers(model: nn.Module, bits: int, group_size: int =
     hooks are appended after existing pre-hooks, so down_proj's online R4 Hadamard (registered with
     ``prepend=True``) runs first. Returns the handles.
     """
-    from rope_quant.quant import fake_quant_per_token
+    from rope_quant.quant.quantizers import fake_quant_per_token
 
     handles = []
     for name, mod in _decoder_linears(model):
@@ -356,7 +358,7 @@ class QuantizedModel:
 
     def attach_diagnostics(self, per_layer: bool = False):
         """Attach a fresh K diagnostics accumulator (bits = k_bits, or 4 when K is not quantised)."""
-        from rope_quant.diagnostics import KDiagnostics
+        from rope_quant.calib.diagnostics import KDiagnostics
 
         c = self.cfg
         bits = c.k_bits if c.k_bits < 16 else 4
@@ -380,7 +382,7 @@ def _load(cfg: RunConfig, base: tuple[nn.Module, Any] | None) -> tuple[nn.Module
         model = copy.deepcopy(model)
         model.to(device=cfg.device, dtype=dtype)
     else:
-        from rope_quant.models import load_model
+        from rope_quant.model.loading import load_model
 
         model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=dtype)
     model.eval()
@@ -401,14 +403,14 @@ def _forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progres
 
 
 def _rotation_config(cfg: RunConfig):
-    from rope_quant.rotation import RotationConfig
+    from rope_quant.rotations.offline import RotationConfig
 
     return RotationConfig(r1=cfg.r1, r2=cfg.r2, r4=cfg.r4, seed=cfg.seed)
 
 
 def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor):
     """Offline R1/R2 (+ R4 weights and its online pre-hook) with :func:`rotation.rotate_model`."""
-    from rope_quant.rotation import rotate_model
+    from rope_quant.rotations.offline import rotate_model
 
     kwargs: dict[str, Any] = {}
     if "whip" in (cfg.r1, cfg.r2):
@@ -423,7 +425,7 @@ def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
     result): embeddings are untied, the full state dict is loaded, and only the online half of R4 is
     registered (:func:`rotation.install_online_r4`, ``prepend=True`` as in ``apply_r4``).
     """
-    from rope_quant import rotation
+    from rope_quant.rotations import offline as rotation
 
     rotation.untie_embeddings(model)
     missing, unexpected = model.load_state_dict(payload["state"], strict=False)
@@ -503,7 +505,7 @@ def _static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, pr
     Calibrated on the rotated full-precision model over the calibration windows (running per-channel
     min/max of each linear's input, after the R4 Hadamard on down_proj), or restored from ``saved``.
     """
-    from rope_quant.quant import StaticChannelQuantizer
+    from rope_quant.quant.quantizers import StaticChannelQuantizer
 
     quantizers: dict[str, Any] = {}
     handles = []
@@ -534,7 +536,7 @@ def _static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, pr
 def _kv_static_quantizers(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry,
                           calib: torch.Tensor, progress: bool) -> tuple[list, list]:
     """Calibrate per-layer static per-channel K and V quantisers on post-R3 keys / values (App. A.6, D)."""
-    from rope_quant.quant import StaticChannelQuantizer
+    from rope_quant.quant.quantizers import StaticChannelQuantizer
 
     ks = [StaticChannelQuantizer(geom.head_dim * geom.n_kv_heads, bits=cfg.k_bits, clip_ratio=cfg.k_clip)
           for _ in range(geom.n_layers)]
@@ -580,7 +582,7 @@ class _HeadsQuantizer:
 
 
 def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray) -> list[Any]:
-    from rope_quant import transforms
+    from rope_quant.core import transforms
 
     out = []
     for layer in range(geom.n_layers):
@@ -594,13 +596,13 @@ def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles:
 
 
 def _estimate_angles(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray:
-    from rope_quant.objectives import estimate_angles
+    from rope_quant.calib.objectives import estimate_angles
 
     if cfg.position_average:
         return estimate_angles(stats, cfg.estimator, cfg.objective, inv_freq=model,
                                average_length=cfg.average_length or cfg.seqlen)
     if cfg.objective == "range":
-        from rope_quant import transforms
+        from rope_quant.core import transforms
 
         if not transforms.needs_angles(cfg.r3):  # the fit is costly; an angle-free R3 ignores it
             return np.zeros((stats.n_layers, stats.n_pairs))
@@ -612,7 +614,7 @@ def _estimate_angles(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray
 def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry, calib: torch.Tensor,
                cache: Path | None, progress: bool, fingerprint: str = ""):
     """Collect mode: pre-RoPE q/k statistics over the calibration windows (cached per stats_key)."""
-    from rope_quant.calibration import CalibrationStats
+    from rope_quant.calib.moments import CalibrationStats
 
     spath = None if cache is None else cache / f"stats-{cfg.stats_key()}-{fingerprint}.npz"
     if spath is not None and spath.is_file():
@@ -635,11 +637,11 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     ``base=(model, tokenizer)`` is deep-copied instead of loading ``cfg.model`` (tests reuse one model).
     ``cache_dir`` caches the rotated, quantised state per :meth:`RunConfig.weight_key` (shared by every R3
     variant) and the calibration statistics per :meth:`RunConfig.stats_key`. ``corpus`` may pass an
-    already-loaded corpus. Raises :class:`rope_quant.attention.UnsupportedAttentionError`,
-    :class:`rope_quant.rope.OddHeadDimError` or :class:`rope_quant.rope.MissingInvFreqError` for models
+    already-loaded corpus. Raises :class:`rope_quant.rotations.attention.UnsupportedAttentionError`,
+    :class:`rope_quant.core.rope.OddHeadDimError` or :class:`rope_quant.core.rope.MissingInvFreqError` for models
     the pipeline cannot handle, before any expensive step.
     """
-    from rope_quant import data
+    from rope_quant.experiment import data
 
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -716,7 +718,7 @@ def run_cell(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
              base: tuple[nn.Module, Any] | None = None, progress: bool = False,
              qm: QuantizedModel | None = None, corpus: Any = None) -> dict[str, Any]:
     """Build (unless ``qm`` is given) and evaluate one cell: perplexity and K diagnostics (JSON-able dict)."""
-    from rope_quant import evaluate
+    from rope_quant.experiment import evaluate
 
     if qm is None:
         qm = build_quantized_model(cfg, cache_dir=cache_dir, base=base, progress=progress, corpus=corpus)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rope_quant.quant import fake_quant_per_token, quant_step
+from rope_quant.quant.quantizers import fake_quant_per_token, quant_step
 
 
 class DiagnosticsError(ValueError):

@@ -611,7 +611,7 @@ def load_corpus(
 ) -> Corpus:
     """Load and tokenise a corpus into disjoint calibration / evaluation token streams (see module doc)."""
     if tokenizer is None:
-        raise CorpusError("load_corpus needs a tokenizer (e.g. the one from rope_quant.models.load_model)")
+        raise CorpusError("load_corpus needs a tokenizer (e.g. the one from rope_quant.model.loading.load_model)")
     split = load_text(name_or_path)
     path = None
     if use_cache:

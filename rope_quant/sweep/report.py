@@ -4,9 +4,9 @@ Every config is paired *within seed* against a comparator (default ``hadamard``)
 both cells share the model, rotations R1/R2/R4, weights and calibration windows, so the unit of
 analysis is the per-seed difference ``d_s = ppl(config, s) - ppl(comparator, s)`` (positive: worse
 than the comparator). On the differences we report the mean, the sample sd (``n - 1``) and the 90%
-paired t interval (:func:`rope_quant.stats.paired_ci`); TOST equivalence at margins 0.02, 0.05 and
-0.10 perplexity points (:func:`rope_quant.stats.equivalent`, the 90% interval form); and Holm's
-step-down correction over a declared family of paired t tests (:func:`rope_quant.stats.holm`).
+paired t interval (:func:`rope_quant.core.stats.paired_ci`); TOST equivalence at margins 0.02, 0.05 and
+0.10 perplexity points (:func:`rope_quant.core.stats.equivalent`, the 90% interval form); and Holm's
+step-down correction over a declared family of paired t tests (:func:`rope_quant.core.stats.holm`).
 
 Tables, in the shape of the paper's: ``multiseed`` (per-seed ppl, mean ± sd, Δ with CI),
 ``corrected-star`` (Holm-corrected stars and TOST), ``crossover`` (gap vs comparator per context length
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rope_quant import stats
-from rope_quant.envinfo import atomic_write_bytes, atomic_write_json, atomic_write_text
-from rope_quant.sweep import complete_records, read_manifest, status
+from rope_quant.core import stats
+from rope_quant.experiment.envinfo import atomic_write_bytes, atomic_write_json, atomic_write_text
+from rope_quant.sweep.runner import complete_records, read_manifest, status
 
 DEFAULT_COMPARATOR = "hadamard"
 DEFAULT_MARGINS: tuple[float, ...] = (0.02, 0.05, 0.10)
@@ -451,7 +451,7 @@ def support_table(summary: Mapping[str, Any]) -> Table | None:
 
 
 def _commutes(r3: str) -> bool | None:
-    from rope_quant import transforms
+    from rope_quant.core import transforms
 
     try:
         if transforms.needs_block(r3):

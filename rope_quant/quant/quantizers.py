@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_quant.hadamard import NonFloatTensorError
+from rope_quant.core.hadamard import NonFloatTensorError
 
 __all__ = [
     "QuantConfigError",

@@ -108,7 +108,7 @@ def jacobi_angle(s11: Any, s22: Any, s12: Any):
 def surrogate_covariance(cov: PairCov, C: Any, S: Any) -> PairCov:
     """Phase-averaged covariance Sigma~ = mean_m R_m Sigma R_m^T (Eq. Sigmatilde).
 
-    With (C, S) from :func:`rope_quant.rope.phase_averages`: ``p~ = pC - qS``, ``q~ = pS + qC``,
+    With (C, S) from :func:`rope_quant.core.rope.phase_averages`: ``p~ = pC - qS``, ``q~ = pS + qC``,
     trace kept.
     """
     cov = PairCov(*cov)

@@ -23,7 +23,7 @@ re-applies R3 and the per-token quantiser to it: both are token-local, so this e
 token once when it enters the cache.
 
 Calibration mode (:func:`calibration_hooks`) streams the pre-RoPE q_proj/k_proj outputs into
-:class:`rope_quant.calibration.CalibrationStats` through forward hooks that are removed afterwards.
+:class:`rope_quant.calib.moments.CalibrationStats` through forward hooks that are removed afterwards.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rope_quant import rope
+from rope_quant.core import rope
 
 __all__ = [
     "ATTN_NAME",
@@ -78,10 +78,10 @@ class UnsupportedAttentionError(AttentionWrapError):
 class AttentionState:
     """Per-layer configuration read by the attention function (stored on the attention module).
 
-    ``transform``: an :class:`rope_quant.transforms.R3Transform` (or any object with ``apply``), None = off.
+    ``transform``: an :class:`rope_quant.core.transforms.R3Transform` (or any object with ``apply``), None = off.
     ``k_bits``/``v_bits`` >= 16 means no quantisation. ``k_static``/``v_static``: optional static
     per-channel quantisers (App. A.6, D) used instead of the dynamic per-token ones.
-    ``diagnostics``: a :class:`rope_quant.diagnostics.KDiagnostics`-like object with ``update(k)``.
+    ``diagnostics``: a :class:`rope_quant.calib.diagnostics.KDiagnostics`-like object with ``update(k)``.
     ``observers``: callables ``fn(layer_idx, key, value)`` seeing post-R3, pre-quantisation K and V of the
     new tokens (used to calibrate the static control).
     """
@@ -125,7 +125,7 @@ def _apply_quant(x: torch.Tensor, bits: int, group: int, clip: float, static: An
         return static(x)
     if bits >= 16:
         return x
-    from rope_quant.quant import fake_quant_per_token
+    from rope_quant.quant.quantizers import fake_quant_per_token
 
     return fake_quant_per_token(x, bits, group_size=group, clip_ratio=clip)
 
@@ -216,8 +216,8 @@ def check_model(model: nn.Module) -> AttentionGeometry:
     """Check that ``model`` can be wrapped and return its geometry.
 
     Raises :class:`UnsupportedAttentionError` (no Llama-style attention, no ``_attn_implementation``),
-    :class:`rope_quant.rope.OddHeadDimError` (odd head_dim) or
-    :class:`rope_quant.rope.MissingInvFreqError` (no RoPE / no materialised ``inv_freq``).
+    :class:`rope_quant.core.rope.OddHeadDimError` (odd head_dim) or
+    :class:`rope_quant.core.rope.MissingInvFreqError` (no RoPE / no materialised ``inv_freq``).
     """
     cfg = _config(model)
     mods = attention_modules(model)
@@ -322,7 +322,7 @@ def calibration_hooks(model: nn.Module, stats: Any) -> Iterator[Any]:
 
     Forward hooks (public API) are registered on every layer's q_proj and k_proj and removed on exit.
     """
-    from rope_quant.calibration import register_projection_hooks
+    from rope_quant.calib.moments import register_projection_hooks
 
     check_model(model)
     handles = register_projection_hooks(model, stats)

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from rope_quant import hadamard
-from rope_quant.rotation import decoder_layers, model_dims
+from rope_quant.core import hadamard
+from rope_quant.rotations.offline import decoder_layers, model_dims
 
 __all__ = [
     "WhipError",
@@ -452,7 +452,7 @@ def calibrate_model_rotations(
 
     Run on the unrotated model (or any model with only untie/fuse applied): the collected activations are
     the ones R1/R2 will then rotate. Returns float64 matrices in the row convention of
-    :func:`rope_quant.rotation.apply_r1` / :func:`rope_quant.rotation.apply_r2`.
+    :func:`rope_quant.rotations.offline.apply_r1` / :func:`rope_quant.rotations.offline.apply_r2`.
     """
     dims = model_dims(model)
     out = CalibratedRotations(r1=None, r2=None)

@@ -22,7 +22,7 @@ Per-head accumulators are kept (H is small), so every pooling rule is derived af
   heads of its GQA group, pooled like ``rows``; arrays of shape (L, H_kv, K).
 
 Optionally a per-(layer, pair) candidate set of the ``topk`` rows with the largest |a|+|b| is kept
-(K stream by default) for the grid objectives of :mod:`rope_quant.objectives`; merging re-ranks.
+(K stream by default) for the grid objectives of :mod:`rope_quant.calib.objectives`; merging re-ranks.
 
 With ``sample_rows`` > 0 a uniform sample of whole pre-RoPE K tokens (every KV head, every channel) is
 kept per layer together with each token's position (its index along the sequence axis, the
@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from rope_quant.angles import PairCov
-from rope_quant.rope import check_head_dim, check_layout, pair_indices
+from rope_quant.core.angles import PairCov
+from rope_quant.core.rope import check_head_dim, check_layout, pair_indices
 
 STREAMS = ("q", "k")
 POOLING_RULES = ("rows", "k_only", "balanced", "per_head")

@@ -20,7 +20,7 @@ Steps, all function-preserving, in the order :func:`rotate_model` runs them:
    o_proj input columns of every Q head of that KV group ``W ← W R_h``. Attention mixes value rows
    linearly, so the attention output of a head is rotated by the same ``R_h``; no online op is needed.
 5. :func:`apply_r4`: down_proj ``W ← W H`` with ``H`` the normalised Hadamard of size ``intermediate``
-   (as applied by :func:`rope_quant.hadamard.hadamard_transform`), plus an online forward pre-hook that
+   (as applied by :func:`rope_quant.core.hadamard.hadamard_transform`), plus an online forward pre-hook that
    applies the same transform to down_proj's input.
 
 All weight algebra is done in float64 and cast back to the parameter's dtype.
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rope_quant import hadamard
+from rope_quant.core import hadamard
 
 __all__ = [
     "RotationError",
@@ -536,10 +536,10 @@ def rotate_model(
     """Untie → fuse norms → R1 → R2 → R4, in place; every step function-preserving.
 
     r1="hadamard" / r2="hadamard" use seeded random Hadamards (``cfg.seed``); "given" needs the matrix;
-    "whip" uses the given matrix or, when it is None, fits one with :mod:`rope_quant.whip` on
+    "whip" uses the given matrix or, when it is None, fits one with :mod:`rope_quant.rotations.whip` on
     ``calib_ids`` (token ids, (n, seqlen)) before any weight changes (both R1 and R2 samples are
     invariant under untie and fuse; R2 samples under R1 too). ``whip_options`` go to
-    :func:`rope_quant.whip.calibrate_model_rotations`.
+    :func:`rope_quant.rotations.whip.calibrate_model_rotations`.
     """
     if not isinstance(cfg, RotationConfig):
         raise RotationError(f"cfg must be a RotationConfig, got {type(cfg).__name__}")
@@ -557,7 +557,7 @@ def rotate_model(
     if need_r1 or need_r2:
         if calib_ids is None:
             raise MissingRotationError("whip rotations need r1_matrix/r2_matrices or calib_ids to fit them")
-        from rope_quant import whip  # deferred: whip imports this module
+        from rope_quant.rotations import whip  # deferred: whip imports this module
 
         fitted = whip.calibrate_model_rotations(
             model, calib_ids, fit_r1=need_r1, fit_r2=need_r2, seed=cfg.seed, **(whip_options or {})

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from rope_quant.angles import PairCov, jacobi_angle
-from rope_quant.calibration import CalibrationStats
-from rope_quant.rope import check_frequencies, find_inv_freq
+from rope_quant.calib.moments import CalibrationStats
+from rope_quant.core.angles import PairCov, jacobi_angle
+from rope_quant.core.rope import check_frequencies, find_inv_freq
 
 DEFAULT_TOLERANCE = 5e-5
 CSV_COLUMNS = (

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rope_quant.envinfo import atomic_write_json, env_info, to_jsonable, write_env
+from rope_quant.experiment.envinfo import atomic_write_json, env_info, to_jsonable, write_env
 
 MANIFEST_FILE = "manifest.json"
 CELLS_DIR = "cells"
@@ -719,8 +719,8 @@ def save_artifacts(directory: str | os.PathLike[str], qm: Any) -> None:
 
     import numpy as np
 
-    from rope_quant.envinfo import atomic_write_bytes
-    from rope_quant.verify import save_frequencies
+    from rope_quant.calib.verify import save_frequencies
+    from rope_quant.experiment.envinfo import atomic_write_bytes
 
     directory = Path(directory)
     buf = _io.BytesIO()
@@ -731,7 +731,7 @@ def save_artifacts(directory: str | os.PathLike[str], qm: Any) -> None:
 
 
 def _uses_angles(run_cfg: Any) -> bool:
-    from rope_quant import transforms
+    from rope_quant.core import transforms
 
     try:
         return transforms.needs_angles(run_cfg.r3)
@@ -758,7 +758,7 @@ def base_model(model: str, device: str = "cpu") -> tuple[tuple[Any, Any], dict[s
     if ident not in BASE_MODELS:
         import gc
 
-        from rope_quant.models import load_model
+        from rope_quant.model.loading import load_model
 
         BASE_MODELS.clear()  # one base model in memory at a time
         gc.collect()
@@ -770,7 +770,7 @@ def pipeline_cell_fn(
     cache_dir: str | os.PathLike[str] | None = None, artifacts: str | os.PathLike[str] | None = None,
     progress: bool = False,
 ) -> CellFn:
-    """A cell function over :mod:`rope_quant.pipeline`, reusing one base model and corpus per process.
+    """A cell function over :mod:`rope_quant.experiment.pipeline`, reusing one base model and corpus per process.
 
     Consecutive cells that share weights and calibration statistics (the R3 variants of one seed; the
     runner orders cells by ``weight_key``) reuse one built model through ``QuantizedModel.reconfigure``,
@@ -783,7 +783,7 @@ def pipeline_cell_fn(
     """
     import gc
 
-    from rope_quant import pipeline  # deferred: heavy
+    from rope_quant.experiment import pipeline  # deferred: heavy
 
     current: list[Any] = []  # the last built QuantizedModel, reused for R3 variants of the same seed
 
@@ -805,7 +805,7 @@ def pipeline_cell_fn(
             gc.collect()
         base, corpora = base_model(run_cfg.model, run_cfg.device)
         if run_cfg.corpus not in corpora:
-            from rope_quant import data
+            from rope_quant.experiment import data
 
             corpora[run_cfg.corpus] = data.load_corpus(run_cfg.corpus, base[1])
         qm = pipeline.build_quantized_model(run_cfg, cache_dir=cache_dir, base=base,
@@ -824,7 +824,7 @@ def pipeline_cell_fn(
             save_artifacts(artifact_dir(artifacts, cfg), qm)
         if not isinstance(cfg, LongContextConfig):
             return {**pipeline.run_cell(run_cfg, qm=qm, progress=progress), "model_reused": reused}
-        from rope_quant import evaluate
+        from rope_quant.experiment import evaluate
 
         diag = qm.attach_diagnostics()
         start = time.perf_counter()
@@ -853,7 +853,7 @@ def pipeline_cell_fn(
 
 def config_from_dict(data: Mapping[str, Any]) -> Any:
     """Rebuild a cell config from its manifest dict (``pipeline.RunConfig`` or :class:`LongContextConfig`)."""
-    from rope_quant import pipeline  # deferred: heavy
+    from rope_quant.experiment import pipeline  # deferred: heavy
 
     if "run" in data and "lengths" in data:
         return LongContextConfig(pipeline.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),

@@ -28,7 +28,7 @@ Registry (``names()``):
   per-pair H2 as commuting; the algebra, and our numeric tests, say otherwise.)
 
 ``layout`` ("rotate_half", the HF default, or "interleaved") says which channels form a RoPE pair.
-Hadamard parts run through :func:`rope_quant.hadamard.hadamard_transform`; pair rotations act on the two
+Hadamard parts run through :func:`rope_quant.core.hadamard.hadamard_transform`; pair rotations act on the two
 channel halves of every pair with broadcast cos/sin (no dense matmul).
 """
 
@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rope_quant import hadamard as _hd
-from rope_quant.rope import check_head_dim, check_layout, pair_indices
+from rope_quant.core import hadamard as _hd
+from rope_quant.core.rope import check_head_dim, check_layout, pair_indices
 
 __all__ = [
     "TransformError",

@@ -1,6 +1,6 @@
 """Per-pair R3 angle estimation from calibration statistics (paper §3, App. A.2).
 
-``objective="variance"`` (closed forms from :mod:`rope_quant.angles`):
+``objective="variance"`` (closed forms from :mod:`rope_quant.core.angles`):
 
 - no frequencies: the Jacobi angle φ̂ = ½·atan2(s11 - s22, 2 s12), i.e. (C, S) = (1, 0), unwrapped;
 - ``inv_freq`` and ``average_length`` L: the position-averaged φ* (Theorem (ii)), the Jacobi angle of
@@ -8,7 +8,7 @@
 - ``branch_matched=True``: the φ̂ control with φ*'s wrap, wrap(φ̂).
 
 ``objective`` in ``linf``/``l2max``/``quantile``: a 200-point grid over (-π/4, π/4], scored on the
-per-(layer, pair) top-k candidate rows kept by :class:`~rope_quant.calibration.CalibrationStats`
+per-(layer, pair) top-k candidate rows kept by :class:`~rope_quant.calib.moments.CalibrationStats`
 (y = G(φ)[a; b]):
 
 - ``linf``: max |y| over both outputs and all candidates;
@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rope_quant.angles import PairCov, equalising_angle, jacobi_angle, wrap_angle
-from rope_quant.calibration import CalibrationError, CalibrationStats
-from rope_quant.rope import check_frequencies, find_inv_freq, pair_indices, phase_averages
+from rope_quant.calib.moments import CalibrationError, CalibrationStats
+from rope_quant.core.angles import PairCov, equalising_angle, jacobi_angle, wrap_angle
+from rope_quant.core.rope import check_frequencies, find_inv_freq, pair_indices, phase_averages
 
 OBJECTIVES = ("variance", "linf", "l2max", "quantile", "range")
 GRID_OBJECTIVES = ("linf", "l2max", "quantile")
@@ -248,8 +248,8 @@ def mean_group_range(rows: Any, positions: Any, inv_freq: Any, angles: Any, then
                      layout: str = "rotate_half") -> float:
     """The range objective of dense matrices, for checks: mean over (token, head) of the group range of
     M·R_m·k with M from the R3 registry (``pairwise_only`` or ``pairwise_plus_hadamard``)."""
-    from rope_quant import transforms
-    from rope_quant.rope import rope_matrix
+    from rope_quant.core import transforms
+    from rope_quant.core.rope import rope_matrix
 
     x = np.asarray(rows, dtype=np.float64)
     freqs = check_frequencies(inv_freq)
@@ -300,7 +300,7 @@ def fit_range_angles(
     a, b = x[..., ia], x[..., ib]  # (N, H, K)
     mix = torch.eye(d, dtype=torch.float64)  # what follows the pair rotations: I, or the Hadamard
     if then_hadamard:
-        from rope_quant import hadamard as _hd
+        from rope_quant.core import hadamard as _hd
 
         mix = _hd.hadamard_matrix(d).to(torch.float64) / math.sqrt(d)
 
