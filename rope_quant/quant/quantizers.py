@@ -8,6 +8,11 @@ Conventions follow the rotation-PTQ baselines the paper builds on (QuaRot/SpinQu
 * Symmetric INT-b: Δ = max|g|·c/(2^(b−1) − 1), q = clamp(round(x/Δ), −2^(b−1), 2^(b−1) − 1).
 * A zero range (an all-zero group) is guarded: it reconstructs exactly, never NaN.
 * bits ≥ 16 means "off": the input is returned unchanged.
+* Non-finite policy (one rule for every quantiser): dynamic quantisers pass NaN/±inf entries through
+  unchanged and set the range from the finite entries of the group, so a NaN never spreads to its
+  neighbours; calibration (``StaticChannelQuantizer.observe``) raises :class:`NonFiniteInputError`, since a
+  non-finite range would poison a channel for every later input. Ranges near the float32 limit (±3e38)
+  are computed without overflow. The fast path for finite inputs is bit-identical to the plain formulas.
 
 Computation runs in float32 for half-precision inputs and the result is cast back to the input dtype.
 """
@@ -23,6 +28,7 @@ from rope_quant.core.hadamard import NonFloatTensorError
 __all__ = [
     "QuantConfigError",
     "NotCalibratedError",
+    "NonFiniteInputError",
     "QuantConfig",
     "OFF_BITS",
     "is_off",
@@ -42,6 +48,10 @@ class QuantConfigError(ValueError):
 
 class NotCalibratedError(ValueError):
     """A static quantiser was used before it observed any calibration data."""
+
+
+class NonFiniteInputError(ValueError):
+    """Calibration data holds NaN or ±inf (a static range observed from it would be non-finite)."""
 
 
 @dataclass(frozen=True)
@@ -94,22 +104,58 @@ def _work(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+def _finite_or_zero(g: torch.Tensor) -> torch.Tensor:
+    """g with NaN/±inf replaced by 0: the range of the finite entries (0 is always in the range)."""
+    return torch.where(torch.isfinite(g), g, torch.zeros_like(g))
+
+
+def _passthrough_nonfinite(out: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Put the non-finite input entries back (NaN stays NaN where, and only where, the input was NaN)."""
+    return torch.where(torch.isfinite(g), out, g)
+
+
+def _step(span_hi: torch.Tensor, span_lo: torch.Tensor, levels: int) -> torch.Tensor:
+    """(span_hi − span_lo)/levels, recomputed as span_hi/levels − span_lo/levels where the difference
+    overflows float (|x| ≈ 3e38); the common finite case is the plain formula, bit for bit."""
+    delta = (span_hi - span_lo) / levels
+    if not _all_finite(delta):
+        delta = torch.where(torch.isfinite(delta), delta, span_hi / levels - span_lo / levels)
+    return delta
+
+
 def _asym_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(Δ, z) for an asymmetric range [lo, hi] ∋ 0; zero ranges get Δ = 1 (then x̂ = 0 = x exactly)."""
     maxq = (1 << bits) - 1
-    delta = (hi - lo) / maxq
+    delta = _step(hi, lo, maxq)
     delta = torch.where(delta > 0, delta, torch.ones_like(delta))
     zero = torch.round(-lo / delta)
     return delta, zero
 
 
-def _asym_range(g: torch.Tensor, clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _asym_range(g: torch.Tensor, clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(lo, hi, finite): the clipped range ∋ 0 of each group's finite entries; ``finite`` says the whole
+    input was finite (aminmax propagates NaN and ±inf, so a finite min and max imply finite entries)."""
     lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
+    finite = _all_finite(lo) and _all_finite(hi)
+    if not finite:
+        lo, hi = torch.aminmax(_finite_or_zero(g), dim=-1, keepdim=True)
     lo = lo.clamp(max=0.0)
     hi = hi.clamp(min=0.0)
     if clip_ratio != 1.0:
         lo, hi = lo * clip_ratio, hi * clip_ratio
-    return lo, hi
+    return lo, hi, finite
+
+
+def _sym_amax(g: torch.Tensor, clip_ratio: float) -> tuple[torch.Tensor, bool]:
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    finite = _all_finite(amax)
+    if not finite:
+        amax = _finite_or_zero(g).abs().amax(dim=-1, keepdim=True)
+    return amax * clip_ratio, finite
 
 
 def _fq_asym(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
@@ -126,7 +172,7 @@ def _fq_sym(g: torch.Tensor, amax: torch.Tensor, bits: int) -> torch.Tensor:
     maxq = (1 << (bits - 1)) - 1
     if maxq < 1:
         raise QuantConfigError("symmetric quantisation needs bits ≥ 2")
-    delta = amax / maxq
+    delta = _step(amax, torch.zeros_like(amax), maxq)
     delta = torch.where(delta > 0, delta, torch.ones_like(delta))
     q = torch.div(g, delta)
     q.round_()
@@ -153,11 +199,13 @@ def fake_quant_per_token(
     w = _work(x)
     g = _grouped(w, group_size)
     if symmetric:
-        amax = g.abs().amax(dim=-1, keepdim=True) * clip_ratio
+        amax, finite = _sym_amax(g, clip_ratio)
         out = _fq_sym(g, amax, bits)
     else:
-        lo, hi = _asym_range(g, clip_ratio)
+        lo, hi, finite = _asym_range(g, clip_ratio)
         out = _fq_asym(g, lo, hi, bits)
+    if not finite:
+        out = _passthrough_nonfinite(out, g)
     return out.reshape(x.shape).to(x.dtype)
 
 
@@ -176,9 +224,9 @@ def quant_step(
     _check_bits(bits)
     _check_clip(clip_ratio)
     g = _grouped(_work(x), group_size)
-    lo, hi = _asym_range(g, clip_ratio)
-    rng = (hi - lo).squeeze(-1)
-    return rng / ((1 << bits) - 1), rng
+    lo, hi, _ = _asym_range(g, clip_ratio)
+    levels = (1 << bits) - 1
+    return _step(hi, lo, levels).squeeze(-1), (hi - lo).squeeze(-1)
 
 
 class StaticChannelQuantizer:
@@ -231,6 +279,12 @@ class StaticChannelQuantizer:
         flat = x.detach().reshape(-1, x.shape[-1]).float()
         if flat.shape[0] == 0:
             return
+        if not _all_finite(flat):
+            bad = (~torch.isfinite(flat)).any(dim=0).nonzero().flatten().tolist()
+            raise NonFiniteInputError(
+                f"static calibration input has NaN/inf in {len(bad)} channel(s) (first: {bad[:8]}); "
+                "a range observed from it would be non-finite for every later input"
+            )
         lo, hi = torch.aminmax(flat, dim=0)
         if self.lo is None:
             self.lo, self.hi = lo, hi
@@ -273,6 +327,8 @@ class StaticChannelQuantizer:
         w = _work(x)
         a, b = (t.to(device=w.device, dtype=w.dtype) for t in self._params)  # type: ignore[union-attr]
         out = _fq_sym(w, a, self.bits) if self.symmetric else _fq_asym(w, a, b, self.bits)
+        if not _all_finite(w):
+            out = _passthrough_nonfinite(out, w)
         return out.to(x.dtype)
 
     quantize = __call__

@@ -263,3 +263,85 @@ def test_static_symmetric_and_half() -> None:
     torch.testing.assert_close(y.float() / step, (y.float() / step).round(), rtol=0, atol=0.05)
     assert bool(((y.float() - x).abs() <= step / 2 + 0.02 * amax).all())
     assert math.isfinite(float(y.float().sum()))
+
+
+# ----------------------------------------------------------------------------- non-finite policy (one rule)
+
+_NAN_ROW = [0.5, math.nan, 2.0, 0.25, -3.0, 1.7]
+
+
+def _plain_asym(x: torch.Tensor, bits: int, clip: float = 1.0) -> torch.Tensor:
+    """The textbook tensor formulas with no guards beyond the zero range (the finite fast path must equal it)."""
+    lo, hi = torch.aminmax(x, dim=-1, keepdim=True)
+    lo, hi = lo.clamp(max=0.0) * clip, hi.clamp(min=0.0) * clip
+    maxq = (1 << bits) - 1
+    delta = (hi - lo) / maxq
+    delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+    zero = torch.round(-lo / delta)
+    return torch.clamp(torch.round(x / delta), -zero, maxq - zero) * delta
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_nan_stays_where_it_was_and_neighbours_use_the_finite_range(symmetric):
+    x = torch.tensor([_NAN_ROW])
+    y = fake_quant_per_token(x, 4, symmetric=symmetric)
+    finite = torch.tensor([[v for v in _NAN_ROW if not math.isnan(v)]])
+    expected = fake_quant_per_token(finite, 4, symmetric=symmetric)
+    assert bool(y[0, 1].isnan())
+    keep = [0, 2, 3, 4, 5]
+    assert torch.equal(y[0, keep], expected[0])
+    # The old failure: a NaN step replaced by 1.0 rounded 0.5 to 0 and 0.25 to 0 on a unit grid.
+    assert float(y[0, 0]) != 0.0 and float(y[0, 3]) != 0.0
+
+
+def test_rtn_weight_nan_policy_matches_the_dynamic_quantiser():
+    w = torch.tensor([_NAN_ROW, [1.0, -2.0, 0.5, 0.0, 3.0, -1.0]])
+    y = rtn_quantize_weight(w, 4)
+    assert bool(y[0, 1].isnan()) and int(y.isnan().sum()) == 1
+    assert torch.equal(y[1], rtn_quantize_weight(w[1:], 4)[0])
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf])
+def test_inf_passes_through_and_does_not_flatten_the_group(value):
+    x = torch.tensor([[1.0, value, -0.5, 0.25]])
+    y = fake_quant_per_token(x, 4)
+    assert float(y[0, 1]) == value
+    assert torch.equal(y[0, [0, 2, 3]], fake_quant_per_token(torch.tensor([[1.0, -0.5, 0.25]]), 4)[0])
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_float32_extremes_do_not_overflow(symmetric):
+    x = torch.tensor([[3e38, -3e38, 1.0, 0.0]])
+    y = fake_quant_per_token(x, 4, symmetric=symmetric)
+    assert bool(torch.isfinite(y).all()), y
+    # within one quantiser step of the input at the extremes (step = 6e38/15 or 3e38/7)
+    step = 6e38 / 15 if not symmetric else 3e38 / 7
+    assert float((y[0, :2] - x[0, :2]).abs().max()) <= step
+    delta, _ = quant_step(x, 4)
+    assert bool(torch.isfinite(delta).all()) and math.isclose(float(delta), 6e38 / 15, rel_tol=1e-6)
+
+
+def test_static_observe_rejects_nonfinite_calibration_and_stays_usable():
+    from rope_quant.quant.quantizers import NonFiniteInputError
+
+    q = StaticChannelQuantizer(6, bits=4)
+    with pytest.raises(NonFiniteInputError, match=r"NaN/inf in 1 channel\(s\) \(first: \[1\]\)"):
+        q.observe(torch.tensor([_NAN_ROW]))
+    assert not q.calibrated  # the bad batch left no trace
+    q.observe(torch.tensor([[0.5, 1.0, 2.0, 0.25, -3.0, 1.7]]))
+    y = q(torch.tensor([_NAN_ROW]))
+    assert bool(y[0, 1].isnan()) and int(y.isnan().sum()) == 1
+
+
+def test_static_extreme_ranges_do_not_overflow():
+    q = StaticChannelQuantizer(2, bits=4)
+    q.observe(torch.tensor([[3e38, -3e38], [-3e38, 3e38]]))
+    y = q(torch.tensor([[3e38, -3e38]]))
+    assert bool(torch.isfinite(y).all()), y
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_finite_fast_path_is_bit_identical_to_the_plain_formulas(bits):
+    x = _x(64, 96, seed=bits)
+    assert torch.equal(fake_quant_per_token(x, bits), _plain_asym(x, bits))
+    assert torch.equal(fake_quant_per_token(x, bits, clip_ratio=0.9), _plain_asym(x, bits, 0.9))
