@@ -617,10 +617,11 @@ def register_projection_hooks(model: Any, stats: CalibrationStats) -> list[Any]:
     handles = []
     for position, attn in enumerate(parts):
         layer = position if attn.layer_idx is None else attn.layer_idx
-        for stream, mod, norm in (("q", attn.pre_rope_q, attn.q_norm), ("k", attn.pre_rope_k, attn.k_norm)):
+        for stream in ("q", "k"):
+            mod, per_head = attn.pre_rope(stream)
 
             def hook(_mod: Any, _inp: Any, out: Any, layer: int = layer, stream: str = stream,
-                     per_head: bool = norm is not None) -> None:
+                     per_head: bool = per_head) -> None:
                 stats.update(layer, stream, out.flatten(-2) if per_head else out)
 
             handles.append(mod.register_forward_hook(hook))

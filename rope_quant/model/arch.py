@@ -254,15 +254,15 @@ class AttentionParts:
         value = getattr(self.module, "layer_idx", None)
         return None if value is None else int(value)
 
-    @property
-    def pre_rope_q(self) -> nn.Module:
-        """The module whose output is the pre-RoPE query (q_norm when present, else q_proj)."""
-        return self.q_norm if self.q_norm is not None else self.q
-
-    @property
-    def pre_rope_k(self) -> nn.Module:
-        """The module whose output is the pre-RoPE key (k_norm when present, else k_proj)."""
-        return self.k_norm if self.k_norm is not None else self.k
+    def pre_rope(self, stream: str) -> tuple[nn.Module, bool]:
+        """The module whose output is the pre-RoPE query ("q") or key ("k"), and whether that output is
+        per head, (..., H, head_dim) (a q/k norm), rather than (..., H*head_dim) (the projection)."""
+        if stream not in ("q", "k"):
+            raise ValueError(f"stream must be 'q' or 'k', got {stream!r}")
+        norm = self.q_norm if stream == "q" else self.k_norm
+        if norm is not None:
+            return norm, True
+        return (self.q if stream == "q" else self.k), False
 
 
 @dataclass(frozen=True)
