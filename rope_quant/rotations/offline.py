@@ -43,6 +43,7 @@ from torch import nn
 
 from rope_quant.core import hadamard
 from rope_quant.model import arch
+from rope_quant.rotations import whip
 
 __all__ = [
     "RotationError",
@@ -523,8 +524,6 @@ def rotate_model(
     if need_r1 or need_r2:
         if calib_ids is None:
             raise MissingRotationError("whip rotations need r1_matrix/r2_matrices or calib_ids to fit them")
-        from rope_quant.rotations import whip  # only the whip path needs the optimiser
-
         fitted = whip.calibrate_model_rotations(
             model, calib_ids, fit_r1=need_r1, fit_r2=need_r2, seed=cfg.seed, **(whip_options or {})
         )
