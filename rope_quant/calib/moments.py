@@ -44,6 +44,7 @@ import numpy as np
 
 from rope_quant.core.angles import PairCov
 from rope_quant.core.rope import check_head_dim, check_layout, pair_indices
+from rope_quant.model import arch
 
 STREAMS = ("q", "k")
 POOLING_RULES = ("rows", "k_only", "balanced", "per_head")
@@ -602,32 +603,26 @@ def merge_all(stats: Iterable[CalibrationStats]) -> CalibrationStats:
     return out
 
 
-def _attention_modules(model: Any) -> list[tuple[int, Any]]:
-    """(layer index, attention module) for every module with q_proj and k_proj children."""
-    found = []
-    for _, module in model.named_modules():
-        if hasattr(module, "q_proj") and hasattr(module, "k_proj"):
-            found.append(module)
-    if not found:
-        raise CalibrationShapeError("the model has no attention modules with q_proj/k_proj")
-    out = []
-    for position, module in enumerate(found):
-        idx = getattr(module, "layer_idx", None)
-        out.append((position if idx is None else int(idx), module))
-    return out
-
-
 def register_projection_hooks(model: Any, stats: CalibrationStats) -> list[Any]:
-    """Feed ``stats`` from forward hooks on every layer's q_proj/k_proj (pre-RoPE outputs).
+    """Feed ``stats`` from forward hooks on every layer's pre-RoPE query/key module.
 
-    Returns the hook handles; call ``handle.remove()`` on each when done.
+    The modules come from :func:`rope_quant.model.arch.attention_modules`: q_proj/k_proj, or the per-head
+    q/k norms where the family has them (what RoPE actually rotates; their (..., H, d) outputs are
+    flattened to (..., H*d)). Returns the hook handles; call ``handle.remove()`` on each when done.
     """
+    try:
+        parts = arch.attention_modules(model)
+    except arch.ArchitectureError as exc:
+        raise CalibrationShapeError(f"cannot find the attention modules: {exc}") from exc
     handles = []
-    for layer, module in _attention_modules(model):
-        for stream, proj in (("q", module.q_proj), ("k", module.k_proj)):
+    for position, attn in enumerate(parts):
+        layer = position if attn.layer_idx is None else attn.layer_idx
+        for stream in ("q", "k"):
+            mod, per_head = attn.pre_rope(stream)
 
-            def hook(_mod: Any, _inp: Any, out: Any, layer: int = layer, stream: str = stream) -> None:
-                stats.update(layer, stream, out)
+            def hook(_mod: Any, _inp: Any, out: Any, layer: int = layer, stream: str = stream,
+                     per_head: bool = per_head) -> None:
+                stats.update(layer, stream, out.flatten(-2) if per_head else out)
 
-            handles.append(proj.register_forward_hook(hook))
+            handles.append(mod.register_forward_hook(hook))
     return handles

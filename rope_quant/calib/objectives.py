@@ -44,6 +44,7 @@ import torch
 from rope_quant.calib.moments import CalibrationError, CalibrationStats
 from rope_quant.core.angles import PairCov, equalising_angle, jacobi_angle, wrap_angle
 from rope_quant.core.rope import check_frequencies, find_inv_freq, pair_indices, phase_averages
+from rope_quant.model import arch
 
 OBJECTIVES = ("variance", "linf", "l2max", "quantile", "range")
 GRID_OBJECTIVES = ("linf", "l2max", "quantile")
@@ -133,7 +134,12 @@ def grid_search(
 
 
 def resolve_inv_freq(inv_freq: Any, head_dim: int | None = None) -> tuple[np.ndarray, str]:
-    """Frequencies and their source: a torch module (searched with :func:`rope.find_inv_freq`) or an array."""
+    """Frequencies and their source: a model of a registered family (its layers' shared ``inv_freq``, from
+    :mod:`rope_quant.model.arch`), another torch module (searched with :func:`rope.find_inv_freq`) or an array.
+    """
+    if arch.is_registered(inv_freq):
+        values, name = arch.shared_inv_freq(inv_freq, head_dim=head_dim)
+        return check_frequencies(values), f"live buffer {name}"
     if hasattr(inv_freq, "named_buffers"):
         values, name = find_inv_freq(inv_freq, head_dim=head_dim)
         return check_frequencies(values), f"live buffer {name}"

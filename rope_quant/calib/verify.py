@@ -31,6 +31,7 @@ import numpy as np
 from rope_quant.calib.moments import CalibrationStats
 from rope_quant.core.angles import PairCov, jacobi_angle
 from rope_quant.core.rope import check_frequencies, find_inv_freq
+from rope_quant.model import arch
 
 DEFAULT_TOLERANCE = 5e-5
 CSV_COLUMNS = (
@@ -125,15 +126,20 @@ def verify_phi_star(
     """Recompute the surrogate, the achieved minimax variance and λ̄ for stored angles (App. A.5).
 
     ``cov`` is a PairCov of shape (L, K) / (L, H_kv, K), or a CalibrationStats whose raw-moment
-    covariance under ``rule`` is used. ``inv_freq`` is an array or a torch module holding the live
-    buffer (found with :func:`rope.find_inv_freq`).
+    covariance under ``rule`` is used. ``inv_freq`` is an array, a model of a registered family (its
+    layers' shared buffer, from :mod:`rope_quant.model.arch`) or a torch module holding the live buffer
+    (found with :func:`rope.find_inv_freq`).
     """
     if isinstance(cov, CalibrationStats):
         cov = cov.pooled_raw(rule)
     s11, s22, s12 = (np.asarray(v, dtype=np.float64) for v in cov)
     phi = np.asarray(angles, dtype=np.float64)
-    if hasattr(inv_freq, "named_buffers"):
-        values, name = find_inv_freq(inv_freq, head_dim=2 * phi.shape[-1] if phi.ndim else None)
+    head_dim = 2 * phi.shape[-1] if phi.ndim else None
+    if arch.is_registered(inv_freq):
+        values, name = arch.shared_inv_freq(inv_freq, head_dim=head_dim)
+        freqs, source = check_frequencies(values), frequency_source or f"live buffer {name}"
+    elif hasattr(inv_freq, "named_buffers"):
+        values, name = find_inv_freq(inv_freq, head_dim=head_dim)
         freqs, source = check_frequencies(values), frequency_source or f"live buffer {name}"
     else:
         freqs, source = check_frequencies(inv_freq), frequency_source or "given array"

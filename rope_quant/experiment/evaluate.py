@@ -3,8 +3,9 @@
 Both cut a token stream into non-overlapping windows of length ``L``; each window scores its ``L - 1``
 next-token predictions, and perplexity is ``exp`` of the mean negative log-likelihood over every scored
 token (summed in float64). Logits are never materialised for a whole long window: the base model
-(``model.model`` / ``model.get_decoder()``, which applies the final norm) gives hidden states, and
-``model.lm_head`` is applied in blocks of ``block_size`` rows (default 1024) with float32 cross-entropy.
+(:func:`rope_quant.model.arch.base_model`, which applies the final norm) gives hidden states, and the
+lm_head (:func:`rope_quant.model.arch.lm_head`) is applied in blocks of ``block_size`` rows (default 1024)
+with float32 cross-entropy.
 A non-finite NLL raises :class:`NonFiniteNLLError` naming the window; an empty window set raises
 :class:`EmptyWindowSetError` (never a vacuous perplexity of 1.0).
 """
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rope_quant.model import arch
 
 DEFAULT_SEQLEN = 2048
 DEFAULT_BLOCK = 1024
@@ -87,18 +90,13 @@ def _check_positive(name: str, value: Any, minimum: int) -> int:
 
 
 def _base_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The decoder stack (final norm included) and the output projection of a causal LM."""
-    base = getattr(model, "model", None)
-    if not isinstance(base, nn.Module) and hasattr(model, "get_decoder"):
-        base = model.get_decoder()
-    head = getattr(model, "lm_head", None)
-    if head is None and hasattr(model, "get_output_embeddings"):
-        head = model.get_output_embeddings()
-    if not isinstance(base, nn.Module) or not isinstance(head, nn.Module):
+    """The decoder stack (final norm included) and the output projection, from the architecture adapter."""
+    try:
+        return arch.base_model(model), arch.lm_head(model)
+    except arch.ArchitectureError as exc:
         raise InvalidWindowSpecError(
-            f"{type(model).__name__} exposes no base model (model.model / get_decoder()) and lm_head"
-        )
-    return base, head
+            f"{type(model).__name__} exposes no decoder stack and lm_head the adapter knows: {exc}"
+        ) from exc
 
 
 def _model_device(model: nn.Module) -> torch.device:

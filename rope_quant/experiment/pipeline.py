@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from rope_quant.core import rope
+from rope_quant.model import arch
 from rope_quant.quant import gptq
 from rope_quant.quant.gptq import GPTQConfig
 from rope_quant.rotations import attention
@@ -247,15 +248,8 @@ _ACT_FLAG = "rq_act_quant"
 
 
 def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    layers = attention.attention_modules(model)  # validates the architecture
-    base = getattr(model, "model", model)
-    out = []
-    for li, layer in enumerate(base.layers):
-        for n, m in layer.named_modules():
-            if isinstance(m, nn.Linear):
-                out.append((f"layers.{li}.{n}", m))
-    del layers
-    return out
+    attention.attention_modules(model)  # validates the architecture
+    return list(arch.decoder_linears(model))
 
 
 def install_activation_quantizers(model: nn.Module, bits: int, group_size: int = -1, clip_ratio: float = 1.0,
@@ -402,6 +396,21 @@ def _forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progres
             base(input_ids=row.unsqueeze(0).to(dev), use_cache=False)
 
 
+def _check_rotations(model: nn.Module, cfg: RunConfig) -> None:
+    """Refuse, before any expensive step, a rotation the architecture declares non-function-preserving."""
+    from rope_quant.rotations.offline import check_function_preserving
+
+    check_function_preserving(model, _rotation_config(cfg))
+
+
+def _inv_freq(model: nn.Module, head_dim: int) -> tuple[np.ndarray, str]:
+    """The RoPE frequencies shared by every layer (the angle estimators take one vector)."""
+    try:
+        return arch.shared_inv_freq(model, head_dim=head_dim)
+    except rope.AmbiguousInvFreqError as exc:
+        raise PipelineError(f"per-layer RoPE bases are not supported by the R3 angle estimators: {exc}") from exc
+
+
 def _rotation_config(cfg: RunConfig):
     from rope_quant.rotations.offline import RotationConfig
 
@@ -450,10 +459,10 @@ def model_fingerprint(model: nn.Module) -> str:
     names = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "intermediate_size")
     parts: list[Any] = [getattr(c, n, None) for n in names]
-    base = getattr(model, "model", model)
+    last = len(arch.decoder_layers(model)) - 1
     with torch.no_grad():
-        for t in (base.embed_tokens.weight, base.layers[0].self_attn.q_proj.weight,
-                  base.layers[-1].mlp.down_proj.weight):
+        for t in (arch.embeddings(model).weight, arch.attention(model, 0).q.weight,
+                  arch.mlp_parts(model, last).down.weight):
             t64 = t.detach().double()
             parts += [float(t64.sum()), float(t64.abs().sum()), float((t64 * t64).sum())]
     return _hash(parts)[:8]
@@ -648,7 +657,8 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     torch.manual_seed(cfg.seed)
     model, tokenizer = _load(cfg, base)
     geom = attention.check_model(model)  # clear errors before any expensive step
-    inv_freq, inv_source = rope.find_inv_freq(model, head_dim=geom.head_dim)
+    _check_rotations(model, cfg)
+    inv_freq, inv_source = _inv_freq(model, geom.head_dim)
     fingerprint = model_fingerprint(model) if cache_dir is not None else ""
     if corpus is None:
         corpus = data.load_corpus(cfg.corpus, tokenizer)

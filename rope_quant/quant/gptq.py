@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from rope_quant.model import arch
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -303,14 +305,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig =
 # ----------------------------------------------------------------------------- layer-by-layer driver
 
 
-#: Execution groups of a Llama-family decoder layer (true-sequential order).
+#: Execution groups of a decoder layer (true-sequential order), names relative to the layer.
 LayerGroups = tuple[tuple[str, ...], ...]
-LLAMA_GROUPS: LayerGroups = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
 
 
 class _StopForward(Exception):
@@ -318,19 +314,19 @@ class _StopForward(Exception):
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise GPTQError(f"{type(model).__name__} has no decoder layer list at model.model.layers")
-    return layers
+    try:
+        return arch.decoder_layers(model)
+    except arch.ArchitectureError as exc:
+        raise GPTQError(f"{type(model).__name__}: {exc}") from exc
 
 
-def _linear_groups(layer: nn.Module, true_sequential: bool) -> list[list[tuple[str, nn.Linear]]]:
+def _linear_groups(layer: nn.Module, true_sequential: bool,
+                   order: LayerGroups = ()) -> list[list[tuple[str, nn.Linear]]]:
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     if not true_sequential:
         return [list(linears.items())]
     groups, seen = [], set()
-    for names in LLAMA_GROUPS:
+    for names in order:
         g = [(n, linears[n]) for n in names if n in linears]
         if g:
             groups.append(g)
@@ -385,10 +381,11 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
     _check_bits(bits)
     GPTQ_CALLS["model"] += 1
     layers = _decoder_layers(model)
+    order = arch.layer_linear_groups(model)
     inputs = capture_layer_inputs(model, windows)
     errors: dict[str, float] = {}
     for li, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
-        for group in _linear_groups(layer, cfg.true_sequential):
+        for group in _linear_groups(layer, cfg.true_sequential, order):
             group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
             if not group:
                 continue

@@ -22,7 +22,7 @@ With a KV cache the function sees the whole cache (stored un-rotated, un-quantis
 re-applies R3 and the per-token quantiser to it: both are token-local, so this equals quantising each
 token once when it enters the cache.
 
-Calibration mode (:func:`calibration_hooks`) streams the pre-RoPE q_proj/k_proj outputs into
+Calibration mode (:func:`calibration_hooks`) streams the pre-RoPE q/k (projection or q/k-norm outputs) into
 :class:`rope_quant.calib.moments.CalibrationStats` through forward hooks that are removed afterwards.
 """
 
@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from rope_quant.core import rope
+from rope_quant.model import arch
 
 __all__ = [
     "ATTN_NAME",
@@ -67,8 +68,9 @@ class AttentionWrapError(ValueError):
 
 
 class UnsupportedAttentionError(AttentionWrapError):
-    """The model type's attention lacks what the wrapper needs (self_attn with q_proj/k_proj/layer_idx,
-    a config with ``_attn_implementation`` plumbing, a transformers version with an attention registry)."""
+    """The model type's attention lacks what the wrapper needs (a family registered in
+    :mod:`rope_quant.model.arch` with q/k/v projections and ``layer_idx``, a config with
+    ``_attn_implementation`` plumbing, a transformers version with an attention registry)."""
 
 
 # ----------------------------------------------------------------------------- state
@@ -183,65 +185,55 @@ def _config(model: nn.Module):
     return cfg
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers' ``self_attn`` modules, in layer order; raise if the model cannot be wrapped."""
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
+def _parts(model: nn.Module) -> list[arch.AttentionParts]:
+    """Every layer's attention parts from the architecture adapter, as UnsupportedAttentionError on failure."""
     mtype = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise UnsupportedAttentionError(
-            f"model type {mtype!r}: no decoder layer list at model.model.layers; rope_quant wraps "
-            "Llama-family attention (self_attn with q_proj/k_proj/v_proj and layer_idx)"
-        )
-    mods = []
-    for i, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
-        missing = [n for n in ("q_proj", "k_proj", "v_proj") if attn is None or not hasattr(attn, n)]
-        if attn is None or missing:
+    try:
+        parts = arch.attention_modules(model)
+    except arch.ArchitectureError as exc:
+        detail = str(exc) if isinstance(exc, arch.UnsupportedModelTypeError) else f"model type {mtype!r}: {exc}"
+        raise UnsupportedAttentionError(detail) from exc
+    for i, p in enumerate(parts):
+        if p.layer_idx is None:
+            raise UnsupportedAttentionError(f"model type {mtype!r}: the attention of layer {i} has no layer_idx")
+        if p.layer_idx != i:
             raise UnsupportedAttentionError(
-                f"model type {mtype!r}: decoder layer {i} has no self_attn with q_proj/k_proj/v_proj "
-                f"(missing: {', '.join(missing) or 'self_attn'})"
-            )
-        if getattr(attn, "layer_idx", None) is None:
-            raise UnsupportedAttentionError(f"model type {mtype!r}: self_attn of layer {i} has no layer_idx")
-        if int(attn.layer_idx) != i:
-            raise UnsupportedAttentionError(
-                f"model type {mtype!r}: self_attn of layer {i} has layer_idx {attn.layer_idx}"
-            )
-        mods.append(attn)
-    return mods
+                f"model type {mtype!r}: the attention of layer {i} has layer_idx {p.layer_idx}")
+    return parts
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers' attention modules, in layer order; raise if the model cannot be wrapped."""
+    return [p.module for p in _parts(model)]
 
 
 def check_model(model: nn.Module) -> AttentionGeometry:
     """Check that ``model`` can be wrapped and return its geometry.
 
-    Raises :class:`UnsupportedAttentionError` (no Llama-style attention, no ``_attn_implementation``),
-    :class:`rope_quant.core.rope.OddHeadDimError` (odd head_dim) or
+    Raises :class:`UnsupportedAttentionError` (unregistered model type, missing projections, no
+    ``_attn_implementation``), :class:`rope_quant.core.rope.OddHeadDimError` (odd head_dim) or
     :class:`rope_quant.core.rope.MissingInvFreqError` (no RoPE / no materialised ``inv_freq``).
     """
     cfg = _config(model)
-    mods = attention_modules(model)
+    parts = _parts(model)
     if not hasattr(cfg, "_attn_implementation"):
         raise UnsupportedAttentionError(
             f"{type(cfg).__name__} has no _attn_implementation: this transformers model does not dispatch "
             "attention through the attention interface"
         )
-    first = mods[0]
-    head_dim = getattr(first, "head_dim", None)
-    if head_dim is None:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    first = parts[0]
+    head_dim = first.head_dim or arch.dims(model).head_dim
     rope.check_head_dim(int(head_dim))
-    n_q = first.q_proj.out_features // head_dim
-    n_kv = first.k_proj.out_features // head_dim
-    if n_q * head_dim != first.q_proj.out_features or n_kv * head_dim != first.k_proj.out_features:
+    q_out, k_out = first.q.out_features, first.k.out_features
+    n_q, n_kv = q_out // head_dim, k_out // head_dim
+    if n_q * head_dim != q_out or n_kv * head_dim != k_out:
         raise UnsupportedAttentionError(
-            f"q_proj/k_proj widths {first.q_proj.out_features}/{first.k_proj.out_features} are not "
-            f"multiples of head_dim {head_dim}"
-        )
+            f"q/k projection widths {q_out}/{k_out} are not multiples of head_dim {head_dim}")
     if n_kv == 0 or n_q % n_kv:
         raise UnsupportedAttentionError(f"{n_q} query heads are not a multiple of {n_kv} KV heads")
-    rope.find_inv_freq(model, head_dim=int(head_dim))  # raises MissingInvFreqError / AmbiguousInvFreqError
-    return AttentionGeometry(len(mods), n_q, n_kv, int(head_dim))
+    for i in range(len(parts)):  # raises MissingInvFreqError / AmbiguousInvFreqError
+        arch.layer_inv_freq(model, i, head_dim=int(head_dim))
+    return AttentionGeometry(len(parts), n_q, n_kv, int(head_dim))
 
 
 def set_attn_implementation(model: nn.Module, name: str) -> None:
@@ -318,9 +310,9 @@ def uninstall_attention(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def calibration_hooks(model: nn.Module, stats: Any) -> Iterator[Any]:
-    """Collect mode: stream pre-RoPE q_proj/k_proj outputs into ``stats`` (a CalibrationStats).
+    """Collect mode: stream pre-RoPE queries/keys into ``stats`` (a CalibrationStats).
 
-    Forward hooks (public API) are registered on every layer's q_proj and k_proj and removed on exit.
+    Forward hooks (public API) are registered on every layer's pre-RoPE q/k module and removed on exit.
     """
     from rope_quant.calib.moments import register_projection_hooks
 

@@ -42,10 +42,13 @@ import torch
 from torch import nn
 
 from rope_quant.core import hadamard
+from rope_quant.model import arch
+from rope_quant.rotations import whip
 
 __all__ = [
     "RotationError",
     "UnsupportedArchitectureError",
+    "NotFunctionPreservingError",
     "TiedEmbeddingsError",
     "NormsNotFusedError",
     "RotationShapeError",
@@ -59,6 +62,7 @@ __all__ = [
     "RotationResult",
     "model_dims",
     "decoder_layers",
+    "check_function_preserving",
     "embeddings_tied",
     "untie_embeddings",
     "fuse_norms",
@@ -80,16 +84,19 @@ R2_CHOICES = ("none", "hadamard", "whip", "given")
 #: Largest tolerated max |RᵀR − I| (float64) for a matrix passed in as a rotation.
 ORTHO_ATOL = 1e-4
 _R4_FLAG = "rq_online_r4"
-_ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 class RotationError(ValueError):
     """Base class for bad input to the offline rotations."""
 
 
-class UnsupportedArchitectureError(RotationError):
-    """The model does not have the Llama-family module layout the rotations rely on."""
+class UnsupportedArchitectureError(RotationError, arch.ArchitectureError):
+    """The model's modules are not what the rotations rely on (e.g. a norm that is not an RMSNorm)."""
+
+
+class NotFunctionPreservingError(RotationError):
+    """The architecture declares the requested rotation not function-preserving (see
+    :func:`rope_quant.model.arch.rotation_refusal`); the message names the modules responsible."""
 
 
 class TiedEmbeddingsError(RotationError):
@@ -118,84 +125,30 @@ class MissingRotationError(RotationError):
 
 # ------------------------------------------------------------------------------------------ model layout
 
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Sizes the rotations need, read from the model config."""
-
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate: int
-
-    @property
-    def group(self) -> int:
-        """Q heads per KV head (GQA group size)."""
-        return self.n_heads // self.n_kv_heads
-
-
-def _text_config(model: nn.Module):
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        raise UnsupportedArchitectureError("model has no .config; expected a Hugging Face causal LM")
-    get_text = getattr(cfg, "get_text_config", None)
-    return get_text() if callable(get_text) else cfg
+#: Sizes the rotations need (from :mod:`rope_quant.model.arch`).
+ModelDims = arch.ModelDims
 
 
 def model_dims(model: nn.Module) -> ModelDims:
     """Read hidden / heads / KV heads / head_dim / intermediate from the config (GQA aware)."""
-    cfg = _text_config(model)
-    try:
-        hidden = int(cfg.hidden_size)
-        n_heads = int(cfg.num_attention_heads)
-        n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
-        n_layers = int(cfg.num_hidden_layers)
-        intermediate = int(cfg.intermediate_size)
-    except (AttributeError, TypeError) as exc:
-        raise UnsupportedArchitectureError(f"config lacks a Llama-family field: {exc}") from exc
-    head_dim = getattr(cfg, "head_dim", None) or hidden // n_heads
-    if n_heads % n_kv:
-        raise UnsupportedArchitectureError(
-            f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
-        )
-    return ModelDims(n_layers, hidden, n_heads, n_kv, int(head_dim), intermediate)
-
-
-def _base(model: nn.Module) -> nn.Module:
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
-        raise UnsupportedArchitectureError(
-            "expected model.model.layers and model.model.embed_tokens (Llama-family causal LM)"
-        )
-    return base
+    return arch.dims(model)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """model.model.layers, checked to carry the attention / MLP / norm modules the rotations touch."""
-    layers = _base(model).layers
-    for i, layer in enumerate(layers):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        ok = (
-            attn is not None
-            and mlp is not None
-            and all(isinstance(getattr(attn, n, None), nn.Linear) for n in _ATTN_LINEARS)
-            and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in _MLP_LINEARS)
-            and hasattr(layer, "input_layernorm")
-            and hasattr(layer, "post_attention_layernorm")
-        )
-        if not ok:
-            raise UnsupportedArchitectureError(
-                f"layer {i} lacks self_attn.{{q,k,v,o}}_proj, mlp.{{gate,up,down}}_proj or its two norms"
-            )
+    """The decoder layers, checked to carry the attention / MLP / norm modules the rotations touch."""
+    layers = arch.decoder_layers(model)
+    for i in range(len(layers)):
+        a, m = arch.attention(model, i), arch.mlp_parts(model, i)
+        arch.layer_norms(model, i)
+        if not all(isinstance(lin, nn.Linear) for lin in (a.q, a.k, a.v, a.o, m.gate, m.up, m.down)):
+            raise UnsupportedArchitectureError(f"layer {i}: the attention / MLP projections are not nn.Linear")
     return layers
 
 
 def _lm_head(model: nn.Module) -> nn.Linear:
-    head = getattr(model, "lm_head", None)
+    head = arch.lm_head(model)
     if not isinstance(head, nn.Linear):
-        raise UnsupportedArchitectureError("expected model.lm_head to be an nn.Linear")
+        raise UnsupportedArchitectureError("expected the lm_head to be an nn.Linear")
     return head
 
 
@@ -208,16 +161,22 @@ def _rmsnorm_weight(norm: nn.Module, where: str) -> nn.Parameter:
     return w
 
 
-def _norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    out = []
-    for i, layer in enumerate(decoder_layers(model)):
-        out.append((f"layers.{i}.input_layernorm", layer.input_layernorm))
-        out.append((f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm))
-    norm = getattr(_base(model), "norm", None)
-    if norm is None:
-        raise UnsupportedArchitectureError("expected a final norm at model.model.norm")
-    out.append(("norm", norm))
-    return out
+def check_function_preserving(model: nn.Module, cfg: RotationConfig) -> None:
+    """Raise :class:`NotFunctionPreservingError` when ``cfg`` asks for a rotation the architecture refuses."""
+    asked = [r for r, on in (("r1", cfg.r1 != "none"), ("r2", cfg.r2 != "none"), ("r4", cfg.r4)) if on]
+    for rot in asked:
+        _require_preserving(model, rot)
+
+
+def _require_preserving(model: nn.Module, rotation: str) -> None:
+    reason = arch.rotation_refusal(model, rotation)
+    if reason is not None:
+        others = [r for r in ("r1", "r2", "r4") if r != rotation and arch.rotation_refusal(model, r) is None]
+        raise NotFunctionPreservingError(
+            f"{rotation.upper()} is not function-preserving for this model: {reason}. Alternatives: "
+            f"{rotation}='none'" + (f" (still available: {', '.join(others)} and the online R3)" if others else "")
+            + ", or a model family without these norms"
+        )
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -253,10 +212,8 @@ def _derived_seed(seed: int, *parts: object) -> int:
 
 
 def embeddings_tied(model: nn.Module) -> bool:
-    """True when lm_head and embed_tokens share storage."""
-    emb = _base(model).embed_tokens.weight
-    head = _lm_head(model).weight
-    return head is emb or head.data_ptr() == emb.data_ptr()
+    """True when lm_head and the embeddings share storage."""
+    return arch.embeddings_tied(model)
 
 
 @torch.no_grad()
@@ -269,8 +226,8 @@ def untie_embeddings(model: nn.Module) -> bool:
     head = _lm_head(model)
     tied = embeddings_tied(model)
     if tied:
-        head.weight = nn.Parameter(_base(model).embed_tokens.weight.detach().clone(), requires_grad=False)
-    for cfg in {id(c): c for c in (model.config, _text_config(model))}.values():
+        head.weight = nn.Parameter(arch.embeddings(model).weight.detach().clone(), requires_grad=False)
+    for cfg in {id(c): c for c in (model.config, arch.text_config(model))}.values():
         if hasattr(cfg, "tie_word_embeddings"):
             cfg.tie_word_embeddings = False
     return tied
@@ -280,31 +237,27 @@ def untie_embeddings(model: nn.Module) -> bool:
 def fuse_norms(model: nn.Module) -> None:
     """Fuse RMSNorm scales into the following linears and set the norm weights to 1 (QuaRot Sec. 4.1).
 
-    input_layernorm → q, k, v; post_attention_layernorm → gate, up; final norm → lm_head:
-    ``W ← W diag(g)``. Exact: ``g ⊙ n(x)`` then ``Wᵀ`` equals ``n(x)`` then ``(W diag g)ᵀ``.
-    No embedding-mean subtraction (see :func:`subtract_embedding_mean`).
+    Pre-attention norm → q, k, v; pre-MLP norm → gate, up; final norm → lm_head (the pairs come from
+    :func:`rope_quant.model.arch.fusable_norms`): ``W ← W diag(g)`` with ``g`` the norm's scale
+    (``offset + weight``, offset 0 for Llama-style norms). Exact: ``g ⊙ n(x)`` then ``Wᵀ`` equals
+    ``n(x)`` then ``(W diag g)ᵀ``. No embedding-mean subtraction (see :func:`subtract_embedding_mean`).
     """
-    layers = decoder_layers(model)
+    decoder_layers(model)
     if embeddings_tied(model):
         raise TiedEmbeddingsError("fusing the final norm into a tied lm_head would alter the embeddings")
-    pairs: list[tuple[nn.Module, str, list[nn.Linear]]] = []
-    for i, layer in enumerate(layers):
-        a, m = layer.self_attn, layer.mlp
-        pairs.append((layer.input_layernorm, f"layers.{i}.input_layernorm", [a.q_proj, a.k_proj, a.v_proj]))
-        pairs.append((layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm",
-                      [m.gate_proj, m.up_proj]))
-    pairs.append((_base(model).norm, "norm", [_lm_head(model)]))
-    for norm, where, linears in pairs:
+    offset = arch.norm_weight_offset(model)
+    for where, norm, linears in arch.fusable_norms(model):
         w = _rmsnorm_weight(norm, where)
-        g = w.detach().to(torch.float64).cpu()
+        g = w.detach().to(torch.float64).cpu() + offset
         for lin in linears:
             _set(lin.weight, lin.weight.detach().to("cpu", torch.float64) * g[None, :])
-        w.data.fill_(1.0)
+        w.data.fill_(1.0 - offset)
 
 
 def norms_fused(model: nn.Module) -> bool:
-    """True when every RMSNorm weight the rotations rely on is exactly 1."""
-    return all(bool((_rmsnorm_weight(n, where) == 1).all()) for where, n in _norms(model))
+    """True when every fusable RMSNorm has unit scale (``offset + weight == 1``)."""
+    offset = arch.norm_weight_offset(model)
+    return all(bool((_rmsnorm_weight(n, where) + offset == 1).all()) for where, n, _ in arch.fusable_norms(model))
 
 
 @torch.no_grad()
@@ -315,7 +268,7 @@ def subtract_embedding_mean(model: nn.Module) -> None:
     For RMSNorm models it changes ``rms(x)`` and the residual stream itself, hence the logits; it is kept
     here only so that a test can demonstrate this, and :func:`rotate_model` never calls it.
     """
-    w = _base(model).embed_tokens.weight
+    w = arch.embeddings(model).weight
     w64 = w.detach().to("cpu", torch.float64)
     _set(w, w64 - w64.mean(dim=-1, keepdim=True))
 
@@ -333,22 +286,29 @@ def apply_r1(model: nn.Module, q: torch.Tensor) -> None:
     """Rotate the residual stream by ``Q`` (hidden × hidden orthogonal): ``x ← x Q`` (QuaRot Sec. 4.1, R1).
 
     Embeddings and residual readers ``W ← W Q``; residual writers ``W ← Qᵀ W`` and ``b ← b Q``.
-    Requires untied embeddings and fused norms.
+    Requires untied embeddings and fused norms; raises :class:`NotFunctionPreservingError` where the
+    architecture refuses R1 (sandwich norms).
     """
+    _require_preserving(model, "r1")
     dims = model_dims(model)
     qm = _check_rotation(q, dims.hidden, "R1")
     if embeddings_tied(model):
         raise TiedEmbeddingsError("R1 on tied embeddings would rotate the shared matrix twice; untie first")
     if not norms_fused(model):
         raise NormsNotFusedError("R1 needs unit-weight RMSNorms (they commute with Q); call fuse_norms first")
-    emb = _base(model).embed_tokens.weight
+    _fold_r1(model, qm)
+
+
+def _fold_r1(model: nn.Module, qm: torch.Tensor) -> None:
+    """The R1 weight algebra without the checks (tests use it to show why a refusal is needed)."""
+    emb = arch.embeddings(model).weight
     _set(emb, emb.detach().to("cpu", torch.float64) @ qm)
     readers: list[nn.Linear] = [_lm_head(model)]
     writers: list[nn.Linear] = []
-    for layer in decoder_layers(model):
-        a, m = layer.self_attn, layer.mlp
-        readers += [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj]
-        writers += [a.o_proj, m.down_proj]
+    for i in range(len(decoder_layers(model))):
+        a, m = arch.attention(model, i), arch.mlp_parts(model, i)
+        readers += [a.q, a.k, a.v, m.gate, m.up]
+        writers += [a.o, m.down]
     for lin in readers:
         _set(lin.weight, lin.weight.detach().to("cpu", torch.float64) @ qm)
     for lin in writers:
@@ -407,12 +367,14 @@ def apply_r2(model: nn.Module, mats: int | torch.Tensor | list) -> torch.Tensor:
     o_proj input columns of Q head h: ``W[:, h] ← W[:, h] R_{h // group}``. Returns the (L, n_kv, d, d)
     float64 stack applied.
     """
+    _require_preserving(model, "r2")
     dims = model_dims(model)
     stack = _r2_stack(model, dims, mats)
     d, k, g = dims.head_dim, dims.n_kv_heads, dims.group
-    for li, layer in enumerate(decoder_layers(model)):
+    for li in range(len(decoder_layers(model))):
         r = stack[li]  # (k, d, d)
-        v, o = layer.self_attn.v_proj, layer.self_attn.o_proj
+        attn = arch.attention(model, li)
+        v, o = attn.v, attn.o
         wv = v.weight.detach().to("cpu", torch.float64).view(k, d, -1)
         _set(v.weight, torch.einsum("kij,kil->kjl", r, wv).reshape(k * d, -1))
         if v.bias is not None:
@@ -441,18 +403,21 @@ def _r4_pre_hook(module: nn.Module, args: tuple) -> tuple:
     return (online_r4(args[0]),) + tuple(args[1:])
 
 
+def _down_projs(model: nn.Module) -> list[nn.Linear]:
+    return [arch.mlp_parts(model, i).down for i in range(len(decoder_layers(model)))]
+
+
 def install_online_r4(model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
     """Register only the online half of R4 (pre-hook on every down_proj, ``prepend=True``).
 
     For a model whose down_proj weights already hold ``W A`` (e.g. rotated weights reloaded from a cache:
     hooks are not part of a state_dict). Raises AlreadyRotatedError where the hook is already installed.
     """
-    layers = decoder_layers(model)
-    if any(getattr(layer.mlp.down_proj, _R4_FLAG, False) == "hook" for layer in layers):
+    downs = _down_projs(model)
+    if any(getattr(down, _R4_FLAG, False) == "hook" for down in downs):
         raise AlreadyRotatedError("the online R4 hook is already installed on this model's down_proj")
     handles = []
-    for layer in layers:
-        down = layer.mlp.down_proj
+    for down in downs:
         handles.append(down.register_forward_pre_hook(_r4_pre_hook, prepend=True))
         setattr(down, _R4_FLAG, "hook")
     return handles
@@ -468,19 +433,19 @@ def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.
     to down_proj's input itself (before quantising it), or the model is no longer equivalent.
     Each down_proj gets ``rq_online_r4 = "hook"`` or ``"external"``.
     """
+    _require_preserving(model, "r4")
     dims = model_dims(model)
-    layers = decoder_layers(model)
-    if any(getattr(layer.mlp.down_proj, _R4_FLAG, False) for layer in layers):
+    downs = _down_projs(model)
+    if any(getattr(down, _R4_FLAG, False) for down in downs):
         raise AlreadyRotatedError("R4 is already applied to this model's down_proj")
     a = r4_matrix(dims.intermediate)
-    for layer in layers:
-        down = layer.mlp.down_proj
+    for down in downs:
         _set(down.weight, down.weight.detach().to("cpu", torch.float64) @ a)
         setattr(down, _R4_FLAG, "external")
     if not register_hooks:
         return []
-    for layer in layers:
-        setattr(layer.mlp.down_proj, _R4_FLAG, False)
+    for down in downs:
+        setattr(down, _R4_FLAG, False)
     return install_online_r4(model)
 
 
@@ -539,7 +504,8 @@ def rotate_model(
     "whip" uses the given matrix or, when it is None, fits one with :mod:`rope_quant.rotations.whip` on
     ``calib_ids`` (token ids, (n, seqlen)) before any weight changes (both R1 and R2 samples are
     invariant under untie and fuse; R2 samples under R1 too). ``whip_options`` go to
-    :func:`rope_quant.rotations.whip.calibrate_model_rotations`.
+    :func:`rope_quant.rotations.whip.calibrate_model_rotations`. A rotation the architecture declares
+    non-function-preserving raises :class:`NotFunctionPreservingError` before anything changes.
     """
     if not isinstance(cfg, RotationConfig):
         raise RotationError(f"cfg must be a RotationConfig, got {type(cfg).__name__}")
@@ -551,14 +517,13 @@ def rotate_model(
         raise MissingRotationError("r1='given' needs r1_matrix")
     if cfg.r2 == "given" and r2_matrices is None:
         raise MissingRotationError("r2='given' needs r2_matrices")
+    check_function_preserving(model, cfg)
     need_r1 = cfg.r1 == "whip" and r1_matrix is None
     need_r2 = cfg.r2 == "whip" and r2_matrices is None
     dims = model_dims(model)
     if need_r1 or need_r2:
         if calib_ids is None:
             raise MissingRotationError("whip rotations need r1_matrix/r2_matrices or calib_ids to fit them")
-        from rope_quant.rotations import whip  # deferred: whip imports this module
-
         fitted = whip.calibrate_model_rotations(
             model, calib_ids, fit_r1=need_r1, fit_r2=need_r2, seed=cfg.seed, **(whip_options or {})
         )

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from rope_quant.core import hadamard
-from rope_quant.rotations.offline import decoder_layers, model_dims
+from rope_quant.model import arch
 
 __all__ = [
     "WhipError",
@@ -390,9 +390,10 @@ def collect_r1_samples(
         out.append(x[idx].cpu())
 
     handles = []
-    for layer in decoder_layers(model):
-        handles.append(layer.input_layernorm.register_forward_pre_hook(hook))
-        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(hook))
+    for i in range(len(arch.decoder_layers(model))):
+        norms = arch.layer_norms(model, i)
+        handles.append(norms.pre_attn.register_forward_pre_hook(hook))
+        handles.append(norms.pre_mlp.register_forward_pre_hook(hook))
     try:
         _forward(model, ids)
     finally:
@@ -412,21 +413,22 @@ def collect_r2_samples(model: nn.Module, ids: torch.Tensor, source: str = "v_pro
     if source not in ("v_proj", "o_proj_input"):
         raise WhipError(f"R2 source must be 'v_proj' or 'o_proj_input', got {source!r}")
     ids = _check_ids(ids)
-    dims = model_dims(model)
-    layers = decoder_layers(model)
+    dims = arch.dims(model)
+    layers = arch.decoder_layers(model)
     store: list[list[torch.Tensor]] = [[] for _ in layers]
     handles = []
-    for li, layer in enumerate(layers):
+    for li in range(len(layers)):
+        attn = arch.attention(model, li)
         if source == "v_proj":
             def hook(mod, args, output, li=li):
                 store[li].append(output.detach()[0].to(torch.float32).cpu())
 
-            handles.append(layer.self_attn.v_proj.register_forward_hook(hook))
+            handles.append(attn.v.register_forward_hook(hook))
         else:
             def pre(mod, args, li=li):
                 store[li].append(args[0].detach()[0].to(torch.float32).cpu())
 
-            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(pre))
+            handles.append(attn.o.register_forward_pre_hook(pre))
     try:
         _forward(model, ids)
     finally:
@@ -454,7 +456,7 @@ def calibrate_model_rotations(
     the ones R1/R2 will then rotate. Returns float64 matrices in the row convention of
     :func:`rope_quant.rotations.offline.apply_r1` / :func:`rope_quant.rotations.offline.apply_r2`.
     """
-    dims = model_dims(model)
+    dims = arch.dims(model)
     out = CalibratedRotations(r1=None, r2=None)
     if fit_r1:
         samples = collect_r1_samples(model, ids, tokens_per_sample=tokens_per_sample, seed=seed,
