@@ -15,6 +15,10 @@ Defaults run on CPU in minutes on the embedded SmolLM2-135M and the ``pydoc`` co
 ``--device cuda`` the paper's budgets (seqlen 2048, 128 calibration windows, all evaluation windows)
 are the defaults. ``--model PATH`` takes a local Hugging Face checkpoint or a .gguf file.
 
+Tests and embedding code inject what computes the cells: ``main(argv, cell_fn=fn)`` runs every cell
+through ``fn(cfg) -> dict`` instead of the pipeline, ``main(argv, models=cache)`` gives the real
+pipeline a pre-filled :class:`~rope_quant.sweep.models.ModelCache`.
+
 Exit codes: 0 success; 1 some cells failed (or ``report --check`` found incomplete cells, or φ* was
 not verified); 2 bad input.
 """
@@ -26,16 +30,22 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rope_quant.sweep.models import ModelCache
+
+CellFn = Callable[[Any], Mapping[str, Any]]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "pydoc"
 DEFAULT_CONFIGS = ("hadamard", "pairwise_only", "pairwise_plus_hadamard", "identity")
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_ESTIMATORS = ("rows", "k_only", "balanced")
-#: ``--configs`` preset name for the beyond-the-paper study (``sweep.beyond_manifest``).
+#: ``--configs`` preset name for the beyond-the-paper study (``presets.beyond_manifest``).
 BEYOND = "beyond"
 #: Defaults per device: window length, calibration / evaluation windows (None = every window), the
 #: weight quantiser and its MSE clipping search. The CPU budget keeps the default ``compare`` (4 configs
@@ -48,8 +58,6 @@ BUDGETS: dict[str, dict[str, Any]] = {
 }
 BUDGET_FIELDS = ("seqlen", "calib_windows", "eval_windows", "weights", "w_mse")
 LONG_CONTEXT_LENGTHS = {"cpu": (256, 512, 1024), "cuda": (2048, 4096, 8192, 16384)}
-#: A hook for tests: a function ``cfg -> dict`` used instead of the real pipeline.
-CELL_FN: Callable[[Any], dict] | None = None
 
 
 class CLIError(ValueError):
@@ -338,13 +346,22 @@ def _head_dim(model: str) -> int:
 # ----------------------------------------------------------------------------- commands
 
 
-def _cell_fn(args: argparse.Namespace, out: Path) -> Callable[[Any], dict] | None:
-    if CELL_FN is not None:
-        return CELL_FN
-    from rope_quant.sweep.runner import CACHE_DIR, pipeline_cell_fn
+@dataclass(frozen=True)
+class Cells:
+    """What computes the cells of a command: ``cell_fn`` when given, else the real pipeline over ``models``."""
 
-    cache = Path(args.cache_dir) if args.cache_dir else out / CACHE_DIR
-    return pipeline_cell_fn(cache, artifacts=out, progress=args.progress)
+    cell_fn: CellFn | None = None
+    models: ModelCache | None = None
+
+    def function(self, args: argparse.Namespace, out: Path) -> CellFn:
+        """The cell function for results directory ``out`` (weight cache ``--cache-dir``, default DIR/cache)."""
+        if self.cell_fn is not None:
+            return self.cell_fn
+        from rope_quant.sweep.cells import pipeline_cell_fn
+        from rope_quant.sweep.runner import CACHE_DIR
+
+        cache = Path(args.cache_dir) if args.cache_dir else out / CACHE_DIR
+        return pipeline_cell_fn(cache, artifacts=out, progress=args.progress, models=self.models)
 
 
 def describe(cfg: Any) -> str:
@@ -370,10 +387,10 @@ def _slurm_params(items: Sequence[str]) -> dict[str, Any]:
     return params
 
 
-def _execute(args: argparse.Namespace, manifest: Any, used: list[str]) -> int:
+def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[str]) -> int:
     """Run (or submit) a sweep's cells, then write and print the report."""
-    from rope_quant.sweep import report
-    from rope_quant.sweep import runner as sweep
+    from rope_quant.sweep import report, runner, slurm
+    from rope_quant.sweep.manifest import write_manifest
 
     out = Path(args.out)
     print(f"rope-quant {args.command}: {len(manifest)} cells -> {out}", flush=True)
@@ -383,19 +400,19 @@ def _execute(args: argparse.Namespace, manifest: Any, used: list[str]) -> int:
     if args.slurm is not None:
         if args.slurm < 1:
             raise CLIError("--slurm needs a positive number of array tasks")
-        sweep.write_manifest(out, manifest)
-        jobs = sweep.submit_slurm(out, args.slurm, **_slurm_params(args.slurm_param))
+        write_manifest(out, manifest)
+        jobs = slurm.submit_slurm(out, args.slurm, **_slurm_params(args.slurm_param))
         print(f"submitted {len(jobs)} Slurm array tasks; when done run `rope-quant report {out}`")
         return 0
     selection = None
     if args.shard is not None:
-        selection = sweep.shard_from_env() if args.shard == "auto" else sweep.parse_shard(args.shard)
+        selection = runner.shard_from_env() if args.shard == "auto" else runner.parse_shard(args.shard)
         if selection is None:
             raise CLIError("--shard auto: no SLURM_ARRAY_TASK_ID/COUNT or PYTEST_XDIST_WORKER/COUNT set")
     start = time.perf_counter()
-    result = sweep.run_cells(manifest, out, selection, cell_fn=_cell_fn(args, out), resume=args.resume,
-                             cache_dir=args.cache_dir, device=args.device,
-                             log=None if args.quiet else (lambda s: print(s, flush=True)))
+    result = runner.run_cells(manifest, out, selection, cell_fn=cells.function(args, out), resume=args.resume,
+                              cache_dir=args.cache_dir, device=args.device,
+                              log=None if args.quiet else (lambda s: print(s, flush=True)))
     print(f"cells: {result.summary()}", flush=True)
     rep = report.write_report(out, comparator=args.comparator, figures=args.figures)
     print()
@@ -405,8 +422,11 @@ def _execute(args: argparse.Namespace, manifest: Any, used: list[str]) -> int:
     return 1 if result.failed else 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from rope_quant.sweep import runner as sweep
+def cmd_run(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.experiment.envinfo import env_info, write_env
+    from rope_quant.sweep import records
+    from rope_quant.sweep.manifest import Manifest, write_manifest
+    from rope_quant.sweep.runner import run_cell_record
 
     _validate_common(args)
     if args.config not in valid_configs():
@@ -424,52 +444,52 @@ def cmd_run(args: argparse.Namespace) -> int:
                       position_average=args.phi_star, average_length=args.average_length)
     name = args.name or (args.config if args.block is None else f"{args.config}-b{args.block}")
     meta = {name: {"r3": args.config, **({"block": args.block} if args.block else {})}}
-    manifest = sweep.Manifest(cells=[(name, cfg)], kind="run", comparator="hadamard", meta=meta)
+    manifest = Manifest(cells=[(name, cfg)], kind="run", comparator="hadamard", meta=meta)
     out = Path(args.out)
     print("settings: " + describe(cfg), flush=True)
     if used:
         print("defaults used: " + ", ".join(used), flush=True)
-    path = sweep.cell_path(out, name, cfg)
-    if args.resume and sweep.is_complete(path, cfg.key()):
+    path = records.cell_path(out, name, cfg)
+    if args.resume and records.is_complete(path, cfg.key()):
         print(f"already complete: {path}")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        sweep.write_manifest(out, manifest, merge=True)
-        sweep.write_env(out, args.device)
+        write_manifest(out, manifest, merge=True)
+        write_env(out, args.device)
         start = time.perf_counter()
-        _, ok = sweep.run_cell_record(name, cfg, out, _cell_fn(args, out), sweep.env_info(args.device))
+        _, ok = run_cell_record(name, cfg, out, cells.function(args, out), env_info(args.device))
         print(f"{'done' if ok else 'FAILED'} in {time.perf_counter() - start:.1f}s: {path}")
         if not ok:
-            record = sweep.read_record(path) or {}
+            record = records.read_record(path) or {}
             print(f"error: {record.get('error', {}).get('type')}: {record.get('error', {}).get('message')}",
                   file=sys.stderr)
             return 1
-    result = (sweep.read_record(path) or {}).get("result", {})
+    result = (records.read_record(path) or {}).get("result", {})
     keys = ("ppl", "n_windows", "n_tokens", "k_range_mean", "k_range_max", "delta_mean", "k_rel_err")
     print(json.dumps({k: result.get(k) for k in keys}, indent=2))
     return 0
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    from rope_quant.sweep import runner as sweep
+def cmd_compare(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.sweep import presets
 
     _validate_common(args)
     used: list[str] = []
     seeds = _seeds(args, used)
     used += resolve_budget(args)[1]
     if args.configs.strip() == BEYOND:
-        manifest = sweep.beyond_manifest(base_config(args), seeds, comparator=args.comparator)
-        return _execute(args, manifest, used)
+        manifest = presets.beyond_manifest(base_config(args), seeds, comparator=args.comparator)
+        return _execute(args, cells, manifest, used)
     configs = parse_configs(args.configs)
     if args.comparator not in configs:
         print(f"note: comparator {args.comparator!r} is not among --configs: no paired statistics",
               file=sys.stderr)
-    manifest = sweep.compare_manifest(base_config(args), configs, seeds, comparator=args.comparator)
-    return _execute(args, manifest, used)
+    manifest = presets.compare_manifest(base_config(args), configs, seeds, comparator=args.comparator)
+    return _execute(args, cells, manifest, used)
 
 
-def cmd_support(args: argparse.Namespace) -> int:
-    from rope_quant.sweep import runner as sweep
+def cmd_support(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.sweep import presets
 
     _validate_common(args)
     used: list[str] = []
@@ -481,27 +501,27 @@ def cmd_support(args: argparse.Namespace) -> int:
         used.append("blocks=" + ",".join(map(str, blocks)))
     else:
         blocks = parse_int_list(args.blocks, "--blocks", minimum=2)
-    manifest = sweep.support_manifest(base_config(args), blocks, seeds, transform=args.transform,
-                                      comparator=args.comparator)
-    return _execute(args, manifest, used)
+    manifest = presets.support_manifest(base_config(args), blocks, seeds, transform=args.transform,
+                                        comparator=args.comparator)
+    return _execute(args, cells, manifest, used)
 
 
-def cmd_estimators(args: argparse.Namespace) -> int:
-    from rope_quant.sweep import runner as sweep
+def cmd_estimators(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.sweep import presets
 
     _validate_common(args)
     estimators = parse_names(args.estimators, "estimator", ("rows", "k_only", "balanced", "per_head"))
     used: list[str] = []
     seeds = _seeds(args, used)
     used += resolve_budget(args)[1]
-    manifest = sweep.estimators_manifest(base_config(args), estimators, seeds, transform=args.transform,
-                                         phi_star=args.phi_star, phi_star_estimator=args.estimator,
-                                         average_length=args.average_length, comparator=args.comparator)
-    return _execute(args, manifest, used)
+    manifest = presets.estimators_manifest(base_config(args), estimators, seeds, transform=args.transform,
+                                           phi_star=args.phi_star, phi_star_estimator=args.estimator,
+                                           average_length=args.average_length, comparator=args.comparator)
+    return _execute(args, cells, manifest, used)
 
 
-def cmd_long_context(args: argparse.Namespace) -> int:
-    from rope_quant.sweep import runner as sweep
+def cmd_long_context(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.sweep import presets
 
     _validate_common(args)
     beyond = args.configs.strip() == BEYOND
@@ -515,27 +535,28 @@ def cmd_long_context(args: argparse.Namespace) -> int:
     else:
         lengths = parse_int_list(args.lengths, "--lengths", minimum=2)
     if beyond:
-        manifest = sweep.beyond_long_context_manifest(base_config(args), seeds, lengths,
-                                                      comparator=args.comparator)
+        manifest = presets.beyond_long_context_manifest(base_config(args), seeds, lengths,
+                                                        comparator=args.comparator)
     else:
-        manifest = sweep.long_context_manifest(base_config(args), configs, seeds, lengths,
-                                               comparator=args.comparator)
-    return _execute(args, manifest, used)
+        manifest = presets.long_context_manifest(base_config(args), configs, seeds, lengths,
+                                                 comparator=args.comparator)
+    return _execute(args, cells, manifest, used)
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.calib import verify
-    from rope_quant.experiment.envinfo import atomic_write_json
-    from rope_quant.sweep import runner as sweep
+    from rope_quant.io import atomic_write_json, markdown_table
+    from rope_quant.sweep.cells import ARTIFACTS_DIR
+    from rope_quant.sweep.manifest import read_manifest
 
     out = Path(args.dir)
-    data = sweep.read_manifest(out)
+    data = read_manifest(out)
     rows, checked = [], 0
     for entry in data["cells"]:
         cfg = entry["config"].get("run", entry["config"])
         if not (cfg.get("position_average") or args.all):
             continue
-        art = out / sweep.ARTIFACTS_DIR / entry["key"]
+        art = out / ARTIFACTS_DIR / entry["key"]
         if not (art / "angles.npy").is_file():
             rows.append({"config": entry["name"], "seed": entry["seed"], "verified": None,
                          "worst_excess": None, "note": "no artefacts (cell not run?)"})
@@ -553,21 +574,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise CLIError(f"{out} has no φ* cells (use `rope-quant estimators --phi-star` or `run --phi-star`, "
                        "or --all for φ̂ cells)")
     atomic_write_json(out / "verify" / "verify_summary.json", {"cells": rows})
-    print("| config | seed | φ* verified | worst relative excess |\n|---|---|---|---|")
-    for r in rows:
-        excess = "–" if r["worst_excess"] is None else f"{r['worst_excess']:.3g}"
-        verdict = r.get("note") or ("yes" if r["verified"] else "no")
-        print(f"| {r['config']} | {r['seed']} | {verdict} | {excess} |")
+    shown = [{"config": r["config"], "seed": r["seed"],
+              "verdict": r.get("note") or ("yes" if r["verified"] else "no"),
+              "excess": "–" if r["worst_excess"] is None else f"{r['worst_excess']:.3g}"} for r in rows]
+    print(markdown_table(shown, ("config", "seed", "verdict", "excess"),
+                         ("config", "seed", "φ* verified", "worst relative excess")))
     print(f"{checked} cells checked; artefacts under {out / 'verify'}")
     return 0 if checked and all(r["verified"] for r in rows) else 1
 
 
-def cmd_report(args: argparse.Namespace) -> int:
+def cmd_report(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.sweep import report
-    from rope_quant.sweep import runner as sweep
+    from rope_quant.sweep.records import status
 
     out = Path(args.dir)
-    st = sweep.status(out)
+    st = status(out)
     print(st.summary())
     if args.check:
         return 0 if st.done else 1
@@ -583,23 +604,28 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+COMMANDS: dict[str, Callable[[argparse.Namespace, Cells], int]] = {
     "run": cmd_run, "compare": cmd_compare, "support": cmd_support, "estimators": cmd_estimators,
     "long-context": cmd_long_context, "verify": cmd_verify, "report": cmd_report,
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``rope-quant`` console script; returns the exit code."""
+def main(argv: Sequence[str] | None = None, *, cell_fn: CellFn | None = None,
+         models: ModelCache | None = None) -> int:
+    """Entry point of the ``rope-quant`` console script; returns the exit code.
+
+    ``cell_fn(cfg) -> dict`` replaces the pipeline for every cell (tests); ``models`` is the base-model
+    cache of the real pipeline (default: the process-wide one).
+    """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
-    from rope_quant.sweep.runner import SweepError
+    from rope_quant.sweep.manifest import SweepError
 
     try:
-        return COMMANDS[args.command](args)
+        return COMMANDS[args.command](args, Cells(cell_fn=cell_fn, models=models))
     except (CLIError, SweepError) as exc:
         print(f"rope-quant {args.command}: error: {exc}", file=sys.stderr)
         return 2

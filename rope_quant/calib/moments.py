@@ -44,6 +44,7 @@ import numpy as np
 
 from rope_quant.core.angles import PairCov
 from rope_quant.core.rope import check_head_dim, check_layout, pair_indices
+from rope_quant.io import atomic_write_bytes
 from rope_quant.model import arch
 
 STREAMS = ("q", "k")
@@ -420,7 +421,7 @@ class CalibrationStats:
         return out
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the accumulators to a .npz file atomically (tmp file + os.replace)."""
+        """Write the accumulators to a .npz file atomically (:func:`rope_quant.io.atomic_write_bytes`)."""
         path = Path(path)
         arrays: dict[str, np.ndarray] = {
             "meta": np.array(json.dumps({"version": _FORMAT_VERSION, **self.config()})),
@@ -437,10 +438,7 @@ class CalibrationStats:
                 arrays[f"{st}_{key}"] = self._acc[st][key]
         buf = io.BytesIO()
         np.savez(buf, **arrays)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_bytes(buf.getvalue())
-        os.replace(tmp, path)
+        atomic_write_bytes(path, buf.getvalue())
         return path
 
     @classmethod

@@ -31,6 +31,7 @@ import numpy as np
 from rope_quant.calib.moments import CalibrationStats
 from rope_quant.core.angles import PairCov, jacobi_angle
 from rope_quant.core.rope import check_frequencies, find_inv_freq
+from rope_quant.io import atomic_write_text
 from rope_quant.model import arch
 
 DEFAULT_TOLERANCE = 5e-5
@@ -236,19 +237,12 @@ def verify_phi_star(
     return VerificationResult(arrays=arrays, summary=summary, per_head=len(shape) == 3)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_artifacts(
     result: VerificationResult, out_dir: str | os.PathLike, prefix: str = "phi_star"
 ) -> tuple[Path, Path]:
     """Write ``{prefix}_pairs.csv`` (one row per layer[, head], pair) and ``{prefix}_summary.json``.
 
-    Both are written atomically (temporary file + os.replace). Returns (csv path, json path).
+    Both are written atomically (:mod:`rope_quant.io`). Returns (csv path, json path).
     """
     out = Path(out_dir)
     columns = list(CSV_COLUMNS)
@@ -263,8 +257,8 @@ def write_artifacts(
         row += [repr(float(result.arrays[c][idx])) for c in CSV_COLUMNS[2:]]
         writer.writerow(row)
     csv_path, json_path = out / f"{prefix}_pairs.csv", out / f"{prefix}_summary.json"
-    _write_atomic(csv_path, buf.getvalue())
-    _write_atomic(json_path, json.dumps(_finite_json(result.summary), indent=2) + "\n")
+    atomic_write_text(csv_path, buf.getvalue())
+    atomic_write_text(json_path, json.dumps(_finite_json(result.summary), indent=2) + "\n")
     return csv_path, json_path
 
 
@@ -311,7 +305,7 @@ def save_frequencies(path: str | os.PathLike, inv_freq: Any, source: str) -> Pat
     """Write deployed frequencies and their source as JSON (atomically)."""
     p = Path(path)
     values = [float(v) for v in np.asarray(inv_freq, dtype=np.float64).reshape(-1)]
-    _write_atomic(p, json.dumps({"inv_freq": values, "source": source}, indent=2) + "\n")
+    atomic_write_text(p, json.dumps({"inv_freq": values, "source": source}, indent=2) + "\n")
     return p
 
 

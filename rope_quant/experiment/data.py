@@ -47,7 +47,6 @@ import pickle
 import re
 import shutil
 import subprocess
-import tempfile
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +54,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+from rope_quant.io import atomic_writer
 
 DEFAULT_CORPUS = "pydoc"
 CALIB_FRACTION = 0.8
@@ -581,24 +582,13 @@ def _read_cache(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def _write_cache(path: Path, blob: dict) -> bool:
-    """Write atomically (temporary file in the same folder, then ``os.replace``); False on I/O failure."""
-    tmp_name = None
+    """Write atomically (:func:`rope_quant.io.atomic_writer`); False on I/O failure."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            dir=path.parent, prefix=path.name, suffix=".tmp", delete=False
-        ) as fh:
-            tmp_name = fh.name
-            torch.save(blob, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, path)
+        with atomic_writer(path) as handle:
+            torch.save(blob, handle)
         return True
     except OSError as exc:
         warnings.warn(f"could not write corpus cache {path}: {exc}", stacklevel=3)
-        if tmp_name is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_name)
         return False
 
 

@@ -1,6 +1,6 @@
 """One quantised model per run configuration: the DartQuant-style W4A4KV4 pipeline with a chosen R3.
 
-:func:`build_quantized_model` follows the natural path of the data (DESIGN.md, "One cell"):
+:func:`build_quantized_model` follows the natural path of the data (docs/ARCHITECTURE.md, "One cell"):
 
 1. load the model (or deep-copy a given one);
 2. offline rotations R1/R2/R4 (:func:`rope_quant.rotations.offline.rotate_model`);
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from rope_quant.core import rope
+from rope_quant.io import atomic_writer
 from rope_quant.model import arch
 from rope_quant.quant import gptq
 from rope_quant.quant.gptq import GPTQConfig
@@ -476,7 +477,7 @@ def _weight_cache_path(cache_dir: Path | None, cfg: RunConfig, fingerprint: str)
 
 def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, errors: dict,
                   static_act: dict | None) -> None:
-    """Write the rotated, quantised state (every parameter and buffer) atomically (tmp + os.replace)."""
+    """Write the rotated, quantised state (every parameter and buffer) atomically (:mod:`rope_quant.io`)."""
     payload = {
         "format": WEIGHT_CACHE_FORMAT, "weight_fields": cfg.weight_fields(),
         "state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
@@ -486,10 +487,8 @@ def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, e
         "static_act": None if static_act is None else {
             n: (q.lo.cpu(), q.hi.cpu()) for n, q in static_act.items()},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    with atomic_writer(path) as handle:
+        torch.save(payload, handle)
 
 
 def _read_weight_cache(path: Path | None, cfg: RunConfig) -> dict | None:

@@ -1,4 +1,4 @@
-"""Paired analysis of a results directory: summary.json, CSV/Markdown tables, figures (DESIGN.md step 9).
+"""Paired analysis of a results directory: summary.json, CSV/Markdown tables, figures (docs/ARCHITECTURE.md).
 
 Every config is paired *within seed* against a comparator (default ``hadamard``): for each seed
 both cells share the model, rotations R1/R2/R4, weights and calibration windows, so the unit of
@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.core import stats
-from rope_quant.experiment.envinfo import atomic_write_bytes, atomic_write_json, atomic_write_text
-from rope_quant.sweep.runner import complete_records, read_manifest, status
+from rope_quant.io import atomic_write_json, atomic_write_text, atomic_writer, markdown_table
+from rope_quant.sweep.manifest import read_manifest
+from rope_quant.sweep.records import complete_records, status
 
 DEFAULT_COMPARATOR = "hadamard"
 DEFAULT_MARGINS: tuple[float, ...] = (0.02, 0.05, 0.10)
@@ -268,9 +269,9 @@ class Table:
     def markdown(self) -> str:
         cols = self.md_columns or self.columns
         rows = self.md_rows or [{c: _fmt(r.get(c)) for c in cols} for r in self.rows]
-        lines = [f"### {self.title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-        lines += [""] + [f"_{n}_" for n in self.notes] if self.notes else []
+        lines = [f"### {self.title}", "", markdown_table(rows, cols)]
+        if self.notes:
+            lines += [""] + [f"_{n}_" for n in self.notes]
         return "\n".join(lines) + "\n"
 
 
@@ -535,9 +536,8 @@ def _pyplot():
 
 
 def _save(fig: Any, path: Path) -> Path:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    atomic_write_bytes(path, buf.getvalue())
+    with atomic_writer(path) as handle:
+        fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
     return path
 
 

@@ -11,7 +11,9 @@ import pytest
 from rope_quant import cli
 from rope_quant.cli import CLIError, parse_int_list, parse_names
 from rope_quant.sweep import report
-from rope_quant.sweep import runner as sweep
+from rope_quant.sweep.manifest import LongContextConfig, read_manifest
+from rope_quant.sweep.models import ModelCache
+from rope_quant.sweep.records import status
 
 TINY = ["--seqlen", "128", "--calib-windows", "2", "--eval-windows", "2", "--weights", "rtn", "--no-w-mse"]
 
@@ -26,7 +28,7 @@ class FakeCell:
 
     def __call__(self, cfg) -> dict:
         self.calls.append(cfg)
-        if isinstance(cfg, sweep.LongContextConfig):
+        if isinstance(cfg, LongContextConfig):
             lengths = {str(L): {"ppl": 10.0 + L / 256 + self.OFFSET.get(cfg.run.r3, 0.2) * (512 / L)
                                 + 0.05 * cfg.seed, "n_windows": 2} for L in cfg.lengths}
             return {"lengths": lengths, "k_range_mean": 1.0, "k_rel_err": 0.01}
@@ -40,10 +42,9 @@ class FakeCell:
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCell:
-    fn = FakeCell()
-    monkeypatch.setattr(cli, "CELL_FN", fn)
-    return fn
+def fake() -> FakeCell:
+    """A fresh fake cell function, injected with ``cli.main(argv, cell_fn=fake)``."""
+    return FakeCell()
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -93,7 +94,7 @@ def test_help_and_usage_errors(capsys: pytest.CaptureFixture, tmp_path: Path) ->
     ],
 )
 def test_bad_input_exits_2(argv, message, tmp_path: Path, capsys, fake: FakeCell) -> None:
-    code = cli.main(["compare", "--out", str(tmp_path / "o"), *argv])
+    code = cli.main(["compare", "--out", str(tmp_path / "o"), *argv], cell_fn=fake)
     err = capsys.readouterr().err
     assert code == 2, err
     assert message in err
@@ -103,18 +104,18 @@ def test_bad_input_exits_2(argv, message, tmp_path: Path, capsys, fake: FakeCell
 def test_unknown_config_lists_registry_names(tmp_path: Path, capsys, fake: FakeCell) -> None:
     from rope_quant.core import transforms
 
-    assert cli.main(["run", "--config", "bogus", "--out", str(tmp_path)]) == 2
+    assert cli.main(["run", "--config", "bogus", "--out", str(tmp_path)], cell_fn=fake) == 2
     err = capsys.readouterr().err
     assert all(name in err for name in transforms.names())
 
 
 def test_run_block_validation(tmp_path: Path, capsys, fake: FakeCell) -> None:
-    assert cli.main(["run", "--config", "block_hadamard", "--out", str(tmp_path)]) == 2
+    assert cli.main(["run", "--config", "block_hadamard", "--out", str(tmp_path)], cell_fn=fake) == 2
     assert "needs --block" in capsys.readouterr().err
-    assert cli.main(["run", "--config", "hadamard", "--block", "4", "--out", str(tmp_path)]) == 2
-    assert cli.main(["run", "--config", "block_hadamard", "--block", "8", "--out", str(tmp_path)]) == 0
+    assert cli.main(["run", "--config", "hadamard", "--block", "4", "--out", str(tmp_path)], cell_fn=fake) == 2
+    assert cli.main(["run", "--config", "block_hadamard", "--block", "8", "--out", str(tmp_path)], cell_fn=fake) == 0
     assert [(c.r3, c.r3_block) for c in fake.calls] == [("block_hadamard", 8)]
-    assert sweep.read_manifest(tmp_path)["cells"][0]["name"] == "block_hadamard-b8"
+    assert read_manifest(tmp_path)["cells"][0]["name"] == "block_hadamard-b8"
 
 
 def test_budget_defaults_per_device() -> None:
@@ -138,7 +139,7 @@ def test_budget_defaults_per_device() -> None:
 
 def test_compare_writes_summary_table_and_resumes(tmp_path: Path, capsys, fake: FakeCell) -> None:
     out = tmp_path / "cmp"
-    assert cli.main(["compare", "--out", str(out), "--no-figures"]) == 0
+    assert cli.main(["compare", "--out", str(out), "--no-figures"], cell_fn=fake) == 0
     printed = capsys.readouterr().out
     assert ("defaults used: seeds=0,1,2, seqlen=512, calib_windows=4, eval_windows=4, weights=rtn, "
             "w_mse=True") in printed
@@ -161,28 +162,25 @@ def test_compare_writes_summary_table_and_resumes(tmp_path: Path, capsys, fake: 
     assert "| pairwise_only |" in md
     # resume: the same command recomputes nothing
     again = FakeCell()
-    cli.CELL_FN = again
-    assert cli.main(["compare", "--out", str(out), "--no-figures", "--quiet"]) == 0
+    assert cli.main(["compare", "--out", str(out), "--no-figures", "--quiet"], cell_fn=again) == 0
     assert again.calls == []
     assert "12 already complete" in capsys.readouterr().out
 
 
-def test_compare_failure_exit_1_and_report_check(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_compare_failure_exit_1_and_report_check(tmp_path: Path, capsys) -> None:
     def flaky(cfg):
         if cfg.r3 == "identity" and cfg.seed == 1:
             raise RuntimeError("simulated OOM")
         return FakeCell()(cfg)
 
-    monkeypatch.setattr(cli, "CELL_FN", flaky)
     out = tmp_path / "cmp"
     assert cli.main(["compare", "--out", str(out), "--seeds", "0,1", "--configs", "hadamard,identity",
-                     "--no-figures", "--quiet"]) == 1
+                     "--no-figures", "--quiet"], cell_fn=flaky) == 1
     assert "Failed cells: identity/seed1" in capsys.readouterr().out
     assert cli.main(["report", str(out), "--check"]) == 1
     assert "1 failed" in capsys.readouterr().out
-    monkeypatch.setattr(cli, "CELL_FN", FakeCell())
     assert cli.main(["compare", "--out", str(out), "--seeds", "0,1", "--configs", "hadamard,identity",
-                     "--no-figures", "--quiet"]) == 0
+                     "--no-figures", "--quiet"], cell_fn=FakeCell()) == 0
     assert cli.main(["report", str(out), "--check"]) == 0
     assert cli.main(["report", str(out), "--no-figures", "--family", "identity"]) == 0
     assert "Holm family (alpha 0.05): identity" in capsys.readouterr().out
@@ -193,18 +191,18 @@ def test_shards_through_the_cli(tmp_path: Path, fake: FakeCell, monkeypatch) -> 
     out = tmp_path / "sh"
     base = ["compare", "--out", str(out), "--no-figures", "--quiet", "--seeds", "0,1,2"]
     for i in range(3):
-        assert cli.main([*base, "--shard", f"{i}/3"]) == 0
+        assert cli.main([*base, "--shard", f"{i}/3"], cell_fn=fake) == 0
     assert len(fake.calls) == 12 and len({(c.r3, c.seed) for c in fake.calls}) == 12
-    assert sweep.status(out).done
+    assert status(out).done
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
-    assert cli.main([*base, "--out", str(tmp_path / "auto"), "--shard", "auto"]) == 0
+    assert cli.main([*base, "--out", str(tmp_path / "auto"), "--shard", "auto"], cell_fn=fake) == 0
     assert len(fake.calls) == 18  # shard 0 of 2: six of the twelve cells
 
 
 def test_support_estimators_long_context(tmp_path: Path, capsys, fake: FakeCell) -> None:
     out = tmp_path / "sup"
-    assert cli.main(["support", "--out", str(out), "--seeds", "0,1", "--no-figures", "--quiet"]) == 0
+    assert cli.main(["support", "--out", str(out), "--seeds", "0,1", "--no-figures", "--quiet"], cell_fn=fake) == 0
     printed = capsys.readouterr().out
     assert "blocks=2,4,8,16,32,64" in printed  # head_dim 64 of the embedded model
     blocks = sorted({c.r3_block for c in fake.calls if c.r3 == "block_hadamard"})
@@ -214,7 +212,7 @@ def test_support_estimators_long_context(tmp_path: Path, capsys, fake: FakeCell)
     fake.calls.clear()
     out = tmp_path / "est"
     assert cli.main(["estimators", "--out", str(out), "--seeds", "0,1", "--phi-star", "--estimator", "k_only",
-                     "--no-figures", "--quiet"]) == 0
+                     "--no-figures", "--quiet"], cell_fn=fake) == 0
     star = [c for c in fake.calls if c.position_average]
     assert len(star) == 2 and all(c.estimator == "k_only" and c.r3 == "pairwise_only" for c in star)
     estimators = {c.estimator for c in fake.calls if c.r3 == "pairwise_only"}
@@ -223,7 +221,7 @@ def test_support_estimators_long_context(tmp_path: Path, capsys, fake: FakeCell)
 
     out = tmp_path / "lc"
     assert cli.main(["long-context", "--out", str(out), "--seeds", "0,1", "--lengths", "256,512,1024",
-                     "--quiet"]) == 0
+                     "--quiet"], cell_fn=fake) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["long_context"]["lengths"] == [256, 512, 1024]
     gap = summary["long_context"]["paired"]["256"]["pairwise_only"]["mean"]
@@ -233,15 +231,15 @@ def test_support_estimators_long_context(tmp_path: Path, capsys, fake: FakeCell)
 
 def test_run_single_cell_merges_into_manifest(tmp_path: Path, capsys, fake: FakeCell) -> None:
     out = tmp_path / "run"
-    assert cli.main(["run", "--config", "pairwise_only", "--seed", "3", "--out", str(out)]) == 0
+    assert cli.main(["run", "--config", "pairwise_only", "--seed", "3", "--out", str(out)], cell_fn=fake) == 0
     printed = capsys.readouterr().out
     payload = json.loads(printed[printed.index("{"):])
     assert payload["ppl"] == pytest.approx(12.0 + 0.4 + 0.3 + 0.02) and payload["k_rel_err"] == 0.01
-    assert cli.main(["run", "--config", "hadamard", "--seed", "3", "--out", str(out)]) == 0
-    data = sweep.read_manifest(out)
+    assert cli.main(["run", "--config", "hadamard", "--seed", "3", "--out", str(out)], cell_fn=fake) == 0
+    data = read_manifest(out)
     assert [(c["name"], c["seed"]) for c in data["cells"]] == [("pairwise_only", 3), ("hadamard", 3)]
     assert len(fake.calls) == 2
-    assert cli.main(["run", "--config", "hadamard", "--seed", "3", "--out", str(out)]) == 0
+    assert cli.main(["run", "--config", "hadamard", "--seed", "3", "--out", str(out)], cell_fn=fake) == 0
     assert len(fake.calls) == 2 and "already complete" in capsys.readouterr().out
     summary = report.summarize(out)
     assert summary["paired"]["pairwise_only"]["mean"] == pytest.approx(0.4)
@@ -250,13 +248,13 @@ def test_run_single_cell_merges_into_manifest(tmp_path: Path, capsys, fake: Fake
 # ----------------------------------------------------------------------------- real pipeline smoke
 
 
-def test_real_run_compare_and_verify(tmp_path: Path, capsys, monkeypatch, embedded_model) -> None:
+def test_real_run_compare_and_verify(tmp_path: Path, capsys, embedded_model) -> None:
     """The embedded model through the real pipeline, tiny budgets, one seed (reuses the session model)."""
-    monkeypatch.setattr(cli, "CELL_FN", None)
-    monkeypatch.setitem(sweep.BASE_MODELS, ("smollm2-135m", "cpu"), (embedded_model, {}))
+    models = ModelCache()  # the real pipeline over the session's model: no second load
+    models.put("smollm2-135m", "cpu", embedded_model)
     out = tmp_path / "real"
     code = cli.main(["compare", "--out", str(out), "--seeds", "0", "--configs", "hadamard,pairwise_only",
-                     "--no-figures", *TINY])
+                     "--no-figures", *TINY], models=models)
     printed = capsys.readouterr().out
     assert code == 0, printed
     summary = json.loads((out / "summary.json").read_text())
@@ -274,14 +272,14 @@ def test_real_run_compare_and_verify(tmp_path: Path, capsys, monkeypatch, embedd
 
     tiny_lc = [a if a != "2" else "1" for a in TINY]  # one window per length
     code = cli.main(["long-context", "--out", str(out / "lc"), "--seeds", "0", "--configs", "hadamard",
-                     "--lengths", "64,128", "--no-figures", "--cache-dir", str(out / "cache"), *tiny_lc])
+                     "--lengths", "64,128", "--no-figures", "--cache-dir", str(out / "cache"), *tiny_lc], models=models)
     assert code == 0, capsys.readouterr()
     lc = json.loads((out / "lc" / "summary.json").read_text())["long_context"]
     assert lc["lengths"] == [64, 128]
     assert all(1.0 < v[0] < 1e4 for v in lc["configs"]["hadamard"].values())
 
     code = cli.main(["run", "--config", "pairwise_only", "--phi-star", "--name", "pairwise_phi_star",
-                     "--out", str(out), *TINY])
+                     "--out", str(out), *TINY], models=models)
     assert code == 0, capsys.readouterr()
     assert cli.main(["verify", str(out)]) == 0
     printed = capsys.readouterr().out

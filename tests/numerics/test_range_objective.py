@@ -24,7 +24,10 @@ from rope_quant.calib.objectives import (
 from rope_quant.core import transforms
 from rope_quant.core.rope import NonDistinctFrequencyError, rope_matrix
 from rope_quant.experiment.pipeline import PipelineError, RunConfig
-from rope_quant.sweep import runner as sweep
+from rope_quant.sweep import presets
+from rope_quant.sweep.cells import pipeline_cell_fn
+from rope_quant.sweep.manifest import LongContextConfig, SweepError, config_from_dict
+from rope_quant.sweep.models import ModelCache
 
 D, H_KV, H_Q = 16, 2, 6
 
@@ -202,9 +205,9 @@ def test_estimate_angles_range_uses_every_layer_and_the_pooling_rule():
 
 def test_beyond_manifest_covers_every_variant_with_clean_fields():
     base = RunConfig(estimator="balanced", objective="linf", position_average=True, average_length=99)
-    manifest = sweep.beyond_manifest(base, (0, 1))
+    manifest = presets.beyond_manifest(base, (0, 1))
     names = manifest.names()
-    assert names[0] == "hadamard" and len(names) == 1 + 2 * len(sweep.BEYOND_ANGLES)
+    assert names[0] == "hadamard" and len(names) == 1 + 2 * len(presets.BEYOND_ANGLES)
     assert len(manifest) == 2 * len(names) and manifest.kind == "beyond"
     cells = {(n, c.seed): c for n, c in manifest}
     rh = cells[("pairwise_plus_hadamard-range_per_head", 1)]
@@ -218,32 +221,32 @@ def test_beyond_manifest_covers_every_variant_with_clean_fields():
 
 
 def test_beyond_long_context_manifest_has_the_matched_phi_star_cell():
-    manifest = sweep.beyond_long_context_manifest(RunConfig(), (0,), (1024, 2048))
+    manifest = presets.beyond_long_context_manifest(RunConfig(), (0,), (1024, 2048))
     cells = dict(manifest.cells)
     matched = cells["pairwise_only-phi_star_k_only-matched"]
     fixed = cells["pairwise_only-phi_star_k_only"]
     assert matched.matched_average and not fixed.matched_average
     assert matched.run == fixed.run and matched.key() != fixed.key()
-    again = sweep.config_from_dict(json.loads(json.dumps(matched.to_dict())))
+    again = config_from_dict(json.loads(json.dumps(matched.to_dict())))
     assert again == matched and again.key() == matched.key()
-    with pytest.raises(sweep.SweepError, match="position_average"):
-        sweep.LongContextConfig(RunConfig(), (512,), matched_average=True)
+    with pytest.raises(SweepError, match="position_average"):
+        LongContextConfig(RunConfig(), (512,), matched_average=True)
 
 
-def test_cli_compare_beyond_preset(tmp_path: Path, monkeypatch, capsys):
+def test_cli_compare_beyond_preset(tmp_path: Path, capsys):
     calls = []
 
     def fake(cfg):
         calls.append(cfg)
-        if isinstance(cfg, sweep.LongContextConfig):
+        if isinstance(cfg, LongContextConfig):
             return {"lengths": {str(L): {"ppl": 20.0 + cfg.seed} for L in cfg.lengths}, "k_range_mean": 1.0}
         bonus = {"hadamard": 0.0}.get(cfg.r3, 1.0) - (0.5 if cfg.objective == "range" else 0.0)
         return {"ppl": 20.0 + bonus + 0.1 * cfg.seed, "k_range_mean": 2.0, "k_rel_err": 0.1}
 
-    monkeypatch.setattr(cli, "CELL_FN", fake)
     out = tmp_path / "beyond"
-    assert cli.main(["compare", "--configs", "beyond", "--seeds", "0,1", "--out", str(out), "--no-figures"]) == 0
-    assert len(calls) == 2 * (1 + 2 * len(sweep.BEYOND_ANGLES))
+    assert cli.main(["compare", "--configs", "beyond", "--seeds", "0,1", "--out", str(out), "--no-figures"],
+                    cell_fn=fake) == 0
+    assert len(calls) == 2 * (1 + 2 * len(presets.BEYOND_ANGLES))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["kind"] == "beyond"
     assert summary["paired"]["pairwise_only-range"]["mean"] == pytest.approx(0.5)
@@ -264,16 +267,21 @@ def test_cli_compare_beyond_preset(tmp_path: Path, monkeypatch, capsys):
     calls.clear()
     lc = tmp_path / "lc"
     assert cli.main(["long-context", "--configs", "beyond", "--seeds", "0", "--lengths", "64,128",
-                     "--out", str(lc), "--no-figures"]) == 0
-    assert sum(isinstance(c, sweep.LongContextConfig) and c.matched_average for c in calls) == 1
-    assert len(calls) == len(sweep.BEYOND_LONG) + 2
+                     "--out", str(lc), "--no-figures"], cell_fn=fake) == 0
+    assert sum(isinstance(c, LongContextConfig) and c.matched_average for c in calls) == 1
+    assert len(calls) == len(presets.BEYOND_LONG) + 2
 
 
-def test_cli_objective_flag_reaches_the_cells(tmp_path: Path, monkeypatch):
+def test_cli_objective_flag_reaches_the_cells(tmp_path: Path):
     calls = []
-    monkeypatch.setattr(cli, "CELL_FN", lambda cfg: calls.append(cfg) or {"ppl": 10.0})
+
+    def fake(cfg):
+        calls.append(cfg)
+        return {"ppl": 10.0}
+
     assert cli.main(["compare", "--configs", "hadamard,pairwise_only", "--objective", "range",
-                     "--estimator", "per_head", "--seeds", "0", "--out", str(tmp_path), "--no-figures"]) == 0
+                     "--estimator", "per_head", "--seeds", "0", "--out", str(tmp_path), "--no-figures"],
+                    cell_fn=fake) == 0
     assert {(c.r3, c.objective, c.estimator) for c in calls} == {
         ("hadamard", "range", "per_head"), ("pairwise_only", "range", "per_head")}
 
@@ -299,15 +307,16 @@ def test_matched_phi_star_cell_equals_separate_phi_star_cells(embedded_model, tm
     corpus = data.load_corpus("pydoc", base[1])
     run = RunConfig(model="tiny", r3="pairwise_only", estimator="k_only", position_average=True,
                     weights="rtn", w_bits=4, seqlen=64, calib_windows=4, eval_windows=2)
-    fn = sweep.pipeline_cell_fn()
-    sweep.BASE_MODELS[("tiny", "cpu")] = (base, {"pydoc": corpus})
+    models = ModelCache()
+    models.put("tiny", "cpu", base, {"pydoc": corpus})
+    fn = pipeline_cell_fn(models=models)
     try:
-        matched = fn(sweep.LongContextConfig(run, (64, 128), matched_average=True))
+        matched = fn(LongContextConfig(run, (64, 128), matched_average=True))
         for length in (64, 128):
-            alone = fn(sweep.LongContextConfig(dataclasses.replace(run, average_length=length), (length,)))
+            alone = fn(LongContextConfig(dataclasses.replace(run, average_length=length), (length,)))
             assert matched["lengths"][str(length)]["ppl"] == pytest.approx(alone["lengths"][str(length)]["ppl"],
                                                                            rel=1e-6)
-        fixed = fn(sweep.LongContextConfig(run, (128,)))  # average_length = seqlen = 64
+        fixed = fn(LongContextConfig(run, (128,)))  # average_length = seqlen = 64
         assert fixed["lengths"]["128"]["ppl"] != pytest.approx(matched["lengths"]["128"]["ppl"], rel=1e-9)
         for r3 in ("pairwise_only", "pairwise_plus_hadamard"):
             cfg = dataclasses.replace(run, r3=r3, position_average=False, estimator="per_head", objective="range")
@@ -316,16 +325,20 @@ def test_matched_phi_star_cell_equals_separate_phi_star_cells(embedded_model, tm
         had = fn(dataclasses.replace(run, r3="hadamard", position_average=False, objective="range"))
         assert had["angles"]["max_abs"] == 0.0  # an angle-free R3 skips the fit
     finally:
-        sweep.BASE_MODELS.clear()
+        models.clear()
 
 
-def test_estimators_command_with_the_range_objective(tmp_path: Path, monkeypatch):
+def test_estimators_command_with_the_range_objective(tmp_path: Path):
     calls = []
-    monkeypatch.setattr(cli, "CELL_FN", lambda cfg: calls.append(cfg) or {"ppl": 10.0})
+
+    def fake(cfg):
+        calls.append(cfg)
+        return {"ppl": 10.0}
+
     assert cli.main(["estimators", "--objective", "range", "--estimators", "k_only,per_head", "--phi-star",
-                     "--seeds", "0", "--out", str(tmp_path), "--no-figures"]) == 0
+                     "--seeds", "0", "--out", str(tmp_path), "--no-figures"], cell_fn=fake) == 0
     got = {(c.r3, c.estimator, c.objective, c.position_average) for c in calls}
     assert ("pairwise_only", "per_head", "range", False) in got
     assert ("pairwise_only", "rows", "variance", True) in got  # φ* stays a variance-objective angle
     assert cli.main(["run", "--config", "pairwise_only", "--objective", "range", "--phi-star",
-                     "--out", str(tmp_path / "bad")]) == 2
+                     "--out", str(tmp_path / "bad")], cell_fn=fake) == 2

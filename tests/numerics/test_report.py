@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from rope_quant.sweep import report
-from rope_quant.sweep.runner import build_manifest, run_cells
+from rope_quant.sweep.manifest import build_manifest
+from rope_quant.sweep.runner import run_cells
 
 SEEDS = (0, 1, 2)
 HADAMARD = [10.0, 10.5, 11.0]

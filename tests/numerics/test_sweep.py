@@ -12,21 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from rope_quant.sweep import runner as sweep
-from rope_quant.sweep.runner import (
+from rope_quant.sweep import records, runner, slurm
+from rope_quant.sweep.manifest import (
     DuplicateCellError,
     InvalidCellNameError,
     Manifest,
-    ShardSpecError,
+    ManifestNotFoundError,
+    SweepError,
     build_manifest,
-    cell_path,
-    is_complete,
-    parse_shard,
-    run_cells,
-    shard_from_env,
-    shard_indices,
-    status,
+    manifest_from_dict,
+    read_manifest,
+    write_manifest,
 )
+from rope_quant.sweep.records import cell_path, is_complete, status
+from rope_quant.sweep.runner import ShardSpecError, parse_shard, run_cells, shard_from_env, shard_indices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,13 +193,13 @@ def test_runner_and_status_share_is_complete(tmp_path: Path, monkeypatch: pytest
     manifest = make_manifest()
     run_cells(manifest, tmp_path, cell_fn=CountingCell(), log=None)
     seen: list[str] = []
-    real = sweep.is_complete
+    real = records.is_complete
 
     def spy(path, key=None):
         seen.append("call")
         return real(path, key)
 
-    monkeypatch.setattr(sweep, "is_complete", spy)
+    monkeypatch.setattr(records, "is_complete", spy)
     assert status(tmp_path).done
     n_status = len(seen)
     assert n_status == len(manifest)
@@ -247,12 +246,12 @@ def test_shards_run_every_cell_once(tmp_path: Path) -> None:
 
 def test_selection_forms(tmp_path: Path) -> None:
     manifest = make_manifest()
-    assert sweep.select(manifest, None) == list(range(9))
-    assert sweep.select(manifest, [5, 1, 1]) == [1, 5]
-    assert sweep.select(manifest, lambda name, cfg: name == "identity") == [2, 5, 8]
-    assert sweep.select(manifest, "1/3") == [3, 4, 5]
-    with pytest.raises(sweep.SweepError):
-        sweep.select(manifest, [9])
+    assert runner.select(manifest, None) == list(range(9))
+    assert runner.select(manifest, [5, 1, 1]) == [1, 5]
+    assert runner.select(manifest, lambda name, cfg: name == "identity") == [2, 5, 8]
+    assert runner.select(manifest, "1/3") == [3, 4, 5]
+    with pytest.raises(SweepError):
+        runner.select(manifest, [9])
 
 
 @pytest.mark.parametrize("text", ["", "1", "3/3", "-1/2", "a/b", "1/0", "1/2/3"])
@@ -274,36 +273,36 @@ def test_manifest_validation() -> None:
         Manifest(cells=[("bad/name", FakeConfig())])
     with pytest.raises(DuplicateCellError):
         Manifest(cells=[("a", FakeConfig()), ("a", FakeConfig(r3="x"))])
-    with pytest.raises(sweep.SweepError):
+    with pytest.raises(SweepError):
         build_manifest(FakeConfig(), CONFIGS, ())
 
 
 def test_manifest_round_trip_and_merge(tmp_path: Path) -> None:
     manifest = make_manifest()
-    sweep.write_manifest(tmp_path, manifest)
+    write_manifest(tmp_path, manifest)
     mtime = os.stat(tmp_path / "manifest.json").st_mtime_ns
-    sweep.write_manifest(tmp_path, manifest)  # unchanged content: not rewritten
+    write_manifest(tmp_path, manifest)  # unchanged content: not rewritten
     assert os.stat(tmp_path / "manifest.json").st_mtime_ns == mtime
-    data = sweep.read_manifest(tmp_path)
-    rebuilt = sweep.manifest_from_dict(data, lambda d: FakeConfig(**d))
+    data = read_manifest(tmp_path)
+    rebuilt = manifest_from_dict(data, lambda d: FakeConfig(**d))
     assert rebuilt.cells == manifest.cells and rebuilt.kind == "compare"
-    with pytest.raises(sweep.SweepError, match="key"):
-        sweep.manifest_from_dict(data, lambda d: FakeConfig(**{**d, "seqlen": 1}))
+    with pytest.raises(SweepError, match="key"):
+        manifest_from_dict(data, lambda d: FakeConfig(**{**d, "seqlen": 1}))
     extra = Manifest(cells=[("block-b4", FakeConfig(r3="block"))], kind="run",
                      meta={"block-b4": {"block": 4}})
-    sweep.write_manifest(tmp_path, extra, merge=True)
-    merged = sweep.read_manifest(tmp_path)
+    write_manifest(tmp_path, extra, merge=True)
+    merged = read_manifest(tmp_path)
     assert len(merged["cells"]) == 10 and merged["kind"] == "compare"
     assert merged["meta"]["block-b4"] == {"block": 4}
-    with pytest.raises(sweep.ManifestNotFoundError):
-        sweep.read_manifest(tmp_path / "nowhere")
+    with pytest.raises(ManifestNotFoundError):
+        read_manifest(tmp_path / "nowhere")
 
 
 def test_slurm_without_submitit_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "submitit", None)  # import fails as if not installed
-    sweep.write_manifest(tmp_path, make_manifest())
-    with pytest.raises(sweep.SweepError, match="pip install submitit"):
-        sweep.submit_slurm(tmp_path, 2)
+    write_manifest(tmp_path, make_manifest())
+    with pytest.raises(SweepError, match="pip install submitit"):
+        slurm.submit_slurm(tmp_path, 2)
 
 
 def test_slurm_submits_one_array_task_per_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,15 +321,15 @@ def test_slurm_submits_one_array_task_per_shard(tmp_path: Path, monkeypatch: pyt
             return ["job"] * len(submitted["args"])
 
     monkeypatch.setitem(sys.modules, "submitit", types.SimpleNamespace(AutoExecutor=FakeExecutor))
-    sweep.write_manifest(tmp_path, make_manifest())
-    jobs = sweep.submit_slurm(tmp_path, 3, timeout_min=30)
+    write_manifest(tmp_path, make_manifest())
+    jobs = slurm.submit_slurm(tmp_path, 3, timeout_min=30)
     assert jobs == ["job"] * 3
-    assert submitted["fn"] is sweep.run_shard and submitted["params"] == {"timeout_min": 30}
+    assert submitted["fn"] is runner.run_shard and submitted["params"] == {"timeout_min": 30}
     assert submitted["args"] == [(str(tmp_path), i, 3) for i in range(3)]
     assert submitted["folder"] == str(tmp_path / "slurm")
 
 
-def test_env_info_and_atomic_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_info(tmp_path: Path) -> None:
     from rope_quant.experiment import envinfo
 
     info = envinfo.env_info("cpu")
@@ -343,16 +342,21 @@ def test_env_info_and_atomic_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     path = envinfo.write_env(tmp_path, "cpu")
     assert json.loads(path.read_text())["packages"] == info["packages"]
     assert oct(path.stat().st_mode & 0o777) != oct(0o600)  # not mkstemp's private mode
+    # the atomic writes themselves: tests/numerics/test_io.py
 
-    target = tmp_path / "x.json"
-    envinfo.atomic_write_json(target, {"a": float("nan"), "b": (1, 2)})
-    assert json.loads(target.read_text()) == {"a": None, "b": [1, 2]}
 
-    def broken(*args, **kwargs):
-        raise OSError("disk full")
+def test_model_cache_holds_one_base_model() -> None:
+    from rope_quant.sweep.models import ModelCache
 
-    monkeypatch.setattr(envinfo.os, "replace", broken)
-    with pytest.raises(OSError):
-        envinfo.atomic_write_text(target, "new content")
-    assert json.loads(target.read_text()) == {"a": None, "b": [1, 2]}  # old content intact
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # temp file removed
+    loads: list[tuple[str, str]] = []
+    cache = ModelCache(loader=lambda model, device: loads.append((model, device)) or (f"m:{model}", "tok"))
+    base, corpora = cache.get("a")
+    assert base == ("m:a", "tok") and corpora == {} and loads == [("a", "cpu")]
+    corpora["pydoc"] = "corpus"
+    assert cache.get("a", "cpu") == (base, {"pydoc": "corpus"}) and len(loads) == 1  # loaded once
+    cache.get("b")
+    assert loads == [("a", "cpu"), ("b", "cpu")] and ("a", "cpu") not in cache and ("b", "cpu") in cache
+    cache.put("c", "cpu", ("given", "tok"), {"pydoc": "c-corpus"})
+    assert cache.get("c") == (("given", "tok"), {"pydoc": "c-corpus"}) and len(loads) == 2
+    cache.clear()
+    assert ("c", "cpu") not in cache

@@ -1,0 +1,145 @@
+"""The real cell function: one sweep cell through :mod:`rope_quant.experiment.pipeline`, plus its φ artefacts.
+
+A *cell function* maps a cell config to its result dict; the runner takes one as a parameter
+(:data:`CellFn`). :func:`pipeline_cell_fn` builds the real one over a :class:`ModelCache`; tests pass
+fakes instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rope_quant.io import atomic_writer
+from rope_quant.sweep.manifest import LongContextConfig
+from rope_quant.sweep.models import ModelCache, process_models
+
+CellFn = Callable[[Any], Mapping[str, Any]]
+ARTIFACTS_DIR = "artifacts"
+
+
+def artifact_dir(out: str | os.PathLike[str], cfg: Any) -> Path:
+    """Where a cell's φ artefacts live: ``DIR/artifacts/<key>/`` (angles, statistics, frequencies)."""
+    return Path(out) / ARTIFACTS_DIR / cfg.key()
+
+
+def save_artifacts(directory: str | os.PathLike[str], qm: Any) -> None:
+    """Save a built cell's angles (``angles.npy``), calibration statistics and deployed frequencies."""
+    import numpy as np
+
+    from rope_quant.calib.verify import save_frequencies
+
+    directory = Path(directory)
+    with atomic_writer(directory / "angles.npy") as handle:
+        np.save(handle, np.asarray(qm.angles, dtype=np.float64))
+    qm.stats.save(directory / "stats.npz")
+    save_frequencies(directory / "frequencies.json", qm.inv_freq, qm.inv_freq_source)
+
+
+def _uses_angles(run_cfg: Any) -> bool:
+    from rope_quant.core import transforms
+
+    try:
+        return transforms.needs_angles(run_cfg.r3)
+    except transforms.TransformError:
+        return False
+
+
+def _ppl_entry(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return dict(value)
+    entry = dataclasses.asdict(value)
+    entry.pop("window_nll", None)
+    return entry
+
+
+def pipeline_cell_fn(
+    cache_dir: str | os.PathLike[str] | None = None, artifacts: str | os.PathLike[str] | None = None,
+    progress: bool = False, *, models: ModelCache | None = None,
+) -> CellFn:
+    """A cell function over :mod:`rope_quant.experiment.pipeline`, reusing one base model and corpus.
+
+    The base model and its corpora come from ``models`` (default: :func:`process_models`, shared by the
+    sweeps of this process). Consecutive cells that share weights and calibration statistics (the R3
+    variants of one seed; the runner orders cells by ``weight_key``) reuse one built model through
+    ``QuantizedModel.reconfigure``, which redoes only the angles, the R3 and the K/V quantisers
+    (docs/ARCHITECTURE.md).
+
+    Short-context cells give ``pipeline.run_cell``'s dict; :class:`LongContextConfig` cells give
+    ``{"lengths": {L: {ppl, nll, n_windows, n_tokens, seqlen} | {error...}}, k_range_mean, ...}``.
+    With ``artifacts`` (a results directory) each cell's angles, statistics and frequencies are saved
+    under :func:`artifact_dir` for ``rope-quant verify``.
+    """
+    import gc
+
+    from rope_quant.experiment import pipeline  # deferred: heavy
+
+    cache = models if models is not None else process_models()
+    current: list[Any] = []  # the last built QuantizedModel, reused for R3 variants of the same seed
+
+    def model_for(run_cfg: Any) -> tuple[Any, bool]:
+        """Reconfigure the last model when only R3/KV settings differ (paired design), else build.
+
+        Returns (model, whether it was reused)."""
+        if current:
+            qm = current[0]
+            same_source = (qm.cfg.model, qm.cfg.device) == (run_cfg.model, run_cfg.device)
+            if same_source and qm.cfg.weight_key() == run_cfg.weight_key() and \
+                    qm.cfg.stats_key() == run_cfg.stats_key():
+                try:
+                    return qm.reconfigure(run_cfg, progress=progress), True
+                except pipeline.PipelineError:
+                    pass
+            current.clear()
+            del qm
+            gc.collect()
+        base, corpora = cache.get(run_cfg.model, run_cfg.device)
+        if run_cfg.corpus not in corpora:
+            from rope_quant.experiment import data
+
+            corpora[run_cfg.corpus] = data.load_corpus(run_cfg.corpus, base[1])
+        qm = pipeline.build_quantized_model(run_cfg, cache_dir=cache_dir, base=base,
+                                            corpus=corpora[run_cfg.corpus], progress=progress)
+        current.append(qm)
+        return qm, False
+
+    def run(cfg: Any) -> Mapping[str, Any]:
+        run_cfg = cfg.run if isinstance(cfg, LongContextConfig) else cfg
+        try:
+            qm, reused = model_for(run_cfg)
+        except BaseException:
+            current.clear()
+            raise
+        if artifacts is not None and _uses_angles(run_cfg):
+            save_artifacts(artifact_dir(artifacts, cfg), qm)
+        if not isinstance(cfg, LongContextConfig):
+            return {**pipeline.run_cell(run_cfg, qm=qm, progress=progress), "model_reused": reused}
+        from rope_quant.experiment import evaluate
+
+        diag = qm.attach_diagnostics()
+        start = time.perf_counter()
+        max_windows = run_cfg.eval_windows or evaluate.LONG_CONTEXT_MAX_WINDOWS
+        try:
+            if cfg.matched_average:  # φ* re-estimated with averaging length L for every length L
+                res = {}
+                for length in cfg.lengths:
+                    qm.reconfigure(dataclasses.replace(run_cfg, average_length=int(length)), progress=progress)
+                    for st in qm.states:  # reconfigure installs fresh attention states
+                        st.diagnostics = diag
+                    res.update(evaluate.long_context(qm.model, qm.corpus.eval_ids, (length,),
+                                                     max_windows=max_windows, device=run_cfg.device,
+                                                     progress=progress))
+                qm.reconfigure(run_cfg, progress=progress)
+            else:
+                res = evaluate.long_context(qm.model, qm.corpus.eval_ids, cfg.lengths, max_windows=max_windows,
+                                            device=run_cfg.device, progress=progress)
+        finally:
+            qm.detach_diagnostics()
+        return {"lengths": {str(k): _ppl_entry(v) for k, v in res.items()}, **diag.summary(),
+                "timing": {**qm.timing, "eval_s": time.perf_counter() - start}, "model_reused": reused}
+
+    return run

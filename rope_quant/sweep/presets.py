@@ -1,0 +1,122 @@
+"""The named sets of cells behind the CLI commands: compare, beyond, support, estimators, long-context.
+
+Each function turns a base ``RunConfig`` and the command's options into a
+:class:`~rope_quant.sweep.manifest.Manifest` (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, build_manifest
+
+
+def compare_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int],
+                     comparator: str = "hadamard") -> Manifest:
+    """The main comparison: one cell per (seed, R3 name), R3 names used as config names."""
+    return build_manifest(base, {name: {"r3": name} for name in configs}, seeds, kind="compare",
+                          comparator=comparator, family=[c for c in configs if c != comparator],
+                          meta={name: {"r3": name} for name in configs})
+
+
+def support_manifest(base: Any, blocks: Sequence[int], seeds: Sequence[int],
+                     transform: str = "block_hadamard", comparator: str = "hadamard") -> Manifest:
+    """Mixing support: ``transform`` with block size b for each b, plus the comparator."""
+    variants: dict[str, dict[str, Any]] = {comparator: {"r3": comparator, "r3_block": None}}
+    meta: dict[str, dict[str, Any]] = {comparator: {"r3": comparator}}
+    for b in blocks:
+        name = f"{transform}-b{int(b)}"
+        variants[name] = {"r3": transform, "r3_block": int(b)}
+        meta[name] = {"r3": transform, "block": int(b)}
+    return build_manifest(base, variants, seeds, kind="support", comparator=comparator,
+                          family=[n for n in variants if n != comparator], meta=meta)
+
+
+def estimators_manifest(base: Any, estimators: Sequence[str], seeds: Sequence[int], *,
+                        transform: str = "pairwise_only", phi_star: bool = False,
+                        phi_star_estimator: str = "rows", average_length: int | None = None,
+                        comparator: str = "hadamard") -> Manifest:
+    """Angle estimators (rows, k_only, balanced[, per_head]) with φ̂, and φ* when ``phi_star``."""
+    variants: dict[str, dict[str, Any]] = {comparator: {"r3": comparator}}
+    meta: dict[str, dict[str, Any]] = {comparator: {"r3": comparator}}
+    for est in estimators:
+        name = f"{transform}-{est}"
+        variants[name] = {"r3": transform, "estimator": est, "position_average": False}
+        meta[name] = {"r3": transform, "estimator": est}
+    if phi_star:
+        name = f"{transform}-phi_star"
+        variants[name] = {"r3": transform, "estimator": phi_star_estimator, "position_average": True,
+                          "average_length": average_length, "objective": "variance"}
+        meta[name] = {"r3": transform, "estimator": f"phi_star({phi_star_estimator})"}
+    return build_manifest(base, variants, seeds, kind="estimators", comparator=comparator,
+                          family=[n for n in variants if n != comparator], meta=meta)
+
+
+def long_context_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], lengths: Sequence[int],
+                          comparator: str = "hadamard") -> Manifest:
+    """Long-context crossover: each (seed, R3 name) evaluated at every length."""
+    cells = [(name, LongContextConfig(dataclasses.replace(base, seed=int(s), r3=name), tuple(lengths)))
+             for s in seeds for name in configs]
+    if not cells:
+        raise SweepError("no configs or seeds given")
+    return Manifest(cells=cells, kind="long-context", comparator=comparator,
+                    family=[c for c in configs if c != comparator],
+                    meta={name: {"r3": name, "lengths": list(lengths)} for name in configs})
+
+
+#: The "beyond the paper" angle variants (issue: can a RoPE-commuting R3 close the gap?): name suffix ->
+#: RunConfig overrides. Every variant resets the angle fields, so the base config's own do not leak in.
+BEYOND_ANGLES: dict[str, dict[str, Any]] = {
+    "rows": {"estimator": "rows"},
+    "k_only": {"estimator": "k_only"},
+    "per_head": {"estimator": "per_head"},
+    "phi_star_k_only": {"estimator": "k_only", "position_average": True},
+    "range": {"estimator": "k_only", "objective": "range"},
+    "range_per_head": {"estimator": "per_head", "objective": "range"},
+}
+BEYOND_TRANSFORMS = ("pairwise_only", "pairwise_plus_hadamard")
+#: The subset evaluated at long context (the paired short-context study runs every variant).
+BEYOND_LONG = ("pairwise_only-rows", "pairwise_only-phi_star_k_only", "pairwise_only-range_per_head",
+               "pairwise_plus_hadamard-range_per_head")
+
+
+def beyond_variants(comparator: str = "hadamard") -> dict[str, dict[str, Any]]:
+    """``{name: overrides}``: the comparator, then ``<transform>-<angles>`` for every beyond variant."""
+    reset = {"r3_block": None, "estimator": "rows", "objective": "variance", "position_average": False,
+             "average_length": None}
+    out: dict[str, dict[str, Any]] = {comparator: {**reset, "r3": comparator}}
+    for transform in BEYOND_TRANSFORMS:
+        for suffix, overrides in BEYOND_ANGLES.items():
+            out[f"{transform}-{suffix}"] = {**reset, "r3": transform, **overrides}
+    return out
+
+
+def beyond_manifest(base: Any, seeds: Sequence[int], comparator: str = "hadamard") -> Manifest:
+    """``compare --configs beyond``: every beyond variant against the comparator, paired over seeds."""
+    variants = beyond_variants(comparator)
+    meta = {name: {k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "position_average")}
+            for name, ov in variants.items()}
+    return build_manifest(base, variants, seeds, kind="beyond", comparator=comparator,
+                          family=[n for n in variants if n != comparator], meta=meta)
+
+
+def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Sequence[int],
+                                 comparator: str = "hadamard") -> Manifest:
+    """``long-context --configs beyond``: :data:`BEYOND_LONG` plus φ*(k_only) with the averaging length
+    matched to each evaluated L (``pairwise_only-phi_star_k_only-matched``)."""
+    variants = beyond_variants(comparator)
+    chosen = {name: variants[name] for name in (comparator, *BEYOND_LONG)}
+    cells: list[tuple[str, Any]] = []
+    for seed in seeds:
+        for name, overrides in chosen.items():
+            run = dataclasses.replace(base, seed=int(seed), **overrides)
+            cells.append((name, LongContextConfig(run, tuple(lengths))))
+        run = dataclasses.replace(base, seed=int(seed), **variants["pairwise_only-phi_star_k_only"])
+        cells.append(("pairwise_only-phi_star_k_only-matched",
+                      LongContextConfig(run, tuple(lengths), matched_average=True)))
+    names = [*chosen, "pairwise_only-phi_star_k_only-matched"]
+    return Manifest(cells=cells, kind="long-context", comparator=comparator,
+                    family=[n for n in names if n != comparator],
+                    meta={n: {"lengths": list(lengths)} for n in names})

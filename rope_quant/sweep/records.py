@@ -1,0 +1,161 @@
+"""Cell records: one JSON file per cell, its path, its content and THE completion predicate.
+
+Each cell writes ``DIR/cells/<name>/seed<k>-<cfg.key()>.json`` atomically (:mod:`rope_quant.io`),
+holding the config, the result (or the error) and ``env``. The runner (resume) and the verifier
+(:func:`status`, ``report --check``) share one completion predicate, :func:`is_complete`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rope_quant.io import atomic_write_json, to_jsonable
+from rope_quant.sweep.manifest import cell_relpath, config_dict, config_seed, read_manifest
+
+
+def cell_path(out: str | os.PathLike[str], name: str, cfg: Any) -> Path:
+    """Absolute path of a cell's record."""
+    return Path(out) / cell_relpath(name, cfg)
+
+
+def _key_from_filename(path: Path) -> str | None:
+    stem = path.stem
+    if not stem.startswith("seed") or "-" not in stem:
+        return None
+    return stem.split("-", 1)[1]
+
+
+# ----------------------------------------------------------------------------- content
+
+
+def _identity(name: str, cfg: Any) -> dict[str, Any]:
+    return {"name": name, "seed": config_seed(cfg), "key": cfg.key(), "weight_key": cfg.weight_key(),
+            "config": config_dict(cfg)}
+
+
+def error_record(name: str, cfg: Any, exc: BaseException, elapsed: float, env: dict) -> dict[str, Any]:
+    """The record of a cell whose function raised ``exc`` (not complete: it runs again on resume)."""
+    return {
+        **_identity(name, cfg),
+        "status": "error",
+        "error": {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        },
+        "elapsed_s": elapsed,
+        "env": env,
+    }
+
+
+def result_record(name: str, cfg: Any, result: Mapping[str, Any], elapsed: float, env: dict) -> dict[str, Any]:
+    """The record of a cell that returned ``result``; an error record if the result is not complete."""
+    record = {
+        **_identity(name, cfg),
+        "status": "ok",
+        "result": to_jsonable(dict(result)),
+        "elapsed_s": elapsed,
+        "env": env,
+    }
+    if not record_is_complete(record, cfg.key()):
+        record["status"] = "error"
+        record["error"] = {"type": "IncompleteResult", "message": "result has neither 'ppl' nor 'lengths'",
+                           "traceback": ""}
+    return record
+
+
+def write_record(out: str | os.PathLike[str], name: str, cfg: Any, record: Mapping[str, Any]) -> Path:
+    """Write a cell's record to :func:`cell_path` atomically."""
+    return atomic_write_json(cell_path(out, name, cfg), record)
+
+
+def read_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A cell record, or None when the file is missing or does not parse as a JSON object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ----------------------------------------------------------------------------- completion
+
+
+def record_is_complete(record: Mapping[str, Any] | None, key: str | None) -> bool:
+    """A record is complete iff its key matches and its result holds a ``ppl`` or ``lengths`` entry."""
+    if not isinstance(record, Mapping) or record.get("key") != key or key is None:
+        return False
+    result = record.get("result")
+    if not isinstance(result, Mapping):
+        return False
+    ppl = result.get("ppl")
+    if isinstance(ppl, (int, float)) and not isinstance(ppl, bool):
+        return True
+    lengths = result.get("lengths")
+    return isinstance(lengths, Mapping) and len(lengths) > 0
+
+
+def is_complete(path: str | os.PathLike[str], key: str | None = None) -> bool:
+    """THE completion predicate, shared by the runner (resume) and the verifier (``status``/``--check``).
+
+    True iff the file exists, parses, its ``key`` equals ``key`` (default: the key in the file name
+    ``seed<k>-<key>.json``) and its ``result`` has a numeric ``ppl`` or a non-empty ``lengths``.
+    """
+    path = Path(path)
+    expected = key if key is not None else _key_from_filename(path)
+    return record_is_complete(read_record(path), expected)
+
+
+@dataclass
+class Status:
+    """Completion of a results directory against its manifest (same predicate as the runner)."""
+
+    total: int
+    complete: list[str]
+    failed: list[str]
+    missing: list[str]
+
+    @property
+    def done(self) -> bool:
+        return not self.failed and not self.missing
+
+    def summary(self) -> str:
+        text = f"{len(self.complete)}/{self.total} cells complete"
+        if self.failed:
+            text += f", {len(self.failed)} failed: " + ", ".join(self.failed)
+        if self.missing:
+            text += f", {len(self.missing)} missing: " + ", ".join(self.missing)
+        return text
+
+
+def status(out: str | os.PathLike[str]) -> Status:
+    """Which manifest cells of ``out`` are complete, failed (error record) or missing."""
+    data = read_manifest(out)
+    complete, failed, missing = [], [], []
+    for entry in data["cells"]:
+        path = Path(out) / entry["path"]
+        label = f"{entry['name']}/seed{entry['seed']}"
+        if is_complete(path, entry["key"]):
+            complete.append(label)
+        elif (rec := read_record(path)) is not None and rec.get("status") == "error":
+            failed.append(label)
+        else:
+            missing.append(label)
+    return Status(total=len(data["cells"]), complete=complete, failed=failed, missing=missing)
+
+
+def complete_records(out: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The complete cell records listed in ``out/manifest.json``, in manifest order."""
+    data = read_manifest(out)
+    records = []
+    for entry in data["cells"]:
+        path = Path(out) / entry["path"]
+        if is_complete(path, entry["key"]):
+            records.append(read_record(path))
+    return records
