@@ -1,0 +1,1 @@
+"""Calibration statistics, R3 angle objectives, K diagnostics and phi* verification."""

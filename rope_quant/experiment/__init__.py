@@ -1,0 +1,1 @@
+"""One cell: configuration, the quantised-model pipeline, corpora and perplexity."""

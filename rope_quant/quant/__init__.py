@@ -1,0 +1,1 @@
+"""Fake quantisers (dynamic, static, RTN) and GPTQ."""

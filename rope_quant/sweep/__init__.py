@@ -1,0 +1,1 @@
+"""Many cells: manifests, atomic records, the resumable runner, presets, Slurm and the report."""

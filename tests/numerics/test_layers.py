@@ -1,0 +1,111 @@
+"""The package layout: imports point down the layers of docs/ARCHITECTURE.md, with no cycle.
+
+Every import is read from the source (deferred imports inside functions included), so a lazy import cannot
+hide an upward dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import rope_quant
+
+ROOT = Path(rope_quant.__file__).parent
+# Bottom-up. A module may import its own layer or any layer below it.
+LAYERS = ("io", "core", "model", "quant", "calib", "rotations", "experiment", "sweep", "cli")
+# The pytest plugin stands beside the layers: it may import only the bottom one.
+PLUGIN_MAY_IMPORT = {"io"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every rope_quant module a source file imports (absolute or relative, at any depth)."""
+    me = _module_name(path)
+    pkg = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("rope_quant"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.startswith("rope_quant"):
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        graph[name] = {t for t in _imports(path) if t in files and t != name and t != "rope_quant"}
+    return graph
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_module_belongs_to_a_layer():
+    strays = [m for m in _graph() if m != "rope_quant" and _layer(m) not in (*LAYERS, "pytest_plugin")]
+    assert not strays, f"modules outside the layer map of docs/ARCHITECTURE.md: {strays}"
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for mod, targets in _graph().items():
+        src = _layer(mod)
+        for tgt in targets:
+            dst = _layer(tgt)
+            if src == "pytest_plugin":
+                ok = dst in PLUGIN_MAY_IMPORT
+            elif src in LAYERS and dst in LAYERS:
+                ok = LAYERS.index(dst) <= LAYERS.index(src)
+            else:
+                ok = dst in LAYERS and src == ""
+            if not ok:
+                upward.append(f"{mod} -> {tgt}")
+    assert not upward, "imports pointing up the layers:\n" + "\n".join(sorted(upward))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    state: dict[str, int] = {}
+    found: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_checks_can_fail():
+    """The cycle finder and the layer rule flag a planted cycle and an upward edge."""
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+    assert LAYERS.index("sweep") > LAYERS.index("core")  # core -> sweep would be reported as upward
+    with pytest.raises(ValueError):
+        LAYERS.index("nowhere")
