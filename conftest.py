@@ -1,12 +1,55 @@
-"""Session-wide fixtures shared by every test layer.
+"""This repository's own pytest configuration: what only the rope_quant suite wants.
 
-Markers, ``--rq-*`` options and the claims table come from the installed plugin
-(``rope_quant.pytest_plugin``). Heavy objects are built lazily, once per session.
+Markers, ``--rq-*`` options, the ``rq_*`` fixtures and the claims table come from the installed plugin
+(``rope_quant.pytest_plugin``), which every project in the environment loads and which therefore changes
+nothing on its own. Two things are this suite's choices and live here, where only this suite sees them:
+
+* the hypothesis profiles ``ci`` (derandomised; loaded when ``CI`` is set), ``dev`` (the default) and
+  ``thorough``; they are loaded at import, before hypothesis' plugin applies ``--hypothesis-profile``
+  (in its ``pytest_configure``), so the command line still wins;
+* the layer markers, given by directory: ``tests/<layer>/`` marks ``<layer>`` (``theory``, ``numerics``,
+  ``e2e``, ``bench``), relative to this file, so nothing outside this repository's ``tests/`` is marked.
+
+Heavy objects are built lazily, once per session.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+from hypothesis import HealthCheck, settings
+
+pytest_plugins = ["pytester"]
+
+settings.register_profile(
+    "ci", derandomize=True, max_examples=40, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", max_examples=60, deadline=None)
+settings.register_profile("thorough", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+_TESTS_DIR = Path(__file__).resolve().parent / "tests"
+LAYERS = ("theory", "numerics", "e2e", "bench")
+
+
+def layer_of(path: Path) -> str | None:
+    """The layer marker of a test file: its first directory under this repository's ``tests/``, if a layer."""
+    try:
+        rel = Path(path).resolve().relative_to(_TESTS_DIR)
+    except ValueError:
+        return None
+    return rel.parts[0] if len(rel.parts) > 1 and rel.parts[0] in LAYERS else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its layer directory (``gpu_e2e`` tests in ``tests/e2e`` stay out of ``-m e2e``)."""
+    for item in items:
+        layer = layer_of(item.path)
+        if layer and not (layer == "e2e" and item.get_closest_marker("gpu_e2e")):
+            item.add_marker(getattr(pytest.mark, layer))
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +64,3 @@ def embedded_model():
         return load_model("smollm2-135m", device="cpu")
     except ModelNotFoundError as exc:  # the README install step provides it; say so if it is missing
         pytest.fail(f"embedded model unavailable: {exc}")
-
-
-pytest_plugins = ["pytester"]

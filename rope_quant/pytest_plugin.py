@@ -1,8 +1,13 @@
 """pytest plugin for rope_quant (entry point ``pytest11: rope_quant``).
 
-It registers the suite's markers, the ``--rq-*`` options, the hypothesis profiles, and the
-claims table. Like hypothesis' own plugin, this module imports nothing heavy at import time:
-torch is only imported when a ``gpu_e2e`` test has been selected and needs a CUDA check.
+A ``pytest11`` plugin is loaded by every pytest run in the environment, in every project, so this
+one changes nothing that a project did not ask for: it registers the suite's marker names, the
+``--rq-*`` options, the ``rq_options`` / ``rq_claim`` / ``rq_record`` fixtures and the claims table,
+and skips tests that carry its own ``gpu_e2e`` marker where CUDA is unavailable. What only the
+rope_quant suite wants (marking tests by their ``tests/<layer>/`` directory, the hypothesis
+profiles) lives in the repository's root ``conftest.py``. Like hypothesis' own plugin, this module
+imports nothing heavy at import time: torch is only imported when a ``gpu_e2e`` test has been
+selected and needs a CUDA check. Per-session state lives in ``config.stash``.
 
 Tests attach measurements with the ``rq_claim`` / ``rq_record`` fixtures. The data travels on
 ``report.user_properties`` (so it survives pytest-xdist) and is printed by
@@ -11,8 +16,10 @@ Tests attach measurements with the ``rq_claim`` / ``rq_record`` fixtures. The da
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +38,7 @@ DEFAULT_CORPUS = "pydoc"
 _CLAIMS_KEY = "rq_claim"
 _TABLE_KEY = "rq_table"
 _STORE = pytest.StashKey["_Collector"]()
+_OPTIONS = pytest.StashKey["RQOptions"]()
 
 
 @dataclass(frozen=True)
@@ -88,50 +96,28 @@ def _parse_seeds(text: str | None) -> tuple[int, ...] | None:
     return seeds
 
 
-def _register_hypothesis_profiles() -> None:
-    from hypothesis import HealthCheck, settings
-
-    settings.register_profile(
-        "ci", derandomize=True, max_examples=40, deadline=None, print_blob=True,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-    settings.register_profile("dev", max_examples=60, deadline=None)
-    settings.register_profile(
-        "thorough", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-    )
-    settings.load_profile("ci" if os.environ.get("CI") else "dev")
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
-    # Registered first so that hypothesis' own --hypothesis-profile, handled after us, still wins.
-    _register_hypothesis_profiles()
-    config.stash[_STORE] = _Collector()
-    config.pluginmanager.register(config.stash[_STORE], "rope_quant_collector")
-    models = tuple(config.getoption("--rq-model") or (EMBEDDED_MODEL,))
-    config.rq_options = RQOptions(  # type: ignore[attr-defined]
-        models=models,
+    config.stash[_OPTIONS] = RQOptions(
+        models=tuple(config.getoption("--rq-model") or (EMBEDDED_MODEL,)),
         corpus=config.getoption("--rq-corpus"),
         seeds=_parse_seeds(config.getoption("--rq-seeds")),
         device=config.getoption("--rq-device"),
         claims_out=config.getoption("--rq-claims-out"),
     )
+    config.stash[_STORE] = _Collector()
+    config.pluginmanager.register(config.stash[_STORE], "rope_quant_collector")
 
 
-_LAYER_DIRS = {"theory": "theory", "numerics": "numerics", "e2e": "e2e", "bench": "bench"}
+def options(config: pytest.Config) -> RQOptions:
+    """The session's parsed ``--rq-*`` options (for hooks; tests use the ``rq_options`` fixture)."""
+    return config.stash[_OPTIONS]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark tests by their layer directory, and skip ``gpu_e2e`` cleanly where it cannot run."""
-    for item in items:
-        parts = Path(str(item.path)).parts
-        if "tests" in parts:
-            layer = parts[parts.index("tests") + 1] if parts.index("tests") + 1 < len(parts) else ""
-            marker = _LAYER_DIRS.get(layer)
-            if marker and not (marker == "e2e" and item.get_closest_marker("gpu_e2e")):
-                item.add_marker(getattr(pytest.mark, marker))
+    """Skip tests marked ``gpu_e2e`` (this plugin's marker) cleanly where they cannot run; nothing else."""
     gpu_items = [it for it in items if it.get_closest_marker("gpu_e2e")]
     if not gpu_items:
         return
@@ -142,7 +128,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _gpu_skip_reason(config: pytest.Config) -> str | None:
-    opts: RQOptions = config.rq_options  # type: ignore[attr-defined]
+    opts = options(config)
     if opts.device not in ("auto", "cuda") and not opts.device.startswith("cuda"):
         return f"gpu_e2e: --rq-device={opts.device} is not a CUDA device"
     try:
@@ -160,7 +146,7 @@ def _gpu_skip_reason(config: pytest.Config) -> str | None:
 @pytest.fixture(scope="session")
 def rq_options(pytestconfig: pytest.Config) -> RQOptions:
     """The parsed ``--rq-*`` options."""
-    return pytestconfig.rq_options  # type: ignore[attr-defined]
+    return options(pytestconfig)
 
 
 @pytest.fixture
@@ -236,14 +222,21 @@ def claims_markdown(claims: list[dict[str, Any]]) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write ``text`` to ``path`` through a uniquely named temporary file in the same directory."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     store = config.stash.get(_STORE, None)
-    if store is None:
+    if store is None or hasattr(config, "workerinput"):  # pytest-xdist workers: the controller reports
         return
     claims, tables = store.claims, store.tables
     for title, rows in tables.items():
@@ -253,7 +246,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if claims:
         terminalreporter.write_sep("=", "rope_quant claims table")
         terminalreporter.write_line(claims_markdown(claims))
-    out = config.rq_options.claims_out  # type: ignore[attr-defined]
+    out = options(config).claims_out
     if out and (claims or tables):
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)

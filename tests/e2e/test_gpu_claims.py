@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from rope_quant.core import stats
+from rope_quant.pytest_plugin import options
 
 pytestmark = pytest.mark.gpu_e2e
 
@@ -24,7 +25,7 @@ PAPER_MARGIN = 0.05
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "gpu_model" in metafunc.fixturenames:
-        models = metafunc.config.rq_options.models  # type: ignore[attr-defined]
+        models = options(metafunc.config).models
         metafunc.parametrize("gpu_model", models, ids=[m.rstrip("/").split("/")[-1] for m in models],
                              scope="module")
 

@@ -1,8 +1,11 @@
-"""The pytest plugin itself: markers, options, gpu_e2e skips and the claims table (pytester)."""
+"""The pytest plugin itself: markers, options, gpu_e2e skips and the claims table (pytester); that it changes
+nothing in another project; that the claims table survives pytest-xdist."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +87,147 @@ def test_test_module_basenames_are_unique() -> None:
     names = Counter(p.name for p in (Path(__file__).parents[1]).rglob("test_*.py"))
     clashes = sorted(name for name, count in names.items() if count > 1)
     assert not clashes, f"test module basenames used more than once: {clashes}"
+
+
+# ----------------------------------------------------------------------------- isolation from other projects
+
+FOREIGN_CONFTEST = """
+from hypothesis import settings
+
+settings.register_profile("foreign", max_examples=7, deadline=None)
+settings.load_profile("foreign")
+"""
+
+FOREIGN_TESTS = """
+import pytest
+from hypothesis import given, settings, strategies as st
+
+RQ_MARKERS = ("theory", "numerics", "e2e", "gpu_e2e", "bench")
+seen = []
+
+
+def test_keeps_its_hypothesis_profile():
+    assert settings().max_examples == 7
+
+
+def test_gets_no_markers(request):
+    assert [m for m in RQ_MARKERS if request.node.get_closest_marker(m)] == []
+    assert [m.name for m in request.node.iter_markers()] == []
+
+
+@given(st.integers())
+def test_given_runs_its_own_budget(x):
+    seen.append(x)
+
+
+def test_budget_was_seven():
+    assert len(seen) == 7
+
+
+def test_fails_on_its_own():
+    assert 1 == 2
+
+
+@pytest.mark.skip(reason="its own skip")
+def test_skips_on_its_own():
+    pass
+"""
+
+_OUTCOME_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR)\b")
+
+
+def _outcomes(result: pytest.RunResult) -> dict[str, str]:
+    return {m[1]: m[2] for line in result.outlines if (m := _OUTCOME_LINE.match(line))}
+
+
+def test_plugin_changes_nothing_in_another_project(pytester: pytest.Pytester, monkeypatch) -> None:
+    """A foreign project with its own hypothesis profile and a ``tests/numerics`` directory: with the plugin
+    loaded (as the installed ``pytest11`` entry point, in a fresh process) it keeps its profile, gets no
+    markers, and every test has the outcome it has with ``-p no:rope_quant``."""
+    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest(FOREIGN_CONFTEST)
+    pytester.mkdir("tests")
+    pytester.mkdir("tests/numerics")
+    (pytester.path / "tests/numerics/test_rqforeign_layer.py").write_text(FOREIGN_TESTS)
+
+    with_us = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "--rq-model=some-model")
+    without_us = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "-p", "no:rope_quant")
+
+    with_us.assert_outcomes(passed=4, failed=1, skipped=1)  # --rq-model accepted: the plugin is active
+    assert _outcomes(with_us) == _outcomes(without_us)
+    assert len(_outcomes(with_us)) == 6
+    assert _outcomes(with_us)["tests/numerics/test_rqforeign_layer.py::test_fails_on_its_own"] == "FAILED"
+    assert with_us.ret == without_us.ret == pytest.ExitCode.TESTS_FAILED
+    # and the plugin really is the thing switched off: without it the option is unknown
+    assert pytester.runpytest_subprocess("-p", "no:rope_quant", "--rq-model=x").ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_this_suite_marks_layers_by_directory(request: pytest.FixtureRequest) -> None:
+    """The layer marking the plugin no longer does still happens here, from the repository's conftest."""
+    assert request.node.get_closest_marker("numerics") is not None
+    assert request.node.get_closest_marker("theory") is None
+
+
+def test_options_live_in_the_stash(pytestconfig: pytest.Config, rq_options) -> None:
+    from rope_quant import pytest_plugin
+
+    assert pytest_plugin.options(pytestconfig) is rq_options
+    assert not hasattr(pytestconfig, "rq_options")
+
+
+def test_write_atomic_uses_a_unique_temporary_name(tmp_path: Path) -> None:
+    from rope_quant.pytest_plugin import _write_atomic
+
+    stale = tmp_path / "claims.json.tmp"  # what another writer's fixed temporary name used to be
+    stale.write_text("someone else's")
+    _write_atomic(tmp_path / "claims.json", "one")
+    _write_atomic(tmp_path / "claims.json", "two")
+    assert (tmp_path / "claims.json").read_text() == "two"
+    assert stale.read_text() == "someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["claims.json", "claims.json.tmp"]
+
+
+# ----------------------------------------------------------------------------- pytest-xdist
+
+XDIST_CLAIMS_TESTS = CLAIMS_TESTS + '''
+
+@pytest.mark.parametrize("i", range(6))
+def test_many(rq_claim, rq_record, i):
+    rq_claim(f"C{i + 1} (demo)", "i >= 0", f"i = {i}", True, i=i)
+    rq_record("demo table", name=f"row{i}", value=float(i))
+
+def test_fails(rq_claim):
+    rq_claim("C7 (demo)", "1 == 2", "1 != 2", False)
+    assert 1 == 2
+'''
+
+
+def _claims_table(directory: Path) -> dict:
+    payload = json.loads((directory / "claims.json").read_text())
+    payload["claims"].sort(key=lambda c: (c["claim"], c["test"]))
+    for rows in payload["tables"].values():
+        rows.sort(key=lambda r: json.dumps(r, sort_keys=True))
+    return payload
+
+
+def test_claims_table_survives_xdist(pytester: pytest.Pytester, monkeypatch) -> None:
+    """The claims travel on ``report.user_properties``: ``-n 2`` gives the serial run's claims table."""
+    pytest.importorskip("xdist")
+    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_rqplugin_xdist=XDIST_CLAIMS_TESTS)
+    serial_out, xdist_out = pytester.path / "serial", pytester.path / "xdist"
+
+    serial = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--rq-claims-out={serial_out}")
+    parallel = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", f"--rq-claims-out={xdist_out}")
+
+    serial.assert_outcomes(passed=7, failed=1, xfailed=1)
+    parallel.assert_outcomes(passed=7, failed=1, xfailed=1)
+    parallel.stdout.fnmatch_lines(["*2 workers*", "*rope_quant claims table*", "*C9 (demo)*does not hold (xfail)*"])
+    table = _claims_table(xdist_out)
+    assert table == _claims_table(serial_out)
+    assert len(table["claims"]) == 9
+    assert {c["claim"]: c["verdict"] for c in table["claims"]}["C7 (demo)"] == "FAILED"
+    assert len(table["tables"]["demo table"]) == 7
+    assert sorted(p.name for p in xdist_out.iterdir()) == ["claims.json", "claims.md"]
