@@ -16,15 +16,14 @@ Tests attach measurements with the ``rq_claim`` / ``rq_record`` fixtures. The da
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from rope_quant.io import atomic_write_text, markdown_table  # stdlib only: keeps the plugin light
 
 MARKERS = {
     "theory": "CPU, seconds: sympy/hypothesis checks of the paper's lemma, theorem and propositions",
@@ -210,28 +209,9 @@ def verdict(claim: dict[str, Any]) -> str:
     return "holds"
 
 
-def _markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def claims_markdown(claims: list[dict[str, Any]]) -> str:
     rows = [{**c, "verdict": verdict(c)} for c in claims]
-    return _markdown(rows, ["claim", "expected", "measured", "verdict"])
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a uniquely named temporary file in the same directory."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    return markdown_table(rows, ["claim", "expected", "measured", "verdict"])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -242,7 +222,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for title, rows in tables.items():
         terminalreporter.write_sep("-", f"rope_quant: {title}")
         columns = list(dict.fromkeys(k for r in rows for k in r))
-        terminalreporter.write_line(_markdown(rows, columns))
+        terminalreporter.write_line(markdown_table(rows, columns))
     if claims:
         terminalreporter.write_sep("=", "rope_quant claims table")
         terminalreporter.write_line(claims_markdown(claims))
@@ -251,6 +231,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)
         payload = {"claims": [{**c, "verdict": verdict(c)} for c in claims], "tables": tables}
-        _write_atomic(directory / "claims.json", json.dumps(payload, indent=2))
-        _write_atomic(directory / "claims.md", claims_markdown(claims) + "\n")
+        atomic_write_text(directory / "claims.json", json.dumps(payload, indent=2))
+        atomic_write_text(directory / "claims.md", claims_markdown(claims) + "\n")
         terminalreporter.write_line(f"claims written to {directory}/claims.json and claims.md")

@@ -177,7 +177,7 @@ def test_options_live_in_the_stash(pytestconfig: pytest.Config, rq_options) -> N
 
 
 def test_write_atomic_uses_a_unique_temporary_name(tmp_path: Path) -> None:
-    from rope_quant.pytest_plugin import _write_atomic
+    from rope_quant.pytest_plugin import atomic_write_text as _write_atomic
 
     stale = tmp_path / "claims.json.tmp"  # what another writer's fixed temporary name used to be
     stale.write_text("someone else's")
