@@ -80,18 +80,27 @@ def _as_freq_vector(inv_freq: Any, *, positive: bool) -> np.ndarray:
     return arr
 
 
+FREQ_RTOL = 1e-6
+
+
 def check_frequencies(inv_freq: Any) -> np.ndarray:
     """Return ``inv_freq`` as float64 after checking it is finite, positive and pairwise distinct.
 
     Distinct frequencies are the precondition of the Lemma's converse (App. proofs): with a
     repeated frequency the commutant of RoPE is larger than SO(2)^K.
+    Two frequencies count as equal when they differ by at most :data:`FREQ_RTOL` relative to the larger
+    one (1e-6: about 8 float32 ulps, so a buffer that repeats a value up to rounding is caught, while real
+    RoPE schedules, whose neighbouring frequencies differ by several percent, pass).
     """
     arr = _as_freq_vector(inv_freq, positive=True)
     sorted_vals = np.sort(arr)
-    repeats = np.flatnonzero(np.diff(sorted_vals) == 0)
+    gaps = np.diff(sorted_vals)
+    repeats = np.flatnonzero(gaps <= FREQ_RTOL * sorted_vals[1:])
     if repeats.size:
+        i = int(repeats[0])
         raise NonDistinctFrequencyError(
-            f"RoPE frequencies must be pairwise distinct; value {sorted_vals[repeats[0]]!r} repeats"
+            f"RoPE frequencies must be pairwise distinct (relative tolerance {FREQ_RTOL:g}); "
+            f"{sorted_vals[i]!r} and {sorted_vals[i + 1]!r} coincide"
         )
     return arr
 
@@ -240,9 +249,11 @@ def find_inv_freq(module: Any, head_dim: int | None = None) -> tuple[np.ndarray,
             distinct.append((name, values))
     if len(distinct) > 1:
         names = ", ".join(f"{n} (len {v.size})" for n, v in distinct)
+        hint = ("pass the rotary module of one layer itself (rope_quant.model.arch.layer_inv_freq does this "
+                "per layer)" if head_dim is not None else "pass head_dim= or the rotary module itself")
         raise AmbiguousInvFreqError(
-            f"{len(distinct)} distinct inv_freq buffers in {type(module).__name__}: {names}; "
-            "pass head_dim= or the rotary module itself"
+            f"{len(distinct)} distinct inv_freq buffers in {type(module).__name__}"
+            + (f" of length head_dim/2 = {want}" if want is not None else "") + f": {names}; {hint}"
         )
     name, values = distinct[0]
     return values.astype(np.float64, copy=True), name

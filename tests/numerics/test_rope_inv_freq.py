@@ -159,3 +159,30 @@ def test_missing_buffers():
     meta.register_buffer("inv_freq", torch.empty(K, device="meta"), persistent=False)
     with pytest.raises(MissingInvFreqError, match="meta"):
         find_inv_freq(meta)
+
+
+def test_ambiguous_message_does_not_suggest_head_dim_when_it_was_passed():
+    holder = nn.Module()
+    holder.a = rotary("default")
+    holder.b = rotary("llama3")
+    with pytest.raises(AmbiguousInvFreqError, match="pass head_dim=") as plain:
+        find_inv_freq(holder)
+    with pytest.raises(AmbiguousInvFreqError, match="length head_dim/2 = 32") as given:
+        find_inv_freq(holder, head_dim=64)
+    assert "pass head_dim=" not in str(given.value)
+    assert "rotary module of one layer" in str(given.value)
+    assert "length head_dim/2" not in str(plain.value)
+
+
+def test_frequencies_one_ulp_apart_are_not_distinct():
+    from rope_quant.core.rope import FREQ_RTOL, NonDistinctFrequencyError, check_frequencies
+
+    freq = default_inv_freq(10000.0).astype(np.float32)
+    near = freq.copy()
+    near[5] = np.nextafter(near[4], np.float32(0))  # one float32 ulp below its neighbour
+    with pytest.raises(NonDistinctFrequencyError, match="relative tolerance 1e-06"):
+        check_frequencies(near)
+    apart = freq.astype(np.float64)
+    apart[5] = apart[4] * (1 - 10 * FREQ_RTOL)  # clearly apart, but closer than any RoPE schedule
+    check_frequencies(apart)  # accepted
+    check_frequencies(freq)  # the real schedule passes
