@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
+
 MARKERS = {
     "theory": "CPU, seconds: sympy/hypothesis checks of the paper's lemma, theorem and propositions",
     "numerics": "CPU: calibration, angles, transforms, Hadamard kernels, quantisers, model pipeline",
@@ -26,8 +28,7 @@ MARKERS = {
     "gpu_e2e": "GPU: the paper's claims on real checkpoints given with --rq-model (skips without CUDA)",
     "bench": "pytest-benchmark timings; targets are reported as ratios, never asserted on time",
 }
-EMBEDDED_MODEL = "smollm2-135m"
-DEFAULT_CORPUS = "pydoc"
+EMBEDDED_MODEL = DEFAULT_MODEL
 _CLAIMS_KEY = "rq_claim"
 _TABLE_KEY = "rq_table"
 _STORE = pytest.StashKey["_Collector"]()
