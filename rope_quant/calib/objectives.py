@@ -48,7 +48,6 @@ from rope_quant.core.rope import check_frequencies, find_inv_freq, pair_indices,
 from rope_quant.model import arch
 
 
-
 class Objective(StrEnum):
     """What the R3 angles optimise: the variance (φ̂/φ*, the paper), a top-k grid score, or the K range."""
 

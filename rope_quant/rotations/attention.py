@@ -43,6 +43,7 @@ from rope_quant.quant.quantizers import QuantConfig, fake_quant
 __all__ = [
     "ATTN_NAME",
     "STATE_ATTR",
+    "KV_OFF",
     "AttentionWrapError",
     "UnsupportedAttentionError",
     "AttentionGeometry",
@@ -62,6 +63,8 @@ __all__ = [
 ATTN_NAME = "rq_sdpa"
 #: Attribute of each attention module that holds its :class:`AttentionState`.
 STATE_ATTR = "rq_attention"
+#: A quantiser that is off (bits 16): the default K and V setting.
+KV_OFF = QuantConfig()
 
 
 class AttentionWrapError(ValueError):
@@ -258,7 +261,7 @@ def set_attn_implementation(model: nn.Module, name: str) -> None:
 
 
 def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None, *,
-                      k: QuantConfig = QuantConfig(), v: QuantConfig = QuantConfig(),
+                      k: QuantConfig = KV_OFF, v: QuantConfig = KV_OFF,
                       k_static: Sequence[Any] | None = None, v_static: Sequence[Any] | None = None,
                       diagnostics: Any = None, name: str = ATTN_NAME) -> list[AttentionState]:
     """Attach an :class:`AttentionState` to every layer's attention and select the custom function.
