@@ -555,25 +555,26 @@ def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.calib import verify
     from rope_quant.io import atomic_write_json, markdown_table
     from rope_quant.sweep.cells import ARTIFACTS_DIR
-    from rope_quant.sweep.manifest import read_manifest
+    from rope_quant.sweep.manifest import LongContextConfig, config_from_dict, read_manifest
 
     out = Path(args.dir)
     data = read_manifest(out)
     rows, checked = [], 0
     for entry in data["cells"]:
-        cfg = entry["config"].get("run", entry["config"])
-        if not (cfg.get("position_average") or args.all):
+        cfg = config_from_dict(entry["config"])  # nested, or the flat form of older directories
+        cfg = cfg.run if isinstance(cfg, LongContextConfig) else cfg
+        if not (cfg.position_average or args.all):
             continue
         art = out / ARTIFACTS_DIR / entry["key"]
         if not (art / "angles.npy").is_file():
             rows.append({"config": entry["name"], "seed": entry["seed"], "verified": None,
                          "worst_excess": None, "note": "no artefacts (cell not run?)"})
             continue
-        length = cfg.get("average_length") or cfg["seqlen"]
+        length = cfg.average_length or cfg.seqlen
         dest = out / "verify" / entry["name"] / f"seed{entry['seed']}"
         kwargs = {"tol": args.tol} if args.tol is not None else {}
         result = verify.verify_files(art / "angles.npy", art / "stats.npz", art / "frequencies.json", length,
-                                     dest, rule=cfg.get("estimator", "rows"), **kwargs)
+                                     dest, rule=cfg.estimator.value, **kwargs)
         checked += 1
         rows.append({"config": entry["name"], "seed": entry["seed"], "verified": result.verified,
                      "worst_excess": result.summary["worst_excess"], "average_length": length,
