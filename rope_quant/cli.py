@@ -35,16 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
+from rope_quant.experiment.config import DType, Estimator, Objective, WeightMode
+
 if TYPE_CHECKING:
     from rope_quant.sweep.models import ModelCache
 
 CellFn = Callable[[Any], Mapping[str, Any]]
 
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_CORPUS = "pydoc"
 DEFAULT_CONFIGS = ("hadamard", "pairwise_only", "pairwise_plus_hadamard", "identity")
 DEFAULT_SEEDS = (0, 1, 2)
-DEFAULT_ESTIMATORS = ("rows", "k_only", "balanced")
+DEFAULT_ESTIMATORS = (Estimator.ROWS.value, Estimator.K_ONLY.value, Estimator.BALANCED.value)
 #: ``--configs`` preset name for the beyond-the-paper study (``presets.beyond_manifest``).
 BEYOND = "beyond"
 #: Defaults per device: window length, calibration / evaluation windows (None = every window), the
@@ -53,8 +54,9 @@ BEYOND = "beyond"
 #: seed at 8 x 512 calibration tokens on the shared 2-core machine, so CPU defaults to RTN without the
 #: search (``--weights gptq --w-mse`` restores the paper's setting, as on CUDA).
 BUDGETS: dict[str, dict[str, Any]] = {
-    "cpu": {"seqlen": 512, "calib_windows": 4, "eval_windows": 4, "weights": "rtn", "w_mse": True},
-    "cuda": {"seqlen": 2048, "calib_windows": 128, "eval_windows": None, "weights": "gptq", "w_mse": True},
+    "cpu": {"seqlen": 512, "calib_windows": 4, "eval_windows": 4, "weights": WeightMode.RTN.value, "w_mse": True},
+    "cuda": {"seqlen": 2048, "calib_windows": 128, "eval_windows": None, "weights": WeightMode.GPTQ.value,
+             "w_mse": True},
 }
 BUDGET_FIELDS = ("seqlen", "calib_windows", "eval_windows", "weights", "w_mse")
 LONG_CONTEXT_LENGTHS = {"cpu": (256, 512, 1024), "cuda": (2048, 4096, 8192, 16384)}
@@ -83,6 +85,11 @@ def parse_int_list(text: str, what: str, *, minimum: int | None = None) -> tuple
     if minimum is not None and any(v < minimum for v in values):
         raise CLIError(f"{what} values must be >= {minimum}, got {text!r}")
     return values
+
+
+def values(enum_cls: type) -> tuple[str, ...]:
+    """The values of a ``StrEnum``: the argparse choices and valid names of a flag."""
+    return tuple(member.value for member in enum_cls)
 
 
 def parse_names(text: str, what: str, valid: Sequence[str]) -> tuple[str, ...]:
@@ -165,15 +172,15 @@ def _common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     if seeds:
         g.add_argument("--seeds", default=None, metavar="0,1,2",
                        help="comma-separated seeds (default 0,1,2)")
-    g.add_argument("--estimator", default="rows", choices=("rows", "k_only", "balanced", "per_head"),
+    g.add_argument("--estimator", default=Estimator.ROWS.value, choices=values(Estimator),
                    help="covariance pooling for the pairwise angles (default rows)")
-    g.add_argument("--objective", default="variance", choices=("variance", "linf", "l2max", "quantile", "range"),
+    g.add_argument("--objective", default=Objective.VARIANCE.value, choices=values(Objective),
                    help="angle objective: variance (φ̂/φ*, the paper), a top-k grid, or range (coordinate "
                         "descent on the K quantiser's mean tokenwise range; default variance)")
     for q in ("w", "a", "k", "v"):
         g.add_argument(f"--{q}-bits", type=int, default=4, metavar="B",
                        help=f"{q.upper()} bits (16 = off; default 4)")
-    g.add_argument("--weights", default=None, choices=("gptq", "rtn", "none"),
+    g.add_argument("--weights", default=None, choices=values(WeightMode),
                    help="weight quantiser, cached per seed (CPU rtn, CUDA gptq)")
     g.add_argument("--w-mse", action=argparse.BooleanOptionalAction, default=None,
                    help="per-channel MSE clipping search for the weight scales (CPU off, CUDA on)")
@@ -183,7 +190,7 @@ def _common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     g.add_argument("--eval-windows", type=int, default=None, metavar="N",
                    help="evaluation windows (CPU 4, CUDA all; 0 = all)")
     g.add_argument("--device", default="cpu", metavar="cpu|cuda", help="compute device (default cpu)")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    g.add_argument("--dtype", default=DType.FLOAT32.value, choices=values(DType),
                    help="model dtype (default float32)")
     r = parser.add_argument_group("results")
     r.add_argument("--out", required=True, metavar="DIR", help="results directory")
@@ -297,19 +304,20 @@ def resolve_budget(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]
 
 
 def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
-    """The ``pipeline.RunConfig`` shared by every cell of the command (seed and R3 set per cell)."""
-    from rope_quant.experiment import pipeline
+    """The ``RunConfig`` shared by every cell of the command (seed and R3 set per cell; flat names)."""
+    from rope_quant.experiment import config
+    from rope_quant.quant.gptq import GPTQConfig
 
     budget, _ = resolve_budget(args)
     w_mse = budget.pop("w_mse")
     fields = dict(model=args.model, corpus=args.corpus, w_bits=args.w_bits, a_bits=args.a_bits,
                   k_bits=args.k_bits, v_bits=args.v_bits, estimator=args.estimator, objective=args.objective,
-                  device=args.device, dtype=args.dtype, **budget)
+                  device=args.device, dtype=args.dtype, gptq=dataclasses.replace(GPTQConfig(), mse=bool(w_mse)),
+                  **budget)
     fields.update(overrides)
     try:
-        fields["gptq"] = dataclasses.replace(pipeline.GPTQConfig(), mse=bool(w_mse))
-        return pipeline.RunConfig(**fields)
-    except pipeline.PipelineError as exc:
+        return config.RunConfig.from_flat(**fields)
+    except config.PipelineError as exc:
         raise CLIError(str(exc)) from None
 
 
@@ -324,10 +332,10 @@ def _validate_common(args: argparse.Namespace) -> None:
     check_device(args.device)
     check_model(args.model)
     check_corpus(args.corpus)
+    from rope_quant.quant.quantizers import OFF_BITS, check_bits
+
     for q in ("w", "a", "k", "v"):
-        bits = getattr(args, f"{q}_bits")
-        if not 2 <= bits <= 16:
-            raise CLIError(f"--{q}-bits must be between 2 and 16 (16 = off), got {bits}")
+        check_bits(getattr(args, f"{q}_bits"), f"--{q}-bits", low=2, high=OFF_BITS, error=CLIError)
 
 
 def _head_dim(model: str) -> int:
@@ -510,7 +518,7 @@ def cmd_estimators(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.sweep import presets
 
     _validate_common(args)
-    estimators = parse_names(args.estimators, "estimator", ("rows", "k_only", "balanced", "per_head"))
+    estimators = parse_names(args.estimators, "estimator", values(Estimator))
     used: list[str] = []
     seeds = _seeds(args, used)
     used += resolve_budget(args)[1]
@@ -547,25 +555,26 @@ def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.calib import verify
     from rope_quant.io import atomic_write_json, markdown_table
     from rope_quant.sweep.cells import ARTIFACTS_DIR
-    from rope_quant.sweep.manifest import read_manifest
+    from rope_quant.sweep.manifest import LongContextConfig, config_from_dict, read_manifest
 
     out = Path(args.dir)
     data = read_manifest(out)
     rows, checked = [], 0
     for entry in data["cells"]:
-        cfg = entry["config"].get("run", entry["config"])
-        if not (cfg.get("position_average") or args.all):
+        cfg = config_from_dict(entry["config"])  # nested, or the flat form of older directories
+        cfg = cfg.run if isinstance(cfg, LongContextConfig) else cfg
+        if not (cfg.position_average or args.all):
             continue
         art = out / ARTIFACTS_DIR / entry["key"]
         if not (art / "angles.npy").is_file():
             rows.append({"config": entry["name"], "seed": entry["seed"], "verified": None,
                          "worst_excess": None, "note": "no artefacts (cell not run?)"})
             continue
-        length = cfg.get("average_length") or cfg["seqlen"]
+        length = cfg.average_length or cfg.seqlen
         dest = out / "verify" / entry["name"] / f"seed{entry['seed']}"
         kwargs = {"tol": args.tol} if args.tol is not None else {}
         result = verify.verify_files(art / "angles.npy", art / "stats.npz", art / "frequencies.json", length,
-                                     dest, rule=cfg.get("estimator", "rows"), **kwargs)
+                                     dest, rule=cfg.estimator.value, **kwargs)
         checked += 1
         rows.append({"config": entry["name"], "seed": entry["seed"], "verified": result.verified,
                      "worst_excess": result.summary["worst_excess"], "average_length": length,

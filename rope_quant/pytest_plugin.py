@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
 from rope_quant.io import atomic_write_text, markdown_table  # stdlib only: keeps the plugin light
 
 MARKERS = {
@@ -32,8 +33,7 @@ MARKERS = {
     "gpu_e2e": "GPU: the paper's claims on real checkpoints given with --rq-model (skips without CUDA)",
     "bench": "pytest-benchmark timings; targets are reported as ratios, never asserted on time",
 }
-EMBEDDED_MODEL = "smollm2-135m"
-DEFAULT_CORPUS = "pydoc"
+EMBEDDED_MODEL = DEFAULT_MODEL
 _CLAIMS_KEY = "rq_claim"
 _TABLE_KEY = "rq_table"
 _STORE = pytest.StashKey["_Collector"]()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -46,8 +47,19 @@ from rope_quant.core.angles import PairCov, equalising_angle, jacobi_angle, wrap
 from rope_quant.core.rope import check_frequencies, find_inv_freq, pair_indices, phase_averages
 from rope_quant.model import arch
 
-OBJECTIVES = ("variance", "linf", "l2max", "quantile", "range")
-GRID_OBJECTIVES = ("linf", "l2max", "quantile")
+
+class Objective(StrEnum):
+    """What the R3 angles optimise: the variance (φ̂/φ*, the paper), a top-k grid score, or the K range."""
+
+    VARIANCE = "variance"
+    LINF = "linf"
+    L2MAX = "l2max"
+    QUANTILE = "quantile"
+    RANGE = "range"
+
+
+OBJECTIVES = tuple(o.value for o in Objective)
+GRID_OBJECTIVES = (Objective.LINF.value, Objective.L2MAX.value, Objective.QUANTILE.value)
 DEFAULT_GRID_SIZE = 200
 DEFAULT_QUANTILE = 0.99
 RANGE_GRID_SIZE = 64

@@ -55,9 +55,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rope_quant.defaults import DEFAULT_CORPUS
 from rope_quant.io import atomic_writer
 
-DEFAULT_CORPUS = "pydoc"
 CALIB_FRACTION = 0.8
 CACHE_FORMAT = 1
 SEPARATOR = "\n\n"

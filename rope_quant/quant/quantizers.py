@@ -1,4 +1,4 @@
-"""Fake quantisers: dynamic per-token activations/KV, a static per-channel control, and weight RTN.
+"""Fake quantisers: dynamic per-token activations/KV and a static per-channel control (weight RTN: gptq.py).
 
 Conventions follow the rotation-PTQ baselines the paper builds on (QuaRot/SpinQuant, Sec. 4 and App. A.6):
 
@@ -19,7 +19,8 @@ Computation runs in float32 for half-precision inputs and the result is cast bac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,11 +33,13 @@ __all__ = [
     "QuantConfig",
     "OFF_BITS",
     "is_off",
+    "check_bits",
+    "check_group",
+    "check_clip",
     "fake_quant_per_token",
     "fake_quant",
     "quant_step",
     "StaticChannelQuantizer",
-    "rtn_quantize_weight",
 ]
 
 OFF_BITS = 16
@@ -56,18 +59,22 @@ class NonFiniteInputError(ValueError):
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """One quantiser's settings; bits ≥ 16 means off. group_size −1 = the whole last dim."""
+    """One quantiser's settings; bits ≥ 16 means off. group_size −1 = the whole last dim.
+
+    The ``flat`` metadata names a field inside flat run-configuration names (``a_group``, ``k_clip``).
+    """
 
     bits: int = 16
-    group_size: int = -1
-    clip_ratio: float = 1.0
+    group_size: int = field(default=-1, metadata={"short": "group"})
+    clip_ratio: float = field(default=1.0, metadata={"short": "clip"})
     symmetric: bool = False
 
     def __post_init__(self) -> None:
-        _check_bits(self.bits)
-        _check_clip(self.clip_ratio)
-        if self.group_size != -1 and self.group_size < 1:
-            raise QuantConfigError(f"group_size must be -1 or a positive integer, got {self.group_size}")
+        check_bits(self.bits)
+        check_group(self.group_size)
+        check_clip(self.clip_ratio)
+        if not isinstance(self.symmetric, bool):
+            raise QuantConfigError(f"symmetric must be a bool, got {self.symmetric!r}")
 
     @property
     def enabled(self) -> bool:
@@ -79,14 +86,27 @@ def is_off(bits: int) -> bool:
     return bits >= OFF_BITS
 
 
-def _check_bits(bits: int) -> None:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
-        raise QuantConfigError(f"bits must be a positive integer (≥ 16 = off), got {bits!r}")
+def check_bits(bits: object, what: str = "bits", *, low: int = 1, high: int | None = None,
+               error: type[Exception] = QuantConfigError) -> int:
+    """THE bit-width check: an integer (not a bool) ≥ ``low`` (and ≤ ``high`` when given); ≥ 16 means off."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits < low or (high is not None and bits > high):
+        bound = f">= {low}" if high is None else f"between {low} and {high}"
+        raise error(f"{what} must be an integer {bound} (16 = off), got {bits!r}")
+    return bits
 
 
-def _check_clip(clip_ratio: float) -> None:
-    if not (0.0 < float(clip_ratio) <= 1.0):
-        raise QuantConfigError(f"clip_ratio must lie in (0, 1], got {clip_ratio!r}")
+def check_group(group: object, what: str = "group_size", *, error: type[Exception] = QuantConfigError) -> int:
+    """A group size: −1 (the whole row / head) or a positive integer."""
+    if isinstance(group, bool) or not isinstance(group, int) or (group != -1 and group < 1):
+        raise error(f"{what} must be -1 (whole row/head) or a positive integer, got {group!r}")
+    return group
+
+
+def check_clip(clip: object, what: str = "clip_ratio", *, error: type[Exception] = QuantConfigError) -> float:
+    """A clip ratio in (0, 1]."""
+    if isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not 0.0 < clip <= 1.0:
+        raise error(f"{what} must lie in (0, 1], got {clip!r}")
+    return float(clip)
 
 
 def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -192,10 +212,10 @@ def fake_quant_per_token(
 
     Asymmetric by default (activations into every linear except lm_head, and K/V, Sec. 4 / App. A.6).
     """
-    _check_bits(bits)
+    check_bits(bits)
     if is_off(bits):
         return x
-    _check_clip(clip_ratio)
+    check_clip(clip_ratio)
     w = _work(x)
     g = _grouped(w, group_size)
     if symmetric:
@@ -221,8 +241,8 @@ def quant_step(
 
     The range is the quantiser's (it contains 0 and is scaled by the clip ratio); Δ = range/(2^b − 1).
     """
-    _check_bits(bits)
-    _check_clip(clip_ratio)
+    check_bits(bits)
+    check_clip(clip_ratio)
     g = _grouped(_work(x), group_size)
     lo, hi, _ = _asym_range(g, clip_ratio)
     levels = (1 << bits) - 1
@@ -245,8 +265,8 @@ class StaticChannelQuantizer:
         clip_ratio: float = 1.0,
         symmetric: bool = False,
     ) -> None:
-        _check_bits(bits)
-        _check_clip(clip_ratio)
+        check_bits(bits)
+        check_clip(clip_ratio)
         if n_channels is not None and (isinstance(n_channels, bool) or int(n_channels) < 1):
             raise QuantConfigError(f"n_channels must be a positive integer or None, got {n_channels!r}")
         self.n_channels = None if n_channels is None else int(n_channels)
@@ -332,21 +352,3 @@ class StaticChannelQuantizer:
         return out.to(x.dtype)
 
     quantize = __call__
-
-
-def rtn_quantize_weight(
-    w: torch.Tensor,
-    bits: int,
-    group_size: int = -1,
-    symmetric: bool = True,
-    clip_ratio: float = 1.0,
-) -> torch.Tensor:
-    """Round-to-nearest weight fake quantisation per output channel (rows of w: (out, in)), grouped along in.
-
-    Symmetric by default (the W4 baseline of Sec. 4); returns the dequantised weight in w's dtype.
-    """
-    if w.dim() != 2:
-        raise QuantConfigError(
-            f"rtn_quantize_weight expects a 2-D (out, in) weight, got shape {tuple(w.shape)}"
-        )
-    return fake_quant_per_token(w, bits, group_size, clip_ratio, symmetric=symmetric)

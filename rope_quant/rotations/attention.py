@@ -38,10 +38,12 @@ from torch import nn
 
 from rope_quant.core import rope
 from rope_quant.model import arch
+from rope_quant.quant.quantizers import QuantConfig, fake_quant
 
 __all__ = [
     "ATTN_NAME",
     "STATE_ATTR",
+    "KV_OFF",
     "AttentionWrapError",
     "UnsupportedAttentionError",
     "AttentionGeometry",
@@ -61,6 +63,8 @@ __all__ = [
 ATTN_NAME = "rq_sdpa"
 #: Attribute of each attention module that holds its :class:`AttentionState`.
 STATE_ATTR = "rq_attention"
+#: A quantiser that is off (bits 16): the default K and V setting.
+KV_OFF = QuantConfig()
 
 
 class AttentionWrapError(ValueError):
@@ -81,7 +85,8 @@ class AttentionState:
     """Per-layer configuration read by the attention function (stored on the attention module).
 
     ``transform``: an :class:`rope_quant.core.transforms.R3Transform` (or any object with ``apply``), None = off.
-    ``k_bits``/``v_bits`` >= 16 means no quantisation. ``k_static``/``v_static``: optional static
+    ``k``/``v``: the dynamic per-token K and V quantisers (bits >= 16, the default, means no
+    quantisation; groups of -1 are whole heads). ``k_static``/``v_static``: optional static
     per-channel quantisers (App. A.6, D) used instead of the dynamic per-token ones.
     ``diagnostics``: a :class:`rope_quant.calib.diagnostics.KDiagnostics`-like object with ``update(k)``.
     ``observers``: callables ``fn(layer_idx, key, value)`` seeing post-R3, pre-quantisation K and V of the
@@ -90,17 +95,21 @@ class AttentionState:
 
     layer_idx: int
     transform: Any = None
-    k_bits: int = 16
-    k_group: int = -1
-    k_clip: float = 1.0
-    v_bits: int = 16
-    v_group: int = -1
-    v_clip: float = 1.0
+    k: QuantConfig = field(default_factory=QuantConfig)
+    v: QuantConfig = field(default_factory=QuantConfig)
     k_static: Any = None
     v_static: Any = None
     diagnostics: Any = None
     observers: list[Callable[[int, torch.Tensor, torch.Tensor], None]] = field(default_factory=list)
     enabled: bool = True
+
+    @property
+    def k_bits(self) -> int:
+        return self.k.bits
+
+    @property
+    def v_bits(self) -> int:
+        return self.v.bits
 
 
 @dataclass(frozen=True)
@@ -122,14 +131,12 @@ def _sdpa():
     return sdpa_attention_forward
 
 
-def _apply_quant(x: torch.Tensor, bits: int, group: int, clip: float, static: Any) -> torch.Tensor:
+def _apply_quant(x: torch.Tensor, spec: QuantConfig, static: Any) -> torch.Tensor:
     if static is not None:
         return static(x)
-    if bits >= 16:
+    if not spec.enabled:
         return x
-    from rope_quant.quant.quantizers import fake_quant_per_token
-
-    return fake_quant_per_token(x, bits, group_size=group, clip_ratio=clip)
+    return fake_quant(x, spec)
 
 
 def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -147,8 +154,8 @@ def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
                 state.diagnostics.update(k_new, layer=state.layer_idx)
             for fn in state.observers:
                 fn(state.layer_idx, k_new, v_new)
-        key = _apply_quant(key, state.k_bits, state.k_group, state.k_clip, state.k_static)
-        value = _apply_quant(value, state.v_bits, state.v_group, state.v_clip, state.v_static)
+        key = _apply_quant(key, state.k, state.k_static)
+        value = _apply_quant(value, state.v, state.v_static)
     return _sdpa()(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -253,14 +260,14 @@ def set_attn_implementation(model: nn.Module, name: str) -> None:
 # ----------------------------------------------------------------------------- install / uninstall
 
 
-def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None, *, k_bits: int = 16,
-                      k_group: int = -1, k_clip: float = 1.0, v_bits: int = 16, v_group: int = -1,
-                      v_clip: float = 1.0, k_static: Sequence[Any] | None = None,
-                      v_static: Sequence[Any] | None = None, diagnostics: Any = None,
-                      name: str = ATTN_NAME) -> list[AttentionState]:
+def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None, *,
+                      k: QuantConfig = KV_OFF, v: QuantConfig = KV_OFF,
+                      k_static: Sequence[Any] | None = None, v_static: Sequence[Any] | None = None,
+                      diagnostics: Any = None, name: str = ATTN_NAME) -> list[AttentionState]:
     """Attach an :class:`AttentionState` to every layer's attention and select the custom function.
 
-    ``transforms``/``k_static``/``v_static``: one entry per layer (or None). Returns the states, which
+    ``k``/``v``: the dynamic K and V quantisers (default off). ``transforms``/``k_static``/``v_static``:
+    one entry per layer (or None). Returns the states, which
     callers may edit in place (e.g. swap ``diagnostics``). The previous implementation is remembered on
     the model for :func:`uninstall_attention`.
     """
@@ -270,15 +277,15 @@ def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None,
         if seq is not None and len(seq) != geom.n_layers:
             raise AttentionWrapError(
                 f"{what}: expected {geom.n_layers} entries (one per layer), got {len(seq)}")
-    for bits, what in ((k_bits, "k_bits"), (v_bits, "v_bits")):
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
-            raise AttentionWrapError(f"{what} must be a positive integer (16 = off), got {bits!r}")
+    for spec, what in ((k, "k"), (v, "v")):
+        if not isinstance(spec, QuantConfig):
+            raise AttentionWrapError(f"{what} must be a QuantConfig, got {type(spec).__name__}")
     register_attention(name)
     states = []
     for i, mod in enumerate(mods):
         st = AttentionState(
             layer_idx=i, transform=None if transforms is None else transforms[i],
-            k_bits=k_bits, k_group=k_group, k_clip=k_clip, v_bits=v_bits, v_group=v_group, v_clip=v_clip,
+            k=k, v=v,
             k_static=None if k_static is None else k_static[i],
             v_static=None if v_static is None else v_static[i],
             diagnostics=diagnostics,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 from torch import nn
@@ -59,6 +60,7 @@ __all__ = [
     "R2_CHOICES",
     "ModelDims",
     "RotationConfig",
+    "RotationKind",
     "RotationResult",
     "model_dims",
     "decoder_layers",
@@ -79,8 +81,17 @@ __all__ = [
     "rotate_model",
 ]
 
-R1_CHOICES = ("none", "hadamard", "whip", "given")
-R2_CHOICES = ("none", "hadamard", "whip", "given")
+class RotationKind(StrEnum):
+    """An offline rotation (R1 or R2): none, seeded random Hadamard, DartQuant whip, or a given matrix."""
+
+    NONE = "none"
+    HADAMARD = "hadamard"
+    WHIP = "whip"
+    GIVEN = "given"
+
+
+R1_CHOICES = tuple(k.value for k in RotationKind)
+R2_CHOICES = R1_CHOICES
 #: Largest tolerated max |RᵀR − I| (float64) for a matrix passed in as a rotation.
 ORTHO_ATOL = 1e-4
 _R4_FLAG = "rq_online_r4"

@@ -127,7 +127,7 @@ def pipeline_cell_fn(
             if cfg.matched_average:  # φ* re-estimated with averaging length L for every length L
                 res = {}
                 for length in cfg.lengths:
-                    qm.reconfigure(dataclasses.replace(run_cfg, average_length=int(length)), progress=progress)
+                    qm.reconfigure(run_cfg.override(average_length=int(length)), progress=progress)
                     for st in qm.states:  # reconfigure installs fresh attention states
                         st.diagnostics = diag
                     res.update(evaluate.long_context(qm.model, qm.corpus.eval_ids, (length,),

@@ -72,6 +72,13 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     raise SweepError(f"cannot serialise config of type {type(cfg).__name__}")
 
 
+def with_overrides(cfg: Any, **overrides: Any) -> Any:
+    """``cfg.override(**overrides)`` (flat names, ``RunConfig``) or ``dataclasses.replace`` for plain dataclasses."""
+    if hasattr(cfg, "override"):
+        return cfg.override(**overrides)
+    return dataclasses.replace(cfg, **overrides)
+
+
 def cell_relpath(name: str, cfg: Any) -> str:
     """``cells/<name>/seed<k>-<key>.json`` relative to the results directory."""
     return f"{CELLS_DIR}/{check_name(name)}/seed{config_seed(cfg)}-{cfg.key()}.json"
@@ -128,13 +135,14 @@ class LongContextConfig:
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Any:
-    """Rebuild a cell config from its manifest dict (``pipeline.RunConfig`` or :class:`LongContextConfig`)."""
-    from rope_quant.experiment import pipeline  # deferred: heavy
+    """Rebuild a cell config from its manifest dict (``RunConfig`` or :class:`LongContextConfig`); the
+    run's dict may be nested or the flat form of older results directories."""
+    from rope_quant.experiment import config  # deferred: heavy
 
     if "run" in data and "lengths" in data:
-        return LongContextConfig(pipeline.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),
+        return LongContextConfig(config.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),
                                  matched_average=bool(data.get("matched_average", False)))
-    return pipeline.RunConfig.from_dict(dict(data))
+    return config.RunConfig.from_dict(dict(data))
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -211,7 +219,7 @@ def build_manifest(
     family: Sequence[str] | None = None,
     meta: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Manifest:
-    """Cells ``dataclasses.replace(base, seed=s, **variants[name])`` for every seed, then every name.
+    """Cells ``with_overrides(base, seed=s, **variants[name])`` for every seed, then every name.
 
     Seed-major order puts the cells that share weights (same seed) next to each other.
     """
@@ -220,7 +228,7 @@ def build_manifest(
     if not variants:
         raise SweepError("no configs given")
     cells = [
-        (name, dataclasses.replace(base, seed=int(seed), **dict(overrides)))
+        (name, with_overrides(base, seed=int(seed), **dict(overrides)))
         for seed in seeds
         for name, overrides in variants.items()
     ]

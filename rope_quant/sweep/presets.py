@@ -6,11 +6,10 @@ Each function turns a base ``RunConfig`` and the command's options into a
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, build_manifest
+from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, build_manifest, with_overrides
 
 
 def compare_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int],
@@ -57,7 +56,7 @@ def estimators_manifest(base: Any, estimators: Sequence[str], seeds: Sequence[in
 def long_context_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], lengths: Sequence[int],
                           comparator: str = "hadamard") -> Manifest:
     """Long-context crossover: each (seed, R3 name) evaluated at every length."""
-    cells = [(name, LongContextConfig(dataclasses.replace(base, seed=int(s), r3=name), tuple(lengths)))
+    cells = [(name, LongContextConfig(with_overrides(base, seed=int(s), r3=name), tuple(lengths)))
              for s in seeds for name in configs]
     if not cells:
         raise SweepError("no configs or seeds given")
@@ -111,9 +110,9 @@ def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Seque
     cells: list[tuple[str, Any]] = []
     for seed in seeds:
         for name, overrides in chosen.items():
-            run = dataclasses.replace(base, seed=int(seed), **overrides)
+            run = with_overrides(base, seed=int(seed), **overrides)
             cells.append((name, LongContextConfig(run, tuple(lengths))))
-        run = dataclasses.replace(base, seed=int(seed), **variants["pairwise_only-phi_star_k_only"])
+        run = with_overrides(base, seed=int(seed), **variants["pairwise_only-phi_star_k_only"])
         cells.append(("pairwise_only-phi_star_k_only-matched",
                       LongContextConfig(run, tuple(lengths), matched_average=True)))
     names = [*chosen, "pairwise_only-phi_star_k_only-matched"]

@@ -10,7 +10,6 @@ plain; peak memory ≤ 2 GB at 8192 tokens with a chunked lm_head.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import subprocess
@@ -44,7 +43,7 @@ def ids(corpus) -> torch.Tensor:
 def quantised(embedded_model, corpus):
     """W4A4KV4 fake-quant pipeline (R1/R2/R4 Hadamard, R3 identity). Weight values do not change the
     cost of a fake-quant forward, so the weights stay unquantised to keep the build cheap."""
-    return build_quantized_model(RunConfig(**W4A4KV4, r3="identity"), base=embedded_model, corpus=corpus)
+    return build_quantized_model(RunConfig.from_flat(**W4A4KV4, r3="identity"), base=embedded_model, corpus=corpus)
 
 
 def _forward(model) -> Callable[[torch.Tensor], None]:
@@ -83,7 +82,7 @@ def test_r3_added_cost_in_full_forward(benchmark, rq_record, quantised, ids):
     """The same quantised model switched between R3 = identity / pairwise φ̂ / Hadamard between calls."""
     cfg = quantised.cfg
     run = _forward(quantised.model)
-    cfgs = [dataclasses.replace(cfg, r3=name, estimator=est)
+    cfgs = [cfg.override(r3=name, estimator=est)
             for name, est in (("identity", "rows"), ("pairwise_only", "k_only"), ("hadamard", "rows"))]
 
     def timed(c: RunConfig) -> Callable[[], float]:
@@ -140,7 +139,7 @@ from rope_quant.experiment import evaluate
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 torch.set_num_threads(int(sys.argv[2]))
 L = int(sys.argv[1])
-cfg = RunConfig(w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4, seqlen=256, calib_windows=1)
+cfg = RunConfig.from_flat(w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4, seqlen=256, calib_windows=1)
 qm = build_quantized_model(cfg)
 build_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 def vm(field):

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from rope_quant.defaults import DEFAULT_MODEL
+
 
 @dataclass(frozen=True)
 class E2EBudget:
@@ -40,7 +42,7 @@ class Experiment:
     """Memoised paired cells through the public API (``pipeline.run_cell`` / ``build_quantized_model``)."""
 
     def __init__(self, base: tuple[Any, Any], cache_dir: str, budget: E2EBudget, corpus: str,
-                 model: str = "smollm2-135m", device: str = "cpu") -> None:
+                 model: str = DEFAULT_MODEL, device: str = "cpu") -> None:
         self.base, self.cache_dir, self.budget, self.corpus = base, cache_dir, budget, corpus
         self.model, self.device = model, device
         self._cells: dict[str, dict[str, Any]] = {}
@@ -52,7 +54,7 @@ class Experiment:
         fields = dict(model=self.model, corpus=self.corpus, seed=seed, seqlen=b.seqlen, device=self.device,
                       calib_windows=b.calib_windows, eval_windows=b.eval_windows)
         fields.update(overrides)
-        return RunConfig(**fields)
+        return RunConfig.from_flat(**fields)
 
     def cell(self, seed: int = 0, **overrides: Any) -> dict[str, Any]:
         from rope_quant.experiment.pipeline import run_cell

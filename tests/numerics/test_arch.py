@@ -277,8 +277,8 @@ def test_gemma3_r1_is_refused_naming_the_norms_and_the_alternative():
 def test_gemma3_pipeline_refuses_r1_before_any_expensive_step():
     from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 
-    cfg = RunConfig(seqlen=32, calib_windows=2, eval_windows=1, r1="hadamard", w_bits=16, a_bits=16, k_bits=16,
-                    v_bits=16, weights="none")
+    cfg = RunConfig.from_flat(seqlen=32, calib_windows=2, eval_windows=1, r1="hadamard", w_bits=16, a_bits=16,
+                              k_bits=16, v_bits=16, weights="none")
     with pytest.raises(rotation.NotFunctionPreservingError, match="post_feedforward_layernorm"):
         build_quantized_model(cfg, base=(tiny_gemma3(), None))  # no tokenizer: it must fail before the corpus
 

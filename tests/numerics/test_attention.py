@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from rope_quant.calib.moments import CalibrationStats
 from rope_quant.core import rope
 from rope_quant.core import transforms as T
+from rope_quant.quant.quantizers import QuantConfig, QuantConfigError
 from rope_quant.rotations import attention
 
 VOCAB = 128
@@ -167,7 +168,7 @@ def test_diagnostics_see_post_rope_post_r3_keys_before_quantisation():
     ang = np.random.default_rng(2).uniform(-1, 1, size=8)
     tr = T.build("pairwise_plus_hadamard", 16, angles=ang)
     rec = _Recorder()
-    attention.install_attention(model, [tr, tr], k_bits=3, diagnostics=rec)
+    attention.install_attention(model, [tr, tr], k=QuantConfig(bits=3), diagnostics=rec)
     captured = {}
     h0 = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, i, o: captured.update(k=o))
     h1 = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: captured.update(q=o))
@@ -194,7 +195,7 @@ def test_kv_quantiser_runs_after_r3():
     for k_bits in (4, 16):
         for name in ("identity", "hadamard"):
             model = tiny_llama()
-            attention.install_attention(model, _transforms(name, 2, 16), k_bits=k_bits)
+            attention.install_attention(model, _transforms(name, 2, 16), k=QuantConfig(bits=k_bits))
             with torch.no_grad():
                 outs[(k_bits, name)] = model(ids).logits
     torch.testing.assert_close(outs[(16, "identity")], outs[(16, "hadamard")], atol=2e-5, rtol=0)
@@ -207,7 +208,7 @@ def test_v_quantiser_and_group_size_change_the_output():
     outs = {}
     for v_bits, v_group in ((16, -1), (3, -1), (3, 4)):
         model = tiny_llama()
-        attention.install_attention(model, None, v_bits=v_bits, v_group=v_group)
+        attention.install_attention(model, None, v=QuantConfig(bits=v_bits, group_size=v_group))
         with torch.no_grad():
             outs[(v_bits, v_group)] = model(ids).logits
     assert (outs[(3, -1)] - outs[(16, -1)]).abs().max().item() > 1e-3
@@ -226,7 +227,7 @@ def test_static_kv_control_is_used_instead_of_dynamic():
         calls.append(tuple(x.shape))
         return x
 
-    attention.install_attention(model, None, k_bits=2, v_bits=2, k_static=[static, static],
+    attention.install_attention(model, None, k=QuantConfig(bits=2), v=QuantConfig(bits=2), k_static=[static, static],
                                 v_static=[static, static])
     with torch.no_grad():
         out = model(ids).logits
@@ -240,7 +241,7 @@ def test_static_kv_control_is_used_instead_of_dynamic():
 def test_uninstall_restores_sdpa_and_register_is_idempotent():
     model = tiny_llama()
     assert attention.register_attention() == attention.register_attention() == attention.ATTN_NAME
-    attention.install_attention(model, None, k_bits=4)
+    attention.install_attention(model, None, k=QuantConfig(bits=4))
     assert model.config._attn_implementation == attention.ATTN_NAME
     assert len(attention.attention_states(model)) == 2
     attention.uninstall_attention(model)
@@ -251,8 +252,8 @@ def test_uninstall_restores_sdpa_and_register_is_idempotent():
 def test_state_stays_on_the_model_not_in_globals():
     a, b = tiny_llama(), tiny_llama()
     ids = _ids()
-    attention.install_attention(a, None, k_bits=2)
-    attention.install_attention(b, None, k_bits=16)
+    attention.install_attention(a, None, k=QuantConfig(bits=2))
+    attention.install_attention(b, None, k=QuantConfig(bits=16))
     with torch.no_grad():
         ref = tiny_llama()(ids).logits
         out_b = b(ids).logits
@@ -333,6 +334,8 @@ def test_bad_install_arguments():
     model = tiny_llama()
     with pytest.raises(attention.AttentionWrapError, match="one per layer"):
         attention.install_attention(model, _transforms("identity", 1, 16))
-    with pytest.raises(attention.AttentionWrapError, match="k_bits"):
-        attention.install_attention(model, None, k_bits=0)
+    with pytest.raises(attention.AttentionWrapError, match="k must be a QuantConfig"):
+        attention.install_attention(model, None, k=4)
+    with pytest.raises(QuantConfigError, match="bits"):
+        QuantConfig(bits=0)
     assert issubclass(attention.AttentionWrapError, ValueError)

@@ -265,8 +265,8 @@ def test_real_run_compare_and_verify(tmp_path: Path, capsys, embedded_model) -> 
     assert summary["paired"]["pairwise_only"]["n"] == 1
     assert "| hadamard |" in printed or "| **hadamard** |" in printed
     record = json.loads(next((out / "cells" / "pairwise_only").glob("seed0-*.json")).read_text())
-    assert record["result"]["n_windows"] == 2 and record["config"]["weights"] == "rtn"
-    assert record["config"]["gptq"]["mse"] is False
+    assert record["result"]["n_windows"] == 2 and record["config"]["quant"]["w"]["mode"] == "rtn"
+    assert record["config"]["quant"]["w"]["gptq"]["mse"] is False
     assert record["env"]["packages"]["torch"] != "not installed"
     assert record["result"]["model_reused"] is True  # the R3 variant reconfigured the seed's model
 

@@ -8,8 +8,6 @@ SmolLM2-135M.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -20,7 +18,7 @@ from rope_quant.core import rope
 from rope_quant.experiment import data, evaluate, pipeline
 from rope_quant.experiment.pipeline import GPTQConfig, PipelineError, RunConfig, build_quantized_model, run_cell
 from rope_quant.quant import gptq
-from rope_quant.quant.quantizers import fake_quant_per_token
+from rope_quant.quant.quantizers import QuantConfig, fake_quant_per_token
 from rope_quant.rotations import attention
 from rope_quant.rotations import offline as rotation
 
@@ -51,13 +49,13 @@ TINY = dict(seqlen=64, calib_windows=4, eval_windows=2)
 
 def test_run_config_keys_separate_weights_from_r3():
     cfg = RunConfig()
-    assert cfg.key() == RunConfig().key() and len(cfg.key()) == 16
+    assert cfg.key() == RunConfig().key() and cfg.key().startswith("v2-") and len(cfg.key()) == 19
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     r3_changes = [dict(r3="pairwise_only"), dict(r3="block_hadamard", r3_block=8), dict(estimator="per_head"),
                   dict(objective="linf"), dict(position_average=True, average_length=512), dict(k_bits=3),
                   dict(v_bits=2), dict(k_clip=0.9), dict(eval_windows=3), dict(static_scope="kv")]
     for change in r3_changes:
-        other = dataclasses.replace(cfg, **change)
+        other = cfg.override(**change)
         assert other.key() != cfg.key(), change
         assert other.weight_key() == cfg.weight_key(), change
         assert other.stats_key() == cfg.stats_key(), change
@@ -65,11 +63,11 @@ def test_run_config_keys_separate_weights_from_r3():
                  dict(a_bits=3), dict(calib_windows=64), dict(corpus="shakespeare"),
                  dict(gptq=GPTQConfig(act_order=False)), dict(static_scope="act")]
     for change in w_changes:
-        assert dataclasses.replace(cfg, **change).weight_key() != cfg.weight_key(), change
+        assert cfg.override(**change).weight_key() != cfg.weight_key(), change
     # RTN does not look at activations or calibration data: those do not enter its weight key.
-    rtn = dataclasses.replace(cfg, weights="rtn")
-    assert dataclasses.replace(rtn, a_bits=8, calib_windows=3).weight_key() == rtn.weight_key()
-    assert dataclasses.replace(rtn, a_bits=8).stats_key() != rtn.stats_key()
+    rtn = cfg.override(weights="rtn")
+    assert rtn.override(a_bits=8, calib_windows=3).weight_key() == rtn.weight_key()
+    assert rtn.override(a_bits=8).stats_key() != rtn.stats_key()
 
 
 @pytest.mark.parametrize("bad", [dict(w_bits=1), dict(a_bits=True), dict(k_group=0), dict(v_clip=1.5),
@@ -79,7 +77,7 @@ def test_run_config_keys_separate_weights_from_r3():
                                  dict(dtype="int8"), dict(gptq={"percdamp": 0.01})])
 def test_run_config_rejects_bad_values(bad):
     with pytest.raises(PipelineError):
-        RunConfig(**bad)
+        RunConfig.from_flat(**bad)
 
 
 # ----------------------------------------------------------------------------- quantised linears
@@ -88,7 +86,7 @@ def test_run_config_rejects_bad_values(bad):
 def test_r4_hadamard_runs_before_the_activation_quantiser(embedded_model):
     model, _ = tiny_base(embedded_model)
     rotation.rotate_model(model, rotation.RotationConfig(r1="hadamard", r2="hadamard", r4=True, seed=0))
-    handles = pipeline.install_activation_quantizers(model, bits=4, group_size=-1, clip_ratio=0.9)
+    handles = pipeline.install_activation_quantizers(model, QuantConfig(bits=4, group_size=-1, clip_ratio=0.9))
     down = model.model.layers[0].mlp.down_proj
     seen = {}
     down.register_forward_pre_hook(lambda m, a: seen.update(raw=a[0].clone()), prepend=True)  # runs first
@@ -100,9 +98,9 @@ def test_r4_hadamard_runs_before_the_activation_quantiser(embedded_model):
     assert len(handles) == 14  # 7 linears x 2 layers
     assert not model.lm_head._forward_pre_hooks  # lm_head stays 16-bit
     with pytest.raises(PipelineError, match="already"):
-        pipeline.install_activation_quantizers(model, bits=4)
+        pipeline.install_activation_quantizers(model, QuantConfig(bits=4))
     pipeline.remove_activation_quantizers(model, handles)
-    assert pipeline.install_activation_quantizers(model, bits=16) == []
+    assert pipeline.install_activation_quantizers(model, QuantConfig(bits=16)) == []
 
 
 # ----------------------------------------------------------------------------- weight cache
@@ -110,21 +108,21 @@ def test_r4_hadamard_runs_before_the_activation_quantiser(embedded_model):
 
 def test_weight_cache_is_shared_by_r3_variants(embedded_model, corpus, tmp_path):
     base = tiny_base(embedded_model)
-    cfg = RunConfig(**TINY, r3="hadamard", gptq=GPTQConfig(grid=20))
-    runs0 = dict(pipeline.PIPELINE_COUNTERS)
+    cfg = RunConfig.from_flat(**TINY, r3="hadamard", gptq=GPTQConfig(grid=20))
+    counters = pipeline.PipelineCounters()
     gptq0 = gptq.GPTQ_CALLS["model"]
-    first = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
+    first = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus, counters=counters)
+    assert first.counters is counters
     assert not first.weight_cache_hit
     assert gptq.GPTQ_CALLS["model"] == gptq0 + 1
     assert len(list(tmp_path.glob("weights-*.pt"))) == 1
 
-    other = dataclasses.replace(cfg, r3="pairwise_only", estimator="k_only", k_bits=3)
-    second = build_quantized_model(other, cache_dir=tmp_path, base=base, corpus=corpus)
+    other = cfg.override(r3="pairwise_only", estimator="k_only", k_bits=3)
+    second = build_quantized_model(other, cache_dir=tmp_path, base=base, corpus=corpus, counters=counters)
     assert second.weight_cache_hit
     assert gptq.GPTQ_CALLS["model"] == gptq0 + 1  # no second GPTQ run
-    assert pipeline.PIPELINE_COUNTERS["weight_quantizations"] == runs0["weight_quantizations"] + 1
-    assert pipeline.PIPELINE_COUNTERS["weight_cache_hits"] == runs0["weight_cache_hits"] + 1
-    assert pipeline.PIPELINE_COUNTERS["calibration_passes"] == runs0["calibration_passes"] + 1  # stats cached
+    assert counters == pipeline.PipelineCounters(weight_quantizations=1, weight_cache_hits=1,
+                                                 calibration_passes=1)  # stats cached too
     sd1, sd2 = first.model.state_dict(), second.model.state_dict()
     assert sd1.keys() == sd2.keys()
     for k in sd1:
@@ -136,18 +134,18 @@ def test_weight_cache_is_shared_by_r3_variants(embedded_model, corpus, tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(first.model(ids).logits, second.model(ids).logits, rtol=0, atol=0)
     # A different weight setting misses the cache.
-    third = build_quantized_model(dataclasses.replace(cfg, w_bits=3), cache_dir=tmp_path, base=base,
+    third = build_quantized_model(cfg.override(w_bits=3), cache_dir=tmp_path, base=base,
                                   corpus=corpus)
     assert not third.weight_cache_hit and len(list(tmp_path.glob("weights-*.pt"))) == 2
 
 
 def test_reconfigure_refuses_weight_changes(embedded_model, corpus):
     base = tiny_base(embedded_model)
-    cfg = RunConfig(**TINY, **OFF)
+    cfg = RunConfig.from_flat(**TINY, **OFF)
     qm = build_quantized_model(cfg, base=base, corpus=corpus)
     with pytest.raises(PipelineError, match="reconfigure"):
-        qm.reconfigure(dataclasses.replace(cfg, w_bits=4, weights="rtn"))
-    qm.reconfigure(dataclasses.replace(cfg, r3="pairwise_only", k_bits=4))
+        qm.reconfigure(cfg.override(w_bits=4, weights="rtn"))
+    qm.reconfigure(cfg.override(r3="pairwise_only", k_bits=4))
     assert [s.k_bits for s in qm.states] == [4, 4] and qm.transforms[0].name == "pairwise_only"
 
 
@@ -155,8 +153,8 @@ def test_static_control_scopes_run(embedded_model, corpus):
     base = tiny_base(embedded_model)
     results = {}
     for scope in (None, "act", "kv", "both"):
-        cfg = RunConfig(**TINY, w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4, static_scope=scope,
-                        r3="pairwise_only")
+        cfg = RunConfig.from_flat(**TINY, w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4,
+                                  static_scope=scope, r3="pairwise_only")
         qm = build_quantized_model(cfg, base=base, corpus=corpus)
         has_kv = all(s.k_static is not None and s.v_static is not None for s in qm.states)
         assert has_kv == (scope in ("kv", "both"))
@@ -169,7 +167,7 @@ def test_static_control_scopes_run(embedded_model, corpus):
 
 
 def test_models_the_pipeline_cannot_handle_fail_early(embedded_model):
-    cfg = RunConfig(**TINY, **OFF)
+    cfg = RunConfig.from_flat(**TINY, **OFF)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64))
     with pytest.raises(attention.UnsupportedAttentionError):
         build_quantized_model(cfg, base=(gpt2, None))
@@ -192,11 +190,11 @@ def test_unquantised_rotated_model_is_invariant_to_every_r3(embedded_model, corp
     model, tok = embedded_model
     ids = corpus.eval_ids
     ref = evaluate.perplexity(model, ids, 256, max_windows=2).ppl
-    cfg = RunConfig(**OFF, seqlen=256, calib_windows=2, eval_windows=2)
+    cfg = RunConfig.from_flat(**OFF, seqlen=256, calib_windows=2, eval_windows=2)
     qm = build_quantized_model(cfg, base=embedded_model, corpus=corpus)
     assert np.abs(qm.angles).max() > 0.1  # real, non-trivial φ̂
     for name, block in R3_VARIANTS:
-        c = dataclasses.replace(cfg, r3=name, r3_block=block)
+        c = cfg.override(r3=name, r3_block=block)
         ppl = run_cell(c, qm=qm.reconfigure(c))["ppl"]
         rq_record("R3 invariance (fp, rotated)", r3=name, ppl=ppl, ref=ref, rel=ppl / ref - 1)
         assert abs(ppl / ref - 1) <= 1e-4, (name, ppl, ref)
@@ -210,17 +208,18 @@ def test_k_only_4bit_keys_order_identity_pairwise_hadamard(embedded_model, corpu
     relative K error 0.0178 / 0.0139 / 0.0075, in line with FACTS.md. (With the default ``rows``
     pooling, Q-dominated, pairwise φ̂ barely moves the K range: 14.74, ppl 14.09.)
     """
-    cfg = RunConfig(w_bits=16, a_bits=16, k_bits=4, v_bits=16, weights="none", r1="none", r2="none", r4=False,
-                    r3="identity", estimator="k_only", seqlen=512, calib_windows=8, eval_windows=8)
+    cfg = RunConfig.from_flat(w_bits=16, a_bits=16, k_bits=4, v_bits=16, weights="none", r1="none", r2="none",
+                              r4=False, r3="identity", estimator="k_only", seqlen=512, calib_windows=8,
+                              eval_windows=8)
     qm = build_quantized_model(cfg, base=embedded_model, corpus=corpus)
     res = {}
     for name in ("identity", "pairwise_only", "hadamard"):
-        c = dataclasses.replace(cfg, r3=name)
+        c = cfg.override(r3=name)
         res[name] = run_cell(c, qm=qm.reconfigure(c))
         r = res[name]
         rq_record("K-only 4-bit keys (embedded, pydoc, 8x512)", r3=name, ppl=round(r["ppl"], 3),
                   k_range_mean=round(r["k_range_mean"], 3), k_rel_err=round(r["k_rel_err"], 5))
-    fp = run_cell(dataclasses.replace(cfg, k_bits=16), qm=qm.reconfigure(dataclasses.replace(cfg, k_bits=16)))
+    fp = run_cell(cfg.override(k_bits=16), qm=qm.reconfigure(cfg.override(k_bits=16)))
     rq_record("K-only 4-bit keys (embedded, pydoc, 8x512)", r3="(fp keys)", ppl=round(fp["ppl"], 3))
     i, p, h = res["identity"], res["pairwise_only"], res["hadamard"]
     for metric in ("ppl", "k_range_mean", "k_rel_err"):
@@ -238,10 +237,10 @@ def test_full_w4a4kv4_gptq_pipeline(embedded_model, corpus, rq_record, tmp_path)
     model, _ = embedded_model
     eval_ppl = lambda m: evaluate.perplexity(m, corpus.eval_ids, 512, max_windows=4).ppl  # noqa: E731
     fp = eval_ppl(model)
-    cfg = RunConfig(seqlen=256, calib_windows=8, r3="hadamard")
+    cfg = RunConfig.from_flat(seqlen=256, calib_windows=8, r3="hadamard")
     out = {}
-    unrotated = dataclasses.replace(cfg, r1="none", r2="none", r4=False, r3="identity")
-    for label, c in (("rotated GPTQ", cfg), ("rotated RTN", dataclasses.replace(cfg, weights="rtn")),
+    unrotated = cfg.override(r1="none", r2="none", r4=False, r3="identity")
+    for label, c in (("rotated GPTQ", cfg), ("rotated RTN", cfg.override(weights="rtn")),
                      ("unrotated GPTQ", unrotated)):
         qm = build_quantized_model(c, base=embedded_model, corpus=corpus, cache_dir=tmp_path)
         out[label] = eval_ppl(qm.model)
@@ -250,7 +249,7 @@ def test_full_w4a4kv4_gptq_pipeline(embedded_model, corpus, rq_record, tmp_path)
         if label == "rotated GPTQ":
             assert qm.weight_errors and all(0 <= e < 1 for e in qm.weight_errors.values())
             for name in ("pairwise_only", "identity"):
-                c2 = dataclasses.replace(c, r3=name, estimator="k_only")
+                c2 = c.override(r3=name, estimator="k_only")
                 rq_record("W4A4KV4 pipeline (embedded, pydoc, 4x512)", cell=f"rotated GPTQ, R3 {name}",
                           ppl=round(eval_ppl(qm.reconfigure(c2).model), 3), fp=round(fp, 3))
         del qm

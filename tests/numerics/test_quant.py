@@ -1,4 +1,4 @@
-"""Quantisers (rope_quant.quant.quantizers): dynamic per-token, static per-channel, weight RTN."""
+"""Quantisers (rope_quant.quant.quantizers): dynamic per-token, static per-channel; weight RTN (quant.gptq)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rope_quant.quant.gptq import rtn_quantize
 from rope_quant.quant.quantizers import (
     NotCalibratedError,
     QuantConfig,
@@ -15,7 +16,6 @@ from rope_quant.quant.quantizers import (
     fake_quant,
     fake_quant_per_token,
     quant_step,
-    rtn_quantize_weight,
 )
 
 
@@ -53,7 +53,6 @@ def test_off_is_exact(bits: int) -> None:
     x = _x(3, 5, 64)
     assert torch.equal(fake_quant_per_token(x, bits, 16, 0.9), x)
     assert torch.equal(fake_quant(x, QuantConfig(bits=bits)), x)
-    assert torch.equal(rtn_quantize_weight(x[0], bits), x[0])
     assert not QuantConfig().enabled and QuantConfig(bits=4).enabled
 
 
@@ -108,8 +107,6 @@ def test_bad_group_and_settings_raise() -> None:
         fake_quant_per_token(x, 4, clip_ratio=0.0)
     with pytest.raises(QuantConfigError):
         QuantConfig(bits=4, group_size=0)
-    with pytest.raises(QuantConfigError):
-        rtn_quantize_weight(x[0], 4)  # not 2-D
     with pytest.raises(ValueError):
         fake_quant_per_token(torch.ones(2, 4, dtype=torch.int32), 4)
     assert issubclass(QuantConfigError, ValueError) and issubclass(NotCalibratedError, ValueError)
@@ -181,9 +178,9 @@ def test_dynamic_matches_slow_reference() -> None:
     ("bits", "group", "sym", "clip"),
     [(4, -1, True, 1.0), (4, 32, True, 0.9), (3, 16, False, 1.0), (8, -1, False, 0.8), (2, 64, True, 1.0)],
 )
-def test_rtn_matches_slow_reference(bits: int, group: int, sym: bool, clip: float) -> None:
+def test_grouped_rows_match_slow_reference(bits: int, group: int, sym: bool, clip: float) -> None:
     w = _x(12, 128, seed=bits + group, dtype=torch.float64)
-    y = rtn_quantize_weight(w, bits, group, symmetric=sym, clip_ratio=clip)
+    y = fake_quant_per_token(w, bits, group, clip, symmetric=sym)
     gs = 128 if group == -1 else group
     slow = _slow_sym if sym else _slow_asym
     ref = [[v for j in range(0, 128, gs) for v in slow(row[j : j + gs], bits, clip)] for row in w.tolist()]
@@ -193,12 +190,12 @@ def test_rtn_matches_slow_reference(bits: int, group: int, sym: bool, clip: floa
 def test_rtn_symmetric_levels_and_per_row_scale() -> None:
     w = _x(8, 64, seed=13)
     w[3] *= 100.0  # one big output channel must not change the others
-    y = rtn_quantize_weight(w, 4)
+    y = rtn_quantize(w, 4, mse=False)
     scale = w.abs().amax(-1, keepdim=True) / 7
     q = y / scale
     torch.testing.assert_close(q, q.round(), rtol=0, atol=1e-4)
     assert float(q.min()) >= -8 and float(q.max()) <= 7
-    y_rest = rtn_quantize_weight(torch.cat([w[:3], w[4:]]), 4)
+    y_rest = rtn_quantize(torch.cat([w[:3], w[4:]]), 4, mse=False)
     torch.testing.assert_close(torch.cat([y[:3], y[4:]]), y_rest, rtol=0, atol=0)
 
 
@@ -294,11 +291,11 @@ def test_nan_stays_where_it_was_and_neighbours_use_the_finite_range(symmetric):
     assert float(y[0, 0]) != 0.0 and float(y[0, 3]) != 0.0
 
 
-def test_rtn_weight_nan_policy_matches_the_dynamic_quantiser():
+def test_symmetric_nan_policy_matches_the_asymmetric_one():
     w = torch.tensor([_NAN_ROW, [1.0, -2.0, 0.5, 0.0, 3.0, -1.0]])
-    y = rtn_quantize_weight(w, 4)
+    y = fake_quant_per_token(w, 4, symmetric=True)
     assert bool(y[0, 1].isnan()) and int(y.isnan().sum()) == 1
-    assert torch.equal(y[1], rtn_quantize_weight(w[1:], 4)[0])
+    assert torch.equal(y[1], fake_quant_per_token(w[1:], 4, symmetric=True)[0])
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf])

@@ -5,7 +5,6 @@ tokenwise range), head-dependent angles, K-only φ* with a length-matched averag
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -182,9 +181,9 @@ def test_range_objective_bad_input():
     with pytest.raises(CalibrationError, match="sample_rows"):
         estimate_angles(CalibrationStats(1, H_Q, H_KV, D), "k_only", "range", inv_freq=inv_freq)
     with pytest.raises(PipelineError, match="position_average"):
-        RunConfig(r3="pairwise_only", objective="range", position_average=True)
+        RunConfig.from_flat(r3="pairwise_only", objective="range", position_average=True)
     with pytest.raises(PipelineError, match="k_group"):
-        RunConfig(r3="pairwise_only", objective="range", k_group=32)
+        RunConfig.from_flat(r3="pairwise_only", objective="range", k_group=32)
 
 
 def test_estimate_angles_range_uses_every_layer_and_the_pooling_rule():
@@ -204,7 +203,7 @@ def test_estimate_angles_range_uses_every_layer_and_the_pooling_rule():
 
 
 def test_beyond_manifest_covers_every_variant_with_clean_fields():
-    base = RunConfig(estimator="balanced", objective="linf", position_average=True, average_length=99)
+    base = RunConfig.from_flat(estimator="balanced", objective="linf", position_average=True, average_length=99)
     manifest = presets.beyond_manifest(base, (0, 1))
     names = manifest.names()
     assert names[0] == "hadamard" and len(names) == 1 + 2 * len(presets.BEYOND_ANGLES)
@@ -305,24 +304,24 @@ def test_matched_phi_star_cell_equals_separate_phi_star_cells(embedded_model, tm
 
     base = tiny_llama(embedded_model)
     corpus = data.load_corpus("pydoc", base[1])
-    run = RunConfig(model="tiny", r3="pairwise_only", estimator="k_only", position_average=True,
-                    weights="rtn", w_bits=4, seqlen=64, calib_windows=4, eval_windows=2)
+    run = RunConfig.from_flat(model="tiny", r3="pairwise_only", estimator="k_only", position_average=True,
+                              weights="rtn", w_bits=4, seqlen=64, calib_windows=4, eval_windows=2)
     models = ModelCache()
     models.put("tiny", "cpu", base, {"pydoc": corpus})
     fn = pipeline_cell_fn(models=models)
     try:
         matched = fn(LongContextConfig(run, (64, 128), matched_average=True))
         for length in (64, 128):
-            alone = fn(LongContextConfig(dataclasses.replace(run, average_length=length), (length,)))
+            alone = fn(LongContextConfig(run.override(average_length=length), (length,)))
             assert matched["lengths"][str(length)]["ppl"] == pytest.approx(alone["lengths"][str(length)]["ppl"],
                                                                            rel=1e-6)
         fixed = fn(LongContextConfig(run, (128,)))  # average_length = seqlen = 64
         assert fixed["lengths"]["128"]["ppl"] != pytest.approx(matched["lengths"]["128"]["ppl"], rel=1e-9)
         for r3 in ("pairwise_only", "pairwise_plus_hadamard"):
-            cfg = dataclasses.replace(run, r3=r3, position_average=False, estimator="per_head", objective="range")
+            cfg = run.override(r3=r3, position_average=False, estimator="per_head", objective="range")
             res = fn(cfg)
             assert np.isfinite(res["ppl"]) and res["angles"]["shape"] == [2, 2, 8]
-        had = fn(dataclasses.replace(run, r3="hadamard", position_average=False, objective="range"))
+        had = fn(run.override(r3="hadamard", position_average=False, objective="range"))
         assert had["angles"]["max_abs"] == 0.0  # an angle-free R3 skips the fit
     finally:
         models.clear()

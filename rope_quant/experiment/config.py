@@ -1,0 +1,539 @@
+"""The run configuration: one cell of an experiment, composed of small frozen specs.
+
+A :class:`RunConfig` holds the model, corpus and seed plus five specs::
+
+    quant     QuantSpecs    weights (WeightSpec: mode, bits, clip, GPTQConfig), a/k/v (QuantConfig), static scope
+    rotation  RotationSpec  offline R1, R2 (RotationKind) and the online R4 flag
+    online    R3Spec        R3 transform and block, angle estimator, objective, angle rule (φ̂ or φ*)
+    budget    Budget        seqlen, calibration windows, evaluation windows
+    runtime   Runtime       device, dtype
+
+Names with a fixed set of values come from one ``StrEnum`` each (:class:`WeightMode`, :class:`StaticScope`,
+:class:`~rope_quant.rotations.offline.RotationKind`, :class:`Estimator`,
+:class:`~rope_quant.calib.objectives.Objective`, :class:`DType`); the CLI's choices read them too.
+
+**Flat names.** Every leaf has one flat name, equal to the field names of the former flat ``RunConfig``
+(``w_bits``, ``k_group``, ``r3``, ``estimator``, ``seqlen`` ...). :func:`flat_fields` derives the table
+from the dataclass fields: a spec field's ``prefix`` metadata prefixes its leaves (``a`` + ``group`` →
+``a_group``), a leaf's ``short`` metadata shortens its name, ``flat`` gives an absolute name, ``leaf``
+stops the descent (``gptq``). :meth:`RunConfig.from_flat` / :meth:`RunConfig.override` build configs
+from flat names, and flat names read as attributes (``cfg.k_bits``).
+
+**Keys.** :meth:`RunConfig.key` (cell identity), :meth:`RunConfig.weight_key` (quantised weights) and
+:meth:`RunConfig.stats_key` (calibration statistics) hash only the fields that differ from the default
+``RunConfig()``, prefixed with :data:`KEY_VERSION` (``v2-<16 hex>``): adding a field with a default keeps
+every existing key. Changing a default value (or what a key covers) needs a new :data:`KEY_VERSION`.
+The weight and statistics keys are derived from the specs that shape them, never from the R3 spec, so
+every R3 variant of a seed shares them (paired design). Fields marked ``cell_only`` (evaluation windows,
+device) belong to the cell but shape neither the weights nor the statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from rope_quant.calib.objectives import Objective
+from rope_quant.calib.rules import PoolingRule
+from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
+from rope_quant.quant.gptq import GPTQConfig, GPTQError
+from rope_quant.quant.quantizers import QuantConfig, QuantConfigError, check_bits, check_clip
+from rope_quant.rotations.offline import RotationConfig, RotationKind
+
+__all__ = [
+    "KEY_VERSION",
+    "WEIGHT_CACHE_FORMAT",
+    "K_SAMPLE_ROWS",
+    "PipelineError",
+    "WeightMode",
+    "StaticScope",
+    "RotationKind",
+    "Estimator",
+    "Objective",
+    "DType",
+    "WeightSpec",
+    "QuantSpecs",
+    "RotationSpec",
+    "R3Spec",
+    "Budget",
+    "Runtime",
+    "RunConfig",
+    "flat_fields",
+    "versioned_hash",
+]
+
+#: Version of the key scheme, carried by every key (``v2-…``; version 1 hashed every flat field).
+KEY_VERSION = 2
+#: Format of the on-disk weight cache (part of the weight key).
+WEIGHT_CACHE_FORMAT = 1
+#: Pre-RoPE K tokens sampled per layer during calibration (positions kept) for the ``range`` objective.
+K_SAMPLE_ROWS = 2048
+
+
+class PipelineError(ValueError):
+    """Bad run configuration or pipeline state."""
+
+
+# ----------------------------------------------------------------------------- names
+
+
+class WeightMode(StrEnum):
+    """The weight quantiser: GPTQ, round-to-nearest, or none."""
+
+    GPTQ = "gptq"
+    RTN = "rtn"
+    NONE = "none"
+
+
+class StaticScope(StrEnum):
+    """Where the static per-channel control (App. A.6, D) replaces the dynamic quantisers (None: nowhere)."""
+
+    ACT = "act"
+    KV = "kv"
+    BOTH = "both"
+
+
+# The covariance pooling rule behind the pairwise angles: the calibration layer owns the names.
+Estimator = PoolingRule
+
+
+class DType(StrEnum):
+    """The model's compute dtype."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    @property
+    def torch(self) -> Any:
+        import torch
+
+        return getattr(torch, self.value)
+
+
+#: The offline rotations the pipeline can build by itself ("given" needs a caller's matrix).
+PIPELINE_ROTATIONS = (RotationKind.HADAMARD, RotationKind.WHIP, RotationKind.NONE)
+
+
+def _choice(enum_cls: type[StrEnum], value: Any, what: str, allowed: tuple | None = None) -> Any:
+    """``value`` as a member of ``enum_cls`` (restricted to ``allowed``), else :class:`PipelineError`."""
+    allowed = tuple(enum_cls) if allowed is None else allowed
+    try:
+        member = enum_cls(value)
+    except ValueError:
+        member = None
+    if member is None or member not in allowed:
+        raise PipelineError(f"{what} must be one of {tuple(m.value for m in allowed)}, got {value!r}")
+    return member
+
+
+def _positive(value: Any, what: str, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PipelineError(f"{what} must be {'None or ' if optional else ''}a positive integer, got {value!r}")
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Weight quantisation: the quantiser, its bits and clip ratio, and the GPTQ (and RTN scale) settings."""
+
+    mode: WeightMode = field(default=WeightMode.GPTQ, metadata={"flat": "weights"})
+    bits: int = 4
+    clip: float = 1.0
+    gptq: GPTQConfig = field(default_factory=GPTQConfig, metadata={"flat": "gptq", "leaf": True})
+
+    def __post_init__(self) -> None:
+        _set(self, "mode", _choice(WeightMode, self.mode, "weights"))
+        check_bits(self.bits, "w_bits", low=2, error=PipelineError)
+        check_clip(self.clip, "w_clip", error=PipelineError)
+        if not isinstance(self.gptq, GPTQConfig):
+            raise PipelineError(f"gptq must be a GPTQConfig, got {type(self.gptq).__name__}")
+
+
+def _act_default() -> QuantConfig:
+    return QuantConfig(bits=4)
+
+
+@dataclass(frozen=True)
+class QuantSpecs:
+    """Every quantiser of a cell: weights, activations (a), keys (k), values (v), and the static control."""
+
+    w: WeightSpec = field(default_factory=WeightSpec, metadata={"prefix": "w"})
+    a: QuantConfig = field(default_factory=_act_default, metadata={"prefix": "a"})
+    k: QuantConfig = field(default_factory=_act_default, metadata={"prefix": "k"})
+    v: QuantConfig = field(default_factory=_act_default, metadata={"prefix": "v"})
+    static_scope: StaticScope | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.w, WeightSpec):
+            raise PipelineError(f"w must be a WeightSpec, got {type(self.w).__name__}")
+        for name in ("a", "k", "v"):
+            spec = getattr(self, name)
+            if not isinstance(spec, QuantConfig):
+                raise PipelineError(f"{name} must be a QuantConfig, got {type(spec).__name__}")
+            check_bits(spec.bits, f"{name}_bits", low=2, error=PipelineError)
+        if self.static_scope is not None:
+            _set(self, "static_scope", _choice(StaticScope, self.static_scope, "static_scope"))
+
+    @property
+    def static_act(self) -> bool:
+        """The static control replaces the dynamic activation quantisers."""
+        return self.static_scope in (StaticScope.ACT, StaticScope.BOTH)
+
+    @property
+    def static_kv(self) -> bool:
+        """The static control replaces the dynamic K/V quantisers."""
+        return self.static_scope in (StaticScope.KV, StaticScope.BOTH)
+
+
+@dataclass(frozen=True)
+class RotationSpec:
+    """The offline rotations: R1 (residual stream), R2 (per head, V/O) and the online R4 before down_proj."""
+
+    r1: RotationKind = RotationKind.HADAMARD
+    r2: RotationKind = RotationKind.HADAMARD
+    r4: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("r1", "r2"):
+            _set(self, name, _choice(RotationKind, getattr(self, name), name, PIPELINE_ROTATIONS))
+        if not isinstance(self.r4, bool):
+            raise PipelineError(f"r4 must be a bool, got {self.r4!r}")
+
+    @property
+    def uses_calibration(self) -> bool:
+        """whip rotations are fitted on the calibration windows."""
+        return RotationKind.WHIP in (self.r1, self.r2)
+
+    def config(self, seed: int) -> RotationConfig:
+        """The :class:`~rope_quant.rotations.offline.RotationConfig` of these rotations at ``seed``."""
+        return RotationConfig(r1=self.r1.value, r2=self.r2.value, r4=self.r4, seed=seed)
+
+
+@dataclass(frozen=True)
+class R3Spec:
+    """The online R3 after RoPE and its angles.
+
+    ``transform``: an R3 registry name (``core.transforms``), ``block`` its block size. The angles come
+    from the ``estimator``'s pooled covariances and the ``objective``; ``position_average=False`` uses the
+    Jacobi angle φ̂, ``True`` the position-averaged φ* over ``average_length`` (default: seqlen).
+    """
+
+    transform: str = field(default="hadamard", metadata={"flat": "r3"})
+    block: int | None = field(default=None, metadata={"flat": "r3_block"})
+    estimator: Estimator = Estimator.ROWS
+    objective: Objective = Objective.VARIANCE
+    position_average: bool = False
+    average_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transform, str) or not self.transform:
+            raise PipelineError(f"r3 must be a registry name, got {self.transform!r}")
+        _positive(self.block, "r3_block", optional=True)
+        _set(self, "estimator", _choice(Estimator, self.estimator, "estimator"))
+        _set(self, "objective", _choice(Objective, self.objective, "objective"))
+        _positive(self.average_length, "average_length", optional=True)
+        if self.objective == Objective.RANGE and self.position_average:
+            raise PipelineError("objective 'range' already scores every row at its position: "
+                                "position_average applies to objective='variance'")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Window length and window counts (``eval_windows=None``: every evaluation window)."""
+
+    seqlen: int = 2048
+    calib_windows: int = 128
+    eval_windows: int | None = field(default=None, metadata={"cell_only": True})
+
+    def __post_init__(self) -> None:
+        _positive(self.seqlen, "seqlen")
+        _positive(self.calib_windows, "calib_windows")
+        _positive(self.eval_windows, "eval_windows", optional=True)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and in which dtype the model runs (the device shapes neither weights nor statistics keys)."""
+
+    device: str = field(default="cpu", metadata={"cell_only": True})
+    dtype: DType = DType.FLOAT32
+
+    def __post_init__(self) -> None:
+        _set(self, "dtype", _choice(DType, self.dtype, "dtype"))
+
+
+# ----------------------------------------------------------------------------- generic helpers
+
+
+def _plain(value: Any) -> Any:
+    """JSON-able form: dataclasses as dicts, enums as their values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+FieldFilter = Callable[[dataclasses.Field], bool]
+
+
+def _not_cell_only(f: dataclasses.Field) -> bool:
+    return not f.metadata.get("cell_only", False)
+
+
+def _diff(obj: Any, ref: Any, keep: FieldFilter | None = None) -> dict[str, Any]:
+    """The fields of dataclass ``obj`` that differ from ``ref`` (same type), nested, JSON-able.
+
+    ``keep`` filters the fields of ``obj`` itself (not of nested specs).
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if keep is not None and not keep(f):
+            continue
+        value, default = getattr(obj, f.name), getattr(ref, f.name)
+        if dataclasses.is_dataclass(value) and type(value) is type(default):
+            sub = _diff(value, default)
+            if sub:
+                out[f.name] = sub
+        elif value != default:
+            out[f.name] = _plain(value)
+    return out
+
+
+def versioned_hash(payload: Mapping[str, Any]) -> str:
+    """``v<KEY_VERSION>-`` + 16 hex digits of the SHA-256 of ``payload`` (sorted-key JSON)."""
+    text = json.dumps({"version": KEY_VERSION, **payload}, sort_keys=True, default=str)
+    return f"v{KEY_VERSION}-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _default(cls: type) -> Any:
+    return cls()
+
+
+@functools.cache
+def flat_fields(cls: type) -> dict[str, tuple[str, ...]]:
+    """Flat name -> attribute path (``"k_group" -> ("quant", "k", "group_size")``) of config class ``cls``.
+
+    Derived from the dataclass fields of ``cls()`` and their metadata (module docstring); flat names
+    are unique.
+    """
+    table: dict[str, tuple[str, ...]] = {}
+
+    def walk(obj: Any, path: tuple[str, ...], prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value) and not f.metadata.get("leaf", False):
+                walk(value, (*path, f.name), f.metadata.get("prefix", prefix))
+                continue
+            name = f.metadata.get("flat")
+            if name is None:
+                short = f.metadata.get("short", f.name)
+                name = f"{prefix}_{short}" if prefix else short
+            if name in table:
+                raise TypeError(f"flat name {name!r} of {'.'.join((*path, f.name))} is already "
+                                f"{'.'.join(table[name])}")
+            table[name] = (*path, f.name)
+
+    walk(_default(cls), (), "")
+    return table
+
+
+class _Node(dict):
+    """A group of changes to one nested spec (distinguishes specs from dict-valued leaves)."""
+
+
+def _apply(obj: Any, changes: Mapping[str, Any]) -> Any:
+    kwargs = {name: _apply(getattr(obj, name), value) if isinstance(value, _Node) else value
+              for name, value in changes.items()}
+    return dataclasses.replace(obj, **kwargs)
+
+
+def _build(default: Any, data: Mapping[str, Any], where: str) -> Any:
+    """A dataclass like ``default`` with the fields given in nested ``data`` (the others default)."""
+    names = {f.name for f in dataclasses.fields(default)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise PipelineError(f"unknown field(s) {unknown} in {where}; valid: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        current = getattr(default, name)
+        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+            value = _build(current, value, f"{where}.{name}")
+        kwargs[name] = value
+    return dataclasses.replace(default, **kwargs)
+
+
+# ----------------------------------------------------------------------------- the run configuration
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One cell of an experiment (frozen). Build it from specs, :meth:`from_flat` or :meth:`from_dict`.
+
+    Bits of 16 (or more) switch a quantiser off; groups of -1 mean the whole row (activations) or the
+    whole head (K/V). Flat names read as attributes: ``cfg.k_bits is cfg.quant.k.bits``.
+    """
+
+    model: str = DEFAULT_MODEL
+    corpus: str = field(default=DEFAULT_CORPUS, metadata={"calibration": True})
+    seed: int = 0
+    quant: QuantSpecs = field(default_factory=QuantSpecs)
+    rotation: RotationSpec = field(default_factory=RotationSpec)
+    online: R3Spec = field(default_factory=R3Spec)
+    budget: Budget = field(default_factory=Budget)
+    runtime: Runtime = field(default_factory=Runtime)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(default) and not isinstance(getattr(self, f.name), type(default)):
+                raise PipelineError(f"{f.name} must be a {type(default).__name__}, "
+                                    f"got {type(getattr(self, f.name)).__name__}")
+        if self.online.objective == Objective.RANGE and self.quant.k.group_size != -1:
+            raise PipelineError("objective 'range' scores whole-head K groups: it needs k_group=-1")
+
+    # -- flat names
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        path = flat_fields(type(self)).get(name)
+        if path is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value: Any = self
+        for part in path:
+            value = getattr(value, part)
+        return value
+
+    @classmethod
+    def from_flat(cls, **flat: Any) -> RunConfig:
+        """The default config with flat-named fields set (``from_flat(w_bits=3, r3="pairwise_only")``)."""
+        return _default(cls).override(**flat)
+
+    def override(self, **flat: Any) -> RunConfig:
+        """A copy with flat-named fields replaced; unknown names raise :class:`PipelineError`."""
+        table = flat_fields(type(self))
+        unknown = sorted(set(flat) - set(table))
+        if unknown:
+            raise PipelineError(f"unknown configuration field(s) {', '.join(unknown)}; valid: {', '.join(table)}")
+        tree = _Node()
+        for name, value in flat.items():
+            node = tree
+            *parents, leaf = table[name]
+            for part in parents:
+                node = node.setdefault(part, _Node())
+            node[leaf] = value
+        try:
+            return _apply(self, tree)
+        except (QuantConfigError, GPTQError) as exc:
+            raise PipelineError(f"{exc} (setting {', '.join(flat)})") from None
+
+    def flat(self) -> dict[str, Any]:
+        """Every flat name with its value (enums as values; ``gptq`` as a GPTQConfig)."""
+        return {name: _plain(getattr(self, name)) if name != "gptq" else self.quant.w.gptq
+                for name in flat_fields(type(self))}
+
+    # -- (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested JSON-able dict (:meth:`from_dict` inverts it)."""
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
+        """Rebuild from :meth:`to_dict` output, or from the flat dict of the former flat ``RunConfig``
+        (manifests and cell records of older results directories). Missing fields take their defaults."""
+        default = _default(cls)
+        specs = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(getattr(default, f.name))}
+        if specs & set(data):
+            try:
+                return _build(default, data, cls.__name__)
+            except (QuantConfigError, GPTQError, TypeError) as exc:
+                raise PipelineError(f"bad configuration dict: {exc}") from None
+        flat = dict(data)
+        if isinstance(flat.get("gptq"), Mapping):
+            try:
+                flat["gptq"] = GPTQConfig(**flat["gptq"])
+            except (GPTQError, TypeError) as exc:
+                raise PipelineError(f"bad gptq settings: {exc}") from None
+        return cls.from_flat(**flat)
+
+    # -- keys
+
+    def key(self) -> str:
+        """The cell's identity (caches, records, resume): a versioned hash of the non-default fields."""
+        return versioned_hash(_diff(self, _default(type(self))))
+
+    @property
+    def gptq_sees_act_quant(self) -> bool:
+        """GPTQ Hessians are accumulated on the quantised activations when activation quant is on."""
+        q = self.quant
+        return q.w.mode == WeightMode.GPTQ and (q.a.enabled or q.static_act)
+
+    @property
+    def uses_calibration_for_weights(self) -> bool:
+        """GPTQ (Hessians) and whip rotations (fits) read the calibration windows."""
+        return self.quant.w.mode == WeightMode.GPTQ or self.rotation.uses_calibration
+
+    def _calibration(self, ref: RunConfig) -> dict[str, Any]:
+        """The calibration sample: the corpus and the budget fields that are not evaluation-only."""
+        top = _diff(self, ref, keep=lambda f: f.metadata.get("calibration", False))
+        return {**top, **_diff(self.budget, ref.budget, keep=_not_cell_only)}
+
+    def _activations(self, ref: RunConfig) -> dict[str, Any]:
+        """The activation quantiser: the dynamic spec and whether the static control replaces it."""
+        return {**_diff(self.quant.a, ref.quant.a), **({"static": True} if self.quant.static_act else {})}
+
+    def _weights(self, ref: RunConfig) -> dict[str, Any]:
+        """The weight quantiser; GPTQ-only settings count for GPTQ only, and nothing counts when off."""
+        w, rw = self.quant.w, ref.quant.w
+        if w.mode == WeightMode.NONE:
+            return {"mode": w.mode.value}
+        out = _diff(w, rw, keep=lambda f: f.name != "gptq")
+        rtn_only = None if w.mode == WeightMode.GPTQ else (lambda f: f.metadata.get("rtn", False))
+        gptq = _diff(w.gptq, rw.gptq, keep=rtn_only)
+        return {**out, **({"gptq": gptq} if gptq else {})}
+
+    def weight_fields(self) -> dict[str, Any]:
+        """What determines the quantised weights (never the R3 spec, K/V or evaluation settings)."""
+        ref = _default(type(self))
+        top = _diff(self, ref, keep=lambda f: not f.metadata.get("calibration", False)
+                    and not dataclasses.is_dataclass(getattr(ref, f.name)))
+        parts: dict[str, Any] = {"format": WEIGHT_CACHE_FORMAT, **top,
+                                 "runtime": _diff(self.runtime, ref.runtime, keep=_not_cell_only),
+                                 "rotation": _diff(self.rotation, ref.rotation), "weights": self._weights(ref)}
+        if self.uses_calibration_for_weights:
+            parts["calibration"] = self._calibration(ref)
+        if self.gptq_sees_act_quant:
+            parts["activations"] = self._activations(ref)
+        return parts
+
+    def weight_key(self) -> str:
+        """Versioned hash of :meth:`weight_fields`: shared by every R3 variant (and K/V setting) of a seed."""
+        return versioned_hash(self.weight_fields())
+
+    def stats_key(self) -> str:
+        """Versioned hash of what determines the calibration statistics: weights, activation quantisers,
+        calibration sample and K sample size."""
+        ref = _default(type(self))
+        return versioned_hash({"weights": self.weight_fields(), "calibration": self._calibration(ref),
+                               "activations": self._activations(ref), "k_sample": K_SAMPLE_ROWS})
