@@ -87,16 +87,17 @@ def _delta_panel(ax: Any, names: Sequence[str], values: Mapping[str, Mapping[int
             continue
         per = values.get(name, {})
         diffs = [per[s] - control[s] for s in per if s in control]
-        ax.plot(diffs, [row] * len(diffs), "o", color="0.55", ms=4, ls="none",
-                label="per-seed Δ" if row == next((i for i, n in enumerate(names) if n != comparator), -1)
-                else None)
+        first = row == next((i for i, n in enumerate(names) if n != comparator), -1)
+        ax.plot(diffs, [row + 0.22] * len(diffs), "o", color="0.45", ms=4, ls="none",
+                label="per-seed Δ" if first else None)
         block = blocks.get(name)
         if not block:
             continue
         err = None
         if block.get("low") is not None:
             err = [[block["mean"] - block["low"]], [block["high"] - block["mean"]]]
-        ax.errorbar([block["mean"]], [row], xerr=err, fmt="D", color="tab:blue", capsize=4, ms=6, lw=2)
+        ax.errorbar([block["mean"]], [row], xerr=err, fmt="D", color="tab:blue", capsize=4, ms=6, lw=2,
+                    label="mean Δ with its interval" if first else None)
         text = f"{block['mean']:+.3g}" + (f"  [{block['low']:+.3g}, {block['high']:+.3g}]" if err else
                                           f"  (n={block['n']})")
         ax.annotate(text, (block["mean"], row), xytext=(0, 9), textcoords="offset points", ha="center",
@@ -105,7 +106,10 @@ def _delta_panel(ax: Any, names: Sequence[str], values: Mapping[str, Mapping[int
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlabel(xlabel)
     ax.grid(axis="x", color="0.85", lw=0.6)
-    ax.legend(fontsize=8, loc="best")
+    if comparator in names:  # the comparator's row of this panel is empty: the legend goes there
+        ax.legend(fontsize=8, loc="upper center", ncol=3, framealpha=0.9, borderaxespad=0.3)
+    else:
+        ax.legend(fontsize=8, loc="best")
 
 
 def _ordered(names: Sequence[str], comparator: str) -> list[str]:
