@@ -60,8 +60,9 @@ def _values_panel(ax: Any, names: Sequence[str], seeds: Sequence[int], values: M
         per = values.get(name, {})
         for i, seed in enumerate(seeds):
             if seed in per:
-                ax.plot(per[seed], row, _SEED_MARKERS[i % len(_SEED_MARKERS)], color=colours[seed], ms=6, ls="none",
-                        label=None if seed in labelled else f"seed {seed}")
+                jitter = (i - (len(seeds) - 1) / 2) * min(0.1, 0.5 / max(len(seeds), 1))  # equal values stay visible
+                ax.plot(per[seed], row + jitter, _SEED_MARKERS[i % len(_SEED_MARKERS)], color=colours[seed], ms=6,
+                        ls="none", label=None if seed in labelled else f"seed {seed}")
                 labelled.add(seed)
         if per:
             mean = sum(per.values()) / len(per)
@@ -72,6 +73,7 @@ def _values_panel(ax: Any, names: Sequence[str], seeds: Sequence[int], values: M
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlabel(xlabel)
     ax.grid(axis="x", color="0.85", lw=0.6)
+    ax.margins(x=0.08)
     if labelled:
         ax.legend(fontsize=8, loc="best")
 
@@ -106,6 +108,7 @@ def _delta_panel(ax: Any, names: Sequence[str], values: Mapping[str, Mapping[int
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlabel(xlabel)
     ax.grid(axis="x", color="0.85", lw=0.6)
+    ax.margins(x=0.18)  # room for the interval labels
     if comparator in names:  # the comparator's row of this panel is empty: the legend goes there
         ax.legend(fontsize=8, loc="upper center", ncol=3, framealpha=0.9, borderaxespad=0.3)
     else:

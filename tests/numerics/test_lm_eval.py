@@ -78,16 +78,18 @@ def _sentences(text: str) -> list[str]:
 
 def write_next_sentence_task(folder: Path, n_items: int = 8, seed: int = 0,
                              name: str = "pydoc_next_sentence") -> Path:
-    """A 4-way multiple-choice task: which sentence follows a pydoc sentence (3 distractors from other docs)."""
+    """A 4-way multiple-choice task: which sentence follows (up to) two sentences of a pydoc paragraph; the 3
+    distractors are sentences of other documents."""
     rng = random.Random(seed)
     docs = [_sentences(d.text) for d in data.load_text("pydoc").eval]
     ok = [[s for s in doc if 6 <= len(s.split()) <= 24] for doc in docs]
     items = []
     for i, doc in enumerate(docs):
-        pairs = [(a, b) for a, b in zip(doc, doc[1:], strict=False) if a in ok[i] and b in ok[i]]
+        pairs = [(j, b) for j, b in enumerate(doc[1:], 1) if b in ok[i] and sum(map(len, doc[max(0, j - 2):j])) < 400]
         if not pairs:
             continue
-        context, true = pairs[0]
+        j, true = pairs[0]
+        context = " ".join(doc[max(0, j - 2):j])  # up to two sentences of the same paragraph
         pool = [s for j, other in enumerate(ok) if j != i for s in other]
         choices = [true, *rng.sample(pool, 3)]
         rng.shuffle(choices)
@@ -101,7 +103,8 @@ def write_next_sentence_task(folder: Path, n_items: int = 8, seed: int = 0,
         f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {jsonl}\n"
         f"  cache_dir: {folder / 'hf-cache'}\ntest_split: test\noutput_type: multiple_choice\n"
         "doc_to_text: context\ndoc_to_choice: choices\ndoc_to_target: label\nmetric_list:\n"
-        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
     return folder
 
 
