@@ -8,6 +8,7 @@ Subcommands::
     rope-quant support       mixing support: block size b = 2 ... d_h (K range, relative error, gap)
     rope-quant estimators    rows / k_only / balanced (+ φ* with --phi-star)
     rope-quant long-context  perplexity gap against context length L (crossover)
+    rope-quant lm-eval       lm-evaluation-harness tasks on the quantised models (extra ``[eval]``)
     rope-quant verify        φ* artefacts of a results directory (App. A.5)
     rope-quant report        tables and figures from a results directory (--check: completion only)
 
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     _sweep_options(p)
 
+    add_lm_eval_parser(sub)
+
     p = sub.add_parser("verify", help="verify φ* from the artefacts of a results directory")
     p.add_argument("dir", metavar="DIR", help="results directory")
     p.add_argument("--all", action="store_true",
@@ -427,6 +430,9 @@ def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[s
     print(rep["markdown"])
     print(f"wrote {out / 'summary.json'} and {out / 'summary.md'} "
           f"(wall {time.perf_counter() - start:.1f}s)")
+    for path in rep["files"]:
+        if str(path).endswith(".png"):
+            print(f"figure: {path}")
     return 1 if result.failed else 0
 
 
@@ -551,6 +557,73 @@ def cmd_long_context(args: argparse.Namespace, cells: Cells) -> int:
     return _execute(args, cells, manifest, used)
 
 
+# ----------------------------------------------------------------------------- lm-eval
+
+
+def add_lm_eval_parser(sub: Any) -> argparse.ArgumentParser:
+    """``rope-quant lm-eval``: lm-evaluation-harness tasks on the quantised model of each config and seed."""
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on the quantised models (offline)",
+                       description="Score the quantised model of every config and seed with lm-evaluation-harness "
+                                   "(pip install -e \".[eval]\"). Tasks and data come from the local Hugging Face "
+                                   "datasets cache or local files (--include-path); nothing is downloaded.")
+    p.add_argument("--configs", default="hadamard,pairwise_only", metavar="A,B,...",
+                   help="R3 configs (default hadamard,pairwise_only)")
+    p.add_argument("--tasks", required=True, metavar="T1,T2,...",
+                   help="lm-eval task (or group) names, e.g. piqa,arc_easy,hellaswag,winogrande,lambada_openai")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="folder of local lm-eval task YAMLs")
+    p.add_argument("--only-include-path", action="store_true",
+                   help="index only the tasks under --include-path (skips lm-eval's built-in task index)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="at most N documents per task")
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="K", help="few-shot examples (task default)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B", help="lm-eval batch size (default 1)")
+    p.add_argument("--max-length", type=int, default=None, metavar="N",
+                   help="lm-eval's window length (default: the model's maximum)")
+    _common(p)
+    _sweep_options(p)
+    return p
+
+
+def cmd_lm_eval(args: argparse.Namespace, cells: Cells) -> int:
+    """Build the lm-eval manifest (config x seed) and run it like every other sweep."""
+    from rope_quant.sweep.lm_eval import lm_eval_manifest
+
+    _validate_common(args)
+    configs = parse_configs(args.configs)
+    tasks = tuple(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))
+    if not tasks:
+        raise CLIError("--tasks is empty")
+    if args.include_path is not None and not Path(args.include_path).expanduser().is_dir():
+        raise CLIError(f"--include-path {args.include_path}: not a directory")
+    if args.only_include_path and args.include_path is None:
+        raise CLIError("--only-include-path needs --include-path")
+    for flag in ("limit", "num_fewshot", "max_length"):
+        value = getattr(args, flag)
+        if value is not None and value < (1 if flag != "num_fewshot" else 0):
+            raise CLIError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if cells.cell_fn is None:  # the real pipeline needs lm-eval: say so before any cell runs
+        from rope_quant.experiment.lm_eval import LmEvalMissingError, require_lm_eval
+
+        try:
+            require_lm_eval()
+        except LmEvalMissingError as exc:
+            raise CLIError(str(exc)) from None
+    if args.comparator not in configs:
+        print(f"note: comparator {args.comparator!r} is not among --configs: no paired statistics",
+              file=sys.stderr)
+    used: list[str] = []
+    seeds = _seeds(args, used)
+    used += resolve_budget(args)[1]
+    manifest = lm_eval_manifest(base_config(args), configs, seeds, tasks, include_path=args.include_path,
+                                include_defaults=not args.only_include_path, limit=args.limit,
+                                num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                                max_length=args.max_length, comparator=args.comparator)
+    print(f"lm-eval tasks: {', '.join(tasks)}" + (f" (local YAMLs: {args.include_path})" if args.include_path
+                                                  else ""), flush=True)
+    return _execute(args, cells, manifest, used)
+
+
 def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.calib import verify
     from rope_quant.io import atomic_write_json, markdown_table
@@ -615,7 +688,7 @@ def cmd_report(args: argparse.Namespace, cells: Cells) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Cells], int]] = {
     "run": cmd_run, "compare": cmd_compare, "support": cmd_support, "estimators": cmd_estimators,
-    "long-context": cmd_long_context, "verify": cmd_verify, "report": cmd_report,
+    "long-context": cmd_long_context, "verify": cmd_verify, "report": cmd_report, "lm-eval": cmd_lm_eval,
 }
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.io import atomic_writer
-from rope_quant.sweep.manifest import LongContextConfig
+from rope_quant.sweep.manifest import LmEvalConfig, LongContextConfig
 from rope_quant.sweep.models import ModelCache, process_models
 
 CellFn = Callable[[Any], Mapping[str, Any]]
@@ -70,7 +70,9 @@ def pipeline_cell_fn(
     (docs/ARCHITECTURE.md).
 
     Short-context cells give ``pipeline.run_cell``'s dict; :class:`LongContextConfig` cells give
-    ``{"lengths": {L: {ppl, nll, n_windows, n_tokens, seqlen} | {error...}}, k_range_mean, ...}``.
+    ``{"lengths": {L: {ppl, nll, n_windows, n_tokens, seqlen} | {error...}}, k_range_mean, ...}``;
+    :class:`LmEvalConfig` cells give lm-eval's ``{"tasks": {task: {metric: value}}, "samples": ...}``
+    (:class:`rope_quant.sweep.lm_eval.LmEvalCells`).
     With ``artifacts`` (a results directory) each cell's angles, statistics and frequencies are saved
     under :func:`artifact_dir` for ``rope-quant verify``.
     """
@@ -80,6 +82,7 @@ def pipeline_cell_fn(
 
     cache = models if models is not None else process_models()
     current: list[Any] = []  # the last built QuantizedModel, reused for R3 variants of the same seed
+    lm_eval_cells: list[Any] = []  # created on the first lm-eval cell (lm-eval is an optional extra)
 
     def model_for(run_cfg: Any) -> tuple[Any, bool]:
         """Reconfigure the last model when only R3/KV settings differ (paired design), else build.
@@ -108,7 +111,7 @@ def pipeline_cell_fn(
         return qm, False
 
     def run(cfg: Any) -> Mapping[str, Any]:
-        run_cfg = cfg.run if isinstance(cfg, LongContextConfig) else cfg
+        run_cfg = cfg.run if isinstance(cfg, (LongContextConfig, LmEvalConfig)) else cfg
         try:
             qm, reused = model_for(run_cfg)
         except BaseException:
@@ -116,6 +119,12 @@ def pipeline_cell_fn(
             raise
         if artifacts is not None and _uses_angles(run_cfg):
             save_artifacts(artifact_dir(artifacts, cfg), qm)
+        if isinstance(cfg, LmEvalConfig):
+            if not lm_eval_cells:
+                from rope_quant.sweep.lm_eval import LmEvalCells
+
+                lm_eval_cells.append(LmEvalCells())
+            return {**lm_eval_cells[0](cfg, qm), "model_reused": reused}
         if not isinstance(cfg, LongContextConfig):
             return {**pipeline.run_cell(run_cfg, qm=qm, progress=progress), "model_reused": reused}
         from rope_quant.experiment import evaluate

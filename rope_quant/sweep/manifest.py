@@ -134,11 +134,76 @@ class LongContextConfig:
         return out
 
 
+@dataclass(frozen=True)
+class LmEvalConfig:
+    """An lm-evaluation-harness cell: the quantised model of a RunConfig scored on lm-eval ``tasks``.
+
+    ``key()`` adds the task settings to the run's key (``batch_size`` is left out: scores do not depend on
+    it); ``weight_key()`` is the run's, so lm-eval cells share weights and calibration with the other cells
+    of the same seed. ``include_path`` is a folder of local task YAMLs; ``include_defaults=False`` indexes
+    only those (faster); ``limit`` caps the documents per task; ``max_length`` bounds lm-eval's windows.
+    """
+
+    run: Any
+    tasks: tuple[str, ...]
+    include_path: str | None = None
+    include_defaults: bool = True
+    limit: int | None = None
+    num_fewshot: int | None = None
+    batch_size: int = 1
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        tasks = tuple(str(t) for t in self.tasks)
+        if not tasks or any(not t for t in tasks) or len(set(tasks)) != len(tasks):
+            raise SweepError(f"tasks must be distinct non-empty names, got {self.tasks!r}")
+        object.__setattr__(self, "tasks", tasks)
+        for name in ("limit", "num_fewshot", "max_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise SweepError(f"{name} must be None or a non-negative integer, got {value!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise SweepError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        if not self.include_defaults and not self.include_path:
+            raise SweepError("include_defaults=False needs an include_path with local task YAMLs")
+
+    @property
+    def seed(self) -> int:
+        return config_seed(self.run)
+
+    @property
+    def model(self) -> str:
+        return self.run.model
+
+    @property
+    def device(self) -> str:
+        return getattr(self.run, "device", "cpu")
+
+    def _task_fields(self) -> dict[str, Any]:
+        return {"tasks": list(self.tasks), "include_path": self.include_path,
+                "include_defaults": self.include_defaults, "limit": self.limit,
+                "num_fewshot": self.num_fewshot, "max_length": self.max_length}
+
+    def key(self) -> str:
+        blob = json.dumps({"run": self.run.key(), "lm_eval": self._task_fields()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def weight_key(self) -> str:
+        return self.run.weight_key()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": config_dict(self.run), "lm_eval": {**self._task_fields(), "batch_size": self.batch_size}}
+
+
 def config_from_dict(data: Mapping[str, Any]) -> Any:
-    """Rebuild a cell config from its manifest dict (``RunConfig`` or :class:`LongContextConfig`); the
-    run's dict may be nested or the flat form of older results directories."""
+    """Rebuild a cell config from its manifest dict (``RunConfig``, :class:`LongContextConfig` or
+    :class:`LmEvalConfig`); the run's dict may be nested or the flat form of older results directories."""
     from rope_quant.experiment import config  # deferred: heavy
 
+    if "run" in data and "lm_eval" in data:
+        fields = dict(data["lm_eval"])
+        fields["tasks"] = tuple(fields["tasks"])
+        return LmEvalConfig(config.RunConfig.from_dict(dict(data["run"])), **fields)
     if "run" in data and "lengths" in data:
         return LongContextConfig(config.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),
                                  matched_average=bool(data.get("matched_average", False)))

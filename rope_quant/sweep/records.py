@@ -65,7 +65,7 @@ def result_record(name: str, cfg: Any, result: Mapping[str, Any], elapsed: float
     }
     if not record_is_complete(record, cfg.key()):
         record["status"] = "error"
-        record["error"] = {"type": "IncompleteResult", "message": "result has neither 'ppl' nor 'lengths'",
+        record["error"] = {"type": "IncompleteResult", "message": "result has no 'ppl', 'lengths' or 'tasks'",
                            "traceback": ""}
     return record
 
@@ -88,7 +88,7 @@ def read_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def record_is_complete(record: Mapping[str, Any] | None, key: str | None) -> bool:
-    """A record is complete iff its key matches and its result holds a ``ppl`` or ``lengths`` entry."""
+    """A record is complete iff its key matches and its result holds a ``ppl``, ``lengths`` or ``tasks`` entry."""
     if not isinstance(record, Mapping) or record.get("key") != key or key is None:
         return False
     result = record.get("result")
@@ -98,14 +98,19 @@ def record_is_complete(record: Mapping[str, Any] | None, key: str | None) -> boo
     if isinstance(ppl, (int, float)) and not isinstance(ppl, bool):
         return True
     lengths = result.get("lengths")
-    return isinstance(lengths, Mapping) and len(lengths) > 0
+    if isinstance(lengths, Mapping) and len(lengths) > 0:
+        return True
+    tasks = result.get("tasks")  # lm-eval cells: {task: {metric: value}}
+    return isinstance(tasks, Mapping) and len(tasks) > 0 and all(isinstance(v, Mapping) and v for v in
+                                                                 tasks.values())
 
 
 def is_complete(path: str | os.PathLike[str], key: str | None = None) -> bool:
     """THE completion predicate, shared by the runner (resume) and the verifier (``status``/``--check``).
 
     True iff the file exists, parses, its ``key`` equals ``key`` (default: the key in the file name
-    ``seed<k>-<key>.json``) and its ``result`` has a numeric ``ppl`` or a non-empty ``lengths``.
+    ``seed<k>-<key>.json``) and its ``result`` has a numeric ``ppl``, a non-empty ``lengths`` or non-empty
+    lm-eval ``tasks`` metrics.
     """
     path = Path(path)
     expected = key if key is not None else _key_from_filename(path)

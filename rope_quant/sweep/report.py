@@ -27,6 +27,7 @@ from typing import Any
 
 from rope_quant.core import stats
 from rope_quant.io import atomic_write_json, atomic_write_text, atomic_writer, markdown_table
+from rope_quant.sweep.figures import write_figures
 from rope_quant.sweep.manifest import read_manifest
 from rope_quant.sweep.records import complete_records, status
 
@@ -122,6 +123,64 @@ def _seed_map(values: Mapping[str, Mapping[int, Any]], name: str) -> dict[int, A
     return dict(values.get(name, {}))
 
 
+#: lm-eval numbers that are bookkeeping, not metrics.
+LM_EVAL_SKIP = ("sample_len",)
+
+
+def lm_eval_summary(
+    records: Sequence[Mapping[str, Any]], name_order: Sequence[str], seed_order: Sequence[int], comparator: str,
+    level: float = DEFAULT_LEVEL,
+) -> dict[str, Any]:
+    """lm-eval metrics of the complete cells, paired within seed against ``comparator`` (empty if none).
+
+    Shape::
+
+        {"tasks": [...], "metrics": {task: [metric, ...]}, "seeds": {name: [...]},
+         "configs": {name: {task: {metric: [value per seed of seeds[name]]}}},
+         "paired": {task: {metric: {name: paired block (mean, sd, low, high, n, p, ...)}}},
+         "higher_is_better": {metric: bool | None}}
+
+    Stderr entries (``*_stderr``) are left out; Δ = metric(config) − metric(comparator) within seed.
+    """
+    values: dict[str, dict[str, dict[str, dict[int, float]]]] = {}  # name -> task -> metric -> seed -> value
+    for rec in records:
+        tasks = rec["result"].get("tasks")
+        if not isinstance(tasks, Mapping):
+            continue
+        for task, metrics in tasks.items():
+            for metric, value in metrics.items():
+                if metric.endswith("_stderr") or metric in LM_EVAL_SKIP or not _finite(value):
+                    continue
+                per = values.setdefault(rec["name"], {}).setdefault(task, {}).setdefault(metric, {})
+                per[int(rec["seed"])] = float(value)
+    if not values:
+        return {}
+    names = [n for n in name_order if n in values]
+    tasks = list(dict.fromkeys(t for n in names for t in values[n]))
+    metrics = {t: list(dict.fromkeys(m for n in names for m in values[n].get(t, {}))) for t in tasks}
+    seeds = {n: [s for s in seed_order if any(s in per for tv in values[n].values() for per in tv.values())]
+             for n in names}
+    configs = {n: {t: {m: [values[n][t][m].get(s) for s in seeds[n]] for m in values[n][t]} for t in values[n]}
+               for n in names}
+    paired: dict[str, dict[str, dict[str, Any]]] = {}
+    for task in tasks:
+        for metric in metrics[task]:
+            control = values.get(comparator, {}).get(task, {}).get(metric, {})
+            for name in names:
+                treat = values[name].get(task, {}).get(metric, {})
+                if name == comparator or not control or not treat:
+                    continue
+                block = paired_block(treat, control, comparator, level)
+                if block is not None:
+                    block.pop("equivalence")
+                    paired.setdefault(task, {}).setdefault(metric, {})[name] = block
+    lower = ("perplexity", "bits_per_byte", "loss")
+    higher = {m: (False if any(w in m for w in lower) else True if m.startswith(("acc", "exact_match", "f1"))
+                  else None) for t in tasks for m in metrics[t]}
+    return {"tasks": tasks, "metrics": metrics, "seeds": seeds, "configs": configs, "paired": paired,
+            "higher_is_better": higher}
+
+
 def summarize(
     results_dir: str | os.PathLike[str],
     *,
@@ -140,7 +199,8 @@ def summarize(
          "paired": {NAME: {"comparator", "n", "mean", "sd", "low", "high", "p", "seeds", "level"}},
          "equivalence": {NAME: {"0.02": bool, "0.05": bool, "0.10": bool}},
          "holm": {"family": [...], "alpha": .., "results": {NAME: {"p", "p_holm", "reject", "stars"}}},
-         "seeds": [...], "comparator": .., "kind": .., "meta": {...}, "long_context": {...}, "status": {...}}
+         "seeds": [...], "comparator": .., "kind": .., "meta": {...}, "long_context": {...},
+         "lm_eval": {...} (see :func:`lm_eval_summary`), "status": {...}}
 
     Per-config lists are aligned with that config's ``seeds``. ``paired`` excludes the comparator.
     """
@@ -167,6 +227,8 @@ def summarize(
                 lengths.setdefault(name, {}).setdefault(int(length), {})[seed] = (
                     float(value) if _finite(value) else None
                 )
+
+    lm_eval = lm_eval_summary(records, name_order, seed_order, comparator, level)
 
     configs: dict[str, Any] = {}
     for name in name_order:
@@ -226,7 +288,8 @@ def summarize(
     summary = {
         "kind": manifest.get("kind", "custom"),
         "comparator": comparator,
-        "seeds": [s for s in seed_order if any(s in per for per in ppl.values())],
+        "seeds": [s for s in seed_order if any(s in per for per in ppl.values())
+                  or any(s in seeds for seeds in (lm_eval.get("seeds") or {}).values())],
         "level": level,
         "margins": [margin_key(m) for m in margins],
         "configs": configs,
@@ -235,6 +298,7 @@ def summarize(
         "holm": holm,
         "meta": manifest.get("meta") or {},
         "long_context": long_context,
+        "lm_eval": lm_eval,
         "status": {"total": st.total, "complete": len(st.complete), "failed": st.failed,
                    "missing": st.missing},
     }
@@ -399,6 +463,46 @@ def crossover_table(summary: Mapping[str, Any]) -> Table | None:
                         "a sign change in L is a crossover."])
 
 
+def lm_eval_table(summary: Mapping[str, Any]) -> Table | None:
+    """lm-eval metrics per task and config: per-seed values, mean ± sd, Δ vs the comparator with its CI."""
+    lm = summary.get("lm_eval") or {}
+    if not lm:
+        return None
+    comp = summary["comparator"]
+    level = int(round(100 * summary.get("level", DEFAULT_LEVEL)))
+    seeds = list(dict.fromkeys(s for per in lm["seeds"].values() for s in per))
+    seed_cols = [f"seed {s}" for s in seeds]
+    columns = ["task", "metric", "config", *seed_cols, "mean", "sd", "delta", "sd_delta", "ci_low", "ci_high",
+               "n_pairs", "p"]
+    rows, md_rows = [], []
+    for task in lm["tasks"]:
+        for metric in lm["metrics"][task]:
+            for name, per_task in lm["configs"].items():
+                vals = per_task.get(task, {}).get(metric)
+                if vals is None:
+                    continue
+                per_seed = dict(zip(lm["seeds"][name], vals, strict=True))
+                block = lm["paired"].get(task, {}).get(metric, {}).get(name)
+                row = {"task": task, "metric": metric, "config": name,
+                       **{f"seed {s}": per_seed.get(s) for s in seeds}, "mean": _mean(vals), "sd": _sd(vals),
+                       "delta": block["mean"] if block else (0.0 if name == comp else None),
+                       "sd_delta": block["sd"] if block else None, "ci_low": block["low"] if block else None,
+                       "ci_high": block["high"] if block else None, "n_pairs": block["n"] if block else None,
+                       "p": block["p"] if block else None}
+                rows.append(row)
+                md_rows.append({
+                    "task": task, "metric": metric, "config": f"**{name}**" if name == comp else name,
+                    **{f"seed {s}": _fmt(per_seed.get(s), 4) for s in seeds},
+                    "mean ± sd": _mean_sd(row["mean"], row["sd"]),
+                    f"Δ vs {comp} [{level}% CI]": "(comparator)" if name == comp else _delta_ci(block),
+                })
+    md_cols = ["task", "metric", "config", *seed_cols, "mean ± sd", f"Δ vs {comp} [{level}% CI]"]
+    return Table("lm-eval", f"lm-eval metrics per seed, paired against {comp}", columns, rows, md_cols, md_rows,
+                 notes=[f"Δ = metric(config) − metric({comp}) within seed (accuracies as fractions); {level}% "
+                        "paired t interval over seeds. acc: higher is better; perplexities and bits_per_byte: "
+                        "lower is better."])
+
+
 def _meta_table(summary: Mapping[str, Any], key: str) -> list[tuple[Any, str]]:
     meta = summary.get("meta") or {}
     return [(meta[name][key], name) for name in summary["configs"] if key in meta.get(name, {})]
@@ -504,7 +608,7 @@ def build_tables(summary: Mapping[str, Any]) -> list[Table]:
     if summary["paired"]:
         tables.append(corrected_star_table(summary))
     tables += [beyond_table(summary), estimators_table(summary), support_table(summary),
-               crossover_table(summary)]
+               crossover_table(summary), lm_eval_table(summary)]
     return [t for t in tables if t is not None]
 
 
@@ -686,6 +790,7 @@ def write_report(
             files.append(plot_beyond(by_name["beyond"], root / "figures" / "beyond.png"))
         if "mixing-support" in by_name and by_name["mixing-support"].rows:
             files.append(plot_support(by_name["mixing-support"], root / "figures" / "support.png"))
+        files += write_figures(summary, root / "figures")
         found = sorted(root.glob("**/*_pairs.csv"))
         csv_path = Path(phi_star_csv) if phi_star_csv else (found[0] if found else None)
         if csv_path is not None:
