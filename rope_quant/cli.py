@@ -319,9 +319,12 @@ def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
                   **budget)
     fields.update(overrides)
     try:
-        return config.RunConfig.from_flat(**fields)
+        cfg = config.RunConfig.from_flat(**fields)
     except config.PipelineError as exc:
         raise CLIError(str(exc)) from None
+    from rope_quant.experiment.identity import resolve_identity
+
+    return resolve_identity(cfg)  # keys follow the model's and the corpus's content, not their names
 
 
 def _seeds(args: argparse.Namespace, used: list[str]) -> tuple[int, ...]:
@@ -471,10 +474,10 @@ def cmd_run(args: argparse.Namespace, cells: Cells) -> int:
         write_manifest(out, manifest, merge=True)
         write_env(out, args.device)
         start = time.perf_counter()
-        _, ok = run_cell_record(name, cfg, out, cells.function(args, out), env_info(args.device))
-        print(f"{'done' if ok else 'FAILED'} in {time.perf_counter() - start:.1f}s: {path}")
+        written, ok = run_cell_record(name, cfg, out, cells.function(args, out), env_info(args.device))
+        print(f"{'done' if ok else 'FAILED'} in {time.perf_counter() - start:.1f}s: {written}")
         if not ok:
-            record = records.read_record(path) or {}
+            record = records.read_record(written) or {}
             print(f"error: {record.get('error', {}).get('type')}: {record.get('error', {}).get('message')}",
                   file=sys.stderr)
             return 1
@@ -629,6 +632,7 @@ def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.io import atomic_write_json, markdown_table
     from rope_quant.sweep.cells import ARTIFACTS_DIR
     from rope_quant.sweep.manifest import LongContextConfig, config_from_dict, read_manifest
+    from rope_quant.sweep.records import is_complete
 
     out = Path(args.dir)
     data = read_manifest(out)
@@ -639,6 +643,10 @@ def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
         if not (cfg.position_average or args.all):
             continue
         art = out / ARTIFACTS_DIR / entry["key"]
+        if not is_complete(out / entry["path"], entry["key"]):  # the runner's and report's predicate
+            rows.append({"config": entry["name"], "seed": entry["seed"], "verified": None,
+                         "worst_excess": None, "note": "cell not complete"})
+            continue
         if not (art / "angles.npy").is_file():
             rows.append({"config": entry["name"], "seed": entry["seed"], "verified": None,
                          "worst_excess": None, "note": "no artefacts (cell not run?)"})

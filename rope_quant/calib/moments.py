@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -528,7 +529,8 @@ class CalibrationStats:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CalibrationStats:
-        """Read accumulators written by :meth:`save`."""
+        """Read accumulators written by :meth:`save`; a truncated or malformed file raises
+        :class:`StatsFileError` naming it."""
         path = Path(path)
         if not path.is_file():
             raise MissingStatsFileError(f"calibration statistics file {str(path)!r} does not exist")
@@ -544,10 +546,11 @@ class CalibrationStats:
                         part.load_arrays(data)
                 except StatsFileError as exc:
                     raise StatsFileError(f"{path}: {exc}") from exc
-        except (KeyError, ValueError, OSError) as exc:
+        except (KeyError, ValueError, OSError, EOFError, TypeError, zipfile.BadZipFile) as exc:
             if isinstance(exc, CalibrationError):
                 raise
-            raise StatsFileError(f"{path} is not a valid calibration statistics file: {exc}") from exc
+            raise StatsFileError(f"{path} is not a valid calibration statistics file "
+                                 f"({type(exc).__name__}: {exc})") from exc
         return out
 
     # ------------------------------------------------------------------ pooled covariances

@@ -19,6 +19,12 @@ from the dataclass fields: a spec field's ``prefix`` metadata prefixes its leave
 stops the descent (``gptq``). :meth:`RunConfig.from_flat` / :meth:`RunConfig.override` build configs
 from flat names, and flat names read as attributes (``cfg.k_bits``).
 
+**Content identity.** ``model_id`` and ``corpus_id`` (None by default) hold content hashes of the model
+files and the corpus (:func:`rope_quant.experiment.identity.resolve_identity` sets them, the CLI before any
+cell runs). Where set, every key hashes the content identity instead of the model / corpus name, so a
+corpus rewritten under the same path changes the keys and a relative or absolute path to the same model
+does not.
+
 **Keys.** :meth:`RunConfig.key` (cell identity), :meth:`RunConfig.weight_key` (quantised weights) and
 :meth:`RunConfig.stats_key` (calibration statistics) hash only the fields that differ from the default
 ``RunConfig()``, prefixed with :data:`KEY_VERSION` (``v2-<16 hex>``): adding a field with a default keeps
@@ -396,6 +402,8 @@ class RunConfig:
     model: str = DEFAULT_MODEL
     corpus: str = field(default=DEFAULT_CORPUS, metadata={"calibration": True})
     seed: int = 0
+    model_id: str | None = field(default=None, metadata={"names": "model"})
+    corpus_id: str | None = field(default=None, metadata={"calibration": True, "names": "corpus"})
     quant: QuantSpecs = field(default_factory=QuantSpecs)
     rotation: RotationSpec = field(default_factory=RotationSpec)
     online: R3Spec = field(default_factory=R3Spec)
@@ -479,9 +487,21 @@ class RunConfig:
 
     # -- keys
 
+    def _keyed(self) -> RunConfig:
+        """The view the keys hash: a name whose content identity is set (``model_id``, ``corpus_id``) is
+        replaced by its default, so the keys follow the content, not the spelling of a path."""
+        ref = _default(type(self))
+        names = {}
+        for f in dataclasses.fields(self):
+            name = f.metadata.get("names")
+            if name is not None and getattr(self, f.name) is not None and getattr(self, name) != getattr(ref, name):
+                names[name] = getattr(ref, name)
+        return dataclasses.replace(self, **names) if names else self
+
     def key(self) -> str:
-        """The cell's identity (caches, records, resume): a versioned hash of the non-default fields."""
-        return versioned_hash(_diff(self, _default(type(self))))
+        """The cell's identity (caches, records, resume): a versioned hash of the non-default fields
+        (content identities in place of the model and corpus names where resolved)."""
+        return versioned_hash(_diff(self._keyed(), _default(type(self))))
 
     @property
     def gptq_sees_act_quant(self) -> bool:
@@ -515,6 +535,8 @@ class RunConfig:
 
     def weight_fields(self) -> dict[str, Any]:
         """What determines the quantised weights (never the R3 spec, K/V or evaluation settings)."""
+        if (keyed := self._keyed()) is not self:
+            return keyed.weight_fields()
         ref = _default(type(self))
         top = _diff(self, ref, keep=lambda f: not f.metadata.get("calibration", False)
                     and not dataclasses.is_dataclass(getattr(ref, f.name)))
@@ -534,6 +556,8 @@ class RunConfig:
     def stats_key(self) -> str:
         """Versioned hash of what determines the calibration statistics: weights, activation quantisers,
         calibration sample and K sample size."""
+        if (keyed := self._keyed()) is not self:
+            return keyed.stats_key()
         ref = _default(type(self))
         return versioned_hash({"weights": self.weight_fields(), "calibration": self._calibration(ref),
                                "activations": self._activations(ref), "k_sample": K_SAMPLE_ROWS})

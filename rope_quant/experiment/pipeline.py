@@ -19,7 +19,10 @@
 
 Nothing in steps 1–5 depends on the R3 fields of the configuration: within a seed every R3 variant shares
 the offline rotations, the quantised weights and the calibration sample (paired design), and the weight
-cache is keyed accordingly. :func:`run_cell` evaluates perplexity and K diagnostics on the evaluation split.
+cache is keyed accordingly. Cache files also carry the model's weight fingerprint and (where the
+calibration sample shapes them) a hash of the calibration windows; an unreadable cache is warned about
+(naming the file), recomputed and rewritten. :func:`run_cell` evaluates perplexity and K diagnostics on the
+evaluation split.
 The configuration (:class:`RunConfig`, its specs and keys) lives in :mod:`rope_quant.experiment.config`.
 """
 
@@ -68,6 +71,7 @@ __all__ = [
     "run_cell",
     "install_activation_quantizers",
     "model_fingerprint",
+    "data_fingerprint",
     "remove_activation_quantizers",
 ]
 
@@ -302,10 +306,24 @@ def model_fingerprint(model: nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-def _weight_cache_path(cache_dir: Path | None, cfg: RunConfig, fingerprint: str) -> Path | None:
+def data_fingerprint(windows: torch.Tensor) -> str:
+    """Short hash of the calibration windows' token ids (shape and values).
+
+    Cache files that depend on the calibration sample carry it in their names, so a corpus that changed
+    under the same name (or a caller that never resolved ``corpus_id``) cannot reuse statistics or
+    weights computed on other text.
+    """
+    ids = windows.detach().to("cpu", torch.long).contiguous()
+    h = hashlib.sha256(json.dumps(list(ids.shape)).encode())
+    h.update(ids.numpy().tobytes())
+    return h.hexdigest()[:8]
+
+
+def _weight_cache_path(cache_dir: Path | None, cfg: RunConfig, fingerprint: str, data_fp: str) -> Path | None:
     if cache_dir is None:
         return None
-    return Path(cache_dir) / f"weights-{cfg.weight_key()}-{fingerprint}.pt"
+    suffix = f"-{data_fp}" if cfg.uses_calibration_for_weights else ""
+    return Path(cache_dir) / f"weights-{cfg.weight_key()}-{fingerprint}{suffix}.pt"
 
 
 def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, errors: dict,
@@ -329,11 +347,12 @@ def _read_weight_cache(path: Path | None, cfg: RunConfig) -> dict | None:
         return None
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, OSError, EOFError, ValueError) as exc:  # a corrupt or partial file: recompute
-        log.warning("ignoring unreadable weight cache %s: %s", path, exc)
+    except Exception as exc:  # noqa: BLE001 - any unreadable cache (truncated, garbage, wrong pickle): recompute
+        log.warning("ignoring unreadable weight cache %s (%s: %s); recomputing it", path, type(exc).__name__, exc)
         return None
     fields = json.loads(json.dumps(cfg.weight_fields(), default=str))
-    if payload.get("format") != WEIGHT_CACHE_FORMAT or payload.get("weight_fields") != fields:
+    if not isinstance(payload, dict) or not isinstance(payload.get("state"), dict) \
+            or payload.get("format") != WEIGHT_CACHE_FORMAT or payload.get("weight_fields") != fields:
         log.warning("ignoring weight cache %s: its fields do not match this configuration", path)
         return None
     return payload
@@ -457,16 +476,41 @@ def _estimate_angles(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray
     return estimate_angles(stats, estimator, objective)
 
 
-def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry, calib: torch.Tensor,
-               cache: Path | None, progress: bool, fingerprint: str, counters: PipelineCounters):
-    """Collect mode: pre-RoPE q/k statistics over the calibration windows (cached per stats_key)."""
+def _read_stats_cache(path: Path | None, expected: Any) -> Any:
+    """The cached statistics at ``path``, or None (missing; or unreadable / of another shape: warned)."""
+    from rope_quant.calib.errors import CalibrationError
     from rope_quant.calib.moments import CalibrationStats
 
-    spath = None if cache is None else cache / f"stats-{cfg.stats_key()}-{fingerprint}.npz"
-    if spath is not None and spath.is_file():
-        return CalibrationStats.load(spath)
+    if path is None or not path.is_file():
+        return None
+    try:
+        stats = CalibrationStats.load(path)
+    except (CalibrationError, OSError) as exc:
+        log.warning("ignoring unreadable statistics cache %s (%s); recomputing it", path, exc)
+        return None
+    if stats.config() != expected.config():
+        log.warning("ignoring statistics cache %s: its shape %s does not match this model %s; recomputing it",
+                    path, stats.config(), expected.config())
+        return None
+    return stats
+
+
+def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry, calib: torch.Tensor,
+               cache: Path | None, progress: bool, fingerprint: str, counters: PipelineCounters):
+    """Collect mode: pre-RoPE q/k statistics over the calibration windows.
+
+    Cached per (stats_key, model fingerprint, calibration-window hash); a corrupt cache is warned about,
+    recomputed and rewritten.
+    """
+    from rope_quant.calib.moments import CalibrationStats
+
+    name = f"stats-{cfg.stats_key()}-{fingerprint}-{data_fingerprint(calib)}.npz"
+    spath = None if cache is None else cache / name
     stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
                              sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
+    cached = _read_stats_cache(spath, stats)
+    if cached is not None:
+        return cached
     with attention.calibration_hooks(model, stats):
         _forward_windows(model, calib, "calibration", progress)
     counters.calibration_passes += 1
@@ -508,7 +552,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
 
     # 2. offline rotations (+ the online R4 pre-hook); a cache hit restores the rotated quantised state
     t = time.perf_counter()
-    wpath = _weight_cache_path(cache, cfg, fingerprint)
+    wpath = _weight_cache_path(cache, cfg, fingerprint, data_fingerprint(calib) if cache is not None else "")
     cached = _read_weight_cache(wpath, cfg)
     rotation = _restore_rotated(model, cfg, cached) if cached is not None else _rotate(model, cfg, calib)
     timing["rotate_s"] = time.perf_counter() - t

@@ -90,7 +90,8 @@ def pipeline_cell_fn(
         Returns (model, whether it was reused)."""
         if current:
             qm = current[0]
-            same_source = (qm.cfg.model, qm.cfg.device) == (run_cfg.model, run_cfg.device)
+            same_source = (qm.cfg.model, qm.cfg.model_id, qm.cfg.device) == \
+                (run_cfg.model, run_cfg.model_id, run_cfg.device)
             if same_source and qm.cfg.weight_key() == run_cfg.weight_key() and \
                     qm.cfg.stats_key() == run_cfg.stats_key():
                 try:
@@ -100,13 +101,15 @@ def pipeline_cell_fn(
             current.clear()
             del qm
             gc.collect()
-        base, corpora = cache.get(run_cfg.model, run_cfg.device)
-        if run_cfg.corpus not in corpora:
+        base, corpora = cache.get(run_cfg.model, run_cfg.device, identity=run_cfg.model_id)
+        # a resolved corpus is held under its content identity: new text under the same path is reloaded
+        corpus_key = run_cfg.corpus if run_cfg.corpus_id is None else f"{run_cfg.corpus}@{run_cfg.corpus_id}"
+        if corpus_key not in corpora:
             from rope_quant.experiment import data
 
-            corpora[run_cfg.corpus] = data.load_corpus(run_cfg.corpus, base[1])
+            corpora[corpus_key] = data.load_corpus(run_cfg.corpus, base[1])
         qm = pipeline.build_quantized_model(run_cfg, cache_dir=cache_dir, base=base,
-                                            corpus=corpora[run_cfg.corpus], progress=progress)
+                                            corpus=corpora[corpus_key], progress=progress)
         current.append(qm)
         return qm, False
 

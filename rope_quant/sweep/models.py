@@ -32,25 +32,34 @@ class ModelCache:
     def __init__(self, loader: Callable[[str, str], Base] = _load) -> None:
         self._loader = loader
         self._ident: tuple[str, str] | None = None
+        self._identity: str | None = None
         self._entry: tuple[Base, dict[str, Any]] | None = None
 
-    def get(self, model: str, device: str = "cpu") -> tuple[Base, dict[str, Any]]:
-        """The base ``(model, tokenizer)`` and its ``{corpus name: Corpus}`` (loaded on first use)."""
+    def get(self, model: str, device: str = "cpu", identity: str | None = None) -> tuple[Base, dict[str, Any]]:
+        """The base ``(model, tokenizer)`` and its ``{corpus name: Corpus}`` (loaded on first use).
+
+        ``identity`` (a config's ``model_id``): a held model known to have other content is reloaded, so
+        files rewritten under the same path are not served from memory.
+        """
         ident = (str(model), str(device))
-        if self._entry is None or self._ident != ident:
+        stale = identity is not None and self._identity is not None and identity != self._identity
+        if self._entry is None or self._ident != ident or stale:
             self.clear()  # one base model in memory at a time
             self.put(*ident, self._loader(*ident))
+        if identity is not None:
+            self._identity = identity
         assert self._entry is not None
         return self._entry
 
     def put(self, model: str, device: str, base: Base, corpora: dict[str, Any] | None = None) -> None:
         """Hold ``base`` (and already-loaded ``corpora``) as the base model of ``(model, device)``."""
         self._ident = (str(model), str(device))
+        self._identity = None
         self._entry = (base, corpora if corpora is not None else {})
 
     def clear(self) -> None:
         """Drop the held model and collect it."""
-        self._ident = self._entry = None
+        self._ident = self._entry = self._identity = None
         gc.collect()
 
     def __contains__(self, ident: object) -> bool:

@@ -1,13 +1,18 @@
 """Cell records: one JSON file per cell, its path, its content and THE completion predicate.
 
 Each cell writes ``DIR/cells/<name>/seed<k>-<cfg.key()>.json`` atomically (:mod:`rope_quant.io`),
-holding the config, the result (or the error) and ``env``. The runner (resume) and the verifier
-(:func:`status`, ``report --check``) share one completion predicate, :func:`is_complete`.
+holding the config, the result (or the error) and ``env``. A record is replaced only by a complete one:
+a failing rerun of a complete cell leaves its error next to it (:func:`failure_path`).
+A record is *complete* when its key matches and its result is scored: a finite ``ppl``, or at least one
+scored context length (a long-context cell whose every length failed is an error record). The runner
+(resume), ``report --check`` (:func:`status`) and ``rope-quant verify`` share this one completion
+predicate, :func:`is_complete`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import traceback
 from collections.abc import Mapping
@@ -55,7 +60,7 @@ def error_record(name: str, cfg: Any, exc: BaseException, elapsed: float, env: d
 
 
 def result_record(name: str, cfg: Any, result: Mapping[str, Any], elapsed: float, env: dict) -> dict[str, Any]:
-    """The record of a cell that returned ``result``; an error record if the result is not complete."""
+    """The record of a cell that returned ``result``; an error record if the result has no scored entry."""
     record = {
         **_identity(name, cfg),
         "status": "ok",
@@ -65,14 +70,32 @@ def result_record(name: str, cfg: Any, result: Mapping[str, Any], elapsed: float
     }
     if not record_is_complete(record, cfg.key()):
         record["status"] = "error"
-        record["error"] = {"type": "IncompleteResult", "message": "result has no 'ppl', 'lengths' or 'tasks'",
+        record["error"] = {"type": "IncompleteResult", "message": incomplete_reason(record["result"]),
                            "traceback": ""}
     return record
 
 
+def failure_path(out: str | os.PathLike[str], name: str, cfg: Any) -> Path:
+    """Where a failed rerun of an already complete cell leaves its error record (``…-<key>.failed.json``)."""
+    path = cell_path(out, name, cfg)
+    return path.with_name(path.stem + ".failed.json")
+
+
 def write_record(out: str | os.PathLike[str], name: str, cfg: Any, record: Mapping[str, Any]) -> Path:
-    """Write a cell's record to :func:`cell_path` atomically."""
-    return atomic_write_json(cell_path(out, name, cfg), record)
+    """Write a cell's record atomically; returns where it went.
+
+    A complete record replaces :func:`cell_path` (and drops a stale :func:`failure_path`). An error record
+    never replaces a complete record of the same key (``--no-resume`` reruns that fail keep the good
+    result): it goes to :func:`failure_path` instead.
+    """
+    path = cell_path(out, name, cfg)
+    if record_is_complete(record, cfg.key()):
+        atomic_write_json(path, record)
+        failure_path(out, name, cfg).unlink(missing_ok=True)
+        return path
+    if is_complete(path, cfg.key()):
+        return atomic_write_json(failure_path(out, name, cfg), record)
+    return atomic_write_json(path, record)
 
 
 def read_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -87,30 +110,61 @@ def read_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- completion
 
 
+def _scored(entry: Any) -> bool:
+    """A result entry holds a score: a finite numeric ``ppl`` and no ``error``."""
+    if not isinstance(entry, Mapping) or "error" in entry:
+        return False
+    ppl = entry.get("ppl")
+    return isinstance(ppl, (int, float)) and not isinstance(ppl, bool) and math.isfinite(ppl)
+
+
+def scored_lengths(result: Mapping[str, Any]) -> list[str]:
+    """The context lengths of a long-context result that were scored (not failed)."""
+    lengths = result.get("lengths")
+    if not isinstance(lengths, Mapping):
+        return []
+    return [str(length) for length, entry in lengths.items() if _scored(entry)]
+
+
+def _scored_tasks(result: Mapping[str, Any]) -> bool:
+    """An lm-eval result: ``tasks`` maps every task to a non-empty ``{metric: value}``."""
+    tasks = result.get("tasks")
+    return isinstance(tasks, Mapping) and len(tasks) > 0 and all(isinstance(v, Mapping) and v for v in tasks.values())
+
+
+def result_is_scored(result: Any) -> bool:
+    """A result counts when it has a score: its own ``ppl``, at least one scored context length, or
+    lm-eval metrics for every task."""
+    return isinstance(result, Mapping) and (_scored(result) or bool(scored_lengths(result)) or _scored_tasks(result))
+
+
+def incomplete_reason(result: Mapping[str, Any]) -> str:
+    """Why ``result`` does not count as complete (for the error record)."""
+    lengths = result.get("lengths")
+    if isinstance(lengths, Mapping) and lengths:
+        failures = [f"L={length}: {entry.get('error', 'no ppl')}: {entry.get('message', '')}".rstrip(": ")
+                    if isinstance(entry, Mapping) else f"L={length}: malformed entry"
+                    for length, entry in lengths.items()]
+        return "every context length failed (" + "; ".join(failures) + ")"
+    if "ppl" in result:
+        return f"ppl is not a finite number: {result.get('ppl')!r}"
+    return "result has no 'ppl', 'lengths' or 'tasks'"
+
+
 def record_is_complete(record: Mapping[str, Any] | None, key: str | None) -> bool:
-    """A record is complete iff its key matches and its result holds a ``ppl``, ``lengths`` or ``tasks`` entry."""
+    """A record is complete iff its key matches and its result is scored (:func:`result_is_scored`): a
+    finite ``ppl``, a ``lengths`` entry with at least one scored length, or lm-eval ``tasks`` metrics. A
+    long-context cell whose every length failed is not complete: it is retried on resume."""
     if not isinstance(record, Mapping) or record.get("key") != key or key is None:
         return False
-    result = record.get("result")
-    if not isinstance(result, Mapping):
-        return False
-    ppl = result.get("ppl")
-    if isinstance(ppl, (int, float)) and not isinstance(ppl, bool):
-        return True
-    lengths = result.get("lengths")
-    if isinstance(lengths, Mapping) and len(lengths) > 0:
-        return True
-    tasks = result.get("tasks")  # lm-eval cells: {task: {metric: value}}
-    return isinstance(tasks, Mapping) and len(tasks) > 0 and all(isinstance(v, Mapping) and v for v in
-                                                                 tasks.values())
+    return result_is_scored(record.get("result"))
 
 
 def is_complete(path: str | os.PathLike[str], key: str | None = None) -> bool:
     """THE completion predicate, shared by the runner (resume) and the verifier (``status``/``--check``).
 
     True iff the file exists, parses, its ``key`` equals ``key`` (default: the key in the file name
-    ``seed<k>-<key>.json``) and its ``result`` has a numeric ``ppl``, a non-empty ``lengths`` or non-empty
-    lm-eval ``tasks`` metrics.
+    ``seed<k>-<key>.json``) and its ``result`` is scored (:func:`record_is_complete`).
     """
     path = Path(path)
     expected = key if key is not None else _key_from_filename(path)

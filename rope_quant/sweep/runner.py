@@ -120,8 +120,11 @@ def run_cell_record(
 ) -> tuple[Path, bool]:
     """Run one cell and write its record atomically; returns (path, ok).
 
-    An ``Exception`` from ``cell_fn`` becomes an error record (``ok=False``); ``KeyboardInterrupt``
-    and other ``BaseException`` propagate, leaving no record, so the cell runs again on resume.
+    An ``Exception`` from ``cell_fn``, or a result without a score (e.g. every context length failed),
+    becomes an error record (``ok=False``); ``KeyboardInterrupt`` and other ``BaseException`` propagate,
+    leaving the previous record as it was, so the cell runs again on resume. A record is replaced only
+    by a complete one (:func:`~rope_quant.sweep.records.write_record`): a failing rerun of a complete
+    cell (``resume=False``) keeps the old result and writes its error record next to it.
     """
     env = env if env is not None else env_info()
     start = time.perf_counter()
@@ -161,7 +164,9 @@ def run_cells(
     ``cell_fn(cfg) -> dict`` computes a cell (default: :func:`~rope_quant.sweep.cells.pipeline_cell_fn`
     over the real pipeline, with base models from ``models`` and the weight cache ``cache_dir``, default
     ``out/cache``). With ``resume`` (default) cells whose record :func:`~rope_quant.sweep.records.is_complete`
-    are skipped. A failing cell is recorded and the others continue.
+    are skipped; a cell without a complete record (missing, unreadable, error, every length failed) runs.
+    A failing cell is recorded and the others continue; a complete record is never removed before its
+    replacement is complete, also with ``resume=False``.
     """
     start = time.perf_counter()
     out = Path(out)
@@ -183,10 +188,11 @@ def run_cells(
         if log:
             log(f"[{count}/{len(chosen)}] {name} seed {config_seed(cfg)} ...")
         t0 = time.perf_counter()
-        _, ok = run_cell_record(name, cfg, out, cell_fn, env)
+        written, ok = run_cell_record(name, cfg, out, cell_fn, env)
         (report.ran if ok else report.failed).append(i)
         if log:
-            state = "done" if ok else f"FAILED (see {path})"
+            kept = "; the previous complete record is kept" if written != path else ""
+            state = "done" if ok else f"FAILED (see {written}{kept})"
             elapsed = time.perf_counter() - t0
             log(f"[{count}/{len(chosen)}] {name} seed {config_seed(cfg)} {state} in {elapsed:.1f}s")
     report.seconds = time.perf_counter() - start
