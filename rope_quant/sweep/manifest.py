@@ -359,14 +359,14 @@ def _old_configs(data: Mapping[str, Any], path: Path) -> list[tuple[str, Any]]:
 def study_diff(old: Manifest, new: Manifest) -> list[str]:
     """Lines describing how ``new`` differs from ``old`` as a study (empty: the same study).
 
-    Cells of the same name must have the same settings apart from the seed; the kind, comparator and
-    family must agree; at least one config name must be shared. More (or fewer) seeds and configs are
-    the same study.
+    Cells of the same name must have the same settings apart from the seed; the kind and comparator must
+    agree; at least one config name must be shared. More (or fewer) seeds and configs are the same study
+    (the Holm family follows the configs).
     """
     lines = []
-    for what in ("kind", "comparator", "family"):
+    for what in ("kind", "comparator"):
         a, b = getattr(old, what), getattr(new, what)
-        if a != b and not (what == "family" and (a is None or b is None)):
+        if a != b:
             lines.append(f"{what}: {_short(a)} -> {_short(b)}")
     old_by_name = {name: cell_settings(cfg) for name, cfg in old.cells}
     new_by_name = {name: cell_settings(cfg) for name, cfg in new.cells}
@@ -424,8 +424,10 @@ def reconcile(out: str | os.PathLike[str], new: Manifest, *, force: bool = False
     for i in sorted(new_ids.values()):
         indices[i] = len(cells)
         cells.append(new.cells[i])
-    merged = Manifest(cells=cells, kind=new.kind, comparator=new.comparator,
-                      family=new.family if new.family is not None else old.family, meta={**old.meta, **new.meta})
+    family = None if old.family is None and new.family is None else \
+        tuple(dict.fromkeys((*(old.family or ()), *(new.family or ()))))
+    merged = Manifest(cells=cells, kind=new.kind, comparator=new.comparator, family=family,
+                      meta={**old.meta, **new.meta})
     return Reconciled(merged, indices, added=len(new_ids), kept=kept)
 
 
