@@ -428,10 +428,21 @@ def _print_first_error(out: Path, manifest: Any, failed: Sequence[int]) -> None:
     print(error.get("traceback") or f"{error.get('type')}: {error.get('message')}", file=sys.stderr)
 
 
+def _pending(out: Path, manifest: Any, indices: Sequence[int], resume: bool) -> list[tuple[str, Any]]:
+    """The cells among ``indices`` that will run (with ``resume``, those not complete yet)."""
+    from rope_quant.sweep import records
+
+    cells = [manifest.cells[i] for i in indices]
+    if not resume:
+        return cells
+    return [(name, cfg) for name, cfg in cells if not records.is_complete(records.cell_path(out, name, cfg),
+                                                                           cfg.key())]
+
+
 def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[str]) -> int:
     """Check the input, then run (or submit) a sweep's cells, then write and print the report."""
     from rope_quant.sweep import report, runner, slurm
-    from rope_quant.sweep.manifest import reconcile, write_manifest
+    from rope_quant.sweep.manifest import Manifest, reconcile, write_manifest
     from rope_quant.sweep.preflight import preflight
 
     out = Path(args.out)
@@ -450,16 +461,20 @@ def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[s
     if merged.kept or (merged.added and merged.added < len(merged.manifest)):
         print(f"manifest of {out}: same study, {merged.added} cells added, {merged.kept} existing cells kept "
               f"({len(merged.manifest)} in all)", flush=True)
-    for note in preflight(manifest, cells.cache(), load=cells.cell_fn is None and args.slurm is None):
-        print(f"note: {note}", file=sys.stderr)
+    chosen = range(len(manifest)) if selection is None else runner.shard_indices(len(manifest), *selection)
+    selected = [merged.indices[i] for i in chosen]
+    pending = _pending(out, merged.manifest, selected, args.resume and args.slurm is None)
+    if pending:
+        for note in preflight(Manifest(cells=pending, kind=manifest.kind), cells.cache(),
+                              load=cells.cell_fn is None and args.slurm is None):
+            print(f"note: {note}", file=sys.stderr)
     if args.slurm is not None:
         write_manifest(out, merged.manifest)
         jobs = slurm.submit_slurm(out, args.slurm, **_slurm_params(args.slurm_param))
         print(f"submitted {len(jobs)} Slurm array tasks; when done run `rope-quant report {out}`")
         return 0
-    chosen = range(len(manifest)) if selection is None else runner.shard_indices(len(manifest), *selection)
     start = time.perf_counter()
-    result = runner.run_cells(merged.manifest, out, [merged.indices[i] for i in chosen],
+    result = runner.run_cells(merged.manifest, out, selected,
                               cell_fn=cells.function(args, out), resume=args.resume,
                               cache_dir=args.cache_dir, device=args.device,
                               log=None if args.quiet else (lambda s: print(s, flush=True)))
@@ -562,6 +577,9 @@ def cmd_support(args: argparse.Namespace, cells: Cells) -> int:
         used.append("blocks=" + ",".join(map(str, blocks)))
     else:
         blocks = parse_int_list(args.blocks, "--blocks", minimum=2)
+        odd = [b for b in blocks if b & (b - 1)]
+        if odd:
+            raise CLIError(f"--blocks must be powers of two (2, 4, 8, ...), got {', '.join(map(str, odd))}")
     manifest = presets.support_manifest(base_config(args), blocks, seeds, transform=args.transform,
                                         comparator=args.comparator)
     return _execute(args, cells, manifest, used)
@@ -684,11 +702,12 @@ def main(argv: Sequence[str] | None = None, *, cell_fn: CellFn | None = None,
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
+    from rope_quant.experiment.config import PipelineError
     from rope_quant.sweep.manifest import SweepError
 
     try:
         return COMMANDS[args.command](args, Cells(cell_fn=cell_fn, models=models))
-    except (CLIError, SweepError) as exc:
+    except (CLIError, SweepError, PipelineError) as exc:  # PipelineError: a setting RunConfig refuses
         print(f"rope-quant {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:

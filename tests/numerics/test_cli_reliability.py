@@ -224,3 +224,23 @@ def test_w_mse_help_says_what_the_default_is() -> None:
     action = next(a for a in sub._actions if "--w-mse" in a.option_strings)
     assert "CPU off" not in action.help and "default on for CPU and CUDA" in action.help
     assert cli.BUDGETS["cpu"]["w_mse"] is True
+
+
+def test_complete_sweep_rerun_loads_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    cmd = ["compare", "--out", str(out), "--seeds", "0", "--configs", "hadamard,identity", *QUIET]
+    assert cli.main(cmd, cell_fn=fake_cell([])) == 0
+    loader = CountingLoader()
+    assert cli.main(cmd, models=ModelCache(loader)) == 0  # the real pipeline: every cell already complete
+    assert loader.loads == 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["estimators", "--phi-star", "--average-length", "0"], "average_length must be None or a positive integer"),
+    (["support", "--blocks", "3"], "--blocks must be powers of two"),
+    (["compare", "--eval-windows", "-1"], "--eval-windows must be an integer >= 1 (0 = all)"),
+])
+def test_more_bad_numbers_exit_2_before_any_load(argv, message, tmp_path: Path, capsys) -> None:
+    loader = CountingLoader()
+    assert cli.main([*argv, "--out", str(tmp_path / "o"), "--seeds", "0"], models=ModelCache(loader)) == 2
+    assert message in capsys.readouterr().err and loader.loads == 0
