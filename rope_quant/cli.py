@@ -20,8 +20,15 @@ Tests and embedding code inject what computes the cells: ``main(argv, cell_fn=fn
 through ``fn(cfg) -> dict`` instead of the pipeline, ``main(argv, models=cache)`` gives the real
 pipeline a pre-filled :class:`~rope_quant.sweep.models.ModelCache`.
 
-Exit codes: 0 success; 1 some cells failed (or ``report --check`` found incomplete cells, or φ* was
-not verified); 2 bad input.
+Before any cell runs, the sweep commands check their input (:mod:`rope_quant.sweep.preflight`): numeric
+bounds, the model (read once; the real pipeline loads it once and the cells reuse it), the Hadamard orders
+and block sizes the cells need at the model's head_dim / hidden size, the corpus against the windows, and
+the results directory's existing ``manifest.json`` (a changed study is refused with a diff of the changed
+settings unless ``--force-new-manifest``; more or fewer seeds or configs of the same study extend it).
+
+Exit codes: 0 success; 1 some cells failed (the first error is printed in full; or ``report --check``
+found incomplete cells, or φ* was not verified); 2 bad input (usage, model, corpus, geometry, a changed
+study in ``--out``), reported before any cell runs; 130 interrupted (rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ BUDGETS: dict[str, dict[str, Any]] = {
              "w_mse": True},
 }
 BUDGET_FIELDS = ("seqlen", "calib_windows", "eval_windows", "weights", "w_mse")
+#: Smallest value of the numeric budget flags (a window needs two tokens: one predicts the next).
+BUDGET_MINIMUM = {"seqlen": 2, "calib_windows": 1, "eval_windows": 1}
 LONG_CONTEXT_LENGTHS = {"cpu": (256, 512, 1024), "cuda": (2048, 4096, 8192, 16384)}
 
 
@@ -184,8 +193,10 @@ def _common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     g.add_argument("--weights", default=None, choices=values(WeightMode),
                    help="weight quantiser, cached per seed (CPU rtn, CUDA gptq)")
     g.add_argument("--w-mse", action=argparse.BooleanOptionalAction, default=None,
-                   help="per-channel MSE clipping search for the weight scales (CPU off, CUDA on)")
-    g.add_argument("--seqlen", type=int, default=None, metavar="N", help="window length (CPU 512, CUDA 2048)")
+                   help="per-channel MSE clipping search for the weight scales (default on for CPU and CUDA; "
+                        "--no-w-mse is faster)")
+    g.add_argument("--seqlen", type=int, default=None, metavar="N",
+                   help="window length, >= 2 (CPU 512, CUDA 2048)")
     g.add_argument("--calib-windows", type=int, default=None, metavar="N",
                    help="calibration windows (CPU 4, CUDA 128)")
     g.add_argument("--eval-windows", type=int, default=None, metavar="N",
@@ -200,6 +211,9 @@ def _common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     r.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="weight/statistics cache (default DIR/cache)")
     r.add_argument("--progress", action="store_true", help="progress bars inside each cell")
+    r.add_argument("--force-new-manifest", action="store_true",
+                   help="replace the manifest of --out even when it describes a different study "
+                        "(default: refuse with the changed settings)")
 
 
 def _sweep_options(parser: argparse.ArgumentParser) -> None:
@@ -300,8 +314,9 @@ def resolve_budget(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]
             used.append(f"{field}={'all' if value is None else value}")
         elif field == "eval_windows" and value == 0:
             value = None
-        elif field in ("seqlen", "calib_windows", "eval_windows") and value < 1:
-            raise CLIError(f"--{field.replace('_', '-')} must be a positive integer, got {value}")
+        elif field in BUDGET_MINIMUM and value < BUDGET_MINIMUM[field]:
+            raise CLIError(f"--{field.replace('_', '-')} must be an integer >= {BUDGET_MINIMUM[field]}"
+                           f"{' (0 = all)' if field == 'eval_windows' else ''}, got {value}")
         budget[field] = value
     return budget, used
 
@@ -346,15 +361,15 @@ def _validate_common(args: argparse.Namespace) -> None:
 
 def _head_dim(model: str) -> int:
     """head_dim of a model from its config alone (no weights loaded)."""
-    from transformers import AutoConfig
+    from types import SimpleNamespace
 
-    from rope_quant.model.loading import resolve_model
+    from rope_quant.model import arch
+    from rope_quant.model.loading import ModelLoadError, load_config
 
-    src = resolve_model(model)
-    extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    cfg = AutoConfig.from_pretrained(src.directory, **extra)
-    head_dim = getattr(cfg, "head_dim", None)
-    return int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+    try:
+        return arch.dims(SimpleNamespace(config=load_config(model))).head_dim
+    except (ModelLoadError, arch.UnsupportedModelTypeError, arch.ModelStructureError) as exc:
+        raise CLIError(f"model {model}: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- commands
@@ -367,6 +382,12 @@ class Cells:
     cell_fn: CellFn | None = None
     models: ModelCache | None = None
 
+    def cache(self) -> ModelCache:
+        """The base-model cache the real pipeline uses (``models``, else the process-wide one)."""
+        from rope_quant.sweep.models import process_models
+
+        return self.models if self.models is not None else process_models()
+
     def function(self, args: argparse.Namespace, out: Path) -> CellFn:
         """The cell function for results directory ``out`` (weight cache ``--cache-dir``, default DIR/cache)."""
         if self.cell_fn is not None:
@@ -375,7 +396,7 @@ class Cells:
         from rope_quant.sweep.runner import CACHE_DIR
 
         cache = Path(args.cache_dir) if args.cache_dir else out / CACHE_DIR
-        return pipeline_cell_fn(cache, artifacts=out, progress=args.progress, models=self.models)
+        return pipeline_cell_fn(cache, artifacts=out, progress=args.progress, models=self.cache())
 
 
 def describe(cfg: Any) -> str:
@@ -401,30 +422,70 @@ def _slurm_params(items: Sequence[str]) -> dict[str, Any]:
     return params
 
 
+def _print_first_error(out: Path, manifest: Any, failed: Sequence[int]) -> None:
+    """The first failed cell's error in full (type, message, traceback) on stderr."""
+    from rope_quant.sweep import records
+
+    name, cfg = manifest.cells[failed[0]]
+    sidecar = records.failure_path(out, name, cfg)  # a failed rerun of a complete cell keeps the good record
+    path = sidecar if sidecar.exists() else records.cell_path(out, name, cfg)
+    error = (records.read_record(path) or {}).get("error") or {}
+    print(f"\nfirst error ({name} seed {cfg.seed}, {len(failed)} failed cell(s); records under {out}):",
+          file=sys.stderr)
+    print(error.get("traceback") or f"{error.get('type')}: {error.get('message')}", file=sys.stderr)
+
+
+def _pending(out: Path, manifest: Any, indices: Sequence[int], resume: bool) -> list[tuple[str, Any]]:
+    """The cells among ``indices`` that will run (with ``resume``, those not complete yet)."""
+    from rope_quant.sweep import records
+
+    cells = [manifest.cells[i] for i in indices]
+    if not resume:
+        return cells
+    return [(name, cfg) for name, cfg in cells if not records.is_complete(records.cell_path(out, name, cfg),
+                                                                           cfg.key())]
+
+
 def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[str]) -> int:
-    """Run (or submit) a sweep's cells, then write and print the report."""
+    """Check the input, then run (or submit) a sweep's cells, then write and print the report."""
     from rope_quant.sweep import report, runner, slurm
-    from rope_quant.sweep.manifest import write_manifest
+    from rope_quant.sweep.manifest import Manifest, reconcile, write_manifest
+    from rope_quant.sweep.preflight import preflight
 
     out = Path(args.out)
     print(f"rope-quant {args.command}: {len(manifest)} cells -> {out}", flush=True)
     print("settings: " + describe(manifest.cells[0][1]), flush=True)
     if used:
         print("defaults used: " + ", ".join(used), flush=True)
-    if args.slurm is not None:
-        if args.slurm < 1:
-            raise CLIError("--slurm needs a positive number of array tasks")
-        write_manifest(out, manifest)
-        jobs = slurm.submit_slurm(out, args.slurm, **_slurm_params(args.slurm_param))
-        print(f"submitted {len(jobs)} Slurm array tasks; when done run `rope-quant report {out}`")
-        return 0
+    if args.slurm is not None and args.slurm < 1:
+        raise CLIError("--slurm needs a positive number of array tasks")
     selection = None
     if args.shard is not None:
         selection = runner.shard_from_env() if args.shard == "auto" else runner.parse_shard(args.shard)
         if selection is None:
             raise CLIError("--shard auto: no SLURM_ARRAY_TASK_ID/COUNT or PYTEST_XDIST_WORKER/COUNT set")
+    merged = reconcile(out, manifest, force=args.force_new_manifest)
+    if merged.kept or (merged.added and merged.added < len(merged.manifest)):
+        print(f"manifest of {out}: same study, {merged.added} cells added, {merged.kept} existing cells kept "
+              f"({len(merged.manifest)} in all)", flush=True)
+    if merged.content_changed:
+        print(f"note: content changed since the last run into {out} (cells get new keys and are recomputed): "
+              + "; ".join(merged.content_changed), flush=True)
+    chosen = range(len(manifest)) if selection is None else runner.shard_indices(len(manifest), *selection)
+    selected = [merged.indices[i] for i in chosen]
+    pending = _pending(out, merged.manifest, selected, args.resume and args.slurm is None)
+    if pending:
+        for note in preflight(Manifest(cells=pending, kind=manifest.kind), cells.cache(),
+                              load=cells.cell_fn is None and args.slurm is None):
+            print(f"note: {note}", file=sys.stderr)
+    if args.slurm is not None:
+        write_manifest(out, merged.manifest)
+        jobs = slurm.submit_slurm(out, args.slurm, **_slurm_params(args.slurm_param))
+        print(f"submitted {len(jobs)} Slurm array tasks; when done run `rope-quant report {out}`")
+        return 0
     start = time.perf_counter()
-    result = runner.run_cells(manifest, out, selection, cell_fn=cells.function(args, out), resume=args.resume,
+    result = runner.run_cells(merged.manifest, out, selected,
+                              cell_fn=cells.function(args, out), resume=args.resume,
                               cache_dir=args.cache_dir, device=args.device,
                               log=None if args.quiet else (lambda s: print(s, flush=True)))
     print(f"cells: {result.summary()}", flush=True)
@@ -436,13 +497,16 @@ def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[s
     for path in rep["files"]:
         if str(path).endswith(".png"):
             print(f"figure: {path}")
+    if result.failed:
+        _print_first_error(out, merged.manifest, result.failed)
     return 1 if result.failed else 0
 
 
 def cmd_run(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.experiment.envinfo import env_info, write_env
     from rope_quant.sweep import records
-    from rope_quant.sweep.manifest import Manifest, write_manifest
+    from rope_quant.sweep.manifest import Manifest, ManifestMismatchError, cell_conflict, write_manifest
+    from rope_quant.sweep.preflight import preflight
     from rope_quant.sweep.runner import run_cell_record
 
     _validate_common(args)
@@ -467,9 +531,16 @@ def cmd_run(args: argparse.Namespace, cells: Cells) -> int:
     if used:
         print("defaults used: " + ", ".join(used), flush=True)
     path = records.cell_path(out, name, cfg)
+    changed = cell_conflict(out, name, cfg)
+    if changed and not args.force_new_manifest:
+        raise ManifestMismatchError(
+            f"{out} already holds cell {name!r} seed {args.seed} with other settings:\n  " + "\n  ".join(changed)
+            + "\npass --name NEW for a separate cell, or --force-new-manifest to replace this one")
     if args.resume and records.is_complete(path, cfg.key()):
         print(f"already complete: {path}")
     else:
+        for note in preflight(manifest, cells.cache(), load=cells.cell_fn is None):
+            print(f"note: {note}", file=sys.stderr)
         out.mkdir(parents=True, exist_ok=True)
         write_manifest(out, manifest, merge=True)
         write_env(out, args.device)
@@ -477,9 +548,7 @@ def cmd_run(args: argparse.Namespace, cells: Cells) -> int:
         written, ok = run_cell_record(name, cfg, out, cells.function(args, out), env_info(args.device))
         print(f"{'done' if ok else 'FAILED'} in {time.perf_counter() - start:.1f}s: {written}")
         if not ok:
-            record = records.read_record(written) or {}
-            print(f"error: {record.get('error', {}).get('type')}: {record.get('error', {}).get('message')}",
-                  file=sys.stderr)
+            _print_first_error(out, manifest, [0])
             return 1
     result = (records.read_record(path) or {}).get("result", {})
     keys = ("ppl", "n_windows", "n_tokens", "k_range_mean", "k_range_max", "delta_mean", "k_rel_err")
@@ -514,10 +583,16 @@ def cmd_support(args: argparse.Namespace, cells: Cells) -> int:
     used += resolve_budget(args)[1]
     if args.blocks is None:
         head_dim = _head_dim(args.model)
-        blocks = tuple(2 ** i for i in range(1, head_dim.bit_length()) if 2 ** i <= head_dim)
+        blocks = tuple(2 ** i for i in range(1, head_dim.bit_length()) if head_dim % 2 ** i == 0)
+        if not blocks:
+            raise CLIError(f"model {args.model} has an odd head_dim={head_dim}: no block size b = 2, 4, ... "
+                           "divides it (RoPE pairs need an even head_dim)")
         used.append("blocks=" + ",".join(map(str, blocks)))
     else:
         blocks = parse_int_list(args.blocks, "--blocks", minimum=2)
+        odd = [b for b in blocks if b & (b - 1)]
+        if odd:
+            raise CLIError(f"--blocks must be powers of two (2, 4, 8, ...), got {', '.join(map(str, odd))}")
     manifest = presets.support_manifest(base_config(args), blocks, seeds, transform=args.transform,
                                         comparator=args.comparator)
     return _execute(args, cells, manifest, used)
@@ -712,11 +787,12 @@ def main(argv: Sequence[str] | None = None, *, cell_fn: CellFn | None = None,
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
+    from rope_quant.experiment.config import PipelineError
     from rope_quant.sweep.manifest import SweepError
 
     try:
         return COMMANDS[args.command](args, Cells(cell_fn=cell_fn, models=models))
-    except (CLIError, SweepError) as exc:
+    except (CLIError, SweepError, PipelineError) as exc:  # PipelineError: a setting RunConfig refuses
         print(f"rope-quant {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:

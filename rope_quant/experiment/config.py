@@ -487,6 +487,12 @@ class RunConfig:
 
     # -- keys
 
+    @classmethod
+    def identity_fields(cls) -> tuple[str, ...]:
+        """The content-identity fields (``model_id``, ``corpus_id``): hashes of content, not settings, so a
+        study rerun on changed content is the same study with new cells."""
+        return tuple(f.name for f in dataclasses.fields(cls) if "names" in f.metadata)
+
     def _keyed(self) -> RunConfig:
         """The view the keys hash: a name whose content identity is set (``model_id``, ``corpus_id``) is
         replaced by its default, so the keys follow the content, not the spelling of a path."""

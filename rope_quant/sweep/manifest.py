@@ -42,6 +42,10 @@ class ManifestNotFoundError(SweepError, FileNotFoundError):
     """A results directory without ``manifest.json``."""
 
 
+class ManifestMismatchError(SweepError):
+    """A results directory already holds the manifest of a different study (the message lists the diff)."""
+
+
 # ----------------------------------------------------------------------------- cell settings
 
 
@@ -369,3 +373,162 @@ def write_manifest(out: str | os.PathLike[str], manifest: Manifest, *, merge: bo
     if old == data:
         return path
     return atomic_write_json(path, data)
+
+
+# ----------------------------------------------------------------------------- a changed study
+
+
+def cell_settings(cfg: Any) -> dict[str, Any]:
+    """A cell's settings by flat name, without its seed: what must agree for two cells to be one study."""
+    if isinstance(cfg, LongContextConfig):
+        out = cell_settings(cfg.run)
+        out.update(lengths=list(cfg.lengths), matched_average=cfg.matched_average)
+        return out
+    flat = cfg.flat() if hasattr(cfg, "flat") else config_dict(cfg)
+    flat = {k: to_jsonable(dataclasses.asdict(v)) if dataclasses.is_dataclass(v) else v for k, v in flat.items()}
+    for name in ("seed", *_identity_fields(cfg)):
+        flat.pop(name, None)
+    return flat
+
+
+def _identity_fields(cfg: Any) -> tuple[str, ...]:
+    run = cfg.run if isinstance(cfg, LongContextConfig | LmEvalConfig) else cfg
+    return run.identity_fields() if hasattr(run, "identity_fields") else ()
+
+
+def content_changes(old: Manifest, new: Manifest) -> list[str]:
+    """Content identities (model / corpus hashes) that differ between cells of the same name: the same
+    study on changed content, whose cells get new keys and are recomputed."""
+    def ids(cfg: Any) -> dict[str, Any]:
+        run = cfg.run if isinstance(cfg, LongContextConfig | LmEvalConfig) else cfg
+        return {f: getattr(run, f, None) for f in _identity_fields(cfg)}
+
+    old_ids = {name: ids(cfg) for name, cfg in old.cells}
+    changed = {f"{field}: {old_ids[name][field]} -> {value}"
+               for name, cfg in new.cells if name in old_ids
+               for field, value in ids(cfg).items() if old_ids[name].get(field) != value}
+    return sorted(changed)
+
+
+def _short(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+@dataclass
+class Reconciled:
+    """The manifest to write into a results directory that may hold one already.
+
+    ``manifest`` is the union of the existing cells and the new ones (new ones replace equal (name, seed));
+    ``indices[i]`` is the position in ``manifest`` of the new manifest's cell ``i``; ``added`` counts the
+    cells the directory did not have, ``kept`` the existing cells the new command does not name.
+    """
+
+    manifest: Manifest
+    indices: list[int]
+    added: int = 0
+    kept: int = 0
+    content_changed: list[str] = field(default_factory=list)
+
+
+def _old_configs(data: Mapping[str, Any], path: Path) -> list[tuple[str, Any]]:
+    cells = []
+    for entry in data.get("cells", []):
+        try:
+            cells.append((entry["name"], config_from_dict(entry["config"])))
+        except Exception as exc:  # unreadable or from an incompatible version
+            raise ManifestMismatchError(
+                f"{path}: cannot read cell {entry.get('name')!r} seed {entry.get('seed')!r} of the existing "
+                f"manifest ({type(exc).__name__}: {exc}); use --force-new-manifest to replace it") from exc
+    return cells
+
+
+def study_diff(old: Manifest, new: Manifest) -> list[str]:
+    """Lines describing how ``new`` differs from ``old`` as a study (empty: the same study).
+
+    Cells of the same name must have the same settings apart from the seed; the kind and comparator must
+    agree; at least one config name must be shared. More (or fewer) seeds and configs are the same study
+    (the Holm family follows the configs).
+    """
+    lines = []
+    for what in ("kind", "comparator"):
+        a, b = getattr(old, what), getattr(new, what)
+        if a != b:
+            lines.append(f"{what}: {_short(a)} -> {_short(b)}")
+    old_by_name = {name: cell_settings(cfg) for name, cfg in old.cells}
+    new_by_name = {name: cell_settings(cfg) for name, cfg in new.cells}
+    common = [n for n in new_by_name if n in old_by_name]
+    if old.cells and not common:
+        lines.append(f"configs: {', '.join(old.names())} -> {', '.join(new.names())} (none in common)")
+    changed: dict[tuple[str, str, str], list[str]] = {}
+    for name in common:
+        a, b = old_by_name[name], new_by_name[name]
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                changed.setdefault((key, _short(a.get(key)), _short(b.get(key))), []).append(name)
+    for (key, a, b), names in changed.items():
+        lines.append(f"{key}: {a} -> {b} ({', '.join(names)})")
+    return lines
+
+
+def reconcile(out: str | os.PathLike[str], new: Manifest, *, force: bool = False) -> Reconciled:
+    """The manifest to write into ``out`` for the new cells ``new``.
+
+    No existing manifest, or ``force``: ``new`` itself. The same study (:func:`study_diff` empty): the
+    union of the existing and the new cells, so neither more seeds or configs nor a subset orphans a cell.
+    Otherwise :class:`ManifestMismatchError` with the changed settings.
+    """
+    path = Path(out) / MANIFEST_FILE
+    identity = Reconciled(new, list(range(len(new))))
+    if force or not path.is_file():
+        return identity
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ManifestMismatchError(f"{path} cannot be read ({exc}); use --force-new-manifest to replace it") from exc
+    family = data.get("family")
+    old = Manifest(cells=_old_configs(data, path), kind=data.get("kind", "custom"),
+                   comparator=data.get("comparator", "hadamard"),
+                   family=tuple(family) if family is not None else None, meta=dict(data.get("meta") or {}))
+    diff = study_diff(old, new)
+    if diff:
+        raise ManifestMismatchError(
+            f"{out} holds a different study (manifest.json); changed settings:\n  " + "\n  ".join(diff)
+            + "\nuse another --out, rerun with the original settings, or pass --force-new-manifest to replace "
+            "the manifest (the existing cell records stay on disk but leave the report)")
+    new_ids = {(name, config_seed(cfg)): i for i, (name, cfg) in enumerate(new.cells)}
+    cells: list[tuple[str, Any]] = []
+    indices = [0] * len(new)
+    kept = 0
+    for name, cfg in old.cells:
+        i = new_ids.pop((name, config_seed(cfg)), None)
+        if i is None:
+            kept += 1
+            cells.append((name, cfg))
+        else:
+            indices[i] = len(cells)
+            cells.append(new.cells[i])
+    for i in sorted(new_ids.values()):
+        indices[i] = len(cells)
+        cells.append(new.cells[i])
+    family = None if old.family is None and new.family is None else \
+        tuple(dict.fromkeys((*(old.family or ()), *(new.family or ()))))
+    merged = Manifest(cells=cells, kind=new.kind, comparator=new.comparator, family=family,
+                      meta={**old.meta, **new.meta})
+    return Reconciled(merged, indices, added=len(new_ids), kept=kept, content_changed=content_changes(old, new))
+
+
+def cell_conflict(out: str | os.PathLike[str], name: str, cfg: Any) -> list[str]:
+    """How ``cfg`` differs from the cell of the same (name, seed) already in ``out``'s manifest (empty: no
+    such cell, or the same settings)."""
+    path = Path(out) / MANIFEST_FILE
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ManifestMismatchError(f"{path} cannot be read ({exc}); use --force-new-manifest to replace it") from exc
+    same = [e for e in data.get("cells", []) if e.get("name") == name and e.get("seed") == config_seed(cfg)]
+    if not same or same[0].get("key") == cfg.key():
+        return []
+    (old_name, old_cfg), = _old_configs({"cells": same}, path)
+    return study_diff(Manifest(cells=[(old_name, old_cfg)]), Manifest(cells=[(name, cfg)]))

@@ -289,7 +289,8 @@ def summarize(
         "kind": manifest.get("kind", "custom"),
         "comparator": comparator,
         "seeds": [s for s in seed_order if any(s in per for per in ppl.values())
-                  or any(s in seeds for seeds in (lm_eval.get("seeds") or {}).values())],
+                  or any(s in seeds for seeds in (lm_eval.get("seeds") or {}).values())
+                  or any(s in per for by_length in lengths.values() for per in by_length.values())],
         "level": level,
         "margins": [margin_key(m) for m in margins],
         "configs": configs,

@@ -105,7 +105,9 @@ def test_corpus_rewritten_under_the_same_path_recomputes_cell_and_statistics(tmp
 
     corpus.write_text(corpus_text(2))  # other text, same path, same size class
     assert cli.main(argv, models=ModelCache()) == 0
-    assert "1 ran, 0 already complete" in capsys.readouterr().out  # not "already complete"
+    printed = capsys.readouterr().out
+    assert "1 ran, 0 already complete" in printed  # not "already complete"
+    assert "note: content changed" in printed and "corpus_id:" in printed  # the same study, not a mismatch
     second = only_record(out)
     assert second["key"] != first["key"] and second["config"]["corpus_id"] != first["config"]["corpus_id"]
     assert second["result"]["ppl"] != first["result"]["ppl"]

@@ -1,0 +1,163 @@
+"""Checks of a sweep's input before any cell runs (bad input exits 2 once, not once per cell).
+
+:func:`preflight` reads the model once, then checks what every cell will need from it:
+
+* the model resolves and reads (config at least; with the real pipeline the base model and its corpora are
+  loaded into the :class:`~rope_quant.sweep.models.ModelCache` the cells then reuse);
+* the Hadamard orders of the offline rotations (R1: hidden_size, R2: head_dim, R4: intermediate_size)
+  and of the R3 transform (head_dim; block sizes dividing head_dim) exist;
+* the corpus holds a calibration window of ``seqlen`` tokens and at least one evaluation window of every
+  evaluated length (fewer evaluation windows than requested give a note, as the evaluation uses what fits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
+
+from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError
+from rope_quant.sweep.models import ModelCache
+
+
+class PreflightError(SweepError):
+    """Bad input found before any cell ran: a model, geometry or corpus the cells cannot use."""
+
+
+def _run(cfg: Any) -> Any:
+    return cfg.run if isinstance(cfg, LongContextConfig) else cfg
+
+
+def hadamard_needs(cfg: Any, dims: Any) -> list[tuple[int, str]]:
+    """``(order, what needs it)`` for the offline rotations of one cell on a model of geometry ``dims``."""
+    from rope_quant.experiment.config import RotationKind
+
+    rot = _run(cfg).rotation
+    needs = []
+    if rot.r1 == RotationKind.HADAMARD:
+        needs.append((dims.hidden, f"R1 (r1=hadamard) needs hidden_size={dims.hidden}"))
+    if rot.r2 == RotationKind.HADAMARD:
+        needs.append((dims.head_dim, f"R2 (r2=hadamard) needs head_dim={dims.head_dim}"))
+    if rot.r4:
+        needs.append((dims.intermediate, f"the online R4 (r4=on) needs intermediate_size={dims.intermediate}"))
+    return needs
+
+
+def r3_problem(name: str, cfg: Any, head_dim: int) -> str | None:
+    """Why the R3 transform of cell ``name`` cannot be built at ``head_dim`` (None: it can)."""
+    import numpy as np
+
+    from rope_quant.core import transforms
+
+    run = _run(cfg)
+    params: dict[str, Any] = {}
+    if transforms.needs_angles(run.r3):
+        params["angles"] = np.zeros(head_dim // 2)
+    if transforms.needs_block(run.r3):
+        params["block"] = run.r3_block
+    try:
+        transforms.build(run.r3, head_dim, **params)
+    except Exception as exc:  # UnsupportedHadamardOrderError, InvalidBlockSizeError, odd head_dim ...
+        block = f" block {run.r3_block}" if run.r3_block else ""
+        return f"R3 {run.r3!r}{block} (config {name}) at head_dim={head_dim}: {exc}"
+    return None
+
+
+def check_geometry(manifest: Manifest, dims: Any, model: str) -> None:
+    """Every Hadamard order and R3 transform the cells need exists for geometry ``dims``."""
+    from rope_quant.core.hadamard import is_supported_order
+
+    problems: list[str] = []
+    missing: dict[int, list[str]] = {}
+    for name, cfg in manifest.cells:
+        for order, what in hadamard_needs(cfg, dims):
+            if not is_supported_order(order) and what not in missing.setdefault(order, []):
+                missing[order].append(what)
+        problem = r3_problem(name, cfg, dims.head_dim)
+        if problem is not None and problem not in problems:
+            problems.append(problem)
+    lines = [f"no Hadamard matrix of order {order} can be built (orders K·2^m, K = 1 or a Paley order): "
+             + "; ".join(whats) for order, whats in missing.items()] + problems
+    if lines:
+        raise PreflightError(f"model {model} (head_dim={dims.head_dim}, hidden_size={dims.hidden}, "
+                             f"intermediate_size={dims.intermediate}) cannot run these cells:\n  "
+                             + "\n  ".join(lines))
+
+
+def check_windows(corpus: Any, cells: Iterable[Any]) -> list[str]:
+    """Every cell finds a calibration window and at least one evaluation window; returns notes on cells that
+    get fewer evaluation windows than requested."""
+    n_calib, n_eval = int(corpus.calib_ids.numel()), int(corpus.eval_ids.numel())
+    errors: list[str] = []
+    notes: list[str] = []
+    for cfg in cells:
+        run = _run(cfg)
+        seqlen, wanted = run.budget.seqlen, run.budget.eval_windows
+        if n_calib < seqlen:
+            errors.append(f"the calibration stream has {n_calib} tokens, fewer than one window of seqlen={seqlen}")
+        lengths = cfg.lengths if isinstance(cfg, LongContextConfig) else (seqlen,)
+        for length in lengths:
+            fit = n_eval // length
+            if fit == 0:
+                errors.append(f"the evaluation stream has {n_eval} tokens, fewer than one window of {length} "
+                              f"tokens (eval_windows={'all' if wanted is None else wanted})")
+            elif wanted is not None and fit < wanted:
+                notes.append(f"corpus {corpus.name}: only {fit} of the {wanted} evaluation windows of {length} "
+                             f"tokens fit in {n_eval} tokens")
+    errors = list(dict.fromkeys(errors))
+    if errors:
+        raise PreflightError(f"corpus {corpus.name} is too small for the requested windows:\n  "
+                             + "\n  ".join(errors) + "\nlower --seqlen / --lengths or use a larger --corpus")
+    return list(dict.fromkeys(notes))
+
+
+def _dims_from_config(model: str) -> Any:
+    from rope_quant.model import arch
+    from rope_quant.model.loading import load_config
+
+    return arch.dims(SimpleNamespace(config=load_config(model)))
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    from rope_quant.experiment.data import CorpusError
+    from rope_quant.model.arch import ModelStructureError, UnsupportedModelTypeError
+    from rope_quant.model.loading import ModelLoadError, ModelNotFoundError
+
+    return (ModelLoadError, ModelNotFoundError, UnsupportedModelTypeError, ModelStructureError, CorpusError)
+
+
+def preflight(manifest: Manifest, models: ModelCache, *, load: bool) -> list[str]:
+    """Check the input of every cell of ``manifest`` before any runs; returns notes, raises
+    :class:`PreflightError` naming what is wrong.
+
+    ``load`` (the real pipeline): load each base model and corpus into ``models`` once (the cells reuse
+    them) and check the corpus sizes. Otherwise the model's config is read (or the already-loaded model
+    of ``models`` is used) for the geometry checks only.
+    """
+    from rope_quant.model import arch
+
+    notes: list[str] = []
+    by_source: dict[tuple[str, str], list[tuple[str, Any]]] = {}
+    for name, cfg in manifest.cells:
+        run = _run(cfg)
+        by_source.setdefault((run.model, run.device), []).append((name, cfg))
+    for (model, device), cells in by_source.items():
+        try:
+            if load or (model, device) in models:
+                (base, tokenizer), corpora = models.get(model, device)
+                dims = arch.dims(base)
+            else:
+                dims = _dims_from_config(model)
+            check_geometry(Manifest(cells=cells, kind=manifest.kind), dims, model)
+            if not load:
+                continue
+            for corpus_name in dict.fromkeys(_run(cfg).corpus for _, cfg in cells):
+                if corpus_name not in corpora:
+                    from rope_quant.experiment import data
+
+                    corpora[corpus_name] = data.load_corpus(corpus_name, tokenizer)
+                notes += check_windows(corpora[corpus_name], [cfg for _, cfg in cells
+                                                              if _run(cfg).corpus == corpus_name])
+        except _input_errors() as exc:
+            raise PreflightError(f"model {model}: {exc}") from exc
+    return notes
