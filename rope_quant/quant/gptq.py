@@ -164,14 +164,23 @@ def _group_scales(w: torch.Tensor, bits: int, group_size: int, mse: bool, clip_r
 
 def rtn_quantize(w: torch.Tensor, bits: int, group_size: int = -1, mse: bool = True,
                  clip_ratio: float = 1.0, grid: int = 100, max_shrink: float = 0.8) -> torch.Tensor:
-    """Round-to-nearest symmetric INT-b with the same scales as GPTQ (the RTN baseline)."""
+    """Round-to-nearest symmetric INT-b with the same scales as GPTQ (the RTN baseline).
+
+    Non-finite entries follow the quantisers' one policy (:mod:`rope_quant.quant.quantizers`): they pass
+    through unchanged and the scales come from the finite entries; finite weights take the plain path.
+    """
     _check_bits(bits)
     w32 = w.float()
+    finite = bool(torch.isfinite(w32).all())
+    src = w32 if finite else torch.where(torch.isfinite(w32), w32, torch.zeros_like(w32))
     in_f = w.shape[1]
     gs = in_f if group_size == -1 else group_size
-    scales = _group_scales(w32, bits, group_size, mse, clip_ratio, grid, max_shrink)
+    scales = _group_scales(src, bits, group_size, mse, clip_ratio, grid, max_shrink)
     col_scale = scales.repeat_interleave(gs, dim=1)[:, :in_f]
-    return quantize_with_scales(w32, col_scale, bits).to(w.dtype)
+    out = quantize_with_scales(src, col_scale, bits)
+    if not finite:
+        out = torch.where(torch.isfinite(w32), out, w32)
+    return out.to(w.dtype)
 
 
 # ----------------------------------------------------------------------------- Hessian

@@ -342,3 +342,17 @@ def test_finite_fast_path_is_bit_identical_to_the_plain_formulas(bits):
     x = _x(64, 96, seed=bits)
     assert torch.equal(fake_quant_per_token(x, bits), _plain_asym(x, bits))
     assert torch.equal(fake_quant_per_token(x, bits, clip_ratio=0.9), _plain_asym(x, bits, 0.9))
+
+
+@pytest.mark.parametrize("mse", [False, True])
+def test_rtn_weight_nan_policy_matches_the_dynamic_quantiser(mse):
+    """RTN (gptq.rtn_quantize): NaN stays where it was, the rest of the row keeps its finite-row scale."""
+    w = torch.tensor([_NAN_ROW, [1.0, -2.0, 0.5, 0.0, 3.0, -1.0]])
+    y = rtn_quantize(w, 4, mse=mse)
+    assert bool(y[0, 1].isnan()) and int(y.isnan().sum()) == 1
+    finite_row = torch.tensor([[0.5, 0.0, 2.0, 0.25, -3.0, 1.7]])  # the NaN as 0: the same row range
+    expected = rtn_quantize(finite_row, 4, mse=mse)[0]
+    assert torch.equal(y[0, [0, 2, 3, 4, 5]], expected[[0, 2, 3, 4, 5]])
+    assert torch.equal(y[1], rtn_quantize(w[1:], 4, mse=mse)[0])
+    big = rtn_quantize(torch.tensor([[3e38, -3e38, 1.0, 0.0]]), 4, mse=mse)
+    assert bool(torch.isfinite(big).all()), big
