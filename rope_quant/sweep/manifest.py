@@ -88,8 +88,34 @@ def cell_relpath(name: str, cfg: Any) -> str:
     return f"{CELLS_DIR}/{check_name(name)}/seed{config_seed(cfg)}-{cfg.key()}.json"
 
 
+class _WrapsRun:
+    """A cell that evaluates one ``RunConfig`` (``self.run``) differently: seed, model, device and the weight
+    key are the run's, so such cells share weights and calibration with the run's other cells."""
+
+    run: Any
+
+    @property
+    def seed(self) -> int:
+        return config_seed(self.run)
+
+    @property
+    def model(self) -> str:
+        return self.run.model
+
+    @property
+    def device(self) -> str:
+        return getattr(self.run, "device", "cpu")
+
+    def weight_key(self) -> str:
+        return self.run.weight_key()
+
+    def _hash(self, extra: Mapping[str, Any]) -> str:
+        blob = json.dumps({"run": self.run.key(), **extra}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
-class LongContextConfig:
+class LongContextConfig(_WrapsRun):
     """A long-context cell: a RunConfig evaluated at several context lengths (App. A.4).
 
     ``key()`` adds the lengths to the run's key; ``weight_key()`` is the run's, so long-context cells
@@ -109,27 +135,11 @@ class LongContextConfig:
         if self.matched_average and not getattr(self.run, "position_average", False):
             raise SweepError("matched_average re-estimates φ* per length: the run needs position_average=True")
 
-    @property
-    def seed(self) -> int:
-        return config_seed(self.run)
-
-    @property
-    def model(self) -> str:
-        return self.run.model
-
-    @property
-    def device(self) -> str:
-        return getattr(self.run, "device", "cpu")
-
     def key(self) -> str:
-        ident: dict[str, Any] = {"run": self.run.key(), "lengths": list(self.lengths)}
+        extra: dict[str, Any] = {"lengths": list(self.lengths)}
         if self.matched_average:
-            ident["matched_average"] = True
-        blob = json.dumps(ident, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-    def weight_key(self) -> str:
-        return self.run.weight_key()
+            extra["matched_average"] = True
+        return self._hash(extra)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"run": config_dict(self.run), "lengths": list(self.lengths)}
@@ -139,7 +149,7 @@ class LongContextConfig:
 
 
 @dataclass(frozen=True)
-class LmEvalConfig:
+class LmEvalConfig(_WrapsRun):
     """An lm-evaluation-harness cell: the quantised model of a RunConfig scored on lm-eval ``tasks``.
 
     ``key()`` adds the task settings to the run's key (``batch_size`` is left out: scores do not depend on
@@ -171,29 +181,13 @@ class LmEvalConfig:
         if not self.include_defaults and not self.include_path:
             raise SweepError("include_defaults=False needs an include_path with local task YAMLs")
 
-    @property
-    def seed(self) -> int:
-        return config_seed(self.run)
-
-    @property
-    def model(self) -> str:
-        return self.run.model
-
-    @property
-    def device(self) -> str:
-        return getattr(self.run, "device", "cpu")
-
     def _task_fields(self) -> dict[str, Any]:
         return {"tasks": list(self.tasks), "include_path": self.include_path,
                 "include_defaults": self.include_defaults, "limit": self.limit,
                 "num_fewshot": self.num_fewshot, "max_length": self.max_length}
 
     def key(self) -> str:
-        blob = json.dumps({"run": self.run.key(), "lm_eval": self._task_fields()}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-    def weight_key(self) -> str:
-        return self.run.weight_key()
+        return self._hash({"lm_eval": self._task_fields()})
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": config_dict(self.run), "lm_eval": {**self._task_fields(), "batch_size": self.batch_size}}
