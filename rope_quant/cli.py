@@ -706,7 +706,7 @@ def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.calib import verify
     from rope_quant.io import atomic_write_json, markdown_table
     from rope_quant.sweep.cells import ARTIFACTS_DIR
-    from rope_quant.sweep.manifest import LongContextConfig, config_from_dict, read_manifest
+    from rope_quant.sweep.manifest import config_from_dict, read_manifest, run_of
     from rope_quant.sweep.records import is_complete
 
     out = Path(args.dir)
@@ -714,7 +714,7 @@ def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
     rows, checked = [], 0
     for entry in data["cells"]:
         cfg = config_from_dict(entry["config"])  # nested, or the flat form of older directories
-        cfg = cfg.run if isinstance(cfg, LongContextConfig) else cfg
+        cfg = run_of(cfg)
         if not (cfg.position_average or args.all):
             continue
         art = out / ARTIFACTS_DIR / entry["key"]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.io import atomic_writer
-from rope_quant.sweep.manifest import LmEvalConfig, LongContextConfig
+from rope_quant.sweep.manifest import LmEvalConfig, LongContextConfig, run_of
 from rope_quant.sweep.models import ModelCache, process_models
 
 CellFn = Callable[[Any], Mapping[str, Any]]
@@ -114,7 +114,7 @@ def pipeline_cell_fn(
         return qm, False
 
     def run(cfg: Any) -> Mapping[str, Any]:
-        run_cfg = cfg.run if isinstance(cfg, (LongContextConfig, LmEvalConfig)) else cfg
+        run_cfg = run_of(cfg)
         try:
             qm, reused = model_for(run_cfg)
         except BaseException:

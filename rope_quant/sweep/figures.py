@@ -29,7 +29,8 @@ HEADLINE_METRICS = ("acc", "acc_norm", "exact_match", "word_perplexity", "bits_p
 _SEED_MARKERS = "os^Dv<>p*h"
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -38,7 +39,8 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_png(fig: Any, path: Path) -> Path:
+    """Write ``fig`` as a PNG atomically (120 dpi, tight box)."""
     with atomic_writer(path) as handle:
         fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
     return path
@@ -51,7 +53,7 @@ def _level(summary: Mapping[str, Any]) -> int:
 def _values_panel(ax: Any, names: Sequence[str], seeds: Sequence[int], values: Mapping[str, Mapping[int, float]],
                   comparator: str, xlabel: str) -> None:
     """One row per config: a marker per seed and a bar at the mean; the comparator's row is shaded."""
-    plt = _pyplot()
+    plt = pyplot()
     colours = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(seeds)}
     labelled: set[int] = set()
     for row, name in enumerate(names):
@@ -126,7 +128,7 @@ def plot_compare(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
     names = _ordered(list(configs), comp)
     values = {n: dict(zip(configs[n]["seeds"], configs[n]["ppl"], strict=True)) for n in names}
     seeds = list(dict.fromkeys(s for n in names for s in configs[n]["seeds"]))
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11.5, 1.0 + 0.75 * len(names)), sharey=True)
     _values_panel(left, names, seeds, values, comp, "perplexity (lower is better)")
     left.set_title("perplexity per seed", fontsize=10)
@@ -135,7 +137,7 @@ def plot_compare(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
     right.set_title(f"paired difference against {comp} (positive: worse)", fontsize=10)
     fig.suptitle(f"rope-quant {summary.get('kind', 'compare')}: {len(seeds)} seeds", fontsize=11)
     fig.tight_layout()
-    out = _save(fig, Path(path))
+    out = save_png(fig, Path(path))
     plt.close(fig)
     return out
 
@@ -146,7 +148,7 @@ def plot_long_context(summary: Mapping[str, Any], path: str | os.PathLike[str]) 
     comp, lc = summary["comparator"], summary["long_context"]
     lengths = lc["lengths"]
     names = _ordered(list(lc["configs"]), comp)
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11.5, 4.2))
     colours = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
     for name in names:
@@ -188,7 +190,7 @@ def plot_long_context(summary: Mapping[str, Any], path: str | os.PathLike[str]) 
     right.set_title(f"gap against {comp} (positive: worse)", fontsize=10)
     right.legend(fontsize=8)
     fig.tight_layout()
-    out = _save(fig, Path(path))
+    out = save_png(fig, Path(path))
     plt.close(fig)
     return out
 
@@ -205,7 +207,7 @@ def plot_lm_eval(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
     tasks = [t for t in lm["tasks"] if headline_metric(lm["metrics"][t])]
     names = _ordered(list(lm["configs"]), comp)
     seeds = list(dict.fromkeys(s for n in names for s in lm["seeds"][n]))
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11.5, (1.2 + 0.75 * len(names)) * len(tasks)), squeeze=False)
     for (left, right), task in zip(axes, tasks, strict=True):
         metric = headline_metric(lm["metrics"][task])
@@ -220,7 +222,7 @@ def plot_lm_eval(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
                      f"Δ {metric} vs {comp} ({_level(summary)}% paired CI over seeds)")
         right.set_title(f"{task}: paired difference against {comp}", fontsize=10)
     fig.tight_layout()
-    out = _save(fig, Path(path))
+    out = save_png(fig, Path(path))
     plt.close(fig)
     return out
 

@@ -114,6 +114,11 @@ class _WrapsRun:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def run_of(cfg: Any) -> Any:
+    """The ``RunConfig`` behind a cell config (the cell's own for a plain run)."""
+    return cfg.run if isinstance(cfg, _WrapsRun) else cfg
+
+
 @dataclass(frozen=True)
 class LongContextConfig(_WrapsRun):
     """A long-context cell: a RunConfig evaluated at several context lengths (App. A.4).
@@ -386,7 +391,7 @@ def cell_settings(cfg: Any) -> dict[str, Any]:
 
 
 def _identity_fields(cfg: Any) -> tuple[str, ...]:
-    run = cfg.run if isinstance(cfg, LongContextConfig | LmEvalConfig) else cfg
+    run = run_of(cfg)
     return run.identity_fields() if hasattr(run, "identity_fields") else ()
 
 
@@ -394,7 +399,7 @@ def content_changes(old: Manifest, new: Manifest) -> list[str]:
     """Content identities (model / corpus hashes) that differ between cells of the same name: the same
     study on changed content, whose cells get new keys and are recomputed."""
     def ids(cfg: Any) -> dict[str, Any]:
-        run = cfg.run if isinstance(cfg, LongContextConfig | LmEvalConfig) else cfg
+        run = run_of(cfg)
         return {f: getattr(run, f, None) for f in _identity_fields(cfg)}
 
     old_ids = {name: ids(cfg) for name, cfg in old.cells}

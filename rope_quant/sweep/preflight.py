@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
-from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError
+from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, run_of
 from rope_quant.sweep.models import ModelCache
 
 
@@ -24,15 +24,11 @@ class PreflightError(SweepError):
     """Bad input found before any cell ran: a model, geometry or corpus the cells cannot use."""
 
 
-def _run(cfg: Any) -> Any:
-    return cfg.run if isinstance(cfg, LongContextConfig) else cfg
-
-
 def hadamard_needs(cfg: Any, dims: Any) -> list[tuple[int, str]]:
     """``(order, what needs it)`` for the offline rotations of one cell on a model of geometry ``dims``."""
     from rope_quant.experiment.config import RotationKind
 
-    rot = _run(cfg).rotation
+    rot = run_of(cfg).rotation
     needs = []
     if rot.r1 == RotationKind.HADAMARD:
         needs.append((dims.hidden, f"R1 (r1=hadamard) needs hidden_size={dims.hidden}"))
@@ -49,7 +45,7 @@ def r3_problem(name: str, cfg: Any, head_dim: int) -> str | None:
 
     from rope_quant.core import transforms
 
-    run = _run(cfg)
+    run = run_of(cfg)
     params: dict[str, Any] = {}
     if transforms.needs_angles(run.r3):
         params["angles"] = np.zeros(head_dim // 2)
@@ -91,7 +87,7 @@ def check_windows(corpus: Any, cells: Iterable[Any]) -> list[str]:
     errors: list[str] = []
     notes: list[str] = []
     for cfg in cells:
-        run = _run(cfg)
+        run = run_of(cfg)
         seqlen, wanted = run.budget.seqlen, run.budget.eval_windows
         if n_calib < seqlen:
             errors.append(f"the calibration stream has {n_calib} tokens, fewer than one window of seqlen={seqlen}")
@@ -139,7 +135,7 @@ def preflight(manifest: Manifest, models: ModelCache, *, load: bool) -> list[str
     notes: list[str] = []
     by_source: dict[tuple[str, str], list[tuple[str, Any]]] = {}
     for name, cfg in manifest.cells:
-        run = _run(cfg)
+        run = run_of(cfg)
         by_source.setdefault((run.model, run.device), []).append((name, cfg))
     for (model, device), cells in by_source.items():
         try:
@@ -151,13 +147,13 @@ def preflight(manifest: Manifest, models: ModelCache, *, load: bool) -> list[str
             check_geometry(Manifest(cells=cells, kind=manifest.kind), dims, model)
             if not load:
                 continue
-            for corpus_name in dict.fromkeys(_run(cfg).corpus for _, cfg in cells):
+            for corpus_name in dict.fromkeys(run_of(cfg).corpus for _, cfg in cells):
                 if corpus_name not in corpora:
                     from rope_quant.experiment import data
 
                     corpora[corpus_name] = data.load_corpus(corpus_name, tokenizer)
                 notes += check_windows(corpora[corpus_name], [cfg for _, cfg in cells
-                                                              if _run(cfg).corpus == corpus_name])
+                                                              if run_of(cfg).corpus == corpus_name])
         except _input_errors() as exc:
             raise PreflightError(f"model {model}: {exc}") from exc
     return notes

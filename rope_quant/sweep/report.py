@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.core import stats
-from rope_quant.io import atomic_write_json, atomic_write_text, atomic_writer, markdown_table
-from rope_quant.sweep.figures import write_figures
+from rope_quant.io import atomic_write_json, atomic_write_text, markdown_table
+from rope_quant.sweep.figures import pyplot, save_png, write_figures
 from rope_quant.sweep.manifest import read_manifest
 from rope_quant.sweep.records import complete_records, status
 
@@ -631,24 +631,9 @@ def summary_markdown(summary: Mapping[str, Any], tables: Sequence[Table]) -> str
 # ----------------------------------------------------------------------------- figures
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: Path) -> Path:
-    with atomic_writer(path) as handle:
-        fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
-    return path
-
-
 def plot_crossover(table: Table, path: str | os.PathLike[str]) -> Path:
     """Perplexity gap against context length, one line per config, with its CI as error bars."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for name in dict.fromkeys(r["config"] for r in table.rows):
         rows = [r for r in table.rows if r["config"] == name and r["gap"] is not None]
@@ -662,14 +647,14 @@ def plot_crossover(table: Table, path: str | os.PathLike[str]) -> Path:
     ax.set_xlabel("context length L")
     ax.set_ylabel("Δ ppl vs comparator")
     ax.legend(fontsize=8)
-    out = _save(fig, Path(path))
+    out = save_png(fig, Path(path))
     plt.close(fig)
     return out
 
 
 def plot_support(table: Table, path: str | os.PathLike[str]) -> Path:
     """Support interpolation: K range, relative K error and perplexity gap against block size b."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
     bs = [r["b"] for r in table.rows]
     for ax, key, label in zip(axes, ("k_range_mean", "k_rel_err", "gap"),
@@ -685,7 +670,7 @@ def plot_support(table: Table, path: str | os.PathLike[str]) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block size b")
         ax.set_ylabel(label)
-    out = _save(fig, Path(path))
+    out = save_png(fig, Path(path))
     plt.close(fig)
     return out
 
@@ -693,7 +678,7 @@ def plot_support(table: Table, path: str | os.PathLike[str]) -> Path:
 def plot_beyond(table: Table, path: str | os.PathLike[str]) -> Path:
     """Δ ppl vs the comparator (with its CI) against the mean K range: colour = angle rule, filled circles =
     RoPE-commuting maps, open squares = maps that mix across pairs."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.0, 4.2))
     colours = {a: plt.get_cmap("tab10")(i % 10) for i, a in enumerate(dict.fromkeys(r["angles"] for r in table.rows))}
     for row in table.rows:
@@ -710,7 +695,7 @@ def plot_beyond(table: Table, path: str | os.PathLike[str]) -> Path:
     ax.set_ylabel("Δ ppl vs comparator (90% CI)")
     ax.set_title("filled: commutes with RoPE; open: mixes across pairs", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    out = _save(fig, Path(path))
+    out = save_png(fig, Path(path))
     plt.close(fig)
     return out
 
@@ -733,7 +718,7 @@ def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLi
     excess_cols = [c for c in rows[0] if "excess" in c.lower()]
     if pair_col is None or not excess_cols:
         raise ReportError(f"{csv_path}: need a pair column (pair/k) and excess columns, got {list(rows[0])}")
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for col in excess_cols:
         acc: dict[int, list[float]] = {}
@@ -748,7 +733,7 @@ def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLi
     ax.set_xlabel("pair index k")
     ax.set_ylabel("minimax excess (mean over layers)")
     ax.legend(fontsize=8)
-    out = _save(fig, Path(path))
+    out = save_png(fig, Path(path))
     plt.close(fig)
     return out
 
