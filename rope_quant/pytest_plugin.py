@@ -154,12 +154,15 @@ def rq_claim(request: pytest.FixtureRequest):
 
     ``rq_claim(claim, expected, measured, holds, **numbers)``; the verdict column combines
     ``holds`` with the test outcome (a claim recorded by an xfail test shows as not holding).
+    ``holds=None`` records a claim the test could not decide at its budget (its estimate lies within the
+    measured cross-machine spread of the decision boundary): the verdict reads "inconclusive at this budget".
     """
 
-    def record(claim: str, expected: str, measured: str, holds: bool, **numbers: Any) -> None:
+    def record(claim: str, expected: str, measured: str, holds: bool | None, **numbers: Any) -> None:
         request.node.user_properties.append(
             (_CLAIMS_KEY, {"claim": claim, "expected": expected, "measured": measured,
-                           "holds": bool(holds), "numbers": _jsonable(numbers), "test": request.node.nodeid})
+                           "holds": None if holds is None else bool(holds), "numbers": _jsonable(numbers),
+                           "test": request.node.nodeid})
         )
 
     return record
@@ -204,6 +207,8 @@ def verdict(claim: dict[str, Any]) -> str:
     """Combine what the test measured with its outcome."""
     if claim["outcome"] == "failed":
         return "FAILED"
+    if claim["holds"] is None and claim["outcome"] != "xfailed":
+        return "inconclusive at this budget"
     if claim["outcome"] == "xfailed" or not claim["holds"]:
         return "does not hold (xfail)" if claim["outcome"] == "xfailed" else "does not hold"
     return "holds"

@@ -190,25 +190,56 @@ def test_c5_phi_star_attains_minimum_and_excess_ordering(experiment, rq_claim, r
     assert ordering, means
 
 
-@pytest.mark.xfail(
-    reason="measured 2026-11-22, W4A4KV4 GPTQ, 3 seeds x 12x512 pydoc tokens, rows estimator: φ* has the "
-    "lower surrogate excess (3.1e-17 vs 3.4e-2) but DOES beat φ̂ in perplexity here, diff -0.417 with 90% CI "
-    "(-0.685, -0.149) at 2 threads (the CI setting; -0.554, CI -0.753, -0.354 at 1 thread): the paper's "
-    "'no perplexity gain from φ*' does not hold on the embedded model",
-    strict=True)
+# How far C6's decision statistic (the upper end of the 90% CI of ppl(φ*) − ppl(φ̂)) moved between runs of the
+# same code: 2 threads -0.149 vs 1 thread -0.354 (one machine, 2026-11-22) and -0.149 vs +0.847 between two
+# 2-core machines (Intel-class vs AMD EPYC, GPTQ's floating-point order; issue 11 §0). A verdict is decided only
+# when the statistic sits farther than this from its boundary (0); otherwise it is "inconclusive at this budget".
+C6_CROSS_MACHINE_SPREAD = 1.0
+
+
+def c6_ppl_verdict(ci: stats.PairedCI, spread: float = C6_CROSS_MACHINE_SPREAD) -> bool | None:
+    """The paper's "no perplexity gain from φ*" as a three-way verdict at this budget.
+
+    True: no significant gain even if the CI moved by ``spread`` (ci.high ≥ spread); False: a gain beyond the
+    spread (ci.high < −spread); None: inconclusive (the CI's upper end is within ``spread`` of 0).
+    """
+    if ci.high >= spread:
+        return True
+    if ci.high < -spread:
+        return False
+    return None
+
+
+def test_c6_verdict_rule_can_decide_both_ways() -> None:
+    def ci(low: float, high: float) -> stats.PairedCI:
+        return stats.PairedCI(n=3, mean=(low + high) / 2, sd=0.1, low=low, high=high, level=0.9)
+
+    assert c6_ppl_verdict(ci(0.5, 2.5)) is True
+    assert c6_ppl_verdict(ci(-4.0, -2.0)) is False
+    assert c6_ppl_verdict(ci(-0.685, -0.149)) is None  # the 2026-11-22 measurement
+    assert c6_ppl_verdict(ci(-2.032, 0.847)) is None  # the AMD EPYC measurement
+
+
 def test_c6_objective_mismatch(experiment, rq_claim) -> None:
-    """C6 (§5): φ* has the lower surrogate objective than φ̂, but does not beat φ̂ in perplexity."""
+    """C6 (§5): φ* has the lower surrogate objective than φ̂, but does not beat φ̂ in perplexity.
+
+    The surrogate part is robust (closed form, identical on every machine) and is asserted. The perplexity
+    part is decided only outside the measured cross-machine spread (:data:`C6_CROSS_MACHINE_SPREAD`); a
+    decided gain of φ* fails the test, an undecided one is reported as inconclusive with its interval.
+    """
     ex = _excess_table(experiment)
     phi_hat = experiment.per_seed(r3="pairwise_only")
     phi_star = experiment.per_seed(r3="pairwise_only", position_average=True)
     ci = stats.paired_ci(phi_star, phi_hat)
     lower_objective = float(ex["phi_star"].mean()) < float(ex["phi_hat"].mean())
-    no_ppl_gain = ci.high >= 0  # φ* is not significantly better than φ̂ at the 90% level
-    rq_claim("C6 (§5) objective mismatch: φ* vs φ̂", "lower surrogate excess, no significant ppl gain",
+    no_ppl_gain = c6_ppl_verdict(ci)
+    holds = None if no_ppl_gain is None else (lower_objective and no_ppl_gain)
+    rq_claim("C6 (§5) objective mismatch: φ* vs φ̂",
+             f"lower surrogate excess (asserted); no ppl gain, decided beyond ±{C6_CROSS_MACHINE_SPREAD} PPL",
              f"excess {float(ex['phi_star'].mean()):.1e} vs {float(ex['phi_hat'].mean()):.1e}; "
-             f"ppl diff {_ci_text(ci)}", lower_objective and no_ppl_gain, phi_star=phi_star, phi_hat=phi_hat)
+             f"ppl diff {_ci_text(ci)}", holds if lower_objective else False, phi_star=phi_star, phi_hat=phi_hat)
     assert lower_objective
-    assert no_ppl_gain, f"φ* beats φ̂ significantly: {ci}"
+    assert no_ppl_gain is not False, f"φ* beats φ̂ beyond the cross-machine spread: {ci}"
 
 
 def test_c7_long_context_gap_positive(experiment, rq_claim, rq_record, e2e_budget) -> None:

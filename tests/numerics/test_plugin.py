@@ -231,3 +231,24 @@ def test_claims_table_survives_xdist(pytester: pytest.Pytester, monkeypatch) -> 
     assert {c["claim"]: c["verdict"] for c in table["claims"]}["C7 (demo)"] == "FAILED"
     assert len(table["tables"]["demo table"]) == 7
     assert sorted(p.name for p in xdist_out.iterdir()) == ["claims.json", "claims.md"]
+
+
+def test_inconclusive_claims_have_their_own_verdict(pytester: pytest.Pytester) -> None:
+    """holds=None: a claim the test could not decide at its budget (the test itself passes)."""
+    from rope_quant.pytest_plugin import verdict
+
+    pytester.makepyfile(test_rqplugin_inconclusive='''
+def test_undecided(rq_claim):
+    rq_claim("C6 (demo)", "no gain", "CI straddles the boundary within the spread", None, low=-1.0, high=0.5)
+''')
+    out = pytester.path / "claims"
+    result = pytester.runpytest(f"--rq-claims-out={out}")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*C6 (demo)*inconclusive at this budget*"])
+    payload = json.loads((out / "claims.json").read_text())
+    assert [c["verdict"] for c in payload["claims"]] == ["inconclusive at this budget"]
+    assert payload["claims"][0]["holds"] is None
+    base = {"claim": "c", "holds": None}
+    assert verdict({**base, "outcome": "failed"}) == "FAILED"  # a failed test is never "inconclusive"
+    assert verdict({**base, "holds": False, "outcome": "passed"}) == "does not hold"
+    assert verdict({**base, "holds": True, "outcome": "passed"}) == "holds"
