@@ -221,15 +221,19 @@ def test_all_failed_long_context_cell_is_failed_not_complete(tmp_path, capsys):
     assert cli.main(argv, cell_fn=one_scored) == 0 and len(calls) == 3  # complete: not rerun
 
 
-def test_real_long_context_beyond_the_stream_fails(tmp_path, tiny_model, capsys):
+def test_real_long_context_beyond_the_stream_is_refused_before_any_cell(tmp_path, tiny_model, capsys):
+    """On the real pipeline the impossible length never becomes a "complete" cell: the preflight refuses it
+    as bad input (exit 2, naming the length) before anything is written. A length that fails only while a
+    cell runs (e.g. out of memory) is the all-failed case above: exit 1, retried."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(corpus_text(1))
     out = tmp_path / "lc"
     argv = ["long-context", "--model", str(tiny_model), "--corpus", str(corpus), "--configs", "hadamard",
             "--comparator", "hadamard", "--lengths", "10000000", "--out", str(out), *TINY]
-    assert cli.main(argv, models=ModelCache()) == 1
-    assert status(out).failed == ["hadamard/seed0"]
-    assert cli.main(["report", str(out), "--check"]) == 1
+    assert cli.main(argv, models=ModelCache()) == 2
+    printed = capsys.readouterr()
+    assert "10000000" in printed.out + printed.err
+    assert not list(out.glob("cells/**/*.json"))
 
 
 def test_verify_counts_only_complete_cells(tmp_path, capsys):
