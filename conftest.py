@@ -8,7 +8,9 @@ nothing on its own. Two things are this suite's choices and live here, where onl
   ``thorough``; they are loaded at import, before hypothesis' plugin applies ``--hypothesis-profile``
   (in its ``pytest_configure``), so the command line still wins;
 * the layer markers, given by directory: ``tests/<layer>/`` marks ``<layer>`` (``theory``, ``numerics``,
-  ``e2e``, ``bench``), relative to this file, so nothing outside this repository's ``tests/`` is marked.
+  ``e2e``, ``bench``), relative to this file, so nothing outside this repository's ``tests/`` is marked;
+* the budget split: tests marked ``slow`` are deselected unless ``--run-slow`` is given or the ``-m``
+  expression names ``slow`` (``tox -e slow`` runs them; README "Test layers").
 
 Heavy objects are built lazily, once per session.
 """
@@ -44,12 +46,25 @@ def layer_of(path: Path) -> str | None:
     return rel.parts[0] if len(rel.parts) > 1 and rel.parts[0] in LAYERS else None
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow (outside the default run's CI budget)")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test with its layer directory (``gpu_e2e`` tests in ``tests/e2e`` stay out of ``-m e2e``)."""
+    """Mark each test with its layer directory (``gpu_e2e`` tests in ``tests/e2e`` stay out of ``-m e2e``),
+    and deselect ``slow`` tests unless asked for (before ``-m`` filtering, so ``-m slow`` still selects)."""
     for item in items:
         layer = layer_of(item.path)
         if layer and not (layer == "e2e" and item.get_closest_marker("gpu_e2e")):
             item.add_marker(getattr(pytest.mark, layer))
+    if config.getoption("--run-slow") or "slow" in (config.getoption("markexpr") or ""):
+        return
+    slow = [it for it in items if it.get_closest_marker("slow") and layer_of(it.path)]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [it for it in items if it not in slow]
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
-from rope_quant.experiment.config import DType, Estimator, Objective, WeightMode
+from rope_quant.experiment.config import AngleRule, DType, Estimator, Objective, RotationKind, WeightMode
 
 if TYPE_CHECKING:
     from rope_quant.sweep.models import ModelCache
@@ -67,6 +67,9 @@ BUDGETS: dict[str, dict[str, Any]] = {
              "w_mse": True},
 }
 BUDGET_FIELDS = ("seqlen", "calib_windows", "eval_windows", "weights", "w_mse")
+#: The offline rotations the CLI offers (the enum's values; ``given`` needs a matrix from Python).
+R1_CLI = ("whip", "random_hadamard", "hadamard", "identity")
+R2_CLI = ("random_hadamard", "hadamard", "identity", "whip")
 #: Smallest value of the numeric budget flags (a window needs two tokens: one predicts the next).
 BUDGET_MINIMUM = {"seqlen": 2, "calib_windows": 1, "eval_windows": 1}
 LONG_CONTEXT_LENGTHS = {"cpu": (256, 512, 1024), "cuda": (2048, 4096, 8192, 16384)}
@@ -184,6 +187,17 @@ def _common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
                        help="comma-separated seeds (default 0,1,2)")
     g.add_argument("--estimator", default=Estimator.ROWS.value, choices=values(Estimator),
                    help="covariance pooling for the pairwise angles (default rows)")
+    g.add_argument("--angle", default=AngleRule.PHI_HAT.value, choices=values(AngleRule),
+                   help="angle rule of the variance objective: φ̂ (the paper's pairwise_only), φ̂ wrapped to "
+                        "φ*'s branch (App. J's control) or the position-averaged φ* (default phi_hat)")
+    g.add_argument("--r1", default=RotationKind.WHIP.value, choices=R1_CLI,
+                   help="R1: whip (the paper, A.1; default), random_hadamard (QuaRot's diag(s)·H), the plain "
+                        "hadamard, or identity")
+    g.add_argument("--r2", default=RotationKind.RANDOM_HADAMARD.value, choices=R2_CLI,
+                   help="R2: random_hadamard (the paper keeps whip's initialisation, A.8; default), hadamard, "
+                        "identity, or whip (trains R2: a deviation from A.8)")
+    g.add_argument("--whip-epochs", type=int, default=None, metavar="N",
+                   help="epochs of R1's whip fit (default 10 on every device: the fit takes seconds on CPU)")
     g.add_argument("--objective", default=Objective.VARIANCE.value, choices=values(Objective),
                    help="angle objective: variance (φ̂/φ*, the paper), a top-k grid, or range (coordinate "
                         "descent on the K quantiser's mean tokenwise range; default variance)")
@@ -241,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="hadamard", help="R3 registry name (default hadamard)")
     p.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     p.add_argument("--block", type=int, default=None, help="block size for block_* transforms")
-    p.add_argument("--phi-star", action="store_true", help="position-averaged angle φ* instead of φ̂")
+    p.add_argument("--phi-star", action="store_true", help="position-averaged angle φ* (same as --angle phi_star)")
     p.add_argument("--average-length", type=int, default=None, help="φ* averaging length (default seqlen)")
     p.add_argument("--name", default=None, help="cell name in the results directory (default: --config)")
     _common(p, seeds=False)
@@ -265,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimators", help="angle estimators rows / k_only / balanced (+ φ*)")
     p.add_argument("--estimators", default=",".join(DEFAULT_ESTIMATORS), metavar="A,B,...",
                    help=f"estimators (default {','.join(DEFAULT_ESTIMATORS)}; per_head also valid)")
-    p.add_argument("--phi-star", action="store_true", help="add the position-averaged φ* (with --estimator)")
+    p.add_argument("--phi-star", action="store_true",
+                   help="add the position-averaged φ* and its branch-matched φ̂ control (with --estimator)")
     p.add_argument("--average-length", type=int, default=None, help="φ* averaging length (default seqlen)")
     p.add_argument("--transform", default="pairwise_only",
                    choices=("pairwise_only", "pairwise_plus_hadamard"),
@@ -330,6 +345,8 @@ def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
     w_mse = budget.pop("w_mse")
     fields = dict(model=args.model, corpus=args.corpus, w_bits=args.w_bits, a_bits=args.a_bits,
                   k_bits=args.k_bits, v_bits=args.v_bits, estimator=args.estimator, objective=args.objective,
+                  angle=args.angle, r1=args.r1, r2=args.r2,
+                  **({} if args.whip_epochs is None else {"whip_epochs": args.whip_epochs}),
                   device=args.device, dtype=args.dtype, gptq=dataclasses.replace(GPTQConfig(), mse=bool(w_mse)),
                   **budget)
     fields.update(overrides)
@@ -400,13 +417,21 @@ class Cells:
 
 
 def describe(cfg: Any) -> str:
-    """One line with the settings shared by a sweep's cells."""
+    """One line with the settings shared by a sweep's cells (the rotations and their deviations included)."""
     run = getattr(cfg, "run", cfg)
     evals = "all" if run.eval_windows is None else run.eval_windows
-    return (f"model={run.model} corpus={run.corpus} W{run.w_bits}A{run.a_bits}K{run.k_bits}V{run.v_bits} "
+    rot = run.rotation
+    r1 = rot.r1.value + (f" (epochs {rot.whip.epochs}, batch {rot.whip.batch_size}, subset {rot.whip.subset}, "
+                         f"lr {rot.whip.lr}{', cosine' if rot.whip.cosine else ''})"
+                         if rot.r1 == RotationKind.WHIP else "")
+    line = (f"model={run.model} corpus={run.corpus} W{run.w_bits}A{run.a_bits}K{run.k_bits}V{run.v_bits} "
             f"weights={run.weights}{'' if run.gptq.mse else ' (no MSE clip search)'} "
-            f"estimator={run.estimator} seqlen={run.seqlen} calib_windows={run.calib_windows} "
+            f"R1={r1} R2={rot.r2.value} R4={'hadamard' if rot.r4 else 'off'} "
+            f"estimator={run.estimator} angle={run.angle} seqlen={run.seqlen} calib_windows={run.calib_windows} "
             f"eval_windows={evals} device={run.device} dtype={run.dtype}")
+    if rot.deviations:
+        line += "\ndeviations from the paper's rotations: " + "; ".join(rot.deviations)
+    return line
 
 
 def _slurm_params(items: Sequence[str]) -> dict[str, Any]:
@@ -521,8 +546,9 @@ def cmd_run(args: argparse.Namespace, cells: Cells) -> int:
     if args.block is not None and not transforms.needs_block(args.config):
         raise CLIError(f"--block applies to block_* configs only, not {args.config!r}")
     used = resolve_budget(args)[1]
-    cfg = base_config(args, seed=args.seed, r3=args.config, r3_block=args.block,
-                      position_average=args.phi_star, average_length=args.average_length)
+    angle = AngleRule.PHI_STAR.value if args.phi_star else args.angle
+    cfg = base_config(args, seed=args.seed, r3=args.config, r3_block=args.block, angle=angle,
+                      average_length=args.average_length)
     name = args.name or (args.config if args.block is None else f"{args.config}-b{args.block}")
     meta = {name: {"r3": args.config, **({"block": args.block} if args.block else {})}}
     manifest = Manifest(cells=[(name, cfg)], kind="run", comparator="hadamard", meta=meta)

@@ -58,6 +58,19 @@ class Objective(StrEnum):
     RANGE = "range"
 
 
+class AngleRule(StrEnum):
+    """Which variance-objective angle R3 uses (§3, App. A.5, App. J).
+
+    ``phi_hat``: the Jacobi angle φ̂ of the pooled covariance (unwrapped, the paper's pairwise_only);
+    ``phi_hat_branch_matched``: φ̂ wrapped to φ*'s branch [−π/4, π/4) — the control that isolates the
+    finite-phase correction from the branch shift (App. J); ``phi_star``: the position-averaged φ*.
+    """
+
+    PHI_HAT = "phi_hat"
+    PHI_HAT_BRANCH_MATCHED = "phi_hat_branch_matched"
+    PHI_STAR = "phi_star"
+
+
 OBJECTIVES = tuple(o.value for o in Objective)
 GRID_OBJECTIVES = (Objective.LINF.value, Objective.L2MAX.value, Objective.QUANTILE.value)
 DEFAULT_GRID_SIZE = 200

@@ -310,8 +310,13 @@ def hadamard_transform(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
 
 
 def random_hadamard(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Seeded random-sign Hadamard rotation for R1 (QuaRot-style): Q = H_n/√n · diag(s), s_i = ±1."""
+    """Seeded random Hadamard rotation (QuaRot's convention): Q = diag(s) · H_n/√n, s_i = ±1.
+
+    The signs act on the input channels before the Hadamard mixes them, so for a row x,
+    ``x @ Q = (x ⊙ s) @ H``: the magnitudes |x @ Q| change with the seed. (The transposed convention
+    H · diag(s) only flips output signs, leaving |x @ Q| the same for every seed.)
+    """
     gen = torch.Generator().manual_seed(int(seed))
     signs = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int64) * 2 - 1
     h = _build_matrix(n, torch.device("cpu"), torch.float64, True)
-    return (h * signs.to(torch.float64)).to(dtype)
+    return (signs.to(torch.float64)[:, None] * h).to(dtype)

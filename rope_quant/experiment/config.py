@@ -27,7 +27,7 @@ does not.
 
 **Keys.** :meth:`RunConfig.key` (cell identity), :meth:`RunConfig.weight_key` (quantised weights) and
 :meth:`RunConfig.stats_key` (calibration statistics) hash only the fields that differ from the default
-``RunConfig()``, prefixed with :data:`KEY_VERSION` (``v2-<16 hex>``): adding a field with a default keeps
+``RunConfig()``, prefixed with :data:`KEY_VERSION` (``v3-<16 hex>``): adding a field with a default keeps
 every existing key. Changing a default value (or what a key covers) needs a new :data:`KEY_VERSION`.
 The weight and statistics keys are derived from the specs that shape them, never from the R3 spec, so
 every R3 variant of a seed shares them (paired design). Fields marked ``cell_only`` (evaluation windows,
@@ -46,12 +46,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from rope_quant.calib.objectives import Objective
+from rope_quant.calib.objectives import AngleRule, Objective
 from rope_quant.calib.rules import PoolingRule
 from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
 from rope_quant.quant.gptq import GPTQConfig, GPTQError
 from rope_quant.quant.quantizers import QuantConfig, QuantConfigError, check_bits, check_clip
 from rope_quant.rotations.offline import RotationConfig, RotationKind
+from rope_quant.rotations.whip import WhipConfig
 
 __all__ = [
     "KEY_VERSION",
@@ -66,7 +67,9 @@ __all__ = [
     "DType",
     "WeightSpec",
     "QuantSpecs",
+    "WhipSpec",
     "RotationSpec",
+    "AngleRule",
     "R3Spec",
     "Budget",
     "Runtime",
@@ -75,8 +78,10 @@ __all__ = [
     "versioned_hash",
 ]
 
-#: Version of the key scheme, carried by every key (``v2-…``; version 1 hashed every flat field).
-KEY_VERSION = 2
+#: Version of the key scheme, carried by every key (``v3-…``). 1 hashed every flat field; 2 hashed the
+#: non-default fields; 3: the paper's rotations became the default (R1 whip, R2 random_hadamard), the
+#: random Hadamard became QuaRot's diag(s)·H, and φ̂/φ* became the ``angle`` rule.
+KEY_VERSION = 3
 #: Format of the on-disk weight cache (part of the weight key).
 WEIGHT_CACHE_FORMAT = 1
 #: Pre-RoPE K tokens sampled per layer during calibration (positions kept) for the ``range`` objective.
@@ -125,7 +130,7 @@ class DType(StrEnum):
 
 
 #: The offline rotations the pipeline can build by itself ("given" needs a caller's matrix).
-PIPELINE_ROTATIONS = (RotationKind.HADAMARD, RotationKind.WHIP, RotationKind.NONE)
+PIPELINE_ROTATIONS = (RotationKind.WHIP, RotationKind.RANDOM_HADAMARD, RotationKind.HADAMARD, RotationKind.IDENTITY)
 
 
 def _choice(enum_cls: type[StrEnum], value: Any, what: str, allowed: tuple | None = None) -> Any:
@@ -208,23 +213,85 @@ class QuantSpecs:
 
 
 @dataclass(frozen=True)
-class RotationSpec:
-    """The offline rotations: R1 (residual stream), R2 (per head, V/O) and the online R4 before down_proj."""
+class WhipSpec:
+    """The whip fit of R1 (DartQuant Sec. 3.2–3.3; the paper's pipeline, App. A.1): SGD with momentum on the
+    QR-orthogonal parameterisation, cosine-annealed, each epoch drawing ``subset`` of the samples.
 
-    r1: RotationKind = RotationKind.HADAMARD
-    r2: RotationKind = RotationKind.HADAMARD
+    Defaults are the paper's CUDA schedule: learning rate 1e-3, momentum 0.9 and a cosine schedule (the
+    released scripts' optimiser), subset fraction 0.1 (the released R1 script). The released batch size and
+    epoch count are not known to us: ``batch_size`` 64 and ``epochs`` 10 are our choice, named as such in the
+    README. A sample is ``tokens_per_sample`` tokens of one layer's normed residual. The CLI's CPU budget
+    shortens the schedule (:data:`rope_quant.cli.BUDGETS`) and prints it.
+    """
+
+    lr: float = 1e-3
+    momentum: float = 0.9
+    epochs: int = 10
+    batch_size: int = 64
+    subset: float = 0.1
+    cosine: bool = True
+    tokens_per_sample: int = 64
+
+    def __post_init__(self) -> None:
+        _positive(self.epochs, "whip_epochs")
+        _positive(self.batch_size, "whip_batch_size")
+        _positive(self.tokens_per_sample, "whip_tokens_per_sample")
+        if not (isinstance(self.subset, (int, float)) and 0 < self.subset <= 1):
+            raise PipelineError(f"whip_subset must be in (0, 1], got {self.subset!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise PipelineError(f"whip_lr must be positive, got {self.lr!r}")
+
+    def whip_config(self) -> WhipConfig:
+        """The :class:`~rope_quant.rotations.whip.WhipConfig` of this schedule (R1's fit)."""
+        return WhipConfig(lr=float(self.lr), momentum=float(self.momentum), epochs=self.epochs,
+                          batch_size=self.batch_size, subset=float(self.subset), cosine=self.cosine)
+
+
+@dataclass(frozen=True)
+class RotationSpec:
+    """The offline rotations (App. A.1, A.8): R1 (residual stream), R2 (per head, V/O), the online R4.
+
+    Defaults are the paper's pipeline: R1 fitted with whip, R2 left at its seeded random-Hadamard
+    initialisation (the released R2 calibrator never steps, A.8), R4 an online Hadamard before down_proj.
+    ``r2="whip"`` trains R2 (our working schedule): an explicit deviation from A.8.
+    """
+
+    r1: RotationKind = RotationKind.WHIP
+    r2: RotationKind = RotationKind.RANDOM_HADAMARD
     r4: bool = True
+    whip: WhipSpec = field(default_factory=WhipSpec, metadata={"prefix": "whip"})
 
     def __post_init__(self) -> None:
         for name in ("r1", "r2"):
             _set(self, name, _choice(RotationKind, getattr(self, name), name, PIPELINE_ROTATIONS))
         if not isinstance(self.r4, bool):
             raise PipelineError(f"r4 must be a bool, got {self.r4!r}")
+        if not isinstance(self.whip, WhipSpec):
+            raise PipelineError(f"whip must be a WhipSpec, got {type(self.whip).__name__}")
 
     @property
     def uses_calibration(self) -> bool:
         """whip rotations are fitted on the calibration windows."""
         return RotationKind.WHIP in (self.r1, self.r2)
+
+    @property
+    def deviations(self) -> list[str]:
+        """Departures from the paper's rotations (A.1, A.8), named for the printed settings and the README."""
+        out = []
+        if self.r1 != RotationKind.WHIP:
+            out.append(f"R1 {self.r1.value} instead of whip (A.1)")
+        if self.r2 == RotationKind.WHIP:
+            out.append("R2 trained with whip (the paper keeps R2 at its random-Hadamard initialisation, A.8)")
+        elif self.r2 != RotationKind.RANDOM_HADAMARD:
+            out.append(f"R2 {self.r2.value} instead of random_hadamard (A.8)")
+        if not self.r4:
+            out.append("no online R4")
+        return out
+
+    def whip_options(self) -> dict[str, Any]:
+        """Keyword options of :func:`rope_quant.rotations.whip.calibrate_model_rotations`."""
+        cfg = self.whip.whip_config()
+        return {"r1": cfg, "r2": cfg, "tokens_per_sample": self.whip.tokens_per_sample}
 
     def config(self, seed: int) -> RotationConfig:
         """The :class:`~rope_quant.rotations.offline.RotationConfig` of these rotations at ``seed``."""
@@ -236,15 +303,17 @@ class R3Spec:
     """The online R3 after RoPE and its angles.
 
     ``transform``: an R3 registry name (``core.transforms``), ``block`` its block size. The angles come
-    from the ``estimator``'s pooled covariances and the ``objective``; ``position_average=False`` uses the
-    Jacobi angle φ̂, ``True`` the position-averaged φ* over ``average_length`` (default: seqlen).
+    from the ``estimator``'s pooled covariances and the ``objective``; for the variance objective the
+    ``angle`` rule picks φ̂, the branch-matched φ̂ (App. J's control) or the position-averaged φ* over
+    ``average_length`` (default: seqlen). ``position_average`` reads (and, as a flat name, sets)
+    ``angle == phi_star``, its former spelling.
     """
 
     transform: str = field(default="hadamard", metadata={"flat": "r3"})
     block: int | None = field(default=None, metadata={"flat": "r3_block"})
     estimator: Estimator = Estimator.ROWS
     objective: Objective = Objective.VARIANCE
-    position_average: bool = False
+    angle: AngleRule = AngleRule.PHI_HAT
     average_length: int | None = None
 
     def __post_init__(self) -> None:
@@ -253,10 +322,16 @@ class R3Spec:
         _positive(self.block, "r3_block", optional=True)
         _set(self, "estimator", _choice(Estimator, self.estimator, "estimator"))
         _set(self, "objective", _choice(Objective, self.objective, "objective"))
+        _set(self, "angle", _choice(AngleRule, self.angle, "angle"))
         _positive(self.average_length, "average_length", optional=True)
-        if self.objective == Objective.RANGE and self.position_average:
-            raise PipelineError("objective 'range' already scores every row at its position: "
-                                "position_average applies to objective='variance'")
+        if self.objective != Objective.VARIANCE and self.angle != AngleRule.PHI_HAT:
+            raise PipelineError(f"objective {self.objective.value!r} fits its own angles: the angle rule "
+                                f"({self.angle.value}) applies to objective='variance'")
+
+    @property
+    def position_average(self) -> bool:
+        """φ* (the position-averaged angle) rather than a φ̂ variant."""
+        return self.angle == AngleRule.PHI_STAR
 
 
 @dataclass(frozen=True)
@@ -363,6 +438,19 @@ def flat_fields(cls: type) -> dict[str, tuple[str, ...]]:
     return table
 
 
+def _legacy_angle(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Map the former ``position_average`` flag onto the ``angle`` rule (older records, presets, callers)."""
+    out = dict(values)
+    if "position_average" not in out:
+        return out
+    flag = out.pop("position_average")
+    rule = AngleRule.PHI_STAR.value if flag else AngleRule.PHI_HAT.value
+    if "angle" in out and out["angle"] is not None and str(out["angle"]) != rule and flag:
+        raise PipelineError(f"position_average=True contradicts angle={out['angle']!r}")
+    out.setdefault("angle", rule)
+    return out
+
+
 class _Node(dict):
     """A group of changes to one nested spec (distinguishes specs from dict-valued leaves)."""
 
@@ -440,6 +528,7 @@ class RunConfig:
     def override(self, **flat: Any) -> RunConfig:
         """A copy with flat-named fields replaced; unknown names raise :class:`PipelineError`."""
         table = flat_fields(type(self))
+        flat = _legacy_angle(flat)
         unknown = sorted(set(flat) - set(table))
         if unknown:
             raise PipelineError(f"unknown configuration field(s) {', '.join(unknown)}; valid: {', '.join(table)}")
@@ -473,6 +562,9 @@ class RunConfig:
         default = _default(cls)
         specs = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(getattr(default, f.name))}
         if specs & set(data):
+            data = dict(data)
+            if isinstance(data.get("online"), Mapping):
+                data["online"] = _legacy_angle(data["online"])
             try:
                 return _build(default, data, cls.__name__)
             except (QuantConfigError, GPTQError, TypeError) as exc:
@@ -484,6 +576,11 @@ class RunConfig:
             except (GPTQError, TypeError) as exc:
                 raise PipelineError(f"bad gptq settings: {exc}") from None
         return cls.from_flat(**flat)
+
+    @property
+    def position_average(self) -> bool:
+        """R3 uses the position-averaged φ* (``online.angle == phi_star``)."""
+        return self.online.position_average
 
     # -- keys
 

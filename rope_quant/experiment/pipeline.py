@@ -3,7 +3,9 @@
 :func:`build_quantized_model` follows the natural path of the data (docs/ARCHITECTURE.md, "One cell"):
 
 1. load the model (or deep-copy a given one);
-2. offline rotations R1/R2/R4 (:func:`rope_quant.rotations.offline.rotate_model`);
+2. offline rotations R1/R2/R4 (:func:`rope_quant.rotations.offline.rotate_model`); by default the paper's
+   (App. A.1, A.8): R1 fitted with the whip loss on the calibration windows (cached per model, seed, whip
+   settings and windows), R2 the seeded random Hadamard, R4 the online Hadamard;
 3. activation quantisers: a forward pre-hook on every decoder linear (lm_head stays 16-bit) doing
    per-token asymmetric dynamic INT-a fake quantisation (or the static per-channel control, App. A.6/D).
    On down_proj the online R4 Hadamard pre-hook is registered with ``prepend=True`` by rotation.py, so it
@@ -12,7 +14,8 @@
    Hessians see the inputs each linear actually sees (R4 and the activation quantiser included);
 5. a calibration pass in collect mode over the same calibration windows (pre-RoPE q/k statistics and a
    sample of :data:`K_SAMPLE_ROWS` K tokens per layer with their positions);
-6. R3 angles (:func:`rope_quant.calib.objectives.estimate_angles`; φ̂, φ* with the live ``inv_freq``, or the
+6. R3 angles (:func:`rope_quant.calib.objectives.estimate_angles`; the angle rule φ̂, branch-matched φ̂ or
+   φ* with the live ``inv_freq``, or the
    ``range`` objective's coordinate descent on the K sample) and the
    per-layer R3 from the registry (:mod:`rope_quant.core.transforms`);
 7. the quantise-mode attention (:mod:`rope_quant.rotations.attention`): R3 on post-RoPE q/k, K/V quantisers.
@@ -29,6 +32,7 @@ The configuration (:class:`RunConfig`, its specs and keys) lives in :mod:`rope_q
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -50,6 +54,7 @@ from rope_quant.experiment.config import (
     PipelineError,
     RunConfig,
     WeightMode,
+    versioned_hash,
 )
 from rope_quant.io import atomic_writer
 from rope_quant.model import arch
@@ -57,6 +62,7 @@ from rope_quant.quant import gptq
 from rope_quant.quant.gptq import GPTQConfig
 from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
+from rope_quant.rotations.offline import RotationKind
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +165,7 @@ class QuantizedModel:
     timing: dict[str, float] = field(default_factory=dict)
     calib: torch.Tensor | None = None
     counters: PipelineCounters = field(default_factory=PipelineCounters)
+    rotation_fit: dict = field(default_factory=dict)
 
     def reconfigure(self, cfg: RunConfig, progress: bool = False) -> QuantizedModel:
         """Switch this model to another R3 / K-V setting in place (steps 6-7 only) and return it.
@@ -254,14 +261,56 @@ def _inv_freq(model: nn.Module, head_dim: int) -> tuple[np.ndarray, str]:
         raise PipelineError(f"per-layer RoPE bases are not supported by the R3 angle estimators: {exc}") from exc
 
 
-def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor):
-    """Offline R1/R2 (+ R4 weights and its online pre-hook) with :func:`rotation.rotate_model`."""
+def _r1_cache_path(cache: Path | None, cfg: RunConfig, fingerprint: str, data_fp: str) -> Path | None:
+    """The fitted whip R1 of (model, seed, whip settings, calibration windows), shared by every weight
+    setting that uses it."""
+    if cache is None:
+        return None
+    key = versioned_hash({"seed": cfg.seed, "whip": dataclasses.asdict(cfg.rotation.whip)})
+    return cache / f"r1-whip-{key}-{fingerprint}-{data_fp}.pt"
+
+
+def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path | None) -> tuple[torch.Tensor, dict]:
+    """R1 fitted with the whip loss on the unrotated model (App. A.1), or read from its cache file.
+
+    Returns the (hidden, hidden) float64 rotation and its fit log: the settings, the whip loss of the
+    random-Hadamard initialisation and of the fit on every sample, the steps, the fit time, and whether
+    it came from the cache.
+    """
+    from rope_quant.rotations import whip
+
+    if path is not None and path.is_file():
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            return saved["r1"], {**saved["log"], "cache_hit": True}
+        except Exception as exc:  # noqa: BLE001 - unreadable cache: refit
+            log.warning("ignoring unreadable R1 cache %s (%s); refitting", path, exc)
+    t = time.perf_counter()
+    spec = cfg.rotation.whip
+    fitted = whip.calibrate_model_rotations(model, calib, fit_r1=True, fit_r2=False, seed=cfg.seed,
+                                            r1=spec.whip_config(), tokens_per_sample=spec.tokens_per_sample)
+    res = fitted.r1_result
+    fit_log = {"kind": "whip", "settings": dataclasses.asdict(spec), "loss_init": res.initial_loss,
+               "loss_fit": res.final_loss, "steps": res.n_steps, "fit_s": time.perf_counter() - t,
+               "cache_hit": False}
+    if path is not None:
+        with atomic_writer(path) as handle:
+            torch.save({"r1": fitted.r1, "log": fit_log}, handle)
+    return fitted.r1, fit_log
+
+
+def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, r1_cache: Path | None) -> tuple[Any, dict]:
+    """Offline R1/R2 (+ R4 weights and its online pre-hook) with :func:`rotation.rotate_model`; returns the
+    rotation result and the R1 fit log (empty unless R1 is whip)."""
     from rope_quant.rotations.offline import rotate_model
 
     kwargs: dict[str, Any] = {}
-    if cfg.rotation.uses_calibration:
-        kwargs["calib_ids"] = calib
-    return rotate_model(model, cfg.rotation.config(cfg.seed), **kwargs)
+    fit_log: dict = {}
+    if cfg.rotation.r1 == RotationKind.WHIP:
+        kwargs["r1_matrix"], fit_log = _whip_r1(model, cfg, calib, r1_cache)
+    if cfg.rotation.r2 == RotationKind.WHIP:  # a documented deviation from A.8
+        kwargs.update(calib_ids=calib, whip_options=cfg.rotation.whip_options())
+    return rotate_model(model, cfg.rotation.config(cfg.seed), **kwargs), fit_log
 
 
 def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
@@ -459,13 +508,15 @@ def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles:
 
 
 def _estimate_angles(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray:
-    from rope_quant.calib.objectives import estimate_angles
+    from rope_quant.calib.objectives import AngleRule, estimate_angles
 
     r3 = cfg.online
     estimator, objective = r3.estimator.value, r3.objective.value
-    if r3.position_average:
+    if r3.angle == AngleRule.PHI_STAR:
         return estimate_angles(stats, estimator, objective, inv_freq=model,
                                average_length=r3.average_length or cfg.budget.seqlen)
+    if r3.angle == AngleRule.PHI_HAT_BRANCH_MATCHED:
+        return estimate_angles(stats, estimator, objective, branch_matched=True)
     if objective == "range":
         from rope_quant.core import transforms
 
@@ -552,9 +603,17 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
 
     # 2. offline rotations (+ the online R4 pre-hook); a cache hit restores the rotated quantised state
     t = time.perf_counter()
-    wpath = _weight_cache_path(cache, cfg, fingerprint, data_fingerprint(calib) if cache is not None else "")
+    data_fp = data_fingerprint(calib) if cache is not None else ""
+    wpath = _weight_cache_path(cache, cfg, fingerprint, data_fp)
+    r1_cache = _r1_cache_path(cache, cfg, fingerprint, data_fp)
     cached = _read_weight_cache(wpath, cfg)
-    rotation = _restore_rotated(model, cfg, cached) if cached is not None else _rotate(model, cfg, calib)
+    rotation_fit: dict = {}
+    if cached is not None:
+        rotation = _restore_rotated(model, cfg, cached)
+        if cfg.rotation.r1 == RotationKind.WHIP and r1_cache is not None and r1_cache.is_file():
+            rotation_fit = _whip_r1(model, cfg, calib, r1_cache)[1]
+    else:
+        rotation, rotation_fit = _rotate(model, cfg, calib, r1_cache)
     timing["rotate_s"] = time.perf_counter() - t
 
     # 3. activation quantisers (static ranges come from the rotated fp model, before the weights change)
@@ -593,7 +652,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
         model=model, tokenizer=tokenizer, cfg=cfg, angles=np.zeros((geom.n_layers, geom.head_dim // 2)),
         transforms=[], stats=stats, inv_freq=inv_freq, inv_freq_source=inv_source, geometry=geom,
         corpus=corpus, act_handles=act_handles, rotation=rotation, weight_cache_hit=cached is not None,
-        weight_errors=errors, timing=timing, calib=calib, counters=counters,
+        weight_errors=errors, timing=timing, calib=calib, counters=counters, rotation_fit=rotation_fit,
     )
     # 6-7. angles, R3 and the quantise-mode attention
     qm.reconfigure(cfg, progress=progress)
@@ -633,7 +692,7 @@ def run_cell(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
         "delta_mean": summary["delta_mean"], "k_rel_err": summary["k_rel_err"],
         "diag_bits": diag.bits,
         "angles": angles_summary(qm.angles), "inv_freq_source": qm.inv_freq_source,
-        "weight_cache_hit": qm.weight_cache_hit,
+        "weight_cache_hit": qm.weight_cache_hit, "rotation_fit": qm.rotation_fit,
         "timing": {**qm.timing, "eval_s": eval_s},
     }
     return json.loads(json.dumps(out, default=float))

@@ -83,6 +83,13 @@ class GPTQConfig:
     true_sequential: bool = True
     grid: int = field(default=100, metadata={"rtn": True})
     max_shrink: float = field(default=0.8, metadata={"rtn": True})
+    #: Hessians and the column loop in float64 (a robustness probe of GPTQ's floating-point order, issue 11 §0).
+    float64: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The precision of the Hessians and the GPTQ loop."""
+        return torch.float64 if self.float64 else torch.float32
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.percdamp < 1.0):
@@ -192,15 +199,16 @@ class HessianAccumulator:
 
     n_features: int
     device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
     H: torch.Tensor = field(init=False)
     n_samples: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.H = torch.zeros(self.n_features, self.n_features, dtype=torch.float32, device=self.device)
+        self.H = torch.zeros(self.n_features, self.n_features, dtype=self.dtype, device=self.device)
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulate a batch of inputs of shape (..., n_features)."""
-        x = x.detach().reshape(-1, x.shape[-1]).to(device=self.H.device, dtype=torch.float32)
+        x = x.detach().reshape(-1, x.shape[-1]).to(device=self.H.device, dtype=self.dtype)
         if x.shape[-1] != self.n_features:
             raise GPTQError(f"input has {x.shape[-1]} features, Hessian expects {self.n_features}")
         m = x.shape[0]
@@ -252,8 +260,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig =
         raise GPTQError(f"shape mismatch: W {tuple(W.shape)}, H {tuple(H.shape)}")
     GPTQ_CALLS["linear"] += 1
     out_f, in_f = W.shape
-    Wf = W.detach().clone().float()
-    H = H.detach().clone().float().to(Wf.device)
+    Wf = W.detach().clone().to(cfg.dtype)
+    H = H.detach().clone().to(device=Wf.device, dtype=cfg.dtype)
 
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
@@ -278,7 +286,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig =
     U = _inverse_hessian_factor(H, cfg.percdamp)
     Q = torch.zeros_like(Wf)
     if lazy_groups:
-        scales = torch.empty(out_f, n_groups, dtype=torch.float32, device=Wf.device)
+        scales = torch.empty(out_f, n_groups, dtype=cfg.dtype, device=Wf.device)
 
     for i1 in range(0, in_f, cfg.blocksize):
         i2 = min(i1 + cfg.blocksize, in_f)
@@ -398,7 +406,7 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
             group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
             if not group:
                 continue
-            accs = {n: HessianAccumulator(m.in_features, m.weight.device) for n, m in group}
+            accs = {n: HessianAccumulator(m.in_features, m.weight.device, cfg.dtype) for n, m in group}
             handles = []
             for n, m in group:
                 def pre(_mod, args, _acc=accs[n]):

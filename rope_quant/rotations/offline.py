@@ -82,12 +82,23 @@ __all__ = [
 ]
 
 class RotationKind(StrEnum):
-    """An offline rotation (R1 or R2): none, seeded random Hadamard, DartQuant whip, or a given matrix."""
+    """An offline rotation (R1 or R2).
 
-    NONE = "none"
+    ``identity`` (none), ``hadamard`` (the normalised Hadamard H/√n, the same for every seed),
+    ``random_hadamard`` (QuaRot's seeded diag(s)·H/√n: the paper's R2, and R1's whip initialisation),
+    ``whip`` (fitted with DartQuant's whip loss; the paper's R1, App. A.1) or ``given`` (a caller's matrix).
+    ``"none"`` is accepted as the former name of ``identity``.
+    """
+
+    IDENTITY = "identity"
     HADAMARD = "hadamard"
+    RANDOM_HADAMARD = "random_hadamard"
     WHIP = "whip"
     GIVEN = "given"
+
+    @classmethod
+    def _missing_(cls, value: object) -> RotationKind | None:
+        return cls.IDENTITY if value == "none" else None
 
 
 R1_CHOICES = tuple(k.value for k in RotationKind)
@@ -174,7 +185,7 @@ def _rmsnorm_weight(norm: nn.Module, where: str) -> nn.Parameter:
 
 def check_function_preserving(model: nn.Module, cfg: RotationConfig) -> None:
     """Raise :class:`NotFunctionPreservingError` when ``cfg`` asks for a rotation the architecture refuses."""
-    asked = [r for r, on in (("r1", cfg.r1 != "none"), ("r2", cfg.r2 != "none"), ("r4", cfg.r4)) if on]
+    asked = [r for r, on in (("r1", cfg.r1 != "identity"), ("r2", cfg.r2 != "identity"), ("r4", cfg.r4)) if on]
     for rot in asked:
         _require_preserving(model, rot)
 
@@ -287,8 +298,11 @@ def subtract_embedding_mean(model: nn.Module) -> None:
 # ------------------------------------------------------------------------------------------ R1
 
 
-def r1_hadamard(hidden: int, seed: int) -> torch.Tensor:
-    """Seeded random Hadamard ``H/√n · diag(s)`` of order ``hidden`` (float64), QuaRot's R1."""
+def r1_hadamard(hidden: int, seed: int | None) -> torch.Tensor:
+    """R1 of order ``hidden`` (float64): QuaRot's seeded random Hadamard ``diag(s) · H/√n``, or the plain
+    normalised ``H/√n`` when ``seed`` is None."""
+    if seed is None:
+        return hadamard.hadamard_matrix(hidden, dtype=torch.float64) / hidden ** 0.5
     return hadamard.random_hadamard(hidden, seed, dtype=torch.float64)
 
 
@@ -331,9 +345,15 @@ def _fold_r1(model: nn.Module, qm: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------------------ R2
 
 
-def r2_hadamard(model_or_dims: nn.Module | ModelDims, seed: int) -> torch.Tensor:
-    """Seeded random Hadamards for R2, one per (layer, KV head): float64 (n_layers, n_kv, d, d)."""
+def r2_hadamard(model_or_dims: nn.Module | ModelDims, seed: int | None) -> torch.Tensor:
+    """Seeded random Hadamards ``diag(s)·H/√d`` for R2, one per (layer, KV head): float64 (n_layers, n_kv, d, d).
+
+    ``seed=None``: the plain normalised Hadamard H/√d for every head.
+    """
     dims = model_or_dims if isinstance(model_or_dims, ModelDims) else model_dims(model_or_dims)
+    if seed is None:
+        h = hadamard.hadamard_matrix(dims.head_dim, dtype=torch.float64) / dims.head_dim ** 0.5
+        return h.expand(dims.n_layers, dims.n_kv_heads, dims.head_dim, dims.head_dim).clone()
     mats = [
         torch.stack([hadamard.random_hadamard(dims.head_dim, _derived_seed(seed, "r2", li, h), torch.float64)
                      for h in range(dims.n_kv_heads)])
@@ -465,22 +485,23 @@ def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.
 
 @dataclass(frozen=True)
 class RotationConfig:
-    """Which offline rotations to apply: r1/r2 in "none" | "hadamard" | "whip" | "given", r4 on/off.
+    """Which offline rotations to apply: r1/r2 a :class:`RotationKind` value, r4 on/off.
 
     "whip" takes a DartQuant-calibrated matrix (passed in, or fitted from ``calib_ids`` by
     :func:`rotate_model` with ``whip`` options); "given" takes a matrix from the caller.
     """
 
-    r1: str = "hadamard"
-    r2: str = "hadamard"
+    r1: str = "random_hadamard"
+    r2: str = "random_hadamard"
     r4: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.r1 not in R1_CHOICES:
-            raise RotationError(f"r1 must be one of {R1_CHOICES}, got {self.r1!r}")
-        if self.r2 not in R2_CHOICES:
-            raise RotationError(f"r2 must be one of {R2_CHOICES}, got {self.r2!r}")
+        for name in ("r1", "r2"):
+            try:
+                object.__setattr__(self, name, RotationKind(getattr(self, name)).value)
+            except ValueError:
+                raise RotationError(f"{name} must be one of {R1_CHOICES}, got {getattr(self, name)!r}") from None
         if not isinstance(self.r4, bool):
             raise RotationError(f"r4 must be a bool, got {self.r4!r}")
 
@@ -498,6 +519,7 @@ class RotationResult:
     r2: torch.Tensor | None = None
     r4_handles: list = field(default_factory=list)
     untied: bool = False
+    fitted: whip.CalibratedRotations | None = None
 
 
 def rotate_model(
@@ -511,7 +533,8 @@ def rotate_model(
 ) -> RotationResult:
     """Untie → fuse norms → R1 → R2 → R4, in place; every step function-preserving.
 
-    r1="hadamard" / r2="hadamard" use seeded random Hadamards (``cfg.seed``); "given" needs the matrix;
+    r1/r2="random_hadamard" use seeded random Hadamards diag(s)·H (``cfg.seed``), "hadamard" the plain
+    normalised Hadamard; "given" needs the matrix;
     "whip" uses the given matrix or, when it is None, fits one with :mod:`rope_quant.rotations.whip` on
     ``calib_ids`` (token ids, (n, seqlen)) before any weight changes (both R1 and R2 samples are
     invariant under untie and fuse; R2 samples under R1 too). ``whip_options`` go to
@@ -540,16 +563,22 @@ def rotate_model(
         )
         r1_matrix = fitted.r1 if need_r1 else r1_matrix
         r2_matrices = fitted.r2 if need_r2 else r2_matrices
+    else:
+        fitted = None
 
-    result = RotationResult(config=cfg)
+    result = RotationResult(config=cfg, fitted=fitted)
     result.untied = untie_embeddings(model)
     fuse_norms(model)
-    if cfg.r1 != "none":
-        q = r1_hadamard(dims.hidden, cfg.seed) if cfg.r1 == "hadamard" else r1_matrix
+    if cfg.r1 != "identity":
+        q = r1_matrix
+        if cfg.r1 in ("random_hadamard", "hadamard"):
+            q = r1_hadamard(dims.hidden, cfg.seed if cfg.r1 == "random_hadamard" else None)
         apply_r1(model, q)
         result.r1 = _check_rotation(q, dims.hidden, "R1")
-    if cfg.r2 != "none":
-        spec = int(cfg.seed) if cfg.r2 == "hadamard" else r2_matrices
+    if cfg.r2 != "identity":
+        spec = r2_matrices
+        if cfg.r2 in ("random_hadamard", "hadamard"):
+            spec = int(cfg.seed) if cfg.r2 == "random_hadamard" else r2_hadamard(dims, None)
         result.r2 = apply_r2(model, spec)
     if cfg.r4:
         result.r4_handles = apply_r4(model, register_hooks=register_r4_hooks)

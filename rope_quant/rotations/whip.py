@@ -63,7 +63,8 @@ class WhipConfig:
     """Optimiser and schedule of one whip fit (DartQuant Sec. 3.3 / released scripts).
 
     ``nsamples``: use the first ``nsamples`` samples (None: all); ``subset``: fraction of them drawn per
-    epoch (released R1: 0.1); ``max_steps``: stop after this many optimiser steps (None: run all epochs).
+    epoch (released R1: 0.1); ``max_steps``: stop after this many optimiser steps (None: run all epochs);
+    ``cosine``: anneal the learning rate to 0 over the planned steps (``CosineAnnealingLR``).
     Defaults are small so a fit runs in seconds on CPU; raise ``epochs`` for real calibrations.
     """
 
@@ -77,6 +78,7 @@ class WhipConfig:
     max_steps: int | None = None
     released_schedule: bool = False
     init: str = "hadamard"
+    cosine: bool = False
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -289,6 +291,10 @@ def fit_rotation(
     opt = torch.optim.SGD([a], lr=cfg.lr, momentum=cfg.momentum)
     gen = torch.Generator().manual_seed(int(seed))
     n_draw = max(1, int(n_total * cfg.subset))
+    planned = max(1, cfg.epochs * math.ceil(n_draw / cfg.batch_size) // cfg.accumulation)
+    if cfg.max_steps is not None:
+        planned = max(1, min(planned, cfg.max_steps))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=planned) if cfg.cosine else None
 
     n_steps = 0
     micro = 0  # micro-batches across epochs (working schedule)
@@ -311,6 +317,8 @@ def fit_rotation(
             if (counter + 1) % cfg.accumulation == 0:
                 opt.step()
                 opt.zero_grad()
+                if sched is not None:
+                    sched.step()
                 pending = False
                 n_steps += 1
                 if cfg.max_steps is not None and n_steps >= cfg.max_steps:

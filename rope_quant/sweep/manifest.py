@@ -125,7 +125,7 @@ class LongContextConfig(_WrapsRun):
 
     ``key()`` adds the lengths to the run's key; ``weight_key()`` is the run's, so long-context cells
     share weights and calibration with the short-context cells of the same seed. ``matched_average``
-    (φ* cells, ``run.position_average``) re-estimates φ* for every evaluated L with averaging length L.
+    (φ* cells, ``run.angle == phi_star``) re-estimates φ* for every evaluated L with averaging length L.
     """
 
     run: Any
@@ -138,7 +138,7 @@ class LongContextConfig(_WrapsRun):
             raise SweepError(f"lengths must be distinct integers >= 2, got {self.lengths!r}")
         object.__setattr__(self, "lengths", lengths)
         if self.matched_average and not getattr(self.run, "position_average", False):
-            raise SweepError("matched_average re-estimates φ* per length: the run needs position_average=True")
+            raise SweepError("matched_average re-estimates φ* per length: the run needs angle='phi_star'")
 
     def key(self) -> str:
         extra: dict[str, Any] = {"lengths": list(self.lengths)}

@@ -42,13 +42,15 @@ def estimators_manifest(base: Any, estimators: Sequence[str], seeds: Sequence[in
     meta: dict[str, dict[str, Any]] = {comparator: {"r3": comparator}}
     for est in estimators:
         name = f"{transform}-{est}"
-        variants[name] = {"r3": transform, "estimator": est, "position_average": False}
+        variants[name] = {"r3": transform, "estimator": est, "angle": "phi_hat"}
         meta[name] = {"r3": transform, "estimator": est}
-    if phi_star:
-        name = f"{transform}-phi_star"
-        variants[name] = {"r3": transform, "estimator": phi_star_estimator, "position_average": True,
-                          "average_length": average_length, "objective": "variance"}
-        meta[name] = {"r3": transform, "estimator": f"phi_star({phi_star_estimator})"}
+    if phi_star:  # φ* and its branch-matched φ̂ control (App. J): the pair isolates the finite-phase correction
+        for rule in ("phi_star", "phi_hat_branch_matched"):
+            name = f"{transform}-{rule}"
+            variants[name] = {"r3": transform, "estimator": phi_star_estimator, "angle": rule,
+                              "average_length": average_length if rule == "phi_star" else None,
+                              "objective": "variance"}
+            meta[name] = {"r3": transform, "estimator": f"{rule}({phi_star_estimator})"}
     return build_manifest(base, variants, seeds, kind="estimators", comparator=comparator,
                           family=[n for n in variants if n != comparator], meta=meta)
 
@@ -71,7 +73,7 @@ BEYOND_ANGLES: dict[str, dict[str, Any]] = {
     "rows": {"estimator": "rows"},
     "k_only": {"estimator": "k_only"},
     "per_head": {"estimator": "per_head"},
-    "phi_star_k_only": {"estimator": "k_only", "position_average": True},
+    "phi_star_k_only": {"estimator": "k_only", "angle": "phi_star"},
     "range": {"estimator": "k_only", "objective": "range"},
     "range_per_head": {"estimator": "per_head", "objective": "range"},
 }
@@ -83,7 +85,7 @@ BEYOND_LONG = ("pairwise_only-rows", "pairwise_only-phi_star_k_only", "pairwise_
 
 def beyond_variants(comparator: str = "hadamard") -> dict[str, dict[str, Any]]:
     """``{name: overrides}``: the comparator, then ``<transform>-<angles>`` for every beyond variant."""
-    reset = {"r3_block": None, "estimator": "rows", "objective": "variance", "position_average": False,
+    reset = {"r3_block": None, "estimator": "rows", "objective": "variance", "angle": "phi_hat",
              "average_length": None}
     out: dict[str, dict[str, Any]] = {comparator: {**reset, "r3": comparator}}
     for transform in BEYOND_TRANSFORMS:
@@ -95,7 +97,7 @@ def beyond_variants(comparator: str = "hadamard") -> dict[str, dict[str, Any]]:
 def beyond_manifest(base: Any, seeds: Sequence[int], comparator: str = "hadamard") -> Manifest:
     """``compare --configs beyond``: every beyond variant against the comparator, paired over seeds."""
     variants = beyond_variants(comparator)
-    meta = {name: {k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "position_average")}
+    meta = {name: {k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "angle")}
             for name, ov in variants.items()}
     return build_manifest(base, variants, seeds, kind="beyond", comparator=comparator,
                           family=[n for n in variants if n != comparator], meta=meta)

@@ -583,7 +583,8 @@ def beyond_table(summary: Mapping[str, Any]) -> Table | None:
         if r3 == comp:
             angles = "–"
         else:
-            kind = "φ*" if m.get("position_average") else ("range" if m.get("objective") == "range" else "φ̂")
+            star = m.get("angle") == "phi_star" or m.get("position_average")  # older manifests: the flag
+            kind = "φ*" if star else ("range" if m.get("objective") == "range" else "φ̂")
             angles = f"{kind} ({m.get('estimator', 'rows')})"
         block = summary["paired"].get(name)
         row = {"config": name, "r3": r3, "commutes": _commutes(r3), "angles": angles, "mean": cfg["mean"],

@@ -20,22 +20,27 @@ from rope_quant.defaults import DEFAULT_MODEL
 
 @dataclass(frozen=True)
 class E2EBudget:
-    """Token budgets sized so that ``pytest -m e2e`` runs in <= 20 minutes on 2 CPU cores (measured: 16 min 11 s
-    with a fresh cache, 2 threads, the machine otherwise idle; the first test, which also builds the three
-    GPTQ seeds, takes 9.6 of those minutes).
+    """Token budgets of the CPU claims (the measured wall time is in the README, "Test layers").
 
     Short context: ``eval_windows`` x ``seqlen`` scored tokens per cell, ``calib_windows`` x ``seqlen``
-    calibration tokens per seed (shared by GPTQ and the R3 statistics). ``long_lengths`` are scored with
-    ``long_windows`` windows each, on the long-form corpus (Gutenberg plays), up to the model's context.
+    calibration tokens per seed (shared by the whip fit of R1, GPTQ and the R3 statistics). The block-size
+    interpolation (C4) scores ``support_windows`` windows per cell: its claims are about K range and error,
+    means over every key of every window. ``long_lengths`` are scored with ``long_windows`` windows each on
+    the long-form corpus (Gutenberg plays); the ``slow`` subset adds ``slow_long_lengths``.
+    ``gptq_float64``: GPTQ's Hessians and column loop in float64 (the cross-machine spread probe of issue 11
+    §0; ``ROPE_QUANT_E2E_GPTQ_FLOAT64=1``).
     """
 
     seeds: tuple[int, ...] = (0, 1, 2)
     seqlen: int = 512
     calib_windows: int = 16
     eval_windows: int | None = 12
+    support_windows: int = 3
     long_corpus: str = "shakespeare"
-    long_lengths: tuple[int, ...] = (1024, 4096, 8192)
+    long_lengths: tuple[int, ...] = (1024, 4096)
+    slow_long_lengths: tuple[int, ...] = (8192,)
     long_windows: int = 1
+    gptq_float64: bool = False
 
 
 class Experiment:
@@ -50,9 +55,13 @@ class Experiment:
     def config(self, seed: int = 0, **overrides: Any):
         from rope_quant.experiment.pipeline import RunConfig
 
+        from rope_quant.quant.gptq import GPTQConfig
+
         b = self.budget
         fields = dict(model=self.model, corpus=self.corpus, seed=seed, seqlen=b.seqlen, device=self.device,
                       calib_windows=b.calib_windows, eval_windows=b.eval_windows)
+        if b.gptq_float64:
+            fields["gptq"] = GPTQConfig(float64=True)
         fields.update(overrides)
         return RunConfig.from_flat(**fields)
 
@@ -67,20 +76,22 @@ class Experiment:
     def per_seed(self, metric: str = "ppl", **overrides: Any) -> list[float]:
         return [float(self.cell(seed, **overrides)[metric]) for seed in self.budget.seeds]
 
-    def long_context(self, seed: int = 0, **overrides: Any) -> dict[int, Any]:
+    def long_context(self, seed: int = 0, lengths: tuple[int, ...] | None = None,
+                     **overrides: Any) -> dict[int, Any]:
         """Perplexity per length on the long-form corpus (App. A.4 protocol), one entry per length."""
         from rope_quant.experiment import evaluate
         from rope_quant.experiment.pipeline import build_quantized_model
 
         b = self.budget
-        key = ("long", self.config(seed, **overrides).key())
+        lengths = tuple(lengths or b.long_lengths)
+        key = ("long", lengths, self.config(seed, **overrides).key())
         if key not in self._cells:
             cfg = self.config(seed, **overrides)
             qm = build_quantized_model(cfg, cache_dir=self.cache_dir, base=self.base)
             from rope_quant.experiment.data import load_corpus
 
             corpus = load_corpus(b.long_corpus, qm.tokenizer)
-            self._cells[key] = evaluate.long_context(qm.model, corpus.eval_ids, list(b.long_lengths),
+            self._cells[key] = evaluate.long_context(qm.model, corpus.eval_ids, list(lengths),
                                                      max_windows=b.long_windows)
         return self._cells[key]
 
@@ -93,7 +104,7 @@ def experiment_factory():
 
 @pytest.fixture(scope="session")
 def e2e_budget(rq_options) -> E2EBudget:
-    budget = E2EBudget()
+    budget = E2EBudget(gptq_float64=os.environ.get("ROPE_QUANT_E2E_GPTQ_FLOAT64", "") not in ("", "0"))
     if rq_options.seeds is not None:
         budget = dataclasses.replace(budget, seeds=rq_options.seeds)
     return budget

@@ -144,7 +144,9 @@ def test_compare_writes_summary_table_and_resumes(tmp_path: Path, capsys, fake: 
     assert ("defaults used: seeds=0,1,2, seqlen=512, calib_windows=4, eval_windows=4, weights=rtn, "
             "w_mse=True") in printed
     assert ("settings: model=smollm2-135m corpus=pydoc W4A4K4V4 weights=rtn "
-            "estimator=rows seqlen=512") in printed
+            "R1=whip (epochs 10, batch 64, subset 0.1, lr 0.001, cosine) R2=random_hadamard R4=hadamard "
+            "estimator=rows angle=phi_hat seqlen=512") in printed
+    assert "deviations from the paper's rotations" not in printed
     assert len(fake.calls) == 12
     assert {(c.r3, c.seed) for c in fake.calls} == {(n, s) for n in cli.DEFAULT_CONFIGS for s in (0, 1, 2)}
     assert all(c.seqlen == 512 and c.weights == "rtn" and c.k_bits == 4 for c in fake.calls)
@@ -215,6 +217,8 @@ def test_support_estimators_long_context(tmp_path: Path, capsys, fake: FakeCell)
                      "--no-figures", "--quiet"], cell_fn=fake) == 0
     star = [c for c in fake.calls if c.position_average]
     assert len(star) == 2 and all(c.estimator == "k_only" and c.r3 == "pairwise_only" for c in star)
+    matched = [c for c in fake.calls if c.angle == "phi_hat_branch_matched"]  # App. J's control comes along
+    assert len(matched) == 2 and all(c.estimator == "k_only" and c.r3 == "pairwise_only" for c in matched)
     estimators = {c.estimator for c in fake.calls if c.r3 == "pairwise_only"}
     assert sorted(estimators) == ["balanced", "k_only", "rows"]
     assert "phi_star(k_only)" in (out / "tables" / "estimators.md").read_text()
@@ -287,3 +291,22 @@ def test_real_run_compare_and_verify(tmp_path: Path, capsys, embedded_model) -> 
     assert (out / "verify" / "pairwise_phi_star" / "seed0" / "phi_star_pairs.csv").is_file()
     assert cli.main(["report", str(out)]) == 0
     assert (out / "figures" / "phi_star_excess.png").is_file()
+
+
+def test_rotation_and_angle_options_reach_the_cells_and_name_deviations(tmp_path: Path, capsys,
+                                                                       fake: FakeCell) -> None:
+    """--r1/--r2/--angle (issue 11 §2-3): the paper's rotations are the default; anything else is printed as
+    a deviation, R2 trained by whip as a deviation from A.8."""
+    out = tmp_path / "dev"
+    argv = ["compare", "--out", str(out), "--seeds", "0", "--configs", "hadamard,pairwise_only", "--r1",
+            "random_hadamard", "--r2", "whip", "--angle", "phi_hat_branch_matched", "--no-figures", "--quiet"]
+    assert cli.main(argv, cell_fn=fake) == 0
+    printed = capsys.readouterr().out
+    assert {(c.r1, c.r2, c.angle) for c in fake.calls} == {
+        ("random_hadamard", "whip", "phi_hat_branch_matched")}
+    assert "R1 random_hadamard instead of whip (A.1)" in printed
+    assert "R2 trained with whip" in printed and "A.8" in printed
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["compare", "--out", "x", "--r1", "cayley"])
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["compare", "--out", "x", "--angle", "phi_dagger"])

@@ -189,7 +189,21 @@ def test_random_hadamard_orthogonal_and_seeded(n: int) -> None:
     torch.testing.assert_close(q @ q.T, torch.eye(n, dtype=torch.float64), rtol=0, atol=1e-12)
     assert torch.equal(q, random_hadamard(n, seed=3, dtype=torch.float64))
     assert not torch.equal(q, random_hadamard(n, seed=4, dtype=torch.float64))
-    signs = (q / (hadamard_matrix(n) / math.sqrt(n))).round()
-    assert bool((signs == signs[0]).all())  # one sign per column: H/√n · diag(s)
-    assert bool((signs[0].abs() == 1).all()) and bool((signs[0] == -1).any()) and bool((signs[0] == 1).any())
+    signs = (q / (hadamard_matrix(n, dtype=torch.float64) / math.sqrt(n))).round()
+    assert bool((signs == signs[:, :1]).all())  # one sign per row: diag(s) · H/√n (QuaRot)
+    col = signs[:, 0]
+    assert bool((col.abs() == 1).all()) and bool((col == -1).any()) and bool((col == 1).any())
     assert random_hadamard(n, seed=3).dtype == torch.float32
+
+
+@pytest.mark.parametrize("n", [64, 576])
+def test_random_hadamard_magnitudes_change_with_the_seed(n: int) -> None:
+    """Issue 11 §1: with diag(s)·H the signs act before the mixing, so |x·R| depends on the seed (with
+    H·diag(s) it would not: only output signs flip, and the quantisers would never see rotation randomness)."""
+    x = torch.linspace(-1.0, 2.0, n, dtype=torch.float64) ** 3  # unequal entries
+    r0, r1 = random_hadamard(n, 0, torch.float64), random_hadamard(n, 1, torch.float64)
+    for r in (r0, r1):
+        torch.testing.assert_close(r.T @ r, torch.eye(n, dtype=torch.float64), rtol=0, atol=1e-12)
+    a0, a1 = (x @ r0).abs(), (x @ r1).abs()
+    assert not torch.allclose(a0, a1, atol=1e-6), "random Hadamard magnitudes do not depend on the seed"
+    assert torch.isclose(a0.norm(), a1.norm(), rtol=1e-12)  # both are rotations of the same x

@@ -180,8 +180,10 @@ def test_range_objective_bad_input():
         estimate_angles(stats, "k_only", "variance", then_hadamard=True)
     with pytest.raises(CalibrationError, match="sample_rows"):
         estimate_angles(CalibrationStats(1, H_Q, H_KV, D), "k_only", "range", inv_freq=inv_freq)
-    with pytest.raises(PipelineError, match="position_average"):
+    with pytest.raises(PipelineError, match="angle rule"):
         RunConfig.from_flat(r3="pairwise_only", objective="range", position_average=True)
+    with pytest.raises(PipelineError, match="angle rule"):
+        RunConfig.from_flat(r3="pairwise_only", objective="linf", angle="phi_hat_branch_matched")
     with pytest.raises(PipelineError, match="k_group"):
         RunConfig.from_flat(r3="pairwise_only", objective="range", k_group=32)
 
@@ -203,7 +205,7 @@ def test_estimate_angles_range_uses_every_layer_and_the_pooling_rule():
 
 
 def test_beyond_manifest_covers_every_variant_with_clean_fields():
-    base = RunConfig.from_flat(estimator="balanced", objective="linf", position_average=True, average_length=99)
+    base = RunConfig.from_flat(estimator="balanced", objective="variance", position_average=True, average_length=99)
     manifest = presets.beyond_manifest(base, (0, 1))
     names = manifest.names()
     assert names[0] == "hadamard" and len(names) == 1 + 2 * len(presets.BEYOND_ANGLES)
@@ -228,7 +230,7 @@ def test_beyond_long_context_manifest_has_the_matched_phi_star_cell():
     assert matched.run == fixed.run and matched.key() != fixed.key()
     again = config_from_dict(json.loads(json.dumps(matched.to_dict())))
     assert again == matched and again.key() == matched.key()
-    with pytest.raises(SweepError, match="position_average"):
+    with pytest.raises(SweepError, match="phi_star"):
         LongContextConfig(RunConfig(), (512,), matched_average=True)
 
 

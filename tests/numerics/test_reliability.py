@@ -246,7 +246,7 @@ def test_verify_counts_only_complete_cells(tmp_path, capsys):
 
     argv = ["estimators", "--out", str(out), "--seeds", "0", "--phi-star", "--quiet", "--no-figures"]
     assert cli.main(argv, cell_fn=phi_star_fails) == 1
-    star = [e for e in read_manifest(out)["cells"] if e["config"]["online"].get("position_average")]
+    star = [e for e in read_manifest(out)["cells"] if e["config"]["online"].get("angle") == "phi_star"]
     art = out / "artifacts" / star[0]["key"]
     art.mkdir(parents=True)
     (art / "angles.npy").write_bytes(b"left over by the failed cell")

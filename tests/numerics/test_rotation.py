@@ -276,9 +276,9 @@ def test_rotate_model_never_subtracts_the_embedding_mean(monkeypatch):
     model = _synthetic(False)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(8))
     ref = _logits(model, ids)
-    res = rotation.rotate_model(model, RotationConfig(r1="hadamard", r2="hadamard", r4=True, seed=1))
+    res = rotation.rotate_model(model, RotationConfig(r1="random_hadamard", r2="random_hadamard", r4=True, seed=1))
     assert res.untied and res.r1 is not None and res.r2.shape == (2, 2, 16, 16) and len(res.r4_handles) == 2
-    assert model.rq_rotation == RotationConfig(r1="hadamard", r2="hadamard", r4=True, seed=1)
+    assert model.rq_rotation == RotationConfig(r1="random_hadamard", r2="random_hadamard", r4=True, seed=1)
     assert _rel(_logits(model, ids), ref) <= REL_TOL
     assert _rel(_logits(copy.deepcopy(model), ids), ref) <= REL_TOL  # the R4 hooks survive deepcopy
 
@@ -305,8 +305,9 @@ def test_cached_rotated_weights_need_the_online_hook_reinstalled():
     "cfg",
     [
         RotationConfig(r1="none", r2="none", r4=False),
-        RotationConfig(r1="none", r2="hadamard", r4=True, seed=2),
-        RotationConfig(r1="hadamard", r2="none", r4=False, seed=3),
+        RotationConfig(r1="identity", r2="random_hadamard", r4=True, seed=2),
+        RotationConfig(r1="random_hadamard", r2="identity", r4=False, seed=3),
+        RotationConfig(r1="hadamard", r2="hadamard", r4=False, seed=3),
         RotationConfig(r1="given", r2="given", r4=True),
     ],
     ids=lambda c: c.key(),
@@ -328,8 +329,9 @@ def test_rotate_model_configs_preserve_logits(cfg):
     rotation.rotate_model(model, cfg, **kwargs)
     assert _rel(_logits(model, ids), ref) <= REL_TOL
     assert _changed(before, model, "model.layers.0.self_attn.q_proj.weight")  # fused norm scales at least
-    assert _changed(before, model, "model.embed_tokens.weight") == (cfg.r1 != "none")
-    assert _changed(before, model, "model.layers.0.mlp.down_proj.weight") == (cfg.r1 != "none" or cfg.r4)
+    assert _changed(before, model, "model.embed_tokens.weight") == (cfg.r1 != "identity")
+    assert cfg.r1 in ("identity", "random_hadamard", "hadamard", "given")  # "none" reads as identity
+    assert _changed(before, model, "model.layers.0.mlp.down_proj.weight") == (cfg.r1 != "identity" or cfg.r4)
 
 
 def test_rotate_model_whip_preserves_logits():
@@ -413,3 +415,18 @@ def test_mean_subtraction_changes_logits_embedded(embedded_model, text_ids, rq_r
     rq_record("rotation_invariance", model="smollm2-135m", step="embedding mean subtraction",
               rel_max_abs_diff=rel)
     assert rel > 100 * REL_TOL, f"mean subtraction changed logits by only {rel:.3g}"
+
+
+def test_plain_and_random_hadamard_r1_differ_and_random_varies_with_the_seed():
+    """r1="hadamard" is the plain H/√n (seed-free); r1="random_hadamard" is diag(s)·H/√n, seed-dependent."""
+    plain = rotation.r1_hadamard(64, None)
+    assert torch.equal(plain, rotation.r1_hadamard(64, None))
+    r0, r1 = rotation.r1_hadamard(64, 0), rotation.r1_hadamard(64, 1)
+    assert not torch.equal(r0, r1) and not torch.equal(r0, plain)
+    torch.testing.assert_close(r0, torch.diag(torch.diag(r0 @ plain.T)) @ plain, rtol=0, atol=1e-12)
+
+
+def test_rotation_kind_reads_the_former_none_as_identity():
+    assert RotationConfig(r1="none", r2="none").r1 == "identity"
+    with pytest.raises(rotation.RotationError, match="r1 must be one of"):
+        RotationConfig(r1="cayley")
