@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from rope_quant.calib.moments import CalibrationError, CalibrationStats
-from rope_quant.core.angles import PairCov, equalising_angle, jacobi_angle, wrap_angle
+from rope_quant.core.angles import PairCov, as_pair_cov, equalising_angle, jacobi_angle, wrap_angle
 from rope_quant.core.rope import check_frequencies, find_inv_freq, pair_indices, phase_averages
 from rope_quant.model import arch
 
@@ -164,7 +164,7 @@ def variance_angles(
     """φ̂, φ* or wrap(φ̂) for pooled covariances (see the module docstring)."""
     if (inv_freq is None) != (average_length is None):
         raise AngleEstimationError("φ* needs both inv_freq and average_length (or neither, for φ̂)")
-    cov = PairCov(*(np.asarray(v, dtype=np.float64) for v in cov))
+    cov = PairCov(*(np.asarray(v, dtype=np.float64) for v in as_pair_cov(cov)))
     if branch_matched:
         if inv_freq is not None:
             check_frequencies(inv_freq)
