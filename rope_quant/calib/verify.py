@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rope_quant.calib.moments import CalibrationStats
-from rope_quant.core.angles import PairCov, jacobi_angle
+from rope_quant.core.angles import PairCov, as_pair_cov, jacobi_angle
 from rope_quant.core.rope import check_frequencies, find_inv_freq
 from rope_quant.io import atomic_write_text
 from rope_quant.model import arch
@@ -251,14 +251,15 @@ def verify_phi_star(
 ) -> VerificationResult:
     """Recompute the surrogate, the achieved minimax variance and λ̄ for stored angles (App. A.5).
 
-    ``cov`` is a PairCov of shape (L, K) / (L, H_kv, K), or a CalibrationStats whose raw-moment
+    ``cov`` is a PairCov of shape (L, K) / (L, H_kv, K) (or the (..., 2, 2) stack of the same matrices,
+    see :func:`rope_quant.core.angles.as_pair_cov`), or a CalibrationStats whose raw-moment
     covariance under ``rule`` is used. ``inv_freq`` is an array, a model of a registered family (its
     layers' shared buffer, from :mod:`rope_quant.model.arch`) or a torch module holding the live buffer
     (found with :func:`rope.find_inv_freq`).
     """
     if isinstance(cov, CalibrationStats):
         cov = cov.pooled_raw(rule)
-    s11, s22, s12 = (np.asarray(v, dtype=np.float64) for v in cov)
+    s11, s22, s12 = (np.asarray(v, dtype=np.float64) for v in as_pair_cov(cov))
     phi = np.asarray(angles, dtype=np.float64)
     head_dim = 2 * phi.shape[-1] if phi.ndim else None
     if arch.is_registered(inv_freq):

@@ -17,6 +17,7 @@ from rope_quant.calib.verify import (
     brute_force_phi_star,
     position_averaged_covariance,
     position_averaged_minimax,
+    verify_phi_star,
 )
 from rope_quant.core import angles as A
 from rope_quant.core.rope import phase_averages, rope_matrix
@@ -108,3 +109,18 @@ def test_result_type_and_argument_checks():
         brute_force_phi_star(2.0, 1.0, 0.3, [0.5], 0)
     with pytest.raises(VerificationError, match="grid"):
         brute_force_phi_star(2.0, 1.0, 0.3, [0.5], 8, grid=2)
+
+
+def test_verifier_reads_a_matrix_stack_like_the_triple():
+    """verify_phi_star takes the (L, K, 2, 2) stack too (L = 3 layers: the case a row-unpacking would misread)."""
+    rng = np.random.default_rng(1)
+    cov = random_covariances(rng, (3, K))
+    theta = frequencies(rng)
+    C, S = phase_averages(theta, 64)
+    phi = A.equalising_angle(cov, C, S)
+    mats = np.stack([np.stack([cov.s11, cov.s12], -1), np.stack([cov.s12, cov.s22], -1)], -2)
+    by_triple = verify_phi_star(phi, cov, theta, 64)
+    by_stack = verify_phi_star(phi, mats, theta, 64)
+    assert by_stack.verified and by_triple.verified
+    for key in ("s11", "s22", "s12", "excess"):
+        np.testing.assert_array_equal(by_stack.arrays[key], by_triple.arrays[key])
