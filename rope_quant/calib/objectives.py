@@ -18,6 +18,13 @@ per-(layer, pair) top-k candidate rows kept by :class:`~rope_quant.calib.moments
 Ties go to the grid angle nearest 0. A zero-variance band (s11 + s22 = 0) always gets the identity
 angle 0. All objectives are π/2-periodic, so the grid covers every distinct rotation.
 
+The candidate store keeps one merged set per (layer, pair), fed from the streams ``topk_streams`` of the
+statistics, every row with weight 1. A grid objective therefore honours exactly the pooling rules that pool
+every row of those same streams with weight 1 into one set per layer (:func:`grid_estimators`: ``k_only``
+for the default K candidates, ``rows`` for Q+K candidates); ``balanced`` (equal stream weights),
+``per_head`` (one set per KV head) and a rule over other streams are refused with
+:class:`GridEstimatorError` rather than silently scored on the wrong rows.
+
 ``range`` (beyond the paper, §6's untested objective): the angles minimise the calibration mean of the
 dynamic K quantiser's tokenwise group range r = max(max_c y_c, 0) − min(min_c y_c, 0) (the statistic
 its step Δ = r/(2^b − 1) is set from), over every KV head and sampled token, where y = M·R_m·k is the key
@@ -43,7 +50,8 @@ import numpy as np
 import torch
 
 from rope_quant.calib.moments import CalibrationError, CalibrationStats
-from rope_quant.core.angles import PairCov, equalising_angle, jacobi_angle, wrap_angle
+from rope_quant.calib.rules import POOLING, pool_spec
+from rope_quant.core.angles import PairCov, as_pair_cov, equalising_angle, jacobi_angle, wrap_angle
 from rope_quant.core.rope import check_frequencies, find_inv_freq, pair_indices, phase_averages
 from rope_quant.model import arch
 
@@ -86,6 +94,42 @@ class AngleEstimationError(ValueError):
 
 class UnknownObjectiveError(AngleEstimationError):
     """An objective outside :data:`OBJECTIVES` was named."""
+
+
+class GridEstimatorError(AngleEstimationError, CalibrationError):
+    """A grid objective was asked with a pooling rule its candidate rows do not represent."""
+
+
+def grid_estimators(stats: CalibrationStats) -> tuple[str, ...]:
+    """The pooling rules a grid objective honours on ``stats``' candidate sets (App. A.2.1).
+
+    Those that pool every row of exactly the candidate streams (``stats.topk_streams``) with weight 1, one
+    pool per layer: the candidate set is then the top-k of the very rows the rule pools.
+    """
+    streams = set(stats.topk_streams)
+    return tuple(rule.value for rule, spec in POOLING.items()
+                 if set(spec.streams) == streams and not spec.equal_stream_weights and not spec.per_kv_head)
+
+
+def _check_grid_estimator(stats: CalibrationStats, estimator: str, objective: str) -> None:
+    """Raise :class:`GridEstimatorError` unless ``estimator`` is in :func:`grid_estimators`."""
+    valid = grid_estimators(stats)
+    if estimator in valid:
+        return
+    spec = pool_spec(estimator)
+    if spec.per_kv_head:
+        why = "it gives per-head angles, while the candidate set is one per (layer, pair)"
+    elif spec.equal_stream_weights:
+        why = "it weights the streams equally, while the candidate rows of all streams count once each"
+    else:
+        why = f"it pools stream(s) {spec.streams}"
+    hint = ("" if set(stats.topk_streams) == {"q", "k"}
+            else "; build CalibrationStats with topk_streams=('q', 'k') for estimator 'rows'")
+    raise GridEstimatorError(
+        f"grid objective {objective!r} scores the top-k candidate rows of stream(s) {stats.topk_streams}, "
+        f"so it cannot honour estimator {estimator!r} ({why}); valid estimators with a grid objective "
+        f"for these statistics: {list(valid)}{hint}"
+    )
 
 
 def angle_grid(size: int = DEFAULT_GRID_SIZE) -> np.ndarray:
@@ -177,7 +221,7 @@ def variance_angles(
     """φ̂, φ* or wrap(φ̂) for pooled covariances (see the module docstring)."""
     if (inv_freq is None) != (average_length is None):
         raise AngleEstimationError("φ* needs both inv_freq and average_length (or neither, for φ̂)")
-    cov = PairCov(*(np.asarray(v, dtype=np.float64) for v in cov))
+    cov = PairCov(*(np.asarray(v, dtype=np.float64) for v in as_pair_cov(cov)))
     if branch_matched:
         if inv_freq is not None:
             check_frequencies(inv_freq)
@@ -210,7 +254,8 @@ def estimate_angles(
 
     ``estimator`` is the pooling rule of :meth:`CalibrationStats.pooled`; ``inv_freq`` may be an
     array or a torch module holding the live RoPE buffer (e.g. the model). ``then_hadamard`` (range
-    objective only) scores the keys after the Hadamard of ``pairwise_plus_hadamard``.
+    objective only) scores the keys after the Hadamard of ``pairwise_plus_hadamard``. A grid objective
+    takes only an ``estimator`` in :func:`grid_estimators` (else :class:`GridEstimatorError`).
     """
     if objective not in OBJECTIVES:
         raise UnknownObjectiveError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")
@@ -236,11 +281,7 @@ def estimate_angles(
     cov = stats.pooled(estimator)
     if objective == "variance":
         return variance_angles(cov, inv_freq, average_length, branch_matched)
-    if estimator == "per_head":
-        raise AngleEstimationError(
-            "grid objectives use the per-(layer, pair) candidate set and give no per-head angles; "
-            "use estimator 'rows', 'k_only' or 'balanced'"
-        )
+    _check_grid_estimator(stats, estimator, objective)
     if inv_freq is not None or average_length is not None or branch_matched:
         raise AngleEstimationError(
             f"objective {objective!r} is a grid search on raw rows; inv_freq/average_length/"

@@ -13,6 +13,10 @@ explicitly, and
 excess/λ̄ (pairs with λ̄ = 0 count as 0 when their excess is 0), is at most the tolerance
 (default 5e-5). For comparison the excess of the identity, the per-pair H2 and the Jacobi φ̂
 (which is ½|S|·r with r = sqrt((s11 - s22)² + 4 s12²)) are reported too.
+
+:func:`brute_force_phi_star` is a third, closed-form-free route to φ* (Theorem (ii), (iv)): it averages
+the explicitly rotated matrices R_m Σ R_mᵀ over the positions and minimises the worst-case output variance
+over a fine angle grid with a golden-section refinement.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from rope_quant.calib.moments import CalibrationStats
-from rope_quant.core.angles import PairCov, jacobi_angle
+from rope_quant.core.angles import PairCov, as_pair_cov, jacobi_angle
 from rope_quant.core.rope import check_frequencies, find_inv_freq
 from rope_quant.io import atomic_write_text
 from rope_quant.model import arch
@@ -54,6 +58,9 @@ CSV_COLUMNS = (
 )
 EXCESS_MEASURE = "relative: max over pairs of (minimax - lambda_bar) / lambda_bar"
 _CHUNK = 1 << 20
+BRUTE_FORCE_GRID = 4096
+BRUTE_FORCE_REFINE = 80
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 class VerificationError(ValueError):
@@ -100,6 +107,124 @@ def position_moments(inv_freq: np.ndarray, length: int) -> tuple[np.ndarray, np.
     return cc / length, ss / length, cs / length
 
 
+class BruteForcePhiStar(NamedTuple):
+    """Result of :func:`brute_force_phi_star`: the minimising angle in [-π/4, π/4) and the objective there."""
+
+    phi: np.ndarray
+    objective: np.ndarray
+
+
+def _brute_inputs(s11: Any, s22: Any, s12: Any, inv_freq: Any, length: Any) -> tuple[np.ndarray, ...]:
+    """Broadcast covariances (..., K), frequencies (K,) and a checked length for the brute-force route."""
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
+        raise VerificationError(f"average length must be a positive integer, got {length!r}")
+    theta = np.asarray(inv_freq, dtype=np.float64)
+    if theta.ndim != 1 or theta.size == 0 or not np.isfinite(theta).all():
+        raise VerificationShapeError(f"inv_freq must be a finite non-empty 1-D array, got shape {theta.shape}")
+    arrays = [np.asarray(v, dtype=np.float64) for v in (s11, s22, s12)]
+    try:  # the last axis is the pair axis: one frequency per pair
+        s11, s22, s12, _ = np.broadcast_arrays(*arrays, theta)
+    except ValueError as exc:
+        raise VerificationShapeError(
+            f"covariances of shapes {[a.shape for a in arrays]} do not broadcast to (..., {theta.size}) "
+            f"pairs (one per frequency)"
+        ) from exc
+    if not (np.isfinite(s11).all() and np.isfinite(s22).all() and np.isfinite(s12).all()):
+        raise VerificationError("covariances contain NaN/Inf")
+    return s11, s22, s12, theta
+
+
+def position_averaged_covariance(
+    s11: Any, s22: Any, s12: Any, inv_freq: Any, length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(1/L) Σ_{m<L} R_m Σ R_mᵀ (Eq. Sigmatilde) by explicit 2x2 products at every position m = 0..L-1.
+
+    R_m = [[cos mθ_k, -sin mθ_k], [sin mθ_k, cos mθ_k]] is built per position; the average of the
+    Kronecker products R_m ⊗ R_m is accumulated over position chunks and applied to each Σ. No phase
+    average (C_k, S_k) and no double-angle algebra is used. Returns (Σ̃11, Σ̃22, Σ̃12), shape (..., K).
+    """
+    s11, s22, s12, theta = _brute_inputs(s11, s22, s12, inv_freq, length)
+    k = theta.size
+    step = max(1, _CHUNK // (16 * k))
+    kron = np.zeros((k, 2, 2, 2, 2))  # kron[k, i, j, p, l] = mean_m R_m[i, j] R_m[p, l]
+    for start in range(0, int(length), step):
+        m = np.arange(start, min(start + step, int(length)), dtype=np.float64)
+        ang = m[:, None] * theta[None, :]
+        c, s = np.cos(ang), np.sin(ang)
+        rot = np.stack([np.stack([c, -s], -1), np.stack([s, c], -1)], -2)  # (m, K, 2, 2)
+        kron += np.einsum("mkij,mkpl->kijpl", rot, rot)
+    kron /= int(length)
+    sigma = np.stack([np.stack([s11, s12], -1), np.stack([s12, s22], -1)], -2)  # (..., K, 2, 2)
+    avg = np.einsum("kijpl,...kjl->...kip", kron, sigma)
+    return avg[..., 0, 0], avg[..., 1, 1], (avg[..., 0, 1] + avg[..., 1, 0]) / 2
+
+
+def _worst_variance(t11: np.ndarray, t22: np.ndarray, t12: np.ndarray, phi: Any) -> np.ndarray:
+    """max diag(G(φ) Σ̃ G(φ)ᵀ) with G(φ) = [[cos, -sin], [sin, cos]] (Theorem (iii)'s objective)."""
+    v1, v2 = _rotated_diag(t11, t22, t12, phi)
+    return np.maximum(v1, v2)
+
+
+def position_averaged_minimax(s11: Any, s22: Any, s12: Any, inv_freq: Any, length: int, phi: Any) -> np.ndarray:
+    """The objective φ* minimises (Theorem (ii)-(iv)): the larger of the two output variances of G(φ)
+    averaged over the positions m < L, i.e. max_i (1/L) Σ_m [G(φ) R_m Σ R_mᵀ G(φ)ᵀ]_ii, evaluated through
+    :func:`position_averaged_covariance` (G's conjugation is linear, so it commutes with the mean)."""
+    t11, t22, t12 = position_averaged_covariance(s11, s22, s12, inv_freq, length)
+    return _worst_variance(t11, t22, t12, np.asarray(phi, dtype=np.float64))
+
+
+def brute_force_phi_star(
+    s11: Any,
+    s22: Any,
+    s12: Any,
+    inv_freq: Any,
+    length: int,
+    *,
+    grid: int = BRUTE_FORCE_GRID,
+    refine: int = BRUTE_FORCE_REFINE,
+) -> BruteForcePhiStar:
+    """Minimise :func:`position_averaged_minimax` over φ by brute force, independently of the closed forms.
+
+    ``s11, s22, s12``: per-pair covariance entries broadcasting to (..., K); ``inv_freq``: (K,) RoPE
+    frequencies θ_k; ``length``: the averaging length L (positions 0..L-1). The objective is scored on
+    ``grid`` equally spaced angles -π/4 + j·(π/2)/grid, j = 0..grid-1 (it has period π/2, so this covers
+    every rotation), then ``refine`` golden-section steps shrink the bracket [best - step, best + step]
+    around the best grid angle (the objective t + r̃|sin(β - 2φ)| is unimodal there). Returns
+    :class:`BruteForcePhiStar` ``(phi, objective)``, arrays of shape (...,  K), ``phi`` wrapped into
+    [-π/4, π/4). Where the averaged covariance is isotropic every angle is optimal and ``phi`` is arbitrary.
+    """
+    if isinstance(grid, bool) or int(grid) != grid or grid < 4:
+        raise VerificationError(f"grid must be an integer >= 4, got {grid!r}")
+    if isinstance(refine, bool) or int(refine) != refine or refine < 0:
+        raise VerificationError(f"refine must be a non-negative integer, got {refine!r}")
+    t11, t22, t12 = position_averaged_covariance(s11, s22, s12, inv_freq, length)
+    width = math.pi / 2 / int(grid)
+    angles = -math.pi / 4 + width * np.arange(int(grid), dtype=np.float64)
+    best_val = np.full(t11.shape, np.inf)
+    best_phi = np.zeros(t11.shape)
+    chunk = max(1, _CHUNK // max(1, t11.size))
+    for start in range(0, angles.size, chunk):
+        block = angles[start:start + chunk].reshape((-1,) + (1,) * t11.ndim)
+        vals = _worst_variance(t11, t22, t12, block)  # (block, ..., K)
+        idx = np.argmin(vals, axis=0)
+        val = np.take_along_axis(vals, idx[None], axis=0)[0]
+        better = val < best_val
+        best_val = np.where(better, val, best_val)
+        best_phi = np.where(better, angles[start:start + chunk][idx], best_phi)
+    lo, hi = best_phi - width, best_phi + width
+    for _ in range(int(refine)):
+        c, d = hi - _GOLDEN * (hi - lo), lo + _GOLDEN * (hi - lo)
+        left = _worst_variance(t11, t22, t12, c) <= _worst_variance(t11, t22, t12, d)
+        hi, lo = np.where(left, d, hi), np.where(left, lo, c)
+    mid = (lo + hi) / 2
+    mid_val = _worst_variance(t11, t22, t12, mid)
+    use_mid = mid_val <= best_val
+    phi = np.where(use_mid, mid, best_phi)
+    phi = phi - (math.pi / 2) * np.floor((phi + math.pi / 4) / (math.pi / 2))  # period π/2
+    phi = np.where(phi >= math.pi / 4, phi - math.pi / 2, np.where(phi < -math.pi / 4, phi + math.pi / 2, phi))
+    return BruteForcePhiStar(phi, np.where(use_mid, mid_val, best_val))
+
+
 def _rotated_diag(s11, s22, s12, phi) -> tuple[np.ndarray, np.ndarray]:
     """diag(G(φ) Σ Gᵀ) formed explicitly, G = [[c, -s], [s, c]]."""
     c, s = np.cos(phi), np.sin(phi)
@@ -126,14 +251,15 @@ def verify_phi_star(
 ) -> VerificationResult:
     """Recompute the surrogate, the achieved minimax variance and λ̄ for stored angles (App. A.5).
 
-    ``cov`` is a PairCov of shape (L, K) / (L, H_kv, K), or a CalibrationStats whose raw-moment
+    ``cov`` is a PairCov of shape (L, K) / (L, H_kv, K) (or the (..., 2, 2) stack of the same matrices,
+    see :func:`rope_quant.core.angles.as_pair_cov`), or a CalibrationStats whose raw-moment
     covariance under ``rule`` is used. ``inv_freq`` is an array, a model of a registered family (its
     layers' shared buffer, from :mod:`rope_quant.model.arch`) or a torch module holding the live buffer
     (found with :func:`rope.find_inv_freq`).
     """
     if isinstance(cov, CalibrationStats):
         cov = cov.pooled_raw(rule)
-    s11, s22, s12 = (np.asarray(v, dtype=np.float64) for v in cov)
+    s11, s22, s12 = (np.asarray(v, dtype=np.float64) for v in as_pair_cov(cov))
     phi = np.asarray(angles, dtype=np.float64)
     head_dim = 2 * phi.shape[-1] if phi.ndim else None
     if arch.is_registered(inv_freq):

@@ -2,6 +2,8 @@
 
 A pair's 2x2 covariance is three same-shaped arrays ``PairCov(s11, s22, s12)``; every function
 is elementwise over them, so shapes ``(n_layers, K)`` or ``(n_layers, n_kv_heads, K)`` just work.
+Wherever a function takes ``cov`` it also accepts a stack of symmetric 2x2 matrices, shape ``(..., 2, 2)``
+(converted once, by :func:`as_pair_cov`).
 Inputs may be numpy (computed in float64) or torch tensors (kept in their dtype/device).
 
 Notation: ``p = (s11 - s22)/2``, ``q = s12``, ``t = (s11 + s22)/2``.
@@ -33,6 +35,16 @@ class PairCov(NamedTuple):
     s12: Any
 
 
+class PairCovShapeError(ValueError):
+    """A covariance argument is neither a (s11, s22, s12) triple nor a symmetric (..., 2, 2) stack."""
+
+
+_EXPECTED_COV = ("a PairCov / 3-sequence (s11, s22, s12) of same-shaped arrays, "
+                 "or an array of symmetric 2x2 matrices of shape (..., 2, 2)")
+# Relative asymmetry |S01 - S10| / (|S00| + |S11|) above which a (..., 2, 2) stack is refused.
+SYMMETRY_RTOL = 1e-10
+
+
 # ----------------------------------------------------------------------------- backend
 
 
@@ -59,6 +71,53 @@ def _backend(*xs: Any):
 
 def _atan2(xp, y, x):
     return xp.arctan2(y, x) if xp is np else xp.atan2(y, x)
+
+
+def as_pair_cov(cov: Any) -> PairCov:
+    """The one conversion of a covariance argument to :class:`PairCov` (Eq. Sigmatilde's Sigma per pair).
+
+    Accepts a :class:`PairCov`, any 3-sequence ``(s11, s22, s12)``, or a numpy array / torch tensor / nested
+    list of shape ``(..., 2, 2)`` holding symmetric matrices (``s11 = S[..., 0, 0]``, ``s22 = S[..., 1, 1]``,
+    ``s12`` the mean of the two off-diagonal entries). A numpy array or tensor of another shape whose
+    leading axis has length 3 is read as the stacked triple. Anything else, or a (..., 2, 2) stack whose
+    off-diagonal entries differ by more than :data:`SYMMETRY_RTOL` relative to ``|S00| + |S11|``, raises
+    :class:`PairCovShapeError`.
+    """
+    if isinstance(cov, PairCov):
+        return cov
+    is_array = isinstance(cov, np.ndarray) or _is_torch(cov)
+    if not is_array:
+        if isinstance(cov, (tuple, list)) and len(cov) == 3:
+            return PairCov(*cov)
+        try:
+            cov = np.asarray(cov, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise PairCovShapeError(f"cannot read a covariance from {type(cov).__name__}; expected "
+                                    f"{_EXPECTED_COV}") from exc
+    shape = tuple(cov.shape)
+    if len(shape) >= 2 and shape[-2:] == (2, 2):
+        return _from_matrices(cov)
+    if is_array and len(shape) >= 1 and shape[0] == 3:
+        return PairCov(cov[0], cov[1], cov[2])
+    raise PairCovShapeError(f"covariance of shape {shape}: expected {_EXPECTED_COV}")
+
+
+def _from_matrices(mats: Any) -> PairCov:
+    """Split a (..., 2, 2) stack into the triple after checking it is symmetric (see :func:`as_pair_cov`)."""
+    xp, conv = _backend(mats)
+    mats = conv(mats)
+    s11, s22 = mats[..., 0, 0], mats[..., 1, 1]
+    up, low = mats[..., 0, 1], mats[..., 1, 0]
+    gap = xp.abs(up - low)
+    bound = SYMMETRY_RTOL * (xp.abs(s11) + xp.abs(s22))
+    bad = (gap > bound) | (gap != gap)  # also NaN off-diagonals
+    if bool(bad.any()):
+        worst = float(gap.max())
+        raise PairCovShapeError(
+            f"the (..., 2, 2) covariance stack is not symmetric (largest |S01 - S10| = {worst:.3g}, "
+            f"relative tolerance {SYMMETRY_RTOL:g}); expected {_EXPECTED_COV}"
+        )
+    return PairCov(_scalarise(s11), _scalarise(s22), _scalarise((up + low) / 2))
 
 
 def _pqt(cov: PairCov, conv):
@@ -111,7 +170,7 @@ def surrogate_covariance(cov: PairCov, C: Any, S: Any) -> PairCov:
     With (C, S) from :func:`rope_quant.core.rope.phase_averages`: ``p~ = pC - qS``, ``q~ = pS + qC``,
     trace kept.
     """
-    cov = PairCov(*cov)
+    cov = as_pair_cov(cov)
     _, conv = _backend(*cov, C, S)
     p, q, t = _pqt(cov, conv)
     C, S = conv(C), conv(S)
@@ -131,7 +190,7 @@ def equalising_angle(cov: PairCov, C: Any = 1.0, S: Any = 0.0):
 
 def rotated_variances(cov: PairCov, phi: Any):
     """Diagonal of G(phi) Sigma G(phi)^T: the variances of the two outputs of the pair."""
-    cov = PairCov(*cov)
+    cov = as_pair_cov(cov)
     xp, conv = _backend(*cov, phi)
     p, q, t = _pqt(cov, conv)
     phi = conv(phi)
@@ -141,7 +200,7 @@ def rotated_variances(cov: PairCov, phi: Any):
 
 def minimax_variance(cov: PairCov, phi: Any):
     """max of the two rotated variances of ``cov`` at angle ``phi`` (Theorem (iii))."""
-    cov = PairCov(*cov)
+    cov = as_pair_cov(cov)
     xp, conv = _backend(*cov, phi)
     p, q, t = _pqt(cov, conv)
     phi = conv(phi)
@@ -151,7 +210,7 @@ def minimax_variance(cov: PairCov, phi: Any):
 
 def analytic_minimum(cov: PairCov):
     """lambda_bar = (s11 + s22) / 2, the minimum over phi of the minimax variance (Theorem (iv))."""
-    cov = PairCov(*cov)
+    cov = as_pair_cov(cov)
     _, conv = _backend(*cov)
     return _scalarise(_pqt(cov, conv)[2])
 
@@ -161,7 +220,7 @@ def minimax_excess(cov: PairCov, phi: Any, C: Any = 1.0, S: Any = 0.0):
 
     Equal to ``minimax_variance(surrogate, phi) - analytic_minimum(cov)`` but free of cancellation.
     """
-    cov = PairCov(*cov)
+    cov = as_pair_cov(cov)
     xp, conv = _backend(*cov, phi, C, S)
     p, q, _ = _pqt(cov, conv)
     C, S, phi = conv(C), conv(S), conv(phi)

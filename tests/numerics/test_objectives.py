@@ -8,12 +8,16 @@ import numpy as np
 import pytest
 import torch
 
+from rope_quant.calib.errors import CalibrationError
 from rope_quant.calib.moments import CalibrationStats
 from rope_quant.calib.objectives import (
     AngleEstimationError,
+    GridEstimatorError,
     UnknownObjectiveError,
     angle_grid,
     estimate_angles,
+    grid_estimators,
+    grid_search,
     objective_scores,
 )
 from rope_quant.core.angles import jacobi_angle, wrap_angle
@@ -164,10 +168,10 @@ def test_objective_scores_match_their_definitions():
     )
 
 
-def outlier_stats(seed: int = 2) -> CalibrationStats:
+def outlier_stats(seed: int = 2, topk_streams: tuple[str, ...] = ("k",)) -> CalibrationStats:
     """K rows whose bulk covariance and whose heavy-tailed outliers point in different directions."""
     rng = np.random.default_rng(seed)
-    s = CalibrationStats(2, 3, 3, 16, topk=64)
+    s = CalibrationStats(2, 3, 3, 16, topk=64, topk_streams=topk_streams)
     for layer in range(2):
         for stream in ("q", "k"):
             z = rng.normal(size=(400, 3, 16)) * np.exp(rng.normal(size=16))
@@ -182,7 +186,7 @@ def outlier_stats(seed: int = 2) -> CalibrationStats:
 @pytest.mark.parametrize("objective", ["linf", "l2max", "quantile"])
 def test_grid_angle_scores_no_worse_than_phi_hat_and_identity(objective):
     s = outlier_stats()
-    phi = estimate_angles(s, objective=objective)
+    phi = estimate_angles(s, "k_only", objective=objective)
     assert phi.shape == (2, 8)
     assert np.all(phi > -math.pi / 4) and np.all(phi <= math.pi / 4 + 1e-15)
     phi_hat = wrap_angle(estimate_angles(s))
@@ -206,7 +210,47 @@ def test_grid_objectives_reject_per_head_and_phase_arguments():
     with pytest.raises(AngleEstimationError, match="per-head"):
         estimate_angles(s, "per_head", objective="linf")
     with pytest.raises(AngleEstimationError, match="variance"):
-        estimate_angles(s, objective="linf", inv_freq=INV_FREQ[:8], average_length=16)
+        estimate_angles(s, "k_only", objective="linf", inv_freq=INV_FREQ[:8], average_length=16)
+
+
+def _grid_by_hand(rows_by_stream: dict[str, np.ndarray], streams: tuple[str, ...], topk: int,
+                  objective: str) -> np.ndarray:
+    """Grid angles of one layer from the top-k |a|+|b| rows of ``streams`` (rows (N, H, d) per stream)."""
+    k = 8
+    parts = [np.stack([x[..., :k], x[..., k:]], -1).reshape(-1, k, 2) for st, x in rows_by_stream.items()
+             if st in streams]
+    union = np.concatenate(parts)
+    score = np.abs(union).sum(-1)
+    idx = np.argsort(-score, axis=0, kind="stable")[:topk]
+    return grid_search(np.take_along_axis(union, idx[:, :, None], axis=0), objective)
+
+
+@pytest.mark.parametrize("objective", ["linf", "l2max", "quantile"])
+@pytest.mark.parametrize("topk_streams, honoured", [(("k",), "k_only"), (("q", "k"), "rows"), (("q",), None)])
+def test_grid_objectives_honour_exactly_the_estimator_their_candidates_pool(objective, topk_streams, honoured):
+    """Accepted: the estimator pooling the candidate streams, scored on exactly those streams' top-k rows.
+    Refused (GridEstimatorError, a CalibrationError): every other estimator, naming the valid ones."""
+    rng = np.random.default_rng(7)
+    s = CalibrationStats(1, 3, 3, 16, topk=32, topk_streams=topk_streams)
+    rows = {"q": rng.standard_t(2, size=(120, 3, 16)) * np.exp(rng.normal(size=16)),
+            "k": rng.standard_t(2, size=(120, 3, 16)) * np.exp(rng.normal(size=16))}
+    for st, x in rows.items():
+        s.update(0, st, x.reshape(120, 48))
+    assert grid_estimators(s) == (() if honoured is None else (honoured,))
+    if honoured is not None:
+        phi = estimate_angles(s, honoured, objective=objective)
+        np.testing.assert_array_equal(phi[0], _grid_by_hand(rows, topk_streams, 32, objective))
+        # the candidates really differ by stream, so honouring the estimator changes the angles
+        other = ("k",) if topk_streams == ("q", "k") else ("q", "k")
+        assert not np.array_equal(phi[0], _grid_by_hand(rows, other, 32, objective))
+    for est in ("rows", "k_only", "balanced", "per_head"):
+        if est == honoured:
+            continue
+        with pytest.raises(GridEstimatorError, match=f"estimator '{est}'") as info:
+            estimate_angles(s, est, objective=objective)
+        assert isinstance(info.value, CalibrationError)
+        assert f"valid estimators with a grid objective for these statistics: {list(grid_estimators(s))}" in str(
+            info.value)
     with pytest.raises(UnknownObjectiveError):
         estimate_angles(s, objective="l1")
 
@@ -227,9 +271,9 @@ def test_zero_variance_band_gets_the_identity_angle():
         {},
         {"branch_matched": True},
         {"inv_freq": inv, "average_length": 64},
-        {"objective": "linf"},
-        {"objective": "l2max"},
-        {"objective": "quantile"},
+        {"objective": "linf", "estimator": "k_only"},
+        {"objective": "l2max", "estimator": "k_only"},
+        {"objective": "quantile", "estimator": "k_only"},
     ):
         phi = estimate_angles(s, **kwargs)
         assert phi[0, 1] == 0.0, kwargs

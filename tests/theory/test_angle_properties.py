@@ -184,6 +184,73 @@ def test_vectorised_numpy_and_torch_agree():
     assert one == pytest.approx(phi_np[i], abs=1e-14)
 
 
+# ----------------------------------------------------------------------------- (..., 2, 2) covariance stacks
+
+
+def _stack(cov: A.PairCov) -> np.ndarray:
+    """The (..., 2, 2) matrices of a PairCov of arrays."""
+    s11, s22, s12 = (np.asarray(v, dtype=np.float64) for v in cov)
+    return np.stack([np.stack([s11, s12], -1), np.stack([s12, s22], -1)], -2)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([(), (30,), (3, 2, 16)]))
+def test_matrix_stack_gives_the_same_results_as_the_triple(seed, shape):
+    """Every ``cov`` argument of core.angles takes a (..., 2, 2) stack and agrees with the triple exactly."""
+    rng = np.random.default_rng(seed)
+    s1, s2 = rng.uniform(0.1, 4, shape), rng.uniform(0.1, 4, shape)
+    rho = rng.uniform(-0.9, 0.9, shape)
+    cov = A.PairCov(s1**2, s2**2, rho * s1 * s2)
+    mats = _stack(cov)
+    assert mats.shape == shape + (2, 2)
+    C, S = rng.uniform(-0.6, 0.6, shape), rng.uniform(-0.6, 0.6, shape)
+    phi = rng.uniform(-1, 1, shape)
+    for fn, args in ((A.surrogate_covariance, (C, S)), (A.equalising_angle, (C, S)),
+                     (A.rotated_variances, (phi,)), (A.minimax_variance, (phi,)), (A.analytic_minimum, ()),
+                     (A.minimax_excess, (phi, C, S)), (A.h2_variances, (C, S))):
+        want, got = fn(cov, *args), fn(mats, *args)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=fn.__name__)
+        if shape[:1] != (3,):  # a nested list of length 3 is read as the triple (s11, s22, s12)
+            np.testing.assert_array_equal(np.asarray(fn(mats.tolist(), *args)), np.asarray(want))
+    assert A.as_pair_cov(mats).s12.shape == shape
+
+
+def test_matrix_stack_from_torch_keeps_the_backend():
+    torch = pytest.importorskip("torch")
+    mats = torch.tensor([[[4.0, 1.0], [1.0, 2.0]], [[1.0, -0.5], [-0.5, 3.0]]])
+    phi = A.equalising_angle(mats, 0.3, 0.2)
+    assert isinstance(phi, torch.Tensor) and phi.dtype == torch.float32
+    want = A.equalising_angle(A.PairCov(np.array([4.0, 1.0]), np.array([2.0, 3.0]), np.array([1.0, -0.5])),
+                              0.3, 0.2)
+    assert np.allclose(phi.numpy(), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, what", [
+    (np.array([[[1.0, 0.5], [0.4, 2.0]]]), "not symmetric"),
+    (np.array([[1.0, 0.5], [0.5 + 1e-6, 2.0]]), "not symmetric"),
+    (np.array([[[1.0, np.nan], [0.3, 1.0]]]), "not symmetric"),
+    (np.ones((4, 3, 3)), r"\(4, 3, 3\)"),
+    (np.ones((5, 2)), r"\(5, 2\)"),
+    ((1.0, 2.0), "2, 2"),
+    ([np.ones(3), np.ones(3), np.ones(3), np.ones(3)], "2, 2"),
+])
+def test_bad_covariance_forms_name_the_expected_shapes(bad, what):
+    for fn in (A.surrogate_covariance, A.minimax_excess):
+        args = (bad, 1.0, 0.0) if fn is A.surrogate_covariance else (bad, 0.1)
+        with pytest.raises(A.PairCovShapeError, match=what) as info:
+            fn(*args)
+        assert "(..., 2, 2)" in str(info.value) and "(s11, s22, s12)" in str(info.value)
+
+
+def test_rounding_level_asymmetry_is_accepted():
+    """A stack computed as B D B^T is symmetric only up to rounding; it is read, s12 the mean of both."""
+    rng = np.random.default_rng(3)
+    B = rng.standard_normal((10, 2, 2))
+    mats = np.einsum("nij,jk,nlk->nil", B, np.diag([2.0, 0.5]), B)  # B D B^T: symmetric up to rounding
+    cov = A.as_pair_cov(mats)
+    assert np.allclose(cov.s12, mats[:, 0, 1]) and np.allclose(cov.s12, mats[:, 1, 0])
+
+
 # ----------------------------------------------------------------------------- layout invariance
 
 

@@ -7,6 +7,11 @@ per pair) and over skew-symmetric matrices (the Lie algebra of the commutant in 
 ``K``). For large d the map is split exactly into its 2x2-block pieces (R is block diagonal in
 pair coordinates, so ``(RX - XR)_{jk} = R_j X_jk - X_jk R_k``); for small d the dense
 ``d^2 x d^2`` map is checked in the channel (rotate_half / interleaved) layout as well.
+
+:func:`block_kernels` (the null-space projectors of those block maps) is the derived commutant; the proof
+tests show it is span{I, J} on the diagonal blocks and 0 elsewhere, and the bridge test decides with it,
+and by direct commutation, whether every R3 registry transform commutes with RoPE, against the
+transform's declared ``commutes_with_rope``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rope_quant.core import transforms
 from rope_quant.core.rope import LAYOUTS, layout_permutation, pair_indices, rope_matrix
 
 TOL = 1e-9
@@ -42,6 +48,27 @@ def block_maps(theta: np.ndarray) -> np.ndarray:
 def nullity(mats: np.ndarray, tol: float = TOL) -> np.ndarray:
     sv = np.linalg.svd(mats, compute_uv=False)
     return (sv <= tol * max(1.0, float(np.max(sv, initial=0.0)))).sum(-1) + (mats.shape[-1] - sv.shape[-1])
+
+
+def block_kernels(theta: np.ndarray, tol: float = TOL) -> np.ndarray:
+    """(K, K, 4, 4): orthogonal projectors onto the null space of each block map (the commutant, block by block,
+    on column-major vec(X_jk) in pair-interleaved coordinates)."""
+    maps = block_maps(theta)
+    _, sv, vh = np.linalg.svd(maps)
+    null = sv <= tol * max(1.0, float(sv.max()))
+    basis = vh * null[..., None]  # keep the right-singular vectors of the zero singular values
+    return np.einsum("...ai,...aj->...ij", basis, basis)
+
+
+def commutant_residual(M: np.ndarray, theta: np.ndarray, layout: str) -> float:
+    """Distance of a channel-space d x d matrix from the commutant of R_1 (relative to ||M||_F)."""
+    d = M.shape[0]
+    P = np.eye(d)[layout_permutation(d, layout, "interleaved")]
+    X = P @ M @ P.T  # pair-interleaved coordinates: block (j, k) = X[2j:2j+2, 2k:2k+2]
+    k = d // 2
+    blocks = X.reshape(k, 2, k, 2).transpose(0, 2, 3, 1).reshape(k, k, 4)  # column-major vec of each block
+    proj = np.einsum("jkab,jkb->jka", block_kernels(theta), blocks)
+    return float(np.linalg.norm(blocks - proj) / np.linalg.norm(M))
 
 
 def commutant_dims_blocks(theta: np.ndarray) -> tuple[int, int]:
@@ -117,6 +144,11 @@ def test_commutant_is_so2_power_k(theta):
     span = np.stack([np.eye(2).reshape(-1, order="F"), J2.reshape(-1, order="F")])  # (2, 4), orthogonal rows
     proj = kernel @ span.T @ span / 2.0  # project onto span{I, J} (each row has norm^2 2)
     assert np.allclose(proj, kernel, atol=1e-10)
+    # the same statement for the whole commutant, through block_kernels: span{I, J} on the diagonal, 0 elsewhere
+    kernels = block_kernels(theta)
+    want = np.zeros_like(kernels)
+    want[np.arange(k), np.arange(k)] = span.T @ span / 2.0
+    assert np.allclose(kernels, want, atol=1e-8)
 
 
 @settings(max_examples=30, deadline=None)
@@ -193,3 +225,50 @@ def test_layout_permutation_conjugates_rope():
     perm = layout_permutation(6, "rotate_half", "interleaved")
     P = np.eye(6)[perm]  # x_dst = P x_src
     assert np.allclose(P @ rope_matrix(theta, 5, "rotate_half") @ P.T, rope_matrix(theta, 5, "interleaved"))
+
+
+# ----------------------------------------------------------------------------- bridge: the R3 registry
+
+
+def registry_cases(head_dim: int, rng: np.random.Generator) -> list[tuple[str, dict]]:
+    """Every registry name with every valid parameter shape at ``head_dim`` (all block sizes; (K,) and
+    (H_kv, K) angles)."""
+    k = head_dim // 2
+    cases: list[tuple[str, dict]] = []
+    for name in transforms.names():
+        if transforms.needs_block(name):
+            cases += [(name, {"block": b}) for b in (2**i for i in range(1, 8)) if b <= head_dim]
+        elif transforms.needs_angles(name):
+            cases += [(name, {"angles": rng.uniform(-np.pi, np.pi, k)}),
+                      (name, {"angles": rng.uniform(-np.pi, np.pi, (2, k))})]
+        else:
+            cases.append((name, {}))
+    return cases
+
+
+@pytest.mark.parametrize("head_dim", [8, 16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bridge_registry_declares_what_the_commutant_says(head_dim, layout):
+    """For every R3 transform: declared ``commutes_with_rope`` == (M in the derived commutant) == (M R_m = R_m M
+    at random positions), with distinct random frequencies and with RoPE's own base^(-2k/d)."""
+    rng = np.random.default_rng(head_dim)
+    cum = np.cumsum(rng.uniform(1.0, 10.0, head_dim // 2 + 1))
+    thetas = [np.pi * cum[:-1] / cum[-1], 1e4 ** (-np.arange(0, head_dim, 2) / head_dim)]  # distinct, in (0, pi)
+    seen: dict[str, set[bool]] = {}
+    for name, params in registry_cases(head_dim, rng):
+        tr = transforms.build(name, head_dim, layout=layout, **params)
+        declared = tr.commutes_with_rope
+        assert transforms.commutes_with_rope(name, head_dim, layout=layout, **params) == declared
+        rows = max(1, tr.n_angle_rows)
+        for head in range(rows):
+            M = tr.matrix(head)
+            assert np.allclose(M @ M.T, np.eye(head_dim), atol=1e-12)
+            for theta in thetas:
+                in_commutant = commutant_residual(M, theta, layout) < 1e-8
+                gaps = [np.linalg.norm(M @ rope_matrix(theta, m, layout) - rope_matrix(theta, m, layout) @ M)
+                        for m in (1, *rng.integers(2, 5000, 4))]
+                commutes = max(gaps) < 1e-9
+                assert declared == in_commutant == commutes, (name, params, layout, head)
+        seen.setdefault(name, set()).add(declared)
+    assert set(seen) == set(transforms.names())  # every registry entry was checked
+    assert {True, False} <= set().union(*seen.values())  # both verdicts occur: the check can fail
