@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from rope_quant.calib.objectives import AngleRule, Objective
+from rope_quant.calib.objectives import GRID_OBJECTIVES, AngleRule, Objective
 from rope_quant.calib.rules import PoolingRule
 from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
 from rope_quant.quant.gptq import GPTQConfig, GPTQError
@@ -324,6 +324,9 @@ class R3Spec:
         _set(self, "objective", _choice(Objective, self.objective, "objective"))
         _set(self, "angle", _choice(AngleRule, self.angle, "angle"))
         _positive(self.average_length, "average_length", optional=True)
+        if self.objective.value in GRID_OBJECTIVES and self.estimator != Estimator.K_ONLY:
+            raise PipelineError(f"objective {self.objective.value!r} scores the pipeline's K candidate rows: "
+                                f"it needs estimator 'k_only', got {self.estimator.value!r}")
         if self.objective != Objective.VARIANCE and self.angle != AngleRule.PHI_HAT:
             raise PipelineError(f"objective {self.objective.value!r} fits its own angles: the angle rule "
                                 f"({self.angle.value}) applies to objective='variance'")

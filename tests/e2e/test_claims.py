@@ -247,7 +247,7 @@ def test_c5_phi_star_attains_minimum_and_excess_ordering(experiment, rq_claim, r
     """C5 (App. J): φ* attains the minimum of the position-averaged objective, checked by an independent
     brute-force minimisation over a fine angle grid (not the closed forms that compute φ*), and the excess
     ordering is identity > H2 > φ̂ > φ*."""
-    from rope_quant.calib.verify import brute_force_position_averaged
+    from rope_quant.calib.verify import brute_force_phi_star, position_averaged_minimax
 
     table = _excess_table(experiment)
     ex = table["excess"]
@@ -257,9 +257,9 @@ def test_c5_phi_star_attains_minimum_and_excess_ordering(experiment, rq_claim, r
     cov, layers = table["cov"], range(0, table["phi_star"].shape[0], 5)
     worst = 0.0
     for layer in layers:  # every 5th layer: 6 layers x 32 pairs, each minimised by brute force
-        bf = brute_force_position_averaged(cov.s11[layer], cov.s22[layer], cov.s12[layer], table["inv_freq"],
-                                           table["length"])
-        closed = bf.objective_at(table["phi_star"][layer])
+        args = (cov.s11[layer], cov.s22[layer], cov.s12[layer], table["inv_freq"], table["length"])
+        bf = brute_force_phi_star(*args)
+        closed = position_averaged_minimax(*args, table["phi_star"][layer])
         worst = max(worst, float(np.max((closed - bf.objective) / np.abs(bf.objective))))
     means = {k: float(v.mean()) for k, v in ex.items()}
     attained = worst <= 1e-6

@@ -183,7 +183,9 @@ def test_range_objective_bad_input():
     with pytest.raises(PipelineError, match="angle rule"):
         RunConfig.from_flat(r3="pairwise_only", objective="range", position_average=True)
     with pytest.raises(PipelineError, match="angle rule"):
-        RunConfig.from_flat(r3="pairwise_only", objective="linf", angle="phi_hat_branch_matched")
+        RunConfig.from_flat(r3="pairwise_only", objective="linf", estimator="k_only", angle="phi_hat_branch_matched")
+    with pytest.raises(PipelineError, match="needs estimator 'k_only'"):  # grid objectives score K candidates
+        RunConfig.from_flat(r3="pairwise_only", objective="quantile", estimator="rows")
     with pytest.raises(PipelineError, match="k_group"):
         RunConfig.from_flat(r3="pairwise_only", objective="range", k_group=32)
 
