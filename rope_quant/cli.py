@@ -291,9 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("long-context", help="perplexity gap against context length")
     p.add_argument("--lengths", default=None, metavar="L1,L2,...",
                    help="context lengths (CPU 256,512,1024; CUDA 2048,4096,8192,16384)")
-    p.add_argument("--configs", default="hadamard,pairwise_only", metavar="A,B,...|beyond",
+    p.add_argument("--configs", default="hadamard,pairwise_only", metavar="A,B,...|beyond|appj",
                    help="R3 configs (default hadamard,pairwise_only); 'beyond': a subset of the beyond "
-                        "preset plus φ*(k_only) with the averaging length matched to each L")
+                        "preset plus φ*(k_only) with the averaging length matched to each L; 'appj': App. J's "
+                        "family, φ* (averaging length matched to L) against the branch-matched φ̂ on each "
+                        "--eval-corpora corpus, Holm-adjusted in the report")
+    p.add_argument("--eval-corpora", default=None, metavar="A,B",
+                   help="corpora scored at long context (default: --corpus; appj: shakespeare,pydoc), "
+                        "calibration stays on --corpus (App. A.4)")
     _common(p)
     _sweep_options(p)
 
@@ -643,7 +648,7 @@ def cmd_long_context(args: argparse.Namespace, cells: Cells) -> int:
 
     _validate_common(args)
     beyond = args.configs.strip() == BEYOND
-    configs = () if beyond else parse_configs(args.configs)
+    configs = () if beyond or args.configs.strip() == presets.APPJ else parse_configs(args.configs)
     used: list[str] = []
     seeds = _seeds(args, used)
     used += resolve_budget(args)[1]
@@ -652,9 +657,24 @@ def cmd_long_context(args: argparse.Namespace, cells: Cells) -> int:
         used.append("lengths=" + ",".join(map(str, lengths)))
     else:
         lengths = parse_int_list(args.lengths, "--lengths", minimum=2)
-    if beyond:
+    appj = args.configs.strip() == presets.APPJ
+    corpora = (tuple(c.strip() for c in args.eval_corpora.split(",") if c.strip()) if args.eval_corpora
+               else (("shakespeare", "pydoc") if appj else ()))
+    for corpus in corpora:
+        check_corpus(corpus)
+    if appj:
+        used.append("eval_corpora=" + ",".join(corpora))
+        manifest = presets.appj_long_context_manifest(base_config(args), seeds, lengths, corpora,
+                                                      estimator=args.estimator)
+    elif beyond:
         manifest = presets.beyond_long_context_manifest(base_config(args), seeds, lengths,
                                                         comparator=args.comparator)
+    elif corpora:
+        manifest = presets.long_context_manifest(base_config(args), configs, seeds, lengths,
+                                                 comparator=args.comparator, eval_corpus=corpora[0])
+        if len(corpora) > 1:
+            raise CLIError("--eval-corpora takes one corpus outside --configs appj (one results directory "
+                           "per evaluation corpus)")
     else:
         manifest = presets.long_context_manifest(base_config(args), configs, seeds, lengths,
                                                  comparator=args.comparator)

@@ -132,6 +132,11 @@ def pipeline_cell_fn(
             return {**pipeline.run_cell(run_cfg, qm=qm, progress=progress), "model_reused": reused}
         from rope_quant.experiment import evaluate
 
+        eval_ids = qm.corpus.eval_ids
+        if cfg.eval_corpus is not None and cfg.eval_corpus != run_cfg.corpus:
+            from rope_quant.experiment.data import load_corpus
+
+            eval_ids = load_corpus(cfg.eval_corpus, qm.tokenizer).eval_ids
         diag = qm.attach_diagnostics()
         start = time.perf_counter()
         max_windows = run_cfg.eval_windows or evaluate.LONG_CONTEXT_MAX_WINDOWS
@@ -142,12 +147,12 @@ def pipeline_cell_fn(
                     qm.reconfigure(run_cfg.override(average_length=int(length)), progress=progress)
                     for st in qm.states:  # reconfigure installs fresh attention states
                         st.diagnostics = diag
-                    res.update(evaluate.long_context(qm.model, qm.corpus.eval_ids, (length,),
+                    res.update(evaluate.long_context(qm.model, eval_ids, (length,),
                                                      max_windows=max_windows, device=run_cfg.device,
                                                      progress=progress))
                 qm.reconfigure(run_cfg, progress=progress)
             else:
-                res = evaluate.long_context(qm.model, qm.corpus.eval_ids, cfg.lengths, max_windows=max_windows,
+                res = evaluate.long_context(qm.model, eval_ids, cfg.lengths, max_windows=max_windows,
                                             device=run_cfg.device, progress=progress)
         finally:
             qm.detach_diagnostics()

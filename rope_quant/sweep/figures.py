@@ -168,8 +168,10 @@ def plot_long_context(summary: Mapping[str, Any], path: str | os.PathLike[str]) 
     left.set_ylabel("perplexity (dots: seeds, line: mean)")
     left.set_title("perplexity against context length", fontsize=10)
     left.legend(fontsize=8)
-    right.axhline(0.0, color="tab:red", ls="--", lw=1.2, label=f"{comp} (comparator)")
-    others = [n for n in names if n != comp]
+    refs = {b["comparator"] for per in lc["paired"].values() for b in per.values()}
+    ref_text = comp if refs <= {comp} else "control"  # App. J: each φ* against its own branch-matched control
+    right.axhline(0.0, color="tab:red", ls="--", lw=1.2, label=f"{ref_text} (zero gap)")
+    others = [n for n in names if any(n in per for per in lc["paired"].values())]
     width = 0.04 * max(len(others) - 1, 0)
     for i, name in enumerate(others):
         xs, ys, lo, hi = [], [], [], []
@@ -182,12 +184,13 @@ def plot_long_context(summary: Mapping[str, Any], path: str | os.PathLike[str]) 
             ys.append(block["mean"])
             lo.append(block["mean"] - block["low"] if block.get("low") is not None else 0.0)
             hi.append(block["high"] - block["mean"] if block.get("high") is not None else 0.0)
-        right.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=4, color=colours[name], label=name, lw=1.4)
+        label = name if ref_text == comp else f"{name} − its control"
+        right.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=4, color=colours[name], label=label, lw=1.4)
     right.set_xscale("log", base=2)
     right.set_xticks(lengths, [str(v) for v in lengths])
     right.set_xlabel("context length L (tokens)")
-    right.set_ylabel(f"gap: ppl − ppl({comp}), {_level(summary)}% paired CI")
-    right.set_title(f"gap against {comp} (positive: worse)", fontsize=10)
+    right.set_ylabel(f"gap: ppl − ppl({ref_text}), {_level(summary)}% paired CI")
+    right.set_title(f"gap against {ref_text} (positive: worse)", fontsize=10)
     right.legend(fontsize=8)
     fig.tight_layout()
     out = save_png(fig, Path(path))

@@ -126,11 +126,14 @@ class LongContextConfig(_WrapsRun):
     ``key()`` adds the lengths to the run's key; ``weight_key()`` is the run's, so long-context cells
     share weights and calibration with the short-context cells of the same seed. ``matched_average``
     (φ* cells, ``run.angle == phi_star``) re-estimates φ* for every evaluated L with averaging length L.
+    ``eval_corpus``: the corpus scored at long context when it differs from the calibration corpus
+    ``run.corpus`` (App. A.4: calibrate on one corpus, evaluate on others); None scores ``run.corpus``.
     """
 
     run: Any
     lengths: tuple[int, ...]
     matched_average: bool = False
+    eval_corpus: str | None = None
 
     def __post_init__(self) -> None:
         lengths = tuple(int(v) for v in self.lengths)
@@ -144,12 +147,16 @@ class LongContextConfig(_WrapsRun):
         extra: dict[str, Any] = {"lengths": list(self.lengths)}
         if self.matched_average:
             extra["matched_average"] = True
+        if self.eval_corpus is not None:
+            extra["eval_corpus"] = self.eval_corpus
         return self._hash(extra)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"run": config_dict(self.run), "lengths": list(self.lengths)}
         if self.matched_average:
             out["matched_average"] = True
+        if self.eval_corpus is not None:
+            out["eval_corpus"] = self.eval_corpus
         return out
 
 
@@ -209,7 +216,8 @@ def config_from_dict(data: Mapping[str, Any]) -> Any:
         return LmEvalConfig(config.RunConfig.from_dict(dict(data["run"])), **fields)
     if "run" in data and "lengths" in data:
         return LongContextConfig(config.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),
-                                 matched_average=bool(data.get("matched_average", False)))
+                                 matched_average=bool(data.get("matched_average", False)),
+                                 eval_corpus=data.get("eval_corpus"))
     return config.RunConfig.from_dict(dict(data))
 
 

@@ -56,9 +56,11 @@ def estimators_manifest(base: Any, estimators: Sequence[str], seeds: Sequence[in
 
 
 def long_context_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], lengths: Sequence[int],
-                          comparator: str = "hadamard") -> Manifest:
-    """Long-context crossover: each (seed, R3 name) evaluated at every length."""
-    cells = [(name, LongContextConfig(with_overrides(base, seed=int(s), r3=name), tuple(lengths)))
+                          comparator: str = "hadamard", eval_corpus: str | None = None) -> Manifest:
+    """Long-context crossover: each (seed, R3 name) evaluated at every length (on ``eval_corpus`` if given,
+    calibrated on ``base.corpus``)."""
+    cells = [(name, LongContextConfig(with_overrides(base, seed=int(s), r3=name), tuple(lengths),
+                                      eval_corpus=eval_corpus))
              for s in seeds for name in configs]
     if not cells:
         raise SweepError("no configs or seeds given")
@@ -121,3 +123,43 @@ def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Seque
     return Manifest(cells=cells, kind="long-context", comparator=comparator,
                     family=[n for n in names if n != comparator],
                     meta={n: {"lengths": list(lengths)} for n in names})
+
+
+#: App. J's long-context family: φ* (averaging length matched to each L) against its branch-matched φ̂ control.
+APPJ = "appj"
+
+
+def appj_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Sequence[int],
+                               corpora: Sequence[str], estimator: str = "rows") -> Manifest:
+    """``long-context --configs appj``: per evaluation corpus, φ* with its averaging length matched to L
+    (``phi_star+<corpus>``) against the branch-matched φ̂ (``phi_hat_branch_matched+<corpus>``), calibrated on
+    ``base.corpus``. Every (L, corpus) contrast is one member of a Holm family (App. J); ``report`` prints the
+    Holm-adjusted p-values."""
+    if not corpora:
+        raise SweepError("appj needs at least one evaluation corpus")
+    cells: list[tuple[str, Any]] = []
+    meta: dict[str, dict[str, Any]] = {}
+    angles = {"phi_hat_branch_matched": {"angle": "phi_hat_branch_matched"}, "phi_star": {"angle": "phi_star"}}
+    for corpus in corpora:
+        control = f"phi_hat_branch_matched+{corpus_tag(corpus)}"
+        for rule, overrides in angles.items():
+            name = f"{rule}+{corpus_tag(corpus)}"
+            meta[name] = {"r3": "pairwise_only", "angle": rule, "eval_corpus": corpus, "lengths": list(lengths),
+                          **({"control": control} if rule == "phi_star" else {})}
+        for seed in seeds:
+            for rule, overrides in angles.items():
+                run = with_overrides(base, seed=int(seed), r3="pairwise_only", estimator=estimator,
+                                     objective="variance", average_length=None, **overrides)
+                cells.append((f"{rule}+{corpus_tag(corpus)}", LongContextConfig(run, tuple(lengths),
+                                                                    matched_average=rule == "phi_star",
+                                                                    eval_corpus=corpus)))
+    return Manifest(cells=cells, kind="long-context", comparator=f"phi_hat_branch_matched+{corpus_tag(corpora[0])}",
+                    family=[f"phi_star+{corpus_tag(c)}" for c in corpora], meta=meta)
+
+
+def corpus_tag(corpus: str) -> str:
+    """A corpus name or path as a config-name suffix (its last path component, other characters as ``_``)."""
+    import re
+    from pathlib import PurePath
+
+    return re.sub(r"[^A-Za-z0-9_.=-]", "_", PurePath(corpus).name or corpus) or "corpus"

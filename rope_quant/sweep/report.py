@@ -258,16 +258,27 @@ def summarize(
     if lengths:
         all_lengths = sorted({length for per in lengths.values() for length in per})
         lc_paired: dict[str, dict[str, Any]] = {}
+        meta = manifest.get("meta") or {}
+        # a config may name its own control (App. J: φ* against the branch-matched φ̂ of the same corpus)
+        control_of = {n: (meta.get(n) or {}).get("control", comparator) for n in name_order}
+        controls = set(control_of.values())
         for length in all_lengths:
-            control = {s: v for s, v in lengths.get(comparator, {}).get(length, {}).items() if v is not None}
             for name in name_order:
-                if name == comparator or name not in lengths:
+                if name in controls or name not in lengths:
                     continue
+                ref = control_of[name]
+                control = {s: v for s, v in lengths.get(ref, {}).get(length, {}).items() if v is not None}
                 treat = {s: v for s, v in lengths[name].get(length, {}).items() if v is not None}
-                block = paired_block(treat, control, comparator, level, margins) if control else None
+                block = paired_block(treat, control, ref, level, margins) if control else None
                 if block is not None:
                     block.pop("equivalence")
                     lc_paired.setdefault(str(length), {})[name] = block
+        lc_family = [(length, name) for length, per in lc_paired.items() for name in per
+                     if (family is None or name in family) and per[name].get("p") is not None]
+        reject, adjusted = (stats.holm([lc_paired[length][name]["p"] for length, name in lc_family], alpha=alpha)
+                            if lc_family else ([], []))
+        for (length, name), rej, adj in zip(lc_family, reject, adjusted, strict=True):
+            lc_paired[length][name].update(p_holm=adj, reject=rej)
         long_context = {
             "lengths": all_lengths,
             "configs": {
@@ -282,6 +293,7 @@ def summarize(
                 for name in name_order if name in lengths
             },
             "paired": lc_paired,
+            "holm_family_size": len(lc_family),
         }
 
     st = status(results_dir)
@@ -438,30 +450,35 @@ def corrected_star_table(summary: Mapping[str, Any]) -> Table:
 
 
 def crossover_table(summary: Mapping[str, Any]) -> Table | None:
-    """Gap ppl(config) − ppl(comparator) at each context length L, with the paired CI."""
+    """Gap ppl(config) − ppl(control) at each context length L, with the paired CI and the Holm-adjusted p over
+    every (L, config) contrast of the family (App. J). The control is the comparator unless a config names
+    its own (``meta[name]["control"]``)."""
     lc = summary.get("long_context") or {}
     if not lc:
         return None
     comp = summary["comparator"]
-    columns = ["L", "config", "ppl", "ppl_comparator", "gap", "sd", "ci_low", "ci_high", "n"]
+    columns = ["L", "config", "control", "ppl", "ppl_control", "gap", "sd", "ci_low", "ci_high", "n", "p", "p_holm"]
     rows, md_rows = [], []
     for length in lc["lengths"]:
-        comp_vals = lc["configs"].get(comp, {}).get(str(length), [])
         for name, per_len in lc["configs"].items():
-            if name == comp:
-                continue
             block = lc["paired"].get(str(length), {}).get(name)
-            row = {"L": length, "config": name, "ppl": _mean(per_len.get(str(length), [])),
-                   "ppl_comparator": _mean(comp_vals), "gap": block["mean"] if block else None,
-                   "sd": block["sd"] if block else None, "ci_low": block["low"] if block else None,
-                   "ci_high": block["high"] if block else None, "n": block["n"] if block else 0}
+            if block is None:
+                continue
+            ref = block["comparator"]
+            ref_vals = lc["configs"].get(ref, {}).get(str(length), [])
+            row = {"L": length, "config": name, "control": ref, "ppl": _mean(per_len.get(str(length), [])),
+                   "ppl_control": _mean(ref_vals), "gap": block["mean"], "sd": block["sd"], "ci_low": block["low"],
+                   "ci_high": block["high"], "n": block["n"], "p": block.get("p"), "p_holm": block.get("p_holm")}
             rows.append(row)
-            md_rows.append({"L": str(length), "config": name, "ppl": _fmt(row["ppl"]),
-                            f"ppl {comp}": _fmt(row["ppl_comparator"]), "gap [CI]": _delta_ci(block)})
+            md_rows.append({"L": str(length), "config": name, "control": ref, "ppl": _fmt(row["ppl"]),
+                            "ppl control": _fmt(row["ppl_control"]), "gap [CI]": _delta_ci(block),
+                            "p (Holm)": _fmt_p(row["p_holm"])})
+    size = lc.get("holm_family_size", 0)
     return Table("crossover", f"Perplexity gap against {comp} by context length", columns, rows,
-                 ["L", "config", "ppl", f"ppl {comp}", "gap [CI]"], md_rows,
-                 notes=["gap = ppl(config) − ppl(comparator) within seed; "
-                        "a sign change in L is a crossover."])
+                 ["L", "config", "control", "ppl", "ppl control", "gap [CI]", "p (Holm)"], md_rows,
+                 notes=["gap = ppl(config) − ppl(control) within seed; a sign change in L is a crossover.",
+                        f"p (Holm): paired t test, Holm-adjusted over the {size} (L, config) contrasts of the "
+                        "family (App. J's long-context family)."])
 
 
 def lm_eval_table(summary: Mapping[str, Any]) -> Table | None:
