@@ -574,9 +574,10 @@ def cmd_run(args: argparse.Namespace, cells: Cells) -> int:
             print(f"note: {note}", file=sys.stderr)
         out.mkdir(parents=True, exist_ok=True)
         write_manifest(out, manifest, merge=True)
-        write_env(out, args.device)
+        write_env(out, args.device, cfg.rotation.protocol())
         start = time.perf_counter()
-        written, ok = run_cell_record(name, cfg, out, cells.function(args, out), env_info(args.device))
+        written, ok = run_cell_record(name, cfg, out, cells.function(args, out),
+                                      env_info(args.device, cfg.rotation.protocol()))
         print(f"{'done' if ok else 'FAILED'} in {time.perf_counter() - start:.1f}s: {written}")
         if not ok:
             _print_first_error(out, manifest, [0])

@@ -288,6 +288,11 @@ class RotationSpec:
             out.append("no online R4")
         return out
 
+    def protocol(self) -> dict[str, Any]:
+        """What env.json records of these rotations: kinds, the whip settings, the deviations (A.1, A.8)."""
+        return {"r1": self.r1.value, "r2": self.r2.value, "r4": "hadamard" if self.r4 else "off",
+                "whip": _plain(self.whip), "deviations": self.deviations}
+
     def whip_options(self) -> dict[str, Any]:
         """Keyword options of :func:`rope_quant.rotations.whip.calibrate_model_rotations`."""
         cfg = self.whip.whip_config()

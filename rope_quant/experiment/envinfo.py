@@ -80,9 +80,11 @@ def device_description(device: str | None = None) -> dict[str, Any]:
     return info
 
 
-def env_info(device: str | None = None) -> dict[str, Any]:
-    """The content of ``env.json``: what produced a result, on what, and when (UTC, ISO 8601)."""
+def env_info(device: str | None = None, protocol: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The content of ``env.json``: what produced a result, on what, and when (UTC, ISO 8601); ``protocol``:
+    the offline rotations of the run (R1/R2/R4, the whip settings, the deviations from the paper's)."""
     return {
+        **({"protocol": protocol} if protocol is not None else {}),
         "packages": package_versions(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -94,8 +96,9 @@ def env_info(device: str | None = None) -> dict[str, Any]:
     }
 
 
-def write_env(directory: str | os.PathLike[str], device: str | None = None) -> Path:
+def write_env(directory: str | os.PathLike[str], device: str | None = None,
+              protocol: dict[str, Any] | None = None) -> Path:
     """Write ``directory/env.json`` atomically and return its path."""
     path = Path(directory) / "env.json"
-    atomic_write_json(path, env_info(device))
+    atomic_write_json(path, env_info(device, protocol))
     return path

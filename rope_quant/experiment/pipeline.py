@@ -288,7 +288,8 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
     t = time.perf_counter()
     spec = cfg.rotation.whip
     fitted = whip.calibrate_model_rotations(model, calib, fit_r1=True, fit_r2=False, seed=cfg.seed,
-                                            r1=spec.whip_config(), tokens_per_sample=spec.tokens_per_sample)
+                                            r1=spec.whip_config(), tokens_per_sample=spec.tokens_per_sample,
+                                            device=next(model.parameters()).device)
     res = fitted.r1_result
     fit_log = {"kind": "whip", "settings": dataclasses.asdict(spec), "loss_init": res.initial_loss,
                "loss_fit": res.final_loss, "steps": res.n_steps, "fit_s": time.perf_counter() - t,

@@ -457,11 +457,13 @@ def calibrate_model_rotations(
     tokens_per_sample: int = 64,
     r2_source: str = "v_proj",
     r1_normalize: bool = True,
+    device: torch.device | str | None = None,
 ) -> CalibratedRotations:
     """Fit DartQuant R1 (pooled over layers) and per-layer R2 on calibration windows ``ids``.
 
     Run on the unrotated model (or any model with only untie/fuse applied): the collected activations are
-    the ones R1/R2 will then rotate. Returns float64 matrices in the row convention of
+    the ones R1/R2 will then rotate. ``device``: where the fits run (default: the CPU, where the samples are
+    collected; pass the model's CUDA device on a GPU node). Returns float64 matrices in the row convention of
     :func:`rope_quant.rotations.offline.apply_r1` / :func:`rope_quant.rotations.offline.apply_r2`.
     """
     dims = arch.dims(model)
@@ -469,14 +471,14 @@ def calibrate_model_rotations(
     if fit_r1:
         samples = collect_r1_samples(model, ids, tokens_per_sample=tokens_per_sample, seed=seed,
                                      normalize=r1_normalize)
-        res = fit_rotation(samples, n=dims.hidden, seed=seed, cfg=r1 or WhipConfig())
+        res = fit_rotation(samples, n=dims.hidden, seed=seed, cfg=r1 or WhipConfig(), device=device)
         out.r1, out.r1_result = res.rotation, res
     if fit_r2:
         per_layer = collect_r2_samples(model, ids, source=r2_source)
         mats = []
         for li, x in enumerate(per_layer):
             res = fit_rotation(x, n=dims.head_dim, seed=seed + 1 + li, cfg=r2 or WhipConfig(),
-                               groups=dims.n_kv_heads)
+                               groups=dims.n_kv_heads, device=device)
             out.r2_results.append(res)
             mats.append(res.rotation)
         out.r2 = torch.stack(mats)

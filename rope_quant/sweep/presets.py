@@ -142,7 +142,7 @@ def appj_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Sequenc
     angles = {"phi_hat_branch_matched": {"angle": "phi_hat_branch_matched"}, "phi_star": {"angle": "phi_star"}}
     for corpus in corpora:
         control = f"phi_hat_branch_matched+{corpus_tag(corpus)}"
-        for rule, overrides in angles.items():
+        for rule in angles:
             name = f"{rule}+{corpus_tag(corpus)}"
             meta[name] = {"r3": "pairwise_only", "angle": rule, "eval_corpus": corpus, "lengths": list(lengths),
                           **({"control": control} if rule == "phi_star" else {})}

@@ -15,6 +15,7 @@ Contiguous blocks keep the cells of one seed together, so the weight cache (``DI
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import time
@@ -26,7 +27,7 @@ from typing import Any
 from rope_quant.experiment.envinfo import env_info, write_env
 from rope_quant.sweep import records
 from rope_quant.sweep.cells import CellFn, pipeline_cell_fn
-from rope_quant.sweep.manifest import Manifest, SweepError, config_seed, load_manifest, write_manifest
+from rope_quant.sweep.manifest import Manifest, SweepError, config_seed, load_manifest, run_of, write_manifest
 from rope_quant.sweep.models import ModelCache
 
 CACHE_DIR = "cache"
@@ -137,6 +138,20 @@ def run_cell_record(
     return records.write_record(out, name, cfg, record), record["status"] == "ok"
 
 
+def _protocol(manifest: Manifest) -> dict[str, Any] | None:
+    """The offline rotations of the manifest's cells for env.json (per distinct setting when they differ)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for _, cfg in manifest.cells:
+        rotation = getattr(run_of(cfg), "rotation", None)
+        if rotation is not None and hasattr(rotation, "protocol"):
+            p = rotation.protocol()
+            seen.setdefault(json.dumps(p, sort_keys=True), p)
+    if not seen:
+        return None
+    values = list(seen.values())
+    return values[0] if len(values) == 1 else {"per_cell_settings": values}
+
+
 def _grouped_by_weights(manifest: Manifest, indices: Sequence[int]) -> list[int]:
     """Stable reorder so cells sharing ``weight_key()`` run back to back (cache reuse)."""
     first: dict[str, int] = {}
@@ -172,8 +187,9 @@ def run_cells(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_manifest(out, manifest)
-    env = env_info(device)
-    write_env(out, device)
+    protocol = _protocol(manifest)
+    env = env_info(device, protocol)
+    write_env(out, device, protocol)
     if cell_fn is None:
         cell_fn = pipeline_cell_fn(cache_dir if cache_dir is not None else out / CACHE_DIR, artifacts=out,
                                    models=models)

@@ -54,7 +54,6 @@ class Experiment:
 
     def config(self, seed: int = 0, **overrides: Any):
         from rope_quant.experiment.pipeline import RunConfig
-
         from rope_quant.quant.gptq import GPTQConfig
 
         b = self.budget

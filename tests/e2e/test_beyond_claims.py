@@ -3,8 +3,8 @@
 The paper leaves two commuting options untested: head-dependent angles φ_{h,k} (the full direct-product
 commuting family) and an objective matched to the dynamic K quantiser's tokenwise range. These tests run
 the strongest commuting candidates through the shared paired ``experiment`` (W4A4KV4, GPTQ, 3 seeds,
-12 x 512 scored pydoc tokens per cell; the paper's rotations: whip R1) and assert the orderings that held with a wide margin in the
-measured study (README, "Beyond the paper"; ``rope-quant compare --configs beyond``).
+12 x 512 scored pydoc tokens per cell; the paper's rotations: whip R1) and assert the orderings that held
+with a wide margin in the measured study (README, "Beyond the paper"; ``rope-quant compare --configs beyond``).
 """
 
 from __future__ import annotations

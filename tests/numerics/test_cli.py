@@ -310,3 +310,18 @@ def test_rotation_and_angle_options_reach_the_cells_and_name_deviations(tmp_path
         cli.build_parser().parse_args(["compare", "--out", "x", "--r1", "cayley"])
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["compare", "--out", "x", "--angle", "phi_dagger"])
+
+
+def test_env_json_records_the_rotation_protocol(tmp_path: Path, fake: FakeCell) -> None:
+    """env.json names R1/R2/R4, every whip hyper-parameter of R1 and the deviations (issue 11 §2)."""
+    out = tmp_path / "env"
+    argv = ["compare", "--out", str(out), "--seeds", "0", "--configs", "hadamard", "--whip-epochs", "3",
+            "--r2", "whip", "--no-figures", "--quiet"]
+    assert cli.main(argv, cell_fn=fake) == 0
+    protocol = json.loads((out / "env.json").read_text())["protocol"]
+    assert (protocol["r1"], protocol["r2"], protocol["r4"]) == ("whip", "whip", "hadamard")
+    assert protocol["whip"] == {"lr": 0.001, "momentum": 0.9, "epochs": 3, "batch_size": 64, "subset": 0.1,
+                                "cosine": True, "tokens_per_sample": 64}
+    assert any("A.8" in d for d in protocol["deviations"])
+    record = json.loads(next(out.glob("cells/**/*.json")).read_text())
+    assert record["config"]["rotation"]["whip"]["epochs"] == 3

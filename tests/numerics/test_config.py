@@ -75,7 +75,8 @@ def test_weight_and_stats_keys_follow_the_specs_that_shape_them():
     cfg = RunConfig()
     assert cfg.weight_fields() == {"format": config.WEIGHT_CACHE_FORMAT, "runtime": {}, "rotation": {},
                                    "weights": {}, "calibration": {}, "activations": {}}
-    for change in (dict(eval_windows=2), dict(device="cuda"), dict(v_clip=0.5), dict(objective="linf", estimator="k_only")):
+    for change in (dict(eval_windows=2), dict(device="cuda"), dict(v_clip=0.5),
+                   dict(objective="linf", estimator="k_only")):
         other = cfg.override(**change)
         assert other.weight_key() == cfg.weight_key() and other.stats_key() == cfg.stats_key(), change
     off = cfg.override(weights="none")

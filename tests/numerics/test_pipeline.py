@@ -52,7 +52,8 @@ def test_run_config_keys_separate_weights_from_r3():
     assert cfg.key() == RunConfig().key() and cfg.key().startswith("v2-") and len(cfg.key()) == 19
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     r3_changes = [dict(r3="pairwise_only"), dict(r3="block_hadamard", r3_block=8), dict(estimator="per_head"),
-                  dict(objective="linf", estimator="k_only"), dict(position_average=True, average_length=512), dict(k_bits=3),
+                  dict(objective="linf", estimator="k_only"), dict(position_average=True, average_length=512),
+                  dict(k_bits=3),
                   dict(v_bits=2), dict(k_clip=0.9), dict(eval_windows=3), dict(static_scope="kv")]
     for change in r3_changes:
         other = cfg.override(**change)
