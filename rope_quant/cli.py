@@ -238,7 +238,8 @@ def _sweep_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slurm", type=int, default=None, metavar="N",
                    help="submit N Slurm array tasks through submitit (if installed) and return")
     g.add_argument("--slurm-param", action="append", default=[], metavar="KEY=VALUE",
-                   help="submitit executor parameter (repeatable), e.g. timeout_min=120, slurm_partition=gpu")
+                   help="submitit executor parameter (repeatable), e.g. timeout_min=120, slurm_partition=gpu, "
+                        "gpus_per_node=1; cluster=local runs the array tasks as local subprocesses")
     g.add_argument("--comparator", default="hadamard", help="config every other one is paired against")
     g.add_argument("--no-figures", dest="figures", action="store_false", help="skip the PNG figures")
     g.add_argument("--quiet", action="store_true", help="do not print per-cell progress")
@@ -489,6 +490,10 @@ def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[s
         print("defaults used: " + ", ".join(used), flush=True)
     if args.slurm is not None and args.slurm < 1:
         raise CLIError("--slurm needs a positive number of array tasks")
+    params = _slurm_params(args.slurm_param)  # executor parameters; cluster=local picks submitit's local executor
+    for key in ("cell_fn", "cache_dir", "resume"):
+        if key in params:
+            raise CLIError(f"--slurm-param {key}=...: not an executor parameter (see --cache-dir, --no-resume)")
     selection = None
     if args.shard is not None:
         selection = runner.shard_from_env() if args.shard == "auto" else runner.parse_shard(args.shard)
@@ -510,7 +515,8 @@ def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[s
             print(f"note: {note}", file=sys.stderr)
     if args.slurm is not None:
         write_manifest(out, merged.manifest)
-        jobs = slurm.submit_slurm(out, args.slurm, **_slurm_params(args.slurm_param))
+        jobs = slurm.submit_slurm(out, args.slurm, cell_fn=cells.cell_fn, cache_dir=args.cache_dir,
+                                  resume=args.resume, **params)
         print(f"submitted {len(jobs)} Slurm array tasks; when done run `rope-quant report {out}`")
         return 0
     start = time.perf_counter()

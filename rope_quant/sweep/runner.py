@@ -215,7 +215,15 @@ def run_cells(
     return report
 
 
-def run_shard(out: str | os.PathLike[str], shard: int, n_shards: int, resume: bool = True) -> dict[str, Any]:
-    """Run shard ``shard``/``n_shards`` of ``out/manifest.json`` with the real pipeline (Slurm, xdist)."""
-    report = run_cells(load_manifest(out), out, (shard, n_shards), resume=resume)
+def run_shard(
+    out: str | os.PathLike[str], shard: int, n_shards: int, resume: bool = True, *,
+    cell_fn: CellFn | None = None, cache_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """Run shard ``shard``/``n_shards`` of ``out/manifest.json`` (one Slurm array task, one xdist worker).
+
+    The real pipeline with the weight cache ``cache_dir`` (default ``out/cache``), unless ``cell_fn``.
+    Returns the :class:`SweepReport` as a dict.
+    """
+    report = run_cells(load_manifest(out), out, (shard, n_shards), cell_fn=cell_fn, resume=resume,
+                       cache_dir=cache_dir)
     return dataclasses.asdict(report)

@@ -329,6 +329,60 @@ def test_slurm_submits_one_array_task_per_shard(tmp_path: Path, monkeypatch: pyt
     assert submitted["folder"] == str(tmp_path / "slurm")
 
 
+def _fake_submitit(monkeypatch: pytest.MonkeyPatch) -> dict:
+    submitted: dict = {}
+
+    class FakeExecutor:
+        def __init__(self, folder: str, **kwargs) -> None:
+            submitted["folder"], submitted["kwargs"] = folder, kwargs
+
+        def update_parameters(self, **params) -> None:
+            submitted["params"] = params
+
+        def map_array(self, fn, *iterables):
+            submitted["fn"], submitted["args"] = fn, list(zip(*iterables, strict=True))
+            return ["job"] * len(submitted["args"])
+
+    monkeypatch.setitem(sys.modules, "submitit", types.SimpleNamespace(AutoExecutor=FakeExecutor))
+    return submitted
+
+
+def test_slurm_executor_kind_cache_and_cell_fn_reach_every_task(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    submitted = _fake_submitit(monkeypatch)
+    write_manifest(tmp_path, make_manifest())
+    assert slurm.submit_slurm(tmp_path, 2, cluster="local", cache_dir=tmp_path / "shared", resume=False,
+                              cell_fn=len, timeout_min=5) == ["job"] * 2
+    assert submitted["kwargs"] == {"cluster": "local"} and submitted["params"] == {"timeout_min": 5}
+    fn = submitted["fn"]
+    assert fn.func is runner.run_shard
+    assert fn.keywords == {"cell_fn": len, "cache_dir": str(tmp_path / "shared"), "resume": False}
+    assert submitted["args"] == [(str(tmp_path), 0, 2), (str(tmp_path), 1, 2)]
+    with pytest.raises(SweepError, match="positive"):
+        slurm.submit_slurm(tmp_path, 0)
+
+
+def test_cli_slurm_passes_cluster_and_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    from transformers import LlamaConfig
+
+    from rope_quant import cli
+
+    submitted = _fake_submitit(monkeypatch)
+    model = tmp_path / "tiny-llama"  # config.json only: what the preflight reads (the embedded GGUF is slow)
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=4096).save_pretrained(model)
+    out, cache = tmp_path / "out", tmp_path / "shared-cache"
+    argv = ["compare", "--model", str(model), "--out", str(out), "--seeds", "0,1", "--configs", "hadamard,identity",
+            "--slurm", "2",
+            "--slurm-param", "cluster=local", "--slurm-param", "timeout_min=30", "--cache-dir", str(cache)]
+    assert cli.main(argv) == 0
+    assert "submitted 2 Slurm array tasks" in capsys.readouterr().out
+    assert submitted["kwargs"] == {"cluster": "local"} and submitted["params"] == {"timeout_min": 30}
+    assert submitted["fn"].func is runner.run_shard and submitted["fn"].keywords == {"cache_dir": str(cache)}
+    assert cli.main([*argv, "--slurm-param", "cache_dir=x"]) == 2
+
+
 def test_env_info(tmp_path: Path) -> None:
     from rope_quant.experiment import envinfo
 
