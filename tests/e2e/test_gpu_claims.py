@@ -7,7 +7,8 @@ Run on a CUDA node with local checkpoints (nothing is downloaded)::
 
 Protocol: 128 x 2048 calibration tokens, seqlen 2048, every evaluation window, W4A4KV4 with GPTQ weights, the
 paper's rotations (R1 fitted with whip, R2 random Hadamard, R4 online Hadamard). Without ``--rq-model`` the
-embedded SmolLM2-135M runs at these full sizes. The plugin skips every test here, with its reason, where CUDA is unavailable.
+embedded SmolLM2-135M runs at these full sizes. The plugin skips every test here, with
+its reason, where CUDA is unavailable.
 """
 
 from __future__ import annotations
