@@ -423,9 +423,9 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
                 H = accs[n].H
                 W = m.weight.data
                 Q = gptq_quantize(W, H, bits, cfg, clip_ratio)
-                D = (W.float() - Q.float())
+                D = (W.to(H.dtype) - Q.to(H.dtype))
                 num = torch.einsum("oi,ij,oj->", D, H, D).item()
-                den = torch.einsum("oi,ij,oj->", W.float(), H, W.float()).item()
+                den = torch.einsum("oi,ij,oj->", W.to(H.dtype), H, W.to(H.dtype)).item()
                 errors[f"layers.{li}.{n}"] = num / max(den, 1e-30)
                 m.weight.data.copy_(Q)
         # Inputs of the next layer: this layer, now quantised (with whatever hooks are installed).
