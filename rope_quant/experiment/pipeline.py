@@ -378,10 +378,15 @@ def _weight_cache_path(cache_dir: Path | None, cfg: RunConfig, fingerprint: str,
 
 def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, errors: dict,
                   static_act: dict | None) -> None:
-    """Write the rotated, quantised state (every parameter and buffer) atomically (:mod:`rope_quant.io`)."""
+    """Write the rotated, quantised state (every parameter and buffer) atomically (:mod:`rope_quant.io`).
+
+    A quantised linear's weight is stored as its integer codes and scales (:mod:`rope_quant.quant.packing`)
+    when they dequantise to it bit for bit, else as the tensor; :func:`_read_weight_cache` dequantises.
+    """
+    state, codes = _compact_state(model)
     payload = {
         "format": WEIGHT_CACHE_FORMAT, "weight_fields": cfg.weight_fields(),
-        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "state": state, "codes": codes,
         "r1": None if rotation is None or rotation.r1 is None else rotation.r1.cpu(),
         "r2": None if rotation is None or rotation.r2 is None else rotation.r2.cpu(),
         "untied": bool(getattr(rotation, "untied", False)), "errors": errors,
@@ -390,6 +395,39 @@ def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, e
     }
     with atomic_writer(path) as handle:
         torch.save(payload, handle)
+
+
+def _compact_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """(state without the coded weights, {state key: WeightCodes.to_dict()}) of ``model``."""
+    from rope_quant.quant import packing
+
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    codes: dict[str, dict] = {}
+    for name, mod in model.named_modules():
+        key = f"{name}.weight" if name else "weight"
+        enc = packing.encode(state[key], getattr(mod, packing.CODES_ATTR, None)) if key in state else None
+        if enc is not None:
+            codes[key] = enc.to_dict()
+            del state[key]
+    return state, codes
+
+
+def _dequantized_state(payload: dict) -> dict[str, torch.Tensor]:
+    """The full state of a cache payload: its tensors plus its coded weights, dequantised (ValueError if bad)."""
+    from rope_quant.quant import packing
+
+    coded = payload.get("codes") or {}
+    if not isinstance(coded, dict):
+        raise ValueError("the weight codes section is not a mapping")
+    state = dict(payload["state"])
+    for key, entry in coded.items():
+        if key in state:
+            raise ValueError(f"{key} is stored both as a tensor and as codes")
+        try:
+            state[key] = packing.from_dict(entry).dequantize()
+        except (KeyError, TypeError, RuntimeError, AttributeError) as exc:
+            raise ValueError(f"malformed codes for {key}: {exc}") from exc
+    return state
 
 
 def _read_weight_cache(path: Path | None, cfg: RunConfig) -> dict | None:
@@ -404,6 +442,11 @@ def _read_weight_cache(path: Path | None, cfg: RunConfig) -> dict | None:
     if not isinstance(payload, dict) or not isinstance(payload.get("state"), dict) \
             or payload.get("format") != WEIGHT_CACHE_FORMAT or payload.get("weight_fields") != fields:
         log.warning("ignoring weight cache %s: its fields do not match this configuration", path)
+        return None
+    try:
+        payload["state"] = _dequantized_state(payload)
+    except ValueError as exc:
+        log.warning("ignoring unreadable weight cache %s (%s); recomputing it", path, exc)
         return None
     return payload
 

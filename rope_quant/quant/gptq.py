@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from rope_quant.model import arch
+from rope_quant.quant.packing import CODES_ATTR, WeightCodes
 from rope_quant.quant.quantizers import check_bits
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,13 @@ def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor, bits: int) -> tor
 
     ``scale`` broadcasts against ``w`` (e.g. ``(out, 1)`` for a column ``(out, 1)`` or a whole matrix).
     """
+    return _int_codes(w, scale, bits) * scale
+
+
+def _int_codes(w: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integer codes ``clamp(round(w / s), -2^(b-1), 2^(b-1) - 1)`` (as floats) of :func:`quantize_with_scales`."""
     qmax = _qmax(bits)
-    return torch.clamp(torch.round(w / scale), -qmax - 1, qmax) * scale
+    return torch.clamp(torch.round(w / scale), -qmax - 1, qmax)
 
 
 def weight_scales(w: torch.Tensor, bits: int, mse: bool = True, clip_ratio: float = 1.0,
@@ -176,6 +182,12 @@ def rtn_quantize(w: torch.Tensor, bits: int, group_size: int = -1, mse: bool = T
     Non-finite entries follow the quantisers' one policy (:mod:`rope_quant.quant.quantizers`): they pass
     through unchanged and the scales come from the finite entries; finite weights take the plain path.
     """
+    return _rtn(w, bits, group_size, mse, clip_ratio, grid, max_shrink)[0]
+
+
+def _rtn(w: torch.Tensor, bits: int, group_size: int, mse: bool, clip_ratio: float, grid: int,
+         max_shrink: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rtn_quantize` with its integer codes and scales: (weight, codes, scales (out, n_groups))."""
     _check_bits(bits)
     w32 = w.float()
     finite = bool(torch.isfinite(w32).all())
@@ -184,10 +196,11 @@ def rtn_quantize(w: torch.Tensor, bits: int, group_size: int = -1, mse: bool = T
     gs = in_f if group_size == -1 else group_size
     scales = _group_scales(src, bits, group_size, mse, clip_ratio, grid, max_shrink)
     col_scale = scales.repeat_interleave(gs, dim=1)[:, :in_f]
-    out = quantize_with_scales(src, col_scale, bits)
+    codes = _int_codes(src, col_scale, bits)
+    out = codes * col_scale
     if not finite:
         out = torch.where(torch.isfinite(w32), out, w32)
-    return out.to(w.dtype)
+    return out.to(w.dtype), codes, scales
 
 
 # ----------------------------------------------------------------------------- Hessian
@@ -255,6 +268,12 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig =
 
     Returns the dequantised weight (same dtype/device as ``W``).
     """
+    return _gptq(W, H, bits, cfg, clip_ratio)[0]
+
+
+def _gptq(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
+          clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gptq_quantize` with its integer codes (out, in) and scales (out, n_groups), in column order."""
     _check_bits(bits)
     if W.ndim != 2 or H.shape != (W.shape[1], W.shape[1]):
         raise GPTQError(f"shape mismatch: W {tuple(W.shape)}, H {tuple(H.shape)}")
@@ -285,6 +304,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig =
 
     U = _inverse_hessian_factor(H, cfg.percdamp)
     Q = torch.zeros_like(Wf)
+    C = torch.zeros_like(Wf)
     if lazy_groups:
         scales = torch.empty(out_f, n_groups, dtype=cfg.dtype, device=Wf.device)
 
@@ -292,6 +312,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig =
         i2 = min(i1 + cfg.blocksize, in_f)
         W1 = Wf[:, i1:i2].clone()
         Q1 = torch.zeros_like(W1)
+        C1 = torch.zeros_like(W1)
         Err1 = torch.zeros_like(W1)
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
@@ -303,20 +324,24 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig =
                                                      cfg.max_shrink)[:, 0]
             w = W1[:, i]
             s = scales[:, group_of_col[col]]
-            q = quantize_with_scales(w, s, bits)
+            c = _int_codes(w, s, bits)
+            q = c * s  # = quantize_with_scales(w, s, bits)
+            C1[:, i] = c
             Q1[:, i] = q
             err = (w - q) / U1[i, i]
             W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
             Err1[:, i] = err
         Q[:, i1:i2] = Q1
+        C[:, i1:i2] = C1
         if i2 < in_f:
             Wf[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
     if perm is not None:
-        Q = Q[:, torch.argsort(perm)]
+        inv = torch.argsort(perm)
+        Q, C = Q[:, inv], C[:, inv]
     if not torch.isfinite(Q).all():
         raise GPTQError("GPTQ produced non-finite weights")
-    return Q.to(dtype=W.dtype)
+    return Q.to(dtype=W.dtype), C, scales
 
 
 # ----------------------------------------------------------------------------- layer-by-layer driver
@@ -422,7 +447,8 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
             for n, m in group:
                 H = accs[n].H
                 W = m.weight.data
-                Q = gptq_quantize(W, H, bits, cfg, clip_ratio)
+                Q, codes, scales = _gptq(W, H, bits, cfg, clip_ratio)
+                _record_codes(m, codes, scales, bits, cfg.group_size, Q)
                 D = (W.to(H.dtype) - Q.to(H.dtype))
                 num = torch.einsum("oi,ij,oj->", D, H, D).item()
                 den = torch.einsum("oi,ij,oj->", W.to(H.dtype), H, W.to(H.dtype)).item()
@@ -443,9 +469,20 @@ def quantize_model_rtn(model: nn.Module, bits: int, group_size: int = -1, mse: b
     for li, layer in enumerate(_decoder_layers(model)):
         for n, m in layer.named_modules():
             if isinstance(m, nn.Linear) and not (skip and skip(f"layers.{li}.{n}")):
-                m.weight.data.copy_(rtn_quantize(m.weight.data, bits, group_size, mse, clip_ratio))
+                g = GPTQConfig()
+                Q, codes, scales = _rtn(m.weight.data, bits, group_size, mse, clip_ratio, g.grid, g.max_shrink)
+                m.weight.data.copy_(Q)
+                _record_codes(m, codes, scales, bits, group_size, Q)
                 count += 1
     return count
+
+
+def _record_codes(m: nn.Module, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                  Q: torch.Tensor) -> None:
+    """Keep the integer codes of ``m``'s new weight on the module (:data:`packing.CODES_ATTR`) for the
+    weight cache, which stores them instead of the weight when they dequantise to it bit for bit."""
+    if bits <= 8:
+        setattr(m, CODES_ATTR, WeightCodes.from_codes(codes, scales, bits, group_size, Q))
 
 
 def linear_names(model: nn.Module) -> Sequence[str]:
