@@ -56,6 +56,10 @@ __all__ = [
     "GPTQ_CALLS",
 ]
 
+#: Stop a decoder layer's forward once every linear of the group being quantised has seen its input (the
+#: Hessians need nothing later; the weights are bit-identical either way, tests/numerics/test_gptq_speed.py).
+EARLY_STOP = True
+
 #: Number of per-linear GPTQ solves run in this process (the weight-cache test checks it does not grow).
 GPTQ_CALLS = {"linear": 0, "model": 0}
 
@@ -433,14 +437,23 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
                 continue
             accs = {n: HessianAccumulator(m.in_features, m.weight.device, cfg.dtype) for n, m in group}
             handles = []
+            seen: set[str] = set()
+            size = len(accs)
             for n, m in group:
-                def pre(_mod, args, _acc=accs[n]):
+                def pre(_mod, args, _acc=accs[n], _n=n, _seen=seen, _size=size):
                     _acc.add(args[0])
+                    _seen.add(_n)
+                    if EARLY_STOP and len(_seen) == _size:
+                        raise _StopForward  # every Hessian of the group has its input: the rest is unused
                 handles.append(m.register_forward_pre_hook(pre))
             try:
                 with torch.no_grad():
                     for args, kwargs in inputs:
-                        layer(*args, **kwargs)
+                        seen.clear()
+                        try:
+                            layer(*args, **kwargs)
+                        except _StopForward:
+                            pass
             finally:
                 for h in handles:
                     h.remove()
