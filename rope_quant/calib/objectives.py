@@ -349,8 +349,9 @@ def fit_range_angles(
     Every candidate angle is scored in float64 when ``exact``; by default (same choices, much faster) the
     candidates are first scored in float32 on the (token, head) entries whose range can depend on the pair
     (an entry whose rest-of-class extremes dominate the pair's norm contributes a constant), and only the
-    candidates within 1e-5 (relative) of the best are re-scored in float64 exactly as with ``exact``. The
-    choice can differ only if the float32 error exceeds that margin; tests/numerics/test_range_fast.py
+    candidates within a margin of the best (1e-5 of the movable entries' sum, ~80× their float32 error
+    bound, plus 1e-12 of the score) are re-scored in float64 exactly as with ``exact``. The choice can
+    differ only if the float32 error exceeds that margin; tests/numerics/test_range_fast.py
     checks the angles against ``exact=True`` to 1e-6 rad.
     """
     x = torch.as_tensor(np.asarray(rows, dtype=np.float64))
@@ -496,6 +497,8 @@ def _prefiltered_best(cands: torch.Tensor, k: int, classes: list, per_head: bool
             active |= (cmax + norm * r > const_hi) | (cmin - norm * r < const_lo)
         const = float((const_hi - const_lo)[~active].sum())
         idx = active.nonzero()[:, 0]
+        if not idx.numel():  # no entry can move: every candidate scores the same, the first one is kept
+            continue
         sums = torch.full((cands.shape[0],), const, dtype=torch.float64)
         if idx.numel():
             a_, b_ = (sub(ab[i]).index_select(0, idx) for i in range(2))
@@ -507,9 +510,11 @@ def _prefiltered_best(cands: torch.Tensor, k: int, classes: list, per_head: bool
                 shift = float(c[0]) * u1 + float(c[1]) * u2
                 hi = torch.maximum(hi, cmax.index_select(0, idx).to(torch.float32) + shift)
                 lo = torch.minimum(lo, cmin.index_select(0, idx).to(torch.float32) + shift)
-            sums += (hi - lo).sum(dim=1, dtype=torch.float64)
+            moved = (hi - lo).sum(dim=1, dtype=torch.float64)  # each term's float32 error is ~eps·its size
+            sums += moved
         low = float(sums.min())
-        near = (sums <= low + _PREFILTER_MARGIN * abs(low) + 1e-300).nonzero()[:, 0]
+        margin = _PREFILTER_MARGIN * float(moved.max()) + 1e-12 * abs(low) + 1e-300
+        near = (sums <= low + margin).nonzero()[:, 0]
         c_near = cands.index_select(0, near)
         if near.numel() == 1 or bool((c_near[:, row] == c_near[0, row]).all()):  # equal angles: equal scores
             best[row] = c_near[0, row]
