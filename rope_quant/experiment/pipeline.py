@@ -114,6 +114,18 @@ def install_activation_quantizers(model: nn.Module, spec: QuantConfig,
     """
     from rope_quant.quant.quantizers import fake_quant
 
+    # q/k/v (and gate/up) read the same tensor: the dynamic quantiser runs once per input tensor and the others
+    # reuse its output (same function of the same values, so bit-identical). The memo holds the last input
+    # and is invalidated by any in-place change of it (``_version``).
+    memo: dict[str, Any] = {"x": None, "version": -1, "y": None}
+
+    def quantise_once(x: torch.Tensor, _spec: QuantConfig = spec) -> torch.Tensor:
+        if memo["x"] is x and memo["version"] == x._version:
+            return memo["y"]
+        y = fake_quant(x, _spec)
+        memo.update(x=x, version=x._version, y=y)
+        return y
+
     handles = []
     for name, mod in _decoder_linears(model):
         if getattr(mod, _ACT_FLAG, False):
@@ -122,8 +134,8 @@ def install_activation_quantizers(model: nn.Module, spec: QuantConfig,
         if fn is None and not spec.enabled:
             continue
         if fn is None:
-            def hook(_mod, args, _spec=spec):
-                return (fake_quant(args[0], _spec),) + tuple(args[1:])
+            def hook(_mod, args):
+                return (quantise_once(args[0]),) + tuple(args[1:])
         else:
             def hook(_mod, args, _fn=fn):
                 return (_fn(args[0]),) + tuple(args[1:])

@@ -104,6 +104,37 @@ def test_r4_hadamard_runs_before_the_activation_quantiser(embedded_model):
     assert pipeline.install_activation_quantizers(model, QuantConfig(bits=16)) == []
 
 
+def test_shared_inputs_are_quantised_once_with_bit_identical_outputs(embedded_model, monkeypatch):
+    """q/k/v (and gate/up) read one tensor: its dynamic fake-quant runs once and is reused; the logits are
+    bit-identical to quantising at every linear (issue 14: the fake-quant forward's cost)."""
+    from rope_quant.quant import quantizers
+
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(3))
+    spec = QuantConfig(bits=4)
+    model, _ = tiny_base(embedded_model)
+    calls = {"n": 0}
+    real = quantizers.fake_quant
+
+    def counting(x, s):
+        calls["n"] += 1
+        return real(x, s)
+
+    monkeypatch.setattr(quantizers, "fake_quant", counting)
+    handles = pipeline.install_activation_quantizers(model, spec)
+    with torch.no_grad():
+        shared = model(ids).logits
+    pipeline.remove_activation_quantizers(model, handles)
+    assert calls["n"] == 4 * 2  # per layer: one for q/k/v, o_proj, one for gate/up, down_proj
+
+    each = [m.register_forward_pre_hook(lambda _m, a: (real(a[0], spec),) + tuple(a[1:]))
+            for _, m in pipeline._decoder_linears(model)]
+    with torch.no_grad():
+        per_linear = model(ids).logits
+    for h in each:
+        h.remove()
+    assert torch.equal(shared, per_linear)
+
+
 # ----------------------------------------------------------------------------- weight cache
 
 
