@@ -8,7 +8,11 @@ nothing on its own. Two things are this suite's choices and live here, where onl
   ``thorough``; they are loaded at import, before hypothesis' plugin applies ``--hypothesis-profile``
   (in its ``pytest_configure``), so the command line still wins;
 * the layer markers, given by directory: ``tests/<layer>/`` marks ``<layer>`` (``theory``, ``numerics``,
-  ``e2e``, ``bench``), relative to this file, so nothing outside this repository's ``tests/`` is marked.
+  ``e2e``, ``bench``), relative to this file, so nothing outside this repository's ``tests/`` is marked;
+* the ``compat`` marker (registered here, not by the plugin): the numerics tests that exercise transformers'
+  own APIs and so are the ones that differ between transformers versions. A test module opts in with
+  ``pytestmark = pytest.mark.compat``; ``tox -e tf448-compat`` (which CI runs) selects
+  ``theory or (numerics and compat)`` on the oldest supported transformers.
 
 Heavy objects are built lazily, once per session.
 """
@@ -33,6 +37,15 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 _TESTS_DIR = Path(__file__).resolve().parent / "tests"
 LAYERS = ("theory", "numerics", "e2e", "bench")
+COMPAT = (
+    "compat: numerics that exercise transformers' own APIs (model classes and configs, GGUF loading, the "
+    "attention-function registry, rotary inv_freq, tokenizer BOS, the lm-eval bridge); CI runs them on the "
+    "oldest supported transformers (tox -e tf448-compat)"
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", COMPAT)
 
 
 def layer_of(path: Path) -> str | None:
