@@ -32,6 +32,9 @@ from rope_quant.quant.gptq import GPTQConfig
 from rope_quant.rotations import attention
 from rope_quant.rotations import offline as rotation
 
+# transformers' model and config classes of every family: tox -e tf448-compat runs this module
+pytestmark = pytest.mark.compat
+
 REL_TOL = 1e-4  # max |Δlogit| / max |logit| for a function-preserving step in fp32 (as test_rotation.py)
 VOCAB = 128
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
