@@ -2,7 +2,7 @@
 
 Markers, ``--rq-*`` options, the ``rq_*`` fixtures and the claims table come from the installed plugin
 (``rope_quant.pytest_plugin``), which every project in the environment loads and which therefore changes
-nothing on its own. Two things are this suite's choices and live here, where only this suite sees them:
+nothing on its own. These are this suite's choices and live here, where only this suite sees them:
 
 * the hypothesis profiles ``ci`` (derandomised; loaded when ``CI`` is set), ``dev`` (the default) and
   ``thorough``; they are loaded at import, before hypothesis' plugin applies ``--hypothesis-profile``
@@ -10,7 +10,11 @@ nothing on its own. Two things are this suite's choices and live here, where onl
 * the layer markers, given by directory: ``tests/<layer>/`` marks ``<layer>`` (``theory``, ``numerics``,
   ``e2e``, ``bench``), relative to this file, so nothing outside this repository's ``tests/`` is marked;
 * the budget split: tests marked ``slow`` are deselected unless ``--run-slow`` is given or the ``-m``
-  expression names ``slow`` (``tox -e slow`` runs them; README "Test layers").
+  expression names ``slow`` (``tox -e slow`` runs them; README "Test layers");
+* the ``compat`` marker (registered here, not by the plugin): the numerics tests that exercise transformers'
+  own APIs and so are the ones that differ between transformers versions. A test module opts in with
+  ``pytestmark = pytest.mark.compat``; ``tox -e tf448-compat`` (which CI runs) selects
+  ``theory or (numerics and compat)`` on the oldest supported transformers.
 
 Heavy objects are built lazily, once per session.
 """
@@ -35,6 +39,17 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 _TESTS_DIR = Path(__file__).resolve().parent / "tests"
 LAYERS = ("theory", "numerics", "e2e", "bench")
+SLOW = "slow: outside the default run's CI budget (deselected unless --run-slow or -m names it; tox -e slow)"
+COMPAT = (
+    "compat: numerics that exercise transformers' own APIs (model classes and configs, GGUF loading, the "
+    "attention-function registry, rotary inv_freq, tokenizer BOS, the lm-eval bridge); CI runs them on the "
+    "oldest supported transformers (tox -e tf448-compat)"
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", COMPAT)
+    config.addinivalue_line("markers", SLOW)
 
 
 def layer_of(path: Path) -> str | None:

@@ -32,7 +32,6 @@ MARKERS = {
     "e2e": "CPU, minutes: the paper's claims on the embedded model (SmolLM2-135M)",
     "gpu_e2e": "GPU: the paper's claims on real checkpoints given with --rq-model (skips without CUDA)",
     "bench": "pytest-benchmark timings; targets are reported as ratios, never asserted on time",
-    "slow": "outside the default run's CI budget (this suite deselects it unless --run-slow or -m names it)",
 }
 EMBEDDED_MODEL = DEFAULT_MODEL
 _CLAIMS_KEY = "rq_claim"

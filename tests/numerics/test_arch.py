@@ -5,6 +5,9 @@ config class: R1/R2/R4 preserve the logits, an R3 Hadamard preserves them at 16-
 head_dim/2 pairs per layer, GPTQ runs. Gemma 3 (sandwich norms) is registered only so that R1 is refused;
 a test folds R1 anyway to show the refusal is honest. A source scan keeps model attribute names inside
 the adapter.
+
+The module imports on every supported transformers (4.48+): a family whose classes are newer than the
+installed transformers (Qwen3: 4.51; the adapter's Gemma 3 layout: 5.0) skips, naming the version it needs.
 """
 
 from __future__ import annotations
@@ -16,20 +19,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+import transformers
+from packaging.version import Version
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import rope_quant
 from rope_quant.calib.moments import CalibrationStats
@@ -40,16 +32,37 @@ from rope_quant.quant.gptq import GPTQConfig
 from rope_quant.rotations import attention
 from rope_quant.rotations import offline as rotation
 
+# transformers' model and config classes of every family: tox -e tf448-compat runs this module
+pytestmark = pytest.mark.compat
+
 REL_TOL = 1e-4  # max |Δlogit| / max |logit| for a function-preserving step in fp32 (as test_rotation.py)
 VOCAB = 128
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True)
+TRANSFORMERS = Version(transformers.__version__)
+# family: (config class, model class, first transformers release that has them); the classes are looked up by
+# name so that the module still imports on the oldest supported transformers (4.48).
 FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "4.48"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "4.48"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "4.48"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "4.51"),
 }
+
+
+def _needs(minimum: str, what: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        TRANSFORMERS < Version(minimum),
+        reason=f"{what} needs transformers>={minimum}; this is transformers {transformers.__version__}",
+    )
+
+
+FAMILY_PARAMS = [pytest.param(f, marks=_needs(v, f"{cfg} ({f})"), id=f) for f, (cfg, _, v) in FAMILIES.items()]
+needs_qwen3 = _needs(FAMILIES["qwen3"][2], "Qwen3Config (qwen3)")
+# Gemma 3 is in transformers from 4.50, but until 4.57 it keeps two rotary modules (rotary_emb, rotary_emb_local)
+# and no config.layer_types-keyed RoPE; the adapter reads 5.0's layout: one rotary module holding a
+# ``<layer_type>_inv_freq`` buffer per layer type, and ``config.rope_parameters``.
+needs_gemma3 = _needs("5.0", "the gemma3_text adapter (one rotary module with per-layer-type inv_freq buffers)")
 
 
 def _randomise(model: torch.nn.Module) -> torch.nn.Module:
@@ -65,7 +78,8 @@ def _randomise(model: torch.nn.Module) -> torch.nn.Module:
 
 def tiny(family: str, seed: int = 0, **extra) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg_cls, model_cls = FAMILIES[family]
+    cfg_name, model_name, _ = FAMILIES[family]
+    cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
     model = model_cls(cfg_cls(**{**TINY, **extra})).eval()
     model.config._attn_implementation = "sdpa"
     return _randomise(model)
@@ -74,8 +88,8 @@ def tiny(family: str, seed: int = 0, **extra) -> torch.nn.Module:
 def tiny_gemma3(seed: int = 0) -> torch.nn.Module:
     """Sliding and full layers with different RoPE bases; norm weights random (Gemma scales by 1 + w)."""
     torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(**TINY, layer_types=["sliding_attention", "full_attention"], sliding_window=32)
-    model = Gemma3ForCausalLM(cfg).eval()
+    cfg = transformers.Gemma3TextConfig(**TINY, layer_types=["sliding_attention", "full_attention"], sliding_window=32)
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
     model.config._attn_implementation = "sdpa"
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -157,7 +171,7 @@ def test_unregistered_model_type_names_the_registered_ones(model):
 # ----------------------------------------------------------------------------- per family
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_adapter_reads_geometry_and_modules(family):
     model = tiny(family)
     d = arch.dims(model)
@@ -175,7 +189,7 @@ def test_adapter_reads_geometry_and_modules(family):
         assert arch.rotation_refusal(model, rot) is None
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_offline_rotations_preserve_logits(family):
     model = tiny(family)
     ids = _ids()
@@ -185,7 +199,7 @@ def test_offline_rotations_preserve_logits(family):
     assert _rel(_logits(model, ids), ref) < REL_TOL
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_r3_hadamard_preserves_logits_at_16_bit_kv(family):
     model = tiny(family)
     ids = _ids()
@@ -198,7 +212,7 @@ def test_r3_hadamard_preserves_logits_at_16_bit_kv(family):
     attention.uninstall_attention(model)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_calibration_sees_head_dim_over_two_pairs_per_layer(family):
     model = tiny(family)
     geom = attention.check_model(model)
@@ -212,6 +226,7 @@ def test_calibration_sees_head_dim_over_two_pairs_per_layer(family):
     assert rows.shape == (16, 2, 16) and positions.max() < 24
 
 
+@needs_qwen3
 def test_qwen3_calibration_reads_the_keys_after_k_norm():
     """RoPE rotates k_norm's output, so the statistics must be of that, not of the raw k_proj output."""
     model = tiny("qwen3")
@@ -227,7 +242,7 @@ def test_qwen3_calibration_reads_the_keys_after_k_norm():
     np.testing.assert_allclose(stats.pooled("k_only").s11[0], a.var(0, unbiased=False).numpy(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_gptq_runs(family):
     model = tiny(family)
     errors = gptq.quantize_model_gptq(model, _ids(2, 32), 4, GPTQConfig(), progress=False)
@@ -239,6 +254,7 @@ def test_gptq_runs(family):
 # ----------------------------------------------------------------------------- Gemma 3: R1 refused
 
 
+@needs_gemma3
 def test_gemma3_adapter_reads_sandwich_norms_and_per_layer_rope_bases():
     model = tiny_gemma3()
     n = arch.layer_norms(model, 0)
@@ -255,6 +271,7 @@ def test_gemma3_adapter_reads_sandwich_norms_and_per_layer_rope_bases():
         arch.shared_inv_freq(model)
 
 
+@needs_gemma3
 def test_gemma3_r1_is_refused_naming_the_norms_and_the_alternative():
     model = tiny_gemma3()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -274,6 +291,7 @@ def test_gemma3_r1_is_refused_naming_the_norms_and_the_alternative():
     assert arch.rotation_refusal(model, "r2") is None and arch.rotation_refusal(model, "r4") is None
 
 
+@needs_gemma3
 def test_gemma3_pipeline_refuses_r1_before_any_expensive_step():
     from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 
@@ -289,6 +307,7 @@ def _fold_r1_anyway(model) -> None:
     rotation._fold_r1(model, rotation.r1_hadamard(64, seed=5))
 
 
+@needs_gemma3
 def test_gemma3_folding_r1_anyway_changes_the_logits():
     """The refusal is honest: with per-channel sandwich-norm weights, R1 changes the model; with uniform
     ones (Gemma's ``1 + w`` at ``w = 0``) the same folding preserves it, so the sandwich norms are the cause."""
@@ -309,6 +328,7 @@ def test_gemma3_folding_r1_anyway_changes_the_logits():
     assert _rel(_logits(uniform, ids), ref) < REL_TOL
 
 
+@needs_gemma3
 def test_gemma3_r2_r4_and_norm_fusion_preserve_logits():
     """Without R1 the offline steps stay exact on Gemma 3 (norm fusion honours its ``1 + w`` scale)."""
     model = tiny_gemma3()

@@ -72,6 +72,7 @@ class CountingLoader:
 # ----------------------------------------------------------------------------- model files
 
 
+@pytest.mark.compat  # transformers' GGUF reader
 @pytest.mark.parametrize(("content", "words"), [(b"", ["empty", "0 bytes"]),
                                                  (b"GGUF\x03\x00\x00\x00\x01", ["truncated", "struct"]),
                                                  (b"PK\x03\x04", ["not a GGUF file"])])

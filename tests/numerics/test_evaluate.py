@@ -21,6 +21,9 @@ from rope_quant.experiment.evaluate import (
     perplexity,
 )
 
+# HF causal-LM outputs (labels loss, base model + lm_head) and the GGUF-loaded model: compat
+pytestmark = pytest.mark.compat
+
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 

@@ -136,6 +136,7 @@ def _assert_agree(ours: list[float], theirs: list[float]) -> None:
 # ----------------------------------------------------------------------------- agreement
 
 
+@pytest.mark.compat  # lm-eval's HFLM on this transformers
 def test_full_precision_agreement(lm_eval_installed, embedded_model, tmp_path: Path) -> None:
     model, tok = embedded_model
     docs = pydoc_documents(tok)
@@ -247,6 +248,7 @@ def test_cli_multiple_choice_paired_accuracy_and_resume(lm_eval_installed, embed
     assert "4 already complete" in capsys.readouterr().out
 
 
+@pytest.mark.compat  # the bridge's import path
 def test_missing_lm_eval_names_the_extra(monkeypatch, tmp_path: Path, capsys) -> None:
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     monkeypatch.setitem(sys.modules, "lm_eval.models.huggingface", None)

@@ -25,6 +25,9 @@ from rope_quant.core.rope import (
     phase_averages,
 )
 
+# rotary modules built from HF configs (rope_theta / rope_scaling vs rope_parameters): compat
+pytestmark = pytest.mark.compat
+
 MAJOR = int(transformers.__version__.split(".")[0])
 HEAD_DIM = 64
 K = HEAD_DIM // 2
