@@ -115,15 +115,19 @@ def install_activation_quantizers(model: nn.Module, spec: QuantConfig,
     from rope_quant.quant.quantizers import fake_quant
 
     # q/k/v (and gate/up) read the same tensor: the dynamic quantiser runs once per input tensor and the others
-    # reuse its output (same function of the same values, so bit-identical). The memo holds the last input
-    # and is invalidated by any in-place change of it (``_version``).
-    memo: dict[str, Any] = {"x": None, "version": -1, "y": None}
+    # reuse its output (same function of the same values, so bit-identical). The memo holds the last input (so
+    # its identity cannot be reused by another tensor) and, outside inference mode, is invalidated by any
+    # in-place change of it (``_version``; inference tensors carry no version counter).
+    memo: dict[str, Any] = {"x": None, "version": None, "y": None}
+
+    def version(x: torch.Tensor) -> int | None:
+        return None if x.is_inference() else x._version
 
     def quantise_once(x: torch.Tensor, _spec: QuantConfig = spec) -> torch.Tensor:
-        if memo["x"] is x and memo["version"] == x._version:
+        if memo["x"] is x and memo["version"] == version(x):
             return memo["y"]
         y = fake_quant(x, _spec)
-        memo.update(x=x, version=x._version, y=y)
+        memo.update(x=x, version=version(x), y=y)
         return y
 
     handles = []
