@@ -30,10 +30,12 @@ def hadamard_needs(cfg: Any, dims: Any) -> list[tuple[int, str]]:
 
     rot = run_of(cfg).rotation
     needs = []
-    if rot.r1 == RotationKind.HADAMARD:
-        needs.append((dims.hidden, f"R1 (r1=hadamard) needs hidden_size={dims.hidden}"))
-    if rot.r2 == RotationKind.HADAMARD:
-        needs.append((dims.head_dim, f"R2 (r2=hadamard) needs head_dim={dims.head_dim}"))
+    # every built rotation but identity is (or, for whip, starts from) a Hadamard of that order
+    built = (RotationKind.HADAMARD, RotationKind.RANDOM_HADAMARD, RotationKind.WHIP)
+    if rot.r1 in built:
+        needs.append((dims.hidden, f"R1 (r1={rot.r1.value}) needs hidden_size={dims.hidden}"))
+    if rot.r2 in built:
+        needs.append((dims.head_dim, f"R2 (r2={rot.r2.value}) needs head_dim={dims.head_dim}"))
     if rot.r4:
         needs.append((dims.intermediate, f"the online R4 (r4=on) needs intermediate_size={dims.intermediate}"))
     return needs

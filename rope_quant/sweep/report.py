@@ -458,20 +458,23 @@ def crossover_table(summary: Mapping[str, Any]) -> Table | None:
         return None
     comp = summary["comparator"]
     columns = ["L", "config", "control", "ppl", "ppl_control", "gap", "sd", "ci_low", "ci_high", "n", "p", "p_holm"]
+    meta = summary.get("meta") or {}
+    control_of = {n: (meta.get(n) or {}).get("control", comp) for n in lc["configs"]}
     rows, md_rows = [], []
     for length in lc["lengths"]:
         for name, per_len in lc["configs"].items():
-            block = lc["paired"].get(str(length), {}).get(name)
-            if block is None:
+            if name in set(control_of.values()):
                 continue
-            ref = block["comparator"]
+            block = lc["paired"].get(str(length), {}).get(name) or {}
+            ref = control_of[name]
             ref_vals = lc["configs"].get(ref, {}).get(str(length), [])
             row = {"L": length, "config": name, "control": ref, "ppl": _mean(per_len.get(str(length), [])),
-                   "ppl_control": _mean(ref_vals), "gap": block["mean"], "sd": block["sd"], "ci_low": block["low"],
-                   "ci_high": block["high"], "n": block["n"], "p": block.get("p"), "p_holm": block.get("p_holm")}
+                   "ppl_control": _mean(ref_vals), "gap": block.get("mean"), "sd": block.get("sd"),
+                   "ci_low": block.get("low"), "ci_high": block.get("high"), "n": block.get("n", 0),
+                   "p": block.get("p"), "p_holm": block.get("p_holm")}
             rows.append(row)
             md_rows.append({"L": str(length), "config": name, "control": ref, "ppl": _fmt(row["ppl"]),
-                            "ppl control": _fmt(row["ppl_control"]), "gap [CI]": _delta_ci(block),
+                            "ppl control": _fmt(row["ppl_control"]), "gap [CI]": _delta_ci(block or None),
                             "p (Holm)": _fmt_p(row["p_holm"])})
     size = lc.get("holm_family_size", 0)
     return Table("crossover", f"Perplexity gap against {comp} by context length", columns, rows,

@@ -101,7 +101,7 @@ def test_support_head_dim_10_one_error_one_load(tmp_path: Path, capsys) -> None:
     assert code == 2, err
     assert loader.loads == 1  # loaded once, not once per cell
     assert err.count("error:") == 1
-    assert "head_dim=10" in err and "R2 (r2=hadamard)" in err and "R3 'hadamard'" in err
+    assert "head_dim=10" in err and "R2 (r2=random_hadamard)" in err and "R3 'hadamard'" in err
     assert not (tmp_path / "o" / "cells").exists()
     # an explicit block that does not divide head_dim names the block (config only: a fake cell)
     calls: list = []

@@ -49,7 +49,7 @@ TINY = dict(seqlen=64, calib_windows=4, eval_windows=2)
 
 def test_run_config_keys_separate_weights_from_r3():
     cfg = RunConfig()
-    assert cfg.key() == RunConfig().key() and cfg.key().startswith("v2-") and len(cfg.key()) == 19
+    assert cfg.key() == RunConfig().key() and cfg.key().startswith("v3-") and len(cfg.key()) == 19
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     r3_changes = [dict(r3="pairwise_only"), dict(r3="block_hadamard", r3_block=8), dict(estimator="per_head"),
                   dict(objective="linf", estimator="k_only"), dict(position_average=True, average_length=512),
@@ -65,10 +65,14 @@ def test_run_config_keys_separate_weights_from_r3():
                  dict(gptq=GPTQConfig(act_order=False)), dict(static_scope="act")]
     for change in w_changes:
         assert cfg.override(**change).weight_key() != cfg.weight_key(), change
-    # RTN does not look at activations or calibration data: those do not enter its weight key.
-    rtn = cfg.override(weights="rtn")
+    # RTN does not look at activations or calibration data: with a data-free R1 those do not enter its weight
+    # key; the default whip R1 is fitted on the calibration windows, so with it they do.
+    rtn = cfg.override(weights="rtn", r1="random_hadamard")
     assert rtn.override(a_bits=8, calib_windows=3).weight_key() == rtn.weight_key()
     assert rtn.override(a_bits=8).stats_key() != rtn.stats_key()
+    rtn_whip = cfg.override(weights="rtn")
+    assert rtn_whip.override(calib_windows=3).weight_key() != rtn_whip.weight_key()
+    assert rtn_whip.override(a_bits=8).weight_key() == rtn_whip.weight_key()
 
 
 @pytest.mark.parametrize("bad", [dict(w_bits=1), dict(a_bits=True), dict(k_group=0), dict(v_clip=1.5),
