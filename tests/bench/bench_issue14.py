@@ -11,27 +11,15 @@ against the fp32 state. Timings alternate the two variants round by round and ke
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from _timing import paired_best
 
 L_FWD = 2048
-
-
-def paired_best(fns, rounds: int = 3) -> list[float]:
-    best = [math.inf] * len(fns)
-    for fn in fns:
-        fn()
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def forward(model):

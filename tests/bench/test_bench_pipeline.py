@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _timing import paired_best
 
 from rope_quant.calib.moments import CalibrationStats
 from rope_quant.experiment import data
@@ -56,23 +57,10 @@ def _forward(model) -> Callable[[torch.Tensor], None]:
     return run
 
 
-def _paired_best(fns: list[Callable[[], None]], rounds: int) -> list[float]:
-    """Best wall time (s) of each function, calling them in alternation for ``rounds`` rounds."""
-    best = [math.inf] * len(fns)
-    for fn in fns:  # warm-up
-        fn()
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
-
-
 def test_w4a4kv4_forward_vs_plain(benchmark, rq_record, embedded_model, quantised, ids):
     plain, fq = _forward(embedded_model[0]), _forward(quantised.model)
     benchmark.pedantic(fq, args=(ids,), rounds=2, iterations=1, warmup_rounds=0)
-    t_plain, t_fq = _paired_best([lambda: plain(ids), lambda: fq(ids)], rounds=3)
+    t_plain, t_fq = paired_best([lambda: plain(ids), lambda: fq(ids)], rounds=3)
     rq_record("pipeline cost", what="W4A4KV4 fake-quant forward / plain (L=2048)", plain_s=round(t_plain, 3),
               variant_s=round(t_fq, 3), ratio=round(t_fq / t_plain, 3), target="<= 1.5",
               threads=torch.get_num_threads())
@@ -121,7 +109,7 @@ def test_calibration_pass_vs_plain(benchmark, rq_record, embedded_model, ids, tm
             run(ids)
 
     benchmark.pedantic(calib, rounds=2, iterations=1, warmup_rounds=0)
-    t_plain, t_cal = _paired_best([lambda: run(ids), calib], rounds=3)
+    t_plain, t_cal = paired_best([lambda: run(ids), calib], rounds=3)
     size = stats.save(tmp_path / "stats.npz").stat().st_size  # the whole accumulator state
     per = geom.n_layers * (geom.n_q_heads + geom.n_kv_heads) * geom.head_dim
     rq_record("pipeline cost", what="calibration statistics pass / plain (L=2048)", plain_s=round(t_plain, 3),
