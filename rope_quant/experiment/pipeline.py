@@ -286,6 +286,18 @@ def _r1_cache_path(cache: Path | None, cfg: RunConfig, fingerprint: str, data_fp
     return cache / f"r1-whip-{key}-{fingerprint}-{data_fp}.pt"
 
 
+def _read_r1_cache(path: Path | None) -> tuple[torch.Tensor, dict] | None:
+    """The cached whip R1 and its fit log, or None (missing, or unreadable: warned)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return saved["r1"], {**saved["log"], "cache_hit": True}
+    except Exception as exc:  # noqa: BLE001 - unreadable cache: refit
+        log.warning("ignoring unreadable R1 cache %s (%s); refitting", path, exc)
+        return None
+
+
 def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path | None) -> tuple[torch.Tensor, dict]:
     """R1 fitted with the whip loss on the unrotated model (App. A.1), or read from its cache file.
 
@@ -295,12 +307,9 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
     """
     from rope_quant.rotations import whip
 
-    if path is not None and path.is_file():
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-            return saved["r1"], {**saved["log"], "cache_hit": True}
-        except Exception as exc:  # noqa: BLE001 - unreadable cache: refit
-            log.warning("ignoring unreadable R1 cache %s (%s); refitting", path, exc)
+    saved = _read_r1_cache(path)
+    if saved is not None:
+        return saved
     t = time.perf_counter()
     spec = cfg.rotation.whip
     fitted = whip.calibrate_model_rotations(model, calib, fit_r1=True, fit_r2=False, seed=cfg.seed,
@@ -670,8 +679,8 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     rotation_fit: dict = {}
     if cached is not None:
         rotation = _restore_rotated(model, cfg, cached)
-        if cfg.rotation.r1 == RotationKind.WHIP and r1_cache is not None and r1_cache.is_file():
-            rotation_fit = _whip_r1(model, cfg, calib, r1_cache)[1]
+        if cfg.rotation.r1 == RotationKind.WHIP:  # the fit log only: the weights already hold R1
+            rotation_fit = (_read_r1_cache(r1_cache) or (None, {}))[1]
     else:
         rotation, rotation_fit = _rotate(model, cfg, calib, r1_cache)
     timing["rotate_s"] = time.perf_counter() - t

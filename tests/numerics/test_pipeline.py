@@ -145,6 +145,36 @@ def test_shared_inputs_are_quantised_once_with_bit_identical_outputs(embedded_mo
 # ----------------------------------------------------------------------------- weight cache
 
 
+def test_whip_r1_is_fitted_cached_and_logged(embedded_model, corpus, tmp_path, caplog):
+    """The default R1 is a whip fit (App. A.1), not its random-Hadamard start: fitted once per (seed, whip
+    settings, windows), cached, its log in every cell (also on a weight-cache hit); a corrupt R1 cache is named
+    and refitted."""
+    from rope_quant.rotations import offline
+
+    base = tiny_base(embedded_model)
+    cfg = RunConfig.from_flat(**TINY, r3="hadamard", weights="rtn", gptq=GPTQConfig(mse=False))
+    assert (cfg.r1, cfg.r2) == ("whip", "random_hadamard")
+    first = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
+    fit = first.rotation_fit
+    assert fit["kind"] == "whip" and not fit["cache_hit"] and fit["steps"] > 0
+    assert fit["loss_fit"] < fit["loss_init"] and fit["settings"]["subset"] == 0.1
+    r1 = first.rotation.r1
+    start = offline.r1_hadamard(r1.shape[0], cfg.seed)
+    torch.testing.assert_close(r1.T @ r1, torch.eye(r1.shape[0], dtype=r1.dtype), rtol=0, atol=1e-8)
+    assert not torch.allclose(r1, start, atol=1e-4)  # fitted, not the initialisation
+    (path,) = tmp_path.glob("r1-whip-*.pt")
+    # another weight setting of the same seed reuses the fitted R1; a weight-cache hit still reports its log
+    again = build_quantized_model(cfg.override(w_bits=3), cache_dir=tmp_path, base=base, corpus=corpus)
+    assert again.rotation_fit["cache_hit"] and torch.equal(again.rotation.r1, r1)
+    hit = build_quantized_model(cfg.override(r3="pairwise_only"), cache_dir=tmp_path, base=base, corpus=corpus)
+    assert hit.weight_cache_hit and hit.rotation_fit["loss_fit"] == fit["loss_fit"]
+    path.write_bytes(b"not a torch file")
+    with caplog.at_level("WARNING"):
+        refit = build_quantized_model(cfg.override(w_bits=2), cache_dir=tmp_path, base=base, corpus=corpus)
+    assert path.name in caplog.text and not refit.rotation_fit["cache_hit"]
+    torch.testing.assert_close(refit.rotation.r1, r1, rtol=0, atol=1e-12)  # the same deterministic fit
+
+
 def test_weight_cache_is_shared_by_r3_variants(embedded_model, corpus, tmp_path):
     base = tiny_base(embedded_model)
     cfg = RunConfig.from_flat(**TINY, r3="hadamard", gptq=GPTQConfig(grid=20))
