@@ -44,7 +44,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
-from rope_quant.experiment.config import AngleRule, DType, Estimator, Objective, RotationKind, WeightMode
+from rope_quant.experiment.config import (
+    PIPELINE_ROTATIONS,
+    AngleRule,
+    DType,
+    Estimator,
+    Objective,
+    RotationKind,
+    WeightMode,
+)
 
 if TYPE_CHECKING:
     from rope_quant.sweep.models import ModelCache
@@ -67,9 +75,9 @@ BUDGETS: dict[str, dict[str, Any]] = {
              "w_mse": True},
 }
 BUDGET_FIELDS = ("seqlen", "calib_windows", "eval_windows", "weights", "w_mse")
-#: The offline rotations the CLI offers (the enum's values; ``given`` needs a matrix from Python).
-R1_CLI = ("whip", "random_hadamard", "hadamard", "identity")
-R2_CLI = ("random_hadamard", "hadamard", "identity", "whip")
+#: The offline rotations the CLI offers: the pipeline's ``RotationKind`` values (``given`` needs a matrix
+#: from Python).
+ROTATION_CHOICES = tuple(k.value for k in PIPELINE_ROTATIONS)
 #: Smallest value of the numeric budget flags (a window needs two tokens: one predicts the next).
 BUDGET_MINIMUM = {"seqlen": 2, "calib_windows": 1, "eval_windows": 1}
 LONG_CONTEXT_LENGTHS = {"cpu": (256, 512, 1024), "cuda": (2048, 4096, 8192, 16384)}
@@ -190,10 +198,10 @@ def _common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     g.add_argument("--angle", default=AngleRule.PHI_HAT.value, choices=values(AngleRule),
                    help="angle rule of the variance objective: φ̂ (the paper's pairwise_only), φ̂ wrapped to "
                         "φ*'s branch (App. J's control) or the position-averaged φ* (default phi_hat)")
-    g.add_argument("--r1", default=RotationKind.WHIP.value, choices=R1_CLI,
+    g.add_argument("--r1", default=RotationKind.WHIP.value, choices=ROTATION_CHOICES,
                    help="R1: whip (the paper, A.1; default), random_hadamard (QuaRot's diag(s)·H), the plain "
                         "hadamard, or identity")
-    g.add_argument("--r2", default=RotationKind.RANDOM_HADAMARD.value, choices=R2_CLI,
+    g.add_argument("--r2", default=RotationKind.RANDOM_HADAMARD.value, choices=ROTATION_CHOICES,
                    help="R2: random_hadamard (the paper keeps whip's initialisation, A.8; default), hadamard, "
                         "identity, or whip (trains R2: a deviation from A.8)")
     g.add_argument("--whip-epochs", type=int, default=None, metavar="N",
@@ -677,11 +685,11 @@ def cmd_long_context(args: argparse.Namespace, cells: Cells) -> int:
         manifest = presets.beyond_long_context_manifest(base_config(args), seeds, lengths,
                                                         comparator=args.comparator)
     elif corpora:
-        manifest = presets.long_context_manifest(base_config(args), configs, seeds, lengths,
-                                                 comparator=args.comparator, eval_corpus=corpora[0])
         if len(corpora) > 1:
             raise CLIError("--eval-corpora takes one corpus outside --configs appj (one results directory "
                            "per evaluation corpus)")
+        manifest = presets.long_context_manifest(base_config(args), configs, seeds, lengths,
+                                                 comparator=args.comparator, eval_corpus=corpora[0])
     else:
         manifest = presets.long_context_manifest(base_config(args), configs, seeds, lengths,
                                                  comparator=args.comparator)
