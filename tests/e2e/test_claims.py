@@ -317,14 +317,10 @@ C6_CROSS_MACHINE_SPREAD = SPREAD["C6"]
 def c6_ppl_verdict(ci: stats.PairedCI, spread: float = C6_CROSS_MACHINE_SPREAD) -> bool | None:
     """The paper's "no perplexity gain from φ*" as a three-way verdict at this budget.
 
-    True: no significant gain even if the CI moved by ``spread`` (ci.high ≥ spread); False: a gain beyond the
+    True: no significant gain even if the CI moved by ``spread`` (ci.high > spread); False: a gain beyond the
     spread (ci.high < −spread); None: inconclusive (the CI's upper end is within ``spread`` of 0).
     """
-    if ci.high >= spread:
-        return True
-    if ci.high < -spread:
-        return False
-    return None
+    return three_way(ci.high, spread)
 
 
 def test_c6_verdict_rule_can_decide_both_ways() -> None:

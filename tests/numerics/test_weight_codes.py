@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_pipeline import tiny_base as _tiny
 
 from rope_quant.experiment import data, pipeline
 from rope_quant.experiment.pipeline import GPTQConfig, RunConfig, build_quantized_model
@@ -64,14 +64,6 @@ def test_gptq_and_rtn_codes_dequantise_bit_for_bit(cfg, bits):
 @pytest.fixture(scope="module")
 def corpus(embedded_model):
     return data.load_corpus("pydoc", embedded_model[1])
-
-
-def _tiny(embedded_model):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=embedded_model[0].config.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=512, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval(), embedded_model[1]
 
 
 @pytest.mark.parametrize("weights", ["gptq", "rtn"])
