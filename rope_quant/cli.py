@@ -306,8 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "family, φ* (averaging length matched to L) against the branch-matched φ̂ on each "
                         "--eval-corpora corpus, Holm-adjusted in the report")
     p.add_argument("--eval-corpora", default=None, metavar="A,B",
-                   help="corpora scored at long context (default: --corpus; appj: shakespeare,pydoc), "
-                        "calibration stays on --corpus (App. A.4)")
+                   help="corpora scored at long context, calibration stays on --corpus (App. A.4); default: the "
+                        "first two installed of shakespeare, kjv, debian-reference other than --corpus (appj: "
+                        "shakespeare,pydoc); several corpora name the cells CONFIG+CORPUS")
+    p.add_argument("--eval-docs", type=int, default=None, metavar="N",
+                   help="the stream is the first N documents of each evaluation split, concatenated (default 64, "
+                        "App. A.4; 0 = the whole split). Windows scored per L: min(cap, N_tokens // L), cap = "
+                        "--eval-windows (CPU 4, CUDA 24)")
+    p.add_argument("--phi-star-estimators", default=None, metavar="A,B|all",
+                   help="add φ* cells (pairwise_only, variance objective) with the averaging length matched to "
+                        "each L, one per estimator (rows, k_only, balanced, per_head or all)")
     _common(p)
     _sweep_options(p)
 
@@ -677,6 +685,9 @@ def cmd_long_context(args: argparse.Namespace, cells: Cells) -> int:
                else (("shakespeare", "pydoc") if appj else ()))
     for corpus in corpora:
         check_corpus(corpus)
+    explicit = bool(args.eval_corpora)
+    if not corpora and not appj:
+        corpora = _default_eval_corpora(args, used)
     if appj:
         used.append("eval_corpora=" + ",".join(corpora))
         manifest = presets.appj_long_context_manifest(base_config(args), seeds, lengths, corpora,
@@ -684,16 +695,63 @@ def cmd_long_context(args: argparse.Namespace, cells: Cells) -> int:
     elif beyond:
         manifest = presets.beyond_long_context_manifest(base_config(args), seeds, lengths,
                                                         comparator=args.comparator)
-    elif corpora:
-        if len(corpora) > 1:
-            raise CLIError("--eval-corpora takes one corpus outside --configs appj (one results directory "
-                           "per evaluation corpus)")
+    elif len(corpora) == 1 and explicit:  # one named corpus: the cells keep the config names
         manifest = presets.long_context_manifest(base_config(args), configs, seeds, lengths,
                                                  comparator=args.comparator, eval_corpus=corpora[0])
     else:
         manifest = presets.long_context_manifest(base_config(args), configs, seeds, lengths,
                                                  comparator=args.comparator)
-    return _execute(args, cells, manifest, used)
+    return _execute(args, cells, _long_context_protocol(args, manifest, seeds, lengths, corpora, explicit,
+                                                        appj, used), used)
+
+
+def _default_eval_corpora(args: argparse.Namespace, used: list[str]) -> tuple[str, ...]:
+    """A.4's default: evaluate on installed long corpora other than the calibration corpus (else on it)."""
+    from rope_quant.experiment import longctx
+
+    corpora = longctx.default_eval_corpora(args.corpus)
+    if not corpora:
+        print(f"note: none of {', '.join(longctx.PREFERRED_EVAL_CORPORA)} is installed: long context is scored "
+              f"on the calibration corpus {args.corpus} (a deviation from A.4)", file=sys.stderr)
+        corpora = (args.corpus,)
+    used.append("eval_corpora=" + ",".join(corpora))
+    return corpora
+
+
+def _long_context_protocol(args: argparse.Namespace, manifest: Any, seeds: Sequence[int], lengths: Sequence[int],
+                           corpora: Sequence[str], explicit: bool, appj: bool, used: list[str]) -> Any:
+    """The A.4 protocol on a long-context manifest: the first ``--eval-docs`` documents, the evaluation corpora
+    (cells ``CONFIG+CORPUS`` for several), the φ* cells of ``--phi-star-estimators``; prints the deviations."""
+    from rope_quant.experiment import longctx
+    from rope_quant.sweep import presets
+
+    if args.phi_star_estimators:
+        text = args.phi_star_estimators.strip()
+        ests = values(Estimator) if text == "all" else parse_names(text, "estimator", values(Estimator))
+        if appj:
+            raise CLIError("--phi-star-estimators adds cells to the default or beyond preset, not to appj")
+        manifest = presets.add_cells(manifest, *presets.phi_star_matched_cells(base_config(args), seeds, lengths,
+                                                                               ests))
+    if not appj and corpora and not (len(corpora) == 1 and explicit):
+        manifest = presets.per_corpus(manifest, corpora)
+    if args.eval_docs is None:
+        eval_docs: int | None = longctx.EVAL_DOCUMENTS
+        used.append(f"eval_docs={eval_docs}")
+    elif args.eval_docs < 0:
+        raise CLIError(f"--eval-docs must be >= 0 (0 = the whole evaluation split), got {args.eval_docs}")
+    else:
+        eval_docs = args.eval_docs or None
+    manifest = presets.with_eval_docs(manifest, eval_docs)
+    cap = resolve_budget(args)[0]["eval_windows"] or longctx.WINDOW_CAP
+    unmatched = sorted({n for n, c in manifest.cells if c.run.position_average and not c.matched_average})
+    scored = sorted({c.eval_corpus or c.run.corpus for _, c in manifest.cells})
+    devs = longctx.deviations(calib_corpus=args.corpus, eval_corpora=scored, max_documents=eval_docs, cap=cap,
+                              lengths=lengths, unmatched_phi_star=unmatched)
+    print(f"long-context protocol (App. A.4): calibrate on {args.corpus}; evaluate on {', '.join(scored)}; "
+          f"stream = {'the whole evaluation split' if eval_docs is None else f'the first {eval_docs} documents'}; "
+          f"windows per L = min({cap}, N // L)", flush=True)
+    print("deviations from A.4: " + ("; ".join(devs) if devs else "none"), flush=True)
+    return manifest
 
 
 # ----------------------------------------------------------------------------- lm-eval

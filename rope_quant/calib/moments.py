@@ -343,6 +343,14 @@ class PairMoments:
             parts.append((total, s))
         return spec, parts
 
+    def per_head(self, stream: str) -> PairCov:
+        """Unpooled per-head covariance of one stream (merge-stable moments / n), shapes (n_layers, H, K)."""
+        st = check_stream(stream)
+        _check_nonempty(self._n[st], f"stream {st!r}")
+        n = self._n[st][:, None, None].astype(np.float64)
+        acc = self._acc[st]
+        return PairCov(acc["m2_aa"] / n, acc["m2_bb"] / n, acc["m2_ab"] / n)
+
     def pooled(self, rule: str = "rows") -> PairCov:
         """Pooled per-pair covariance (divide by n) with the merge-stable moments.
 
@@ -558,6 +566,10 @@ class CalibrationStats:
     def raw_moments(self, stream: str) -> dict[str, np.ndarray]:
         """The raw-moment sums of a stream: n (L,), sum_a, sum_b, sum_aa, sum_bb, sum_ab (L, H, K)."""
         return self.moments.raw_moments(stream)
+
+    def per_head(self, stream: str) -> PairCov:
+        """Unpooled per-head covariance of one stream (see :meth:`PairMoments.per_head`)."""
+        return self.moments.per_head(stream)
 
     def pooled(self, rule: str = "rows") -> PairCov:
         """Pooled per-pair covariance under ``rule`` (see :meth:`PairMoments.pooled`)."""

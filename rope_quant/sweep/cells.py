@@ -57,6 +57,26 @@ def _ppl_entry(value: Any) -> dict[str, Any]:
     return entry
 
 
+def _long_context_stream(cfg: LongContextConfig, run_cfg: Any, qm: Any) -> tuple[Any, Any]:
+    """The token stream a long-context cell scores and its :class:`~rope_quant.experiment.longctx.EvalStream`:
+    the first ``cfg.eval_docs`` evaluation documents of ``cfg.eval_corpus`` (else the calibration corpus), or
+    the whole evaluation split when ``eval_docs`` is None (older cells)."""
+    from rope_quant.experiment import longctx
+
+    corpus = cfg.eval_corpus or run_cfg.corpus
+    if cfg.eval_docs is not None:
+        stream = longctx.eval_stream(corpus, qm.tokenizer, cfg.eval_docs)
+        return stream.ids, stream
+    if corpus == run_cfg.corpus:
+        ids, docs = qm.corpus.eval_ids, qm.corpus.eval_docs
+    else:
+        from rope_quant.experiment.data import load_corpus
+
+        loaded = load_corpus(corpus, qm.tokenizer)
+        ids, docs = loaded.eval_ids, loaded.eval_docs
+    return ids, longctx.EvalStream(corpus, ids, tuple(docs), len(docs), None)
+
+
 def pipeline_cell_fn(
     cache_dir: str | os.PathLike[str] | None = None, artifacts: str | os.PathLike[str] | None = None,
     progress: bool = False, *, models: ModelCache | None = None,
@@ -132,11 +152,7 @@ def pipeline_cell_fn(
             return {**pipeline.run_cell(run_cfg, qm=qm, progress=progress), "model_reused": reused}
         from rope_quant.experiment import evaluate
 
-        eval_ids = qm.corpus.eval_ids
-        if cfg.eval_corpus is not None and cfg.eval_corpus != run_cfg.corpus:
-            from rope_quant.experiment.data import load_corpus
-
-            eval_ids = load_corpus(cfg.eval_corpus, qm.tokenizer).eval_ids
+        eval_ids, protocol = _long_context_stream(cfg, run_cfg, qm)
         diag = qm.attach_diagnostics()
         start = time.perf_counter()
         max_windows = run_cfg.eval_windows or evaluate.LONG_CONTEXT_MAX_WINDOWS
@@ -156,7 +172,16 @@ def pipeline_cell_fn(
                                             device=run_cfg.device, progress=progress)
         finally:
             qm.detach_diagnostics()
-        return {"lengths": {str(k): _ppl_entry(v) for k, v in res.items()}, **diag.summary(),
+        from rope_quant.experiment.longctx import protocol_record
+
+        lengths = {str(k): _ppl_entry(v) for k, v in res.items()}
+        if cfg.matched_average:
+            for entry in lengths.values():
+                entry.setdefault("average_length", int(entry.get("seqlen") or entry.get("length")))
+        return {"lengths": lengths, **diag.summary(),
+                "protocol": {**protocol_record(protocol, cfg.lengths, max_windows, run_cfg.corpus),
+                             "matched_average": cfg.matched_average, "estimator": run_cfg.estimator.value,
+                             "angle": run_cfg.angle.value},
                 "timing": {**qm.timing, "eval_s": time.perf_counter() - start}, "model_reused": reused}
 
     return run

@@ -128,12 +128,15 @@ class LongContextConfig(_WrapsRun):
     (φ* cells, ``run.angle == phi_star``) re-estimates φ* for every evaluated L with averaging length L.
     ``eval_corpus``: the corpus scored at long context when it differs from the calibration corpus
     ``run.corpus`` (App. A.4: calibrate on one corpus, evaluate on others); None scores ``run.corpus``.
+    ``eval_docs``: the stream is the first ``eval_docs`` documents of the evaluation split, concatenated
+    (A.4: 64; :mod:`rope_quant.experiment.longctx`); None scores the whole evaluation split (older cells).
     """
 
     run: Any
     lengths: tuple[int, ...]
     matched_average: bool = False
     eval_corpus: str | None = None
+    eval_docs: int | None = None
 
     def __post_init__(self) -> None:
         lengths = tuple(int(v) for v in self.lengths)
@@ -142,6 +145,9 @@ class LongContextConfig(_WrapsRun):
         object.__setattr__(self, "lengths", lengths)
         if self.matched_average and not getattr(self.run, "position_average", False):
             raise SweepError("matched_average re-estimates φ* per length: the run needs angle='phi_star'")
+        if self.eval_docs is not None and (isinstance(self.eval_docs, bool) or not isinstance(self.eval_docs, int)
+                                           or self.eval_docs < 1):
+            raise SweepError(f"eval_docs must be None or a positive integer, got {self.eval_docs!r}")
 
     def key(self) -> str:
         extra: dict[str, Any] = {"lengths": list(self.lengths)}
@@ -149,6 +155,8 @@ class LongContextConfig(_WrapsRun):
             extra["matched_average"] = True
         if self.eval_corpus is not None:
             extra["eval_corpus"] = self.eval_corpus
+        if self.eval_docs is not None:
+            extra["eval_docs"] = self.eval_docs
         return self._hash(extra)
 
     def to_dict(self) -> dict[str, Any]:
@@ -157,6 +165,8 @@ class LongContextConfig(_WrapsRun):
             out["matched_average"] = True
         if self.eval_corpus is not None:
             out["eval_corpus"] = self.eval_corpus
+        if self.eval_docs is not None:
+            out["eval_docs"] = self.eval_docs
         return out
 
 
@@ -217,7 +227,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Any:
     if "run" in data and "lengths" in data:
         return LongContextConfig(config.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),
                                  matched_average=bool(data.get("matched_average", False)),
-                                 eval_corpus=data.get("eval_corpus"))
+                                 eval_corpus=data.get("eval_corpus"), eval_docs=data.get("eval_docs"))
     return config.RunConfig.from_dict(dict(data))
 
 

@@ -6,6 +6,7 @@ Each function turns a base ``RunConfig`` and the command's options into a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,10 +59,14 @@ def estimators_manifest(base: Any, estimators: Sequence[str], seeds: Sequence[in
 def long_context_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], lengths: Sequence[int],
                           comparator: str = "hadamard", eval_corpus: str | None = None) -> Manifest:
     """Long-context crossover: each (seed, R3 name) evaluated at every length (on ``eval_corpus`` if given,
-    calibrated on ``base.corpus``)."""
-    cells = [(name, LongContextConfig(with_overrides(base, seed=int(s), r3=name), tuple(lengths),
-                                      eval_corpus=eval_corpus))
-             for s in seeds for name in configs]
+    calibrated on ``base.corpus``). A φ* config (``base.angle == phi_star``) re-estimates φ* with its
+    averaging length matched to each L (A.4), whatever the estimator."""
+    cells = []
+    for s in seeds:
+        for name in configs:
+            run = with_overrides(base, seed=int(s), r3=name)
+            cells.append((name, LongContextConfig(run, tuple(lengths), matched_average=matches_length(run),
+                                                  eval_corpus=eval_corpus)))
     if not cells:
         raise SweepError("no configs or seeds given")
     return Manifest(cells=cells, kind="long-context", comparator=comparator,
@@ -163,3 +168,79 @@ def corpus_tag(corpus: str) -> str:
     from pathlib import PurePath
 
     return re.sub(r"[^A-Za-z0-9_.=-]", "_", PurePath(corpus).name or corpus) or "corpus"
+
+
+# ----------------------------------------------------------------------------- the A.4 protocol (issue 12 §6)
+
+
+def matches_length(run: Any) -> bool:
+    """A long-context cell of ``run`` re-estimates φ* at averaging length L: φ* angles that R3 uses."""
+    from rope_quant.core import transforms
+
+    try:
+        uses = transforms.needs_angles(run.r3)
+    except transforms.TransformError:
+        return False
+    return bool(getattr(run, "position_average", False)) and uses and getattr(run, "average_length", None) is None
+
+
+def phi_star_matched_cells(base: Any, seeds: Sequence[int], lengths: Sequence[int], estimators: Sequence[str],
+                           transform: str = "pairwise_only") -> tuple[list[tuple[str, Any]], dict[str, Any]]:
+    """φ* (variance objective) under each estimator with its averaging length matched to every L:
+    cells ``<transform>-phi_star_<estimator>`` and their meta."""
+    cells: list[tuple[str, Any]] = []
+    meta: dict[str, Any] = {}
+    for est in estimators:
+        name = f"{transform}-phi_star_{est}"
+        meta[name] = {"r3": transform, "estimator": est, "angle": "phi_star", "average_length": "L",
+                      "lengths": list(lengths)}
+        for seed in seeds:
+            run = with_overrides(base, seed=int(seed), r3=transform, estimator=est, objective="variance",
+                                 angle="phi_star", average_length=None)
+            cells.append((name, LongContextConfig(run, tuple(lengths), matched_average=True)))
+    return cells, meta
+
+
+def add_cells(manifest: Manifest, cells: Sequence[tuple[str, Any]], meta: dict[str, Any]) -> Manifest:
+    """``manifest`` with ``cells`` appended (their names join the Holm family)."""
+    names = list(dict.fromkeys(n for n, _ in cells))
+    family = None if manifest.family is None else [*manifest.family, *[n for n in names
+                                                                       if n not in manifest.family]]
+    return dataclasses.replace(manifest, cells=[*manifest.cells, *cells], family=family,
+                               meta={**(manifest.meta or {}), **meta})
+
+
+def with_eval_docs(manifest: Manifest, eval_docs: int | None) -> Manifest:
+    """Every long-context cell scores the first ``eval_docs`` evaluation documents (None: the whole split)."""
+    cells = [(n, dataclasses.replace(c, eval_docs=eval_docs) if isinstance(c, LongContextConfig) else c)
+             for n, c in manifest.cells]
+    return dataclasses.replace(manifest, cells=cells)
+
+
+def per_corpus(manifest: Manifest, corpora: Sequence[str]) -> Manifest:
+    """A long-context manifest scored on each of ``corpora``: cell ``<name>+<corpus>`` evaluates ``<name>`` on
+    that corpus (calibration unchanged) and is paired against ``<comparator>+<corpus>``; the Holm family
+    holds every (config, corpus)."""
+    if not corpora:
+        raise SweepError("per_corpus needs at least one evaluation corpus")
+    comp = manifest.comparator
+    meta_in = manifest.meta or {}
+    cells: list[tuple[str, Any]] = []
+    meta: dict[str, Any] = {}
+    family: list[str] = []
+    for corpus in corpora:
+        tag = corpus_tag(corpus)
+        for name, cfg in manifest.cells:
+            if not isinstance(cfg, LongContextConfig):
+                raise SweepError(f"per_corpus expands long-context cells only, got {type(cfg).__name__} ({name})")
+            cells.append((f"{name}+{tag}", dataclasses.replace(cfg, eval_corpus=corpus)))
+        for name in dict.fromkeys(n for n, _ in manifest.cells):
+            entry = {**meta_in.get(name, {}), "eval_corpus": corpus}
+            if name != comp:
+                entry["control"] = f"{comp}+{tag}"
+            meta[f"{name}+{tag}"] = entry
+        base_family = manifest.family if manifest.family is not None else [
+            n for n in dict.fromkeys(n for n, _ in manifest.cells) if n != comp]
+        family += [f"{n}+{tag}" for n in base_family]
+    return Manifest(cells=cells, kind=manifest.kind, comparator=f"{comp}+{corpus_tag(corpora[0])}",
+                    family=family, meta=meta)

@@ -783,7 +783,11 @@ def write_report(
     summary = summarize(root, comparator=comparator, family=family, level=level, margins=margins,
                         alpha=alpha, write=True)
     tables = build_tables(summary)
-    files: list[Path] = [root / "summary.json"]
+    from rope_quant.sweep.protocol_report import extra_report  # the A.4 protocol and Table A (issue 12)
+
+    extra_tables, extra_files = extra_report(root, figures=figures)
+    tables += extra_tables
+    files: list[Path] = [root / "summary.json", *extra_files]
     for table in tables:
         files.append(atomic_write_text(root / "tables" / f"{table.name}.csv", table.csv()))
         files.append(atomic_write_text(root / "tables" / f"{table.name}.md", table.markdown()))

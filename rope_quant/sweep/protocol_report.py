@@ -1,0 +1,145 @@
+"""Report parts that read the cell records and artefacts directly: the long-context protocol table (App. A.4,
+App. C) and the intra-band statistics (App. A, Table A).
+
+- ``tables/long-context-protocol.{csv,md}``: per long-context config and seed, the calibration and evaluation
+  corpora, N (stream tokens), the documents concatenated, the window cap, and the windows and scored tokens
+  at every L, as each cell recorded them (``result["protocol"]``);
+- ``tables/intraband.csv`` (σ1, σ2, ρ per scope, layer, head and pair), ``tables/intraband-rho.{csv,md}`` (the
+  head-resolved ρ quantiles) and ``figures/intraband_rho.png`` (|ρ| against the pair index), from the
+  calibration statistics a cell saved under ``artifacts/<key>/stats.npz`` (the first in manifest order; a
+  seed's R3 variants share one set of statistics).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+from rope_quant.io import atomic_write_text
+from rope_quant.sweep.figures import pyplot, save_png
+from rope_quant.sweep.manifest import read_manifest
+from rope_quant.sweep.records import complete_records
+from rope_quant.sweep.report import Table
+
+INTRABAND_ROWS = "intraband"
+INTRABAND_RHO = "intraband-rho"
+PROTOCOL = "long-context-protocol"
+
+
+def find_stats(root: Path) -> tuple[Path, str] | None:
+    """The first ``artifacts/<key>/stats.npz`` of the manifest's cells and a label ``name seed s``."""
+    from rope_quant.sweep.cells import ARTIFACTS_DIR
+
+    for entry in read_manifest(root)["cells"]:
+        path = root / ARTIFACTS_DIR / entry["key"] / "stats.npz"
+        if path.is_file():
+            return path, f"{entry['name']} seed {entry['seed']}"
+    return None
+
+
+def protocol_table(root: Path) -> Table | None:
+    """The long-context protocol of every complete long-context cell that recorded one."""
+    rows, md_rows = [], []
+    lengths: list[str] = []
+    recs = [r for r in complete_records(root) if isinstance(r.get("result", {}).get("protocol"), dict)]
+    for rec in recs:
+        for L in rec["result"]["protocol"].get("windows", {}):
+            if L not in lengths:
+                lengths.append(L)
+    lengths.sort(key=int)
+    for rec in recs:
+        p = rec["result"]["protocol"]
+        row = {"config": rec["name"], "seed": rec["seed"], "calib_corpus": p.get("calib_corpus"),
+               "eval_corpus": p.get("eval_corpus"), "n_stream_tokens": p.get("n_stream_tokens"),
+               "n_documents": p.get("n_documents"), "split_documents": p.get("split_documents"),
+               "window_cap": p.get("window_cap"), "matched_average": p.get("matched_average")}
+        for L in lengths:
+            row[f"windows_{L}"] = p.get("windows", {}).get(L)
+            row[f"tokens_{L}"] = p.get("scored_tokens", {}).get(L)
+        rows.append(row)
+        md_rows.append({"config": row["config"], "seed": str(row["seed"]), "calib → eval":
+                        f"{row['calib_corpus']} → {row['eval_corpus']}", "N": str(row["n_stream_tokens"]),
+                        "docs": f"{row['n_documents']}/{row['split_documents']}", "cap": str(row["window_cap"]),
+                        "windows per L": "/".join(str(row[f"windows_{L}"]) for L in lengths),
+                        "scored tokens per L": "/".join(str(row[f"tokens_{L}"]) for L in lengths)})
+    if not rows:
+        return None
+    columns = ["config", "seed", "calib_corpus", "eval_corpus", "n_stream_tokens", "n_documents",
+               "split_documents", "window_cap", "matched_average",
+               *[f"{k}_{L}" for L in lengths for k in ("windows", "tokens")]]
+    return Table(PROTOCOL, "Long-context protocol (App. A.4): stream and windows per length", columns, rows,
+                 ["config", "seed", "calib → eval", "N", "docs", "cap", "windows per L", "scored tokens per L"],
+                 md_rows, notes=[f"L = {', '.join(lengths)}; windows = min(cap, ⌊N/L⌋), scored tokens = "
+                                 "windows × (L − 1); docs = documents concatenated / documents in the evaluation "
+                                 "split (A.4: the first 64)."])
+
+
+def intraband_table(stats: Any, label: str) -> Table:
+    """The head-resolved ρ quantiles (Table A) of one set of calibration statistics."""
+    from rope_quant.calib import intraband
+
+    rows = intraband.rho_quantiles(stats)
+    columns = list(rows[0])
+    md_cols = ["scope", "n", "rho_q05", "rho_q25", "rho_q50", "rho_q75", "rho_q95", "abs_rho_q50", "abs_rho_q95",
+               "frac_abs_rho_gt_0.1", "frac_abs_rho_gt_0.3", "sigma_ratio_median"]
+    return Table(INTRABAND_RHO, f"Intra-band correlation ρ of the RoPE pairs (App. A, Table A), {label}", columns,
+                 rows, md_cols, notes=[
+                     "ρ = Σ12/(σ1σ2) of a frequency pair's two pre-RoPE channels over the calibration rows; "
+                     "quantiles over every layer, head and pair of the scope. q / k: per Q / KV head; pooled: the "
+                     "rows rule (per layer); pooled_kv_group: the per_head rule (a KV head and its GQA Q heads)."])
+
+
+def intraband_csv(stats: Any) -> str:
+    """σ1, σ2, ρ per scope, layer, head and pair as CSV text."""
+    from rope_quant.calib import intraband
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(intraband.ROW_COLUMNS), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(intraband.intraband_rows(stats))
+    return buf.getvalue()
+
+
+def plot_abs_rho(stats: Any, path: Path, label: str = "") -> Path:
+    """|ρ| against the pair index k (median over layers and heads, 10–90% band), one line per scope."""
+    import numpy as np
+
+    from rope_quant.calib import intraband
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for scope in intraband.SCOPES:
+        med, lo, hi = intraband.abs_rho_by_pair(stats, scope)
+        ks = np.arange(med.size)
+        (line,) = ax.plot(ks, med, marker=".", label=scope)
+        ax.fill_between(ks, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+    ax.set_xlabel("frequency pair index k (0 = highest frequency)")
+    ax.set_ylabel("|ρ| (median over layers, heads; 10–90%)")
+    ax.set_ylim(0, 1)
+    if label:
+        ax.set_title(f"intra-band |ρ|, {label}", fontsize=9)
+    ax.legend(fontsize=8)
+    out = save_png(fig, path)
+    plt.close(fig)
+    return out
+
+
+def extra_report(root: Path, figures: bool = True) -> tuple[list[Table], list[Path]]:
+    """The protocol and intra-band tables (and the |ρ| figure) of ``root``, and the extra files written."""
+    from rope_quant.calib.moments import CalibrationStats
+
+    tables: list[Table] = []
+    files: list[Path] = []
+    proto = protocol_table(root)
+    if proto is not None:
+        tables.append(proto)
+    found = find_stats(root)
+    if found is not None:
+        stats = CalibrationStats.load(found[0])
+        tables.append(intraband_table(stats, found[1]))
+        files.append(atomic_write_text(root / "tables" / f"{INTRABAND_ROWS}.csv", intraband_csv(stats)))
+        if figures:
+            files.append(plot_abs_rho(stats, root / "figures" / "intraband_rho.png", found[1]))
+    return tables, files
