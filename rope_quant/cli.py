@@ -744,7 +744,7 @@ def _long_context_protocol(args: argparse.Namespace, manifest: Any, seeds: Seque
     manifest = presets.with_eval_docs(manifest, eval_docs)
     cap = resolve_budget(args)[0]["eval_windows"] or longctx.WINDOW_CAP
     unmatched = sorted({n for n, c in manifest.cells if c.run.position_average and not c.matched_average})
-    scored = sorted({c.eval_corpus or c.run.corpus for _, c in manifest.cells})
+    scored = list(dict.fromkeys(c.eval_corpus or c.run.corpus for _, c in manifest.cells))
     devs = longctx.deviations(calib_corpus=args.corpus, eval_corpora=scored, max_documents=eval_docs, cap=cap,
                               lengths=lengths, unmatched_phi_star=unmatched)
     print(f"long-context protocol (App. A.4): calibrate on {args.corpus}; evaluate on {', '.join(scored)}; "

@@ -172,16 +172,20 @@ def pipeline_cell_fn(
                                             device=run_cfg.device, progress=progress)
         finally:
             qm.detach_diagnostics()
-        from rope_quant.experiment.longctx import protocol_record
+        from rope_quant.experiment.longctx import deviations, protocol_record
 
         lengths = {str(k): _ppl_entry(v) for k, v in res.items()}
         if cfg.matched_average:
             for entry in lengths.values():
                 entry.setdefault("average_length", int(entry.get("seqlen") or entry.get("length")))
+        unmatched = [] if cfg.matched_average or not run_cfg.position_average else ["this cell"]
+        devs = deviations(calib_corpus=run_cfg.corpus, eval_corpora=(protocol.corpus,),
+                          max_documents=cfg.eval_docs, cap=max_windows, lengths=cfg.lengths,
+                          unmatched_phi_star=unmatched, count_corpora=False)
         return {"lengths": lengths, **diag.summary(),
                 "protocol": {**protocol_record(protocol, cfg.lengths, max_windows, run_cfg.corpus),
                              "matched_average": cfg.matched_average, "estimator": run_cfg.estimator.value,
-                             "angle": run_cfg.angle.value},
+                             "angle": run_cfg.angle.value, "deviations": devs},
                 "timing": {**qm.timing, "eval_s": time.perf_counter() - start}, "model_reused": reused}
 
     return run

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import io
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ def find_stats(root: Path) -> tuple[Path, str] | None:
 
 
 def protocol_table(root: Path) -> Table | None:
-    """The long-context protocol of every complete long-context cell that recorded one."""
+    """The long-context protocol of every complete long-context cell that recorded one (Markdown: one line per
+    distinct protocol)."""
     rows, md_rows = [], []
     lengths: list[str] = []
     recs = [r for r in complete_records(root) if isinstance(r.get("result", {}).get("protocol"), dict)]
@@ -59,21 +61,28 @@ def protocol_table(root: Path) -> Table | None:
             row[f"windows_{L}"] = p.get("windows", {}).get(L)
             row[f"tokens_{L}"] = p.get("scored_tokens", {}).get(L)
         rows.append(row)
-        md_rows.append({"config": row["config"], "seed": str(row["seed"]), "calib → eval":
-                        f"{row['calib_corpus']} → {row['eval_corpus']}", "N": str(row["n_stream_tokens"]),
-                        "docs": f"{row['n_documents']}/{row['split_documents']}", "cap": str(row["window_cap"]),
-                        "windows per L": "/".join(str(row[f"windows_{L}"]) for L in lengths),
-                        "scored tokens per L": "/".join(str(row[f"tokens_{L}"]) for L in lengths)})
+        shown = {"calib → eval": f"{row['calib_corpus']} → {row['eval_corpus']}", "N": str(row["n_stream_tokens"]),
+                 "docs": f"{row['n_documents']}/{row['split_documents']}", "cap": str(row["window_cap"]),
+                 "windows per L": "/".join(str(row[f"windows_{L}"]) for L in lengths),
+                 "scored tokens per L": "/".join(str(row[f"tokens_{L}"]) for L in lengths)}
+        same = next((r for r in md_rows if all(r[k] == v for k, v in shown.items())), None)
+        if same is None:
+            md_rows.append({**shown, "cells": 1})
+        else:
+            same["cells"] += 1
     if not rows:
         return None
+    for r in md_rows:
+        r["cells"] = str(r["cells"])
     columns = ["config", "seed", "calib_corpus", "eval_corpus", "n_stream_tokens", "n_documents",
                "split_documents", "window_cap", "matched_average",
                *[f"{k}_{L}" for L in lengths for k in ("windows", "tokens")]]
     return Table(PROTOCOL, "Long-context protocol (App. A.4): stream and windows per length", columns, rows,
-                 ["config", "seed", "calib → eval", "N", "docs", "cap", "windows per L", "scored tokens per L"],
+                 ["calib → eval", "N", "docs", "cap", "windows per L", "scored tokens per L", "cells"],
                  md_rows, notes=[f"L = {', '.join(lengths)}; windows = min(cap, ⌊N/L⌋), scored tokens = "
                                  "windows × (L − 1); docs = documents concatenated / documents in the evaluation "
-                                 "split (A.4: the first 64)."])
+                                 "split (A.4: the first 64); one line per distinct protocol (the CSV: one row per "
+                                 "cell)."])
 
 
 def intraband_table(stats: Any, label: str) -> Table:
@@ -128,6 +137,7 @@ def plot_abs_rho(stats: Any, path: Path, label: str = "") -> Path:
 
 def extra_report(root: Path, figures: bool = True) -> tuple[list[Table], list[Path]]:
     """The protocol and intra-band tables (and the |ρ| figure) of ``root``, and the extra files written."""
+    from rope_quant.calib.errors import CalibrationError
     from rope_quant.calib.moments import CalibrationStats
 
     tables: list[Table] = []
@@ -136,8 +146,13 @@ def extra_report(root: Path, figures: bool = True) -> tuple[list[Table], list[Pa
     if proto is not None:
         tables.append(proto)
     found = find_stats(root)
+    stats = None
     if found is not None:
-        stats = CalibrationStats.load(found[0])
+        try:
+            stats = CalibrationStats.load(found[0])
+        except CalibrationError as exc:  # a damaged artefact costs the intra-band table, not the report
+            warnings.warn(f"no intra-band statistics: {exc}", stacklevel=2)
+    if stats is not None and found is not None:
         tables.append(intraband_table(stats, found[1]))
         files.append(atomic_write_text(root / "tables" / f"{INTRABAND_ROWS}.csv", intraband_csv(stats)))
         if figures:
