@@ -225,7 +225,7 @@ def test_support_estimators_long_context(tmp_path: Path, capsys, fake: FakeCell)
 
     out = tmp_path / "lc"
     assert cli.main(["long-context", "--out", str(out), "--seeds", "0,1", "--lengths", "256,512,1024",
-                     "--quiet"], cell_fn=fake) == 0
+                     "--eval-corpora", "pydoc", "--quiet"], cell_fn=fake) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["long_context"]["lengths"] == [256, 512, 1024]
     gap = summary["long_context"]["paired"]["256"]["pairwise_only"]["mean"]
@@ -276,11 +276,17 @@ def test_real_run_compare_and_verify(tmp_path: Path, capsys, embedded_model) -> 
 
     tiny_lc = [a if a != "2" else "1" for a in TINY]  # one window per length
     code = cli.main(["long-context", "--out", str(out / "lc"), "--seeds", "0", "--configs", "hadamard",
-                     "--lengths", "64,128", "--no-figures", "--cache-dir", str(out / "cache"), *tiny_lc], models=models)
+                     "--lengths", "64,128", "--eval-corpora", "shakespeare", "--no-figures", "--cache-dir",
+                     str(out / "cache"), *tiny_lc], models=models)
     assert code == 0, capsys.readouterr()
     lc = json.loads((out / "lc" / "summary.json").read_text())["long_context"]
     assert lc["lengths"] == [64, 128]
     assert all(1.0 < v[0] < 1e4 for v in lc["configs"]["hadamard"].values())
+    proto = json.loads(next((out / "lc" / "cells" / "hadamard").glob("seed0-*.json")).read_text())["result"][
+        "protocol"]  # App. A.4: both corpora, the first 64 documents (all 8 plays), min(cap, N // L) windows
+    assert (proto["calib_corpus"], proto["eval_corpus"], proto["n_documents"]) == ("pydoc", "shakespeare", 8)
+    assert proto["windows"] == {"64": 1, "128": 1} and proto["scored_tokens"] == {"64": 63, "128": 127}
+    assert proto["n_stream_tokens"] > 200_000
 
     code = cli.main(["run", "--config", "pairwise_only", "--phi-star", "--name", "pairwise_phi_star",
                      "--out", str(out), *TINY], models=models)

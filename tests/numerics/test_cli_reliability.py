@@ -214,7 +214,8 @@ def test_first_cell_error_printed_in_full(tmp_path: Path, capsys) -> None:
 
 def test_long_context_header_lists_seeds(tmp_path: Path, capsys) -> None:
     out = tmp_path / "lc"
-    assert cli.main(["long-context", "--out", str(out), "--seeds", "0,1", "--lengths", "256,512", *QUIET],
+    assert cli.main(["long-context", "--out", str(out), "--seeds", "0,1", "--lengths", "256,512", "--eval-corpora",
+                     "pydoc", *QUIET],
                     cell_fn=fake_cell([])) == 0
     header = (out / "summary.md").read_text().splitlines()[0]
     assert "4/4 cells, seeds 0, 1," in header and "–" not in header

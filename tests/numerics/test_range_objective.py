@@ -270,7 +270,7 @@ def test_cli_compare_beyond_preset(tmp_path: Path, capsys):
     calls.clear()
     lc = tmp_path / "lc"
     assert cli.main(["long-context", "--configs", "beyond", "--seeds", "0", "--lengths", "64,128",
-                     "--out", str(lc), "--no-figures"], cell_fn=fake) == 0
+                     "--eval-corpora", "shakespeare", "--out", str(lc), "--no-figures"], cell_fn=fake) == 0
     assert sum(isinstance(c, LongContextConfig) and c.matched_average for c in calls) == 1
     assert len(calls) == len(presets.BEYOND_LONG) + 2
 

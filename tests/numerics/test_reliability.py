@@ -194,7 +194,7 @@ def test_all_failed_long_context_cell_is_failed_not_complete(tmp_path, capsys):
 
     out = tmp_path / "lc"
     argv = ["long-context", "--out", str(out), "--seeds", "0", "--configs", "hadamard", "--lengths",
-            "10000000", "--quiet", "--no-figures"]
+            "10000000", "--eval-corpora", "pydoc", "--quiet", "--no-figures"]
     calls: list = []
 
     def all_fail(cfg):
