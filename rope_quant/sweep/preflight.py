@@ -94,6 +94,9 @@ def check_windows(corpus: Any, cells: Iterable[Any]) -> list[str]:
         if n_calib < seqlen:
             errors.append(f"the calibration stream has {n_calib} tokens, fewer than one window of seqlen={seqlen}")
         lengths = cfg.lengths if isinstance(cfg, LongContextConfig) else (seqlen,)
+        if isinstance(cfg, LongContextConfig) and (cfg.eval_docs is not None or cfg.eval_corpus not in (None,
+                                                                                                     run.corpus)):
+            lengths = ()  # scored on its own stream: check_eval_streams
         for length in lengths:
             fit = n_eval // length
             if fit == 0:
@@ -106,6 +109,41 @@ def check_windows(corpus: Any, cells: Iterable[Any]) -> list[str]:
     if errors:
         raise PreflightError(f"corpus {corpus.name} is too small for the requested windows:\n  "
                              + "\n  ".join(errors) + "\nlower --seqlen / --lengths or use a larger --corpus")
+    return list(dict.fromkeys(notes))
+
+
+def check_eval_streams(cells: Iterable[Any], tokenizer: Any) -> list[str]:
+    """Long-context cells scored on their own stream (App. A.4: another corpus, the first documents) find at
+    least one window of every length in it; returns notes on lengths that get fewer windows than the cap."""
+    from rope_quant.experiment import evaluate, longctx
+
+    errors: list[str] = []
+    notes: list[str] = []
+    streams: dict[tuple[str, int | None], int] = {}
+    for cfg in cells:
+        if not isinstance(cfg, LongContextConfig):
+            continue
+        run = run_of(cfg)
+        corpus = cfg.eval_corpus or run.corpus
+        if cfg.eval_docs is None and corpus == run.corpus:
+            continue
+        key = (corpus, cfg.eval_docs)
+        if key not in streams:
+            streams[key] = longctx.eval_stream(corpus, tokenizer, cfg.eval_docs).n_tokens
+        n = streams[key]
+        cap = run.budget.eval_windows or evaluate.LONG_CONTEXT_MAX_WINDOWS
+        docs = "the whole evaluation split" if cfg.eval_docs is None else f"the first {cfg.eval_docs} documents"
+        for length, fit in longctx.window_counts(n, cfg.lengths, cap).items():
+            if fit == 0:
+                errors.append(f"the long-context stream of {corpus} ({docs}) has {n} tokens, fewer than one "
+                              f"window of {length} tokens")
+            elif fit < cap:
+                notes.append(f"corpus {corpus}: {fit} of at most {cap} windows of {length} tokens fit in its "
+                             f"{n}-token long-context stream")
+    errors = list(dict.fromkeys(errors))
+    if errors:
+        raise PreflightError("long-context evaluation stream too short:\n  " + "\n  ".join(errors)
+                             + "\nlower --lengths or use a longer --eval-corpora")
     return list(dict.fromkeys(notes))
 
 
@@ -156,6 +194,7 @@ def preflight(manifest: Manifest, models: ModelCache, *, load: bool) -> list[str
                     corpora[corpus_name] = data.load_corpus(corpus_name, tokenizer)
                 notes += check_windows(corpora[corpus_name], [cfg for _, cfg in cells
                                                               if run_of(cfg).corpus == corpus_name])
+            notes += check_eval_streams([cfg for _, cfg in cells], tokenizer)
         except _input_errors() as exc:
             raise PreflightError(f"model {model}: {exc}") from exc
     return notes

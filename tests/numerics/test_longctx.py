@@ -248,3 +248,35 @@ def test_matched_cells_under_every_estimator_record_the_protocol(embedded_model,
             assert np.isfinite(res["lengths"]["256"]["ppl"])
     finally:
         models.clear()
+
+
+def test_preflight_checks_lengths_against_the_evaluation_stream(tmp_path: Path) -> None:
+    """The windows of a long-context cell are checked on the stream it scores (the other corpus's first
+    documents), not on the calibration corpus's evaluation split."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rope_quant.sweep.models import ModelCache
+    from rope_quant.sweep.preflight import PreflightError, preflight
+
+    calib = tmp_path / "small.txt"
+    calib.write_text("\n\n".join(["short calibration text. " * 40] * 5))  # eval side: ~1,000 characters
+    texts = _pg19(tmp_path / "pg19", 70)
+    n = len(data.SEPARATOR.join(texts[:64]))
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    models = ModelCache(lambda model, device: (LlamaForCausalLM(cfg).eval(), CharTokenizer()))
+    run = RunConfig.from_flat(corpus=str(calib), seqlen=32, calib_windows=1, eval_windows=24, r1="hadamard",
+                              r2="hadamard")
+    ok = presets.with_eval_docs(presets.long_context_manifest(run, ("hadamard",), (0,), (1024,),
+                                                              eval_corpus=str(tmp_path / "pg19")), 64)
+    notes = preflight(ok, models, load=True)  # 1024 > the calibration corpus's evaluation split: still fine
+    assert not any("pg19" in note for note in notes)
+    assert n // 8192 < 24
+    few = presets.with_eval_docs(presets.long_context_manifest(run, ("hadamard",), (0,), (8192,),
+                                                               eval_corpus=str(tmp_path / "pg19")), 64)
+    assert any(f"{n // 8192} of at most 24 windows of 8192 tokens" in note for note in preflight(few, models,
+                                                                                                   load=True))
+    bad = presets.with_eval_docs(presets.long_context_manifest(run, ("hadamard",), (0,), (4 * n,),
+                                                               eval_corpus=str(tmp_path / "pg19")), 64)
+    with pytest.raises(PreflightError, match=f"has {n} tokens, fewer than one window of {4 * n} tokens"):
+        preflight(bad, models, load=True)
