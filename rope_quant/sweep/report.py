@@ -785,7 +785,7 @@ def write_report(
     tables = build_tables(summary)
     from rope_quant.sweep.protocol_report import extra_report  # the A.4 protocol and Table A (issue 12)
 
-    extra_tables, extra_files = extra_report(root, figures=figures)
+    extra_tables, extra_files = extra_report(root, Table, figures=figures)
     tables += extra_tables
     files: list[Path] = [root / "summary.json", *extra_files]
     for table in tables:
