@@ -115,24 +115,28 @@ def intraband_csv(stats: Any) -> str:
 
 
 def plot_abs_rho(stats: Any, path: Path, label: str = "") -> Path:
-    """|ρ| against the pair index k (median over layers and heads, 10–90% band), one line per scope."""
+    """|ρ| against the pair index k (median over layers and heads, 10–90% band): the Q and K streams on the left,
+    the two poolings on the right."""
     import numpy as np
 
     from rope_quant.calib import intraband
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for scope in intraband.SCOPES:
-        med, lo, hi = intraband.abs_rho_by_pair(stats, scope)
-        ks = np.arange(med.size)
-        (line,) = ax.plot(ks, med, marker=".", label=scope)
-        ax.fill_between(ks, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
-    ax.set_xlabel("frequency pair index k (0 = highest frequency)")
-    ax.set_ylabel("|ρ| (median over layers, heads; 10–90%)")
-    ax.set_ylim(0, 1)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, scopes, title in zip(axes, (intraband.SCOPES[:2], intraband.SCOPES[2:]),
+                                 ("separately: per Q head, per KV head", "pooled: rows, per KV group"), strict=True):
+        for scope in scopes:
+            med, lo, hi = intraband.abs_rho_by_pair(stats, scope)
+            ks = np.arange(med.size)
+            (line,) = ax.plot(ks, med, marker=".", label=scope)
+            ax.fill_between(ks, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+        ax.set_xlabel("frequency pair index k (0 = highest frequency)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("|ρ|: median over layers, heads (band 10–90%)")
+    axes[0].set_ylim(0, 1)
     if label:
-        ax.set_title(f"intra-band |ρ|, {label}", fontsize=9)
-    ax.legend(fontsize=8)
+        fig.suptitle(f"intra-band |ρ| of the pre-RoPE pairs, {label}", fontsize=10)
     out = save_png(fig, path)
     plt.close(fig)
     return out
