@@ -87,10 +87,10 @@ class Experiment:
         if key not in self._cells:
             cfg = self.config(seed, **overrides)
             qm = build_quantized_model(cfg, cache_dir=self.cache_dir, base=self.base)
-            from rope_quant.experiment.data import load_corpus
+            from rope_quant.experiment.longctx import eval_stream
 
-            corpus = load_corpus(b.long_corpus, qm.tokenizer)
-            self._cells[key] = evaluate.long_context(qm.model, corpus.eval_ids, list(lengths),
+            stream = eval_stream(b.long_corpus, qm.tokenizer)  # A.4: the first 64 evaluation documents
+            self._cells[key] = evaluate.long_context(qm.model, stream.ids, list(lengths),
                                                      max_windows=b.long_windows)
         return self._cells[key]
 
