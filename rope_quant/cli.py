@@ -4,7 +4,8 @@ Subcommands::
 
     rope-quant run           one cell (one R3 config at one seed)
     rope-quant compare       the paper's main comparison (hadamard vs pairwise vs identity ...);
-                             ``--configs beyond``: per-head / range-objective / K-only φ* angles
+                             ``--configs beyond``: per-head / range-objective / K-only φ* angles;
+                             ``--configs lower-bits``: App. F (W4A3KV4, W3A3KV3 against W4A4KV4)
     rope-quant support       mixing support: block size b = 2 ... d_h (K range, relative error, gap)
     rope-quant estimators    rows / k_only / balanced (+ φ* with --phi-star)
     rope-quant long-context  perplexity gap against context length L (crossover)
@@ -270,9 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, seeds=False)
 
     p = sub.add_parser("compare", help="the main comparison over R3 configs and seeds")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="A,B,...|beyond",
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="A,B,...|beyond|lower-bits",
                    help=f"R3 configs (default {','.join(DEFAULT_CONFIGS)}); 'beyond': the preset of "
-                        "head-dependent, range-objective and K-only φ* angles against hadamard")
+                        "head-dependent, range-objective and K-only φ* angles against hadamard; 'lower-bits': "
+                        "App. F, hadamard, pairwise_plus_hadamard and pairwise_only at W4A4KV4, W4A3KV4 and "
+                        "W3A3KV3, each paired against hadamard at the same bits")
     _common(p)
     _sweep_options(p)
 
@@ -619,6 +622,14 @@ def cmd_compare(args: argparse.Namespace, cells: Cells) -> int:
     used += resolve_budget(args)[1]
     if args.configs.strip() == BEYOND:
         manifest = presets.beyond_manifest(base_config(args), seeds, comparator=args.comparator)
+        return _execute(args, cells, manifest, used)
+    if args.configs.strip() == presets.LOWER_BITS:
+        bits = [f"--{q}-bits {getattr(args, f'{q}_bits')}" for q in ("w", "a", "k", "v")
+                if getattr(args, f"{q}_bits") != 4]
+        if bits:
+            raise CLIError(f"--configs lower-bits sets each cell's bits itself (App. F: "
+                           f"{', '.join(presets.LOWER_BIT_SETTINGS)}): drop {', '.join(bits)}")
+        manifest = presets.lower_bits_manifest(base_config(args), seeds, comparator=args.comparator)
         return _execute(args, cells, manifest, used)
     configs = parse_configs(args.configs)
     if args.comparator not in configs:

@@ -152,15 +152,18 @@ def rq_options(pytestconfig: pytest.Config) -> RQOptions:
 def rq_claim(request: pytest.FixtureRequest):
     """Record one claim's outcome on the test report.
 
-    ``rq_claim(claim, expected, measured, holds, **numbers)``; the verdict column combines
-    ``holds`` with the test outcome (a claim recorded by an xfail test shows as not holding).
+    ``rq_claim(claim, expected, measured, holds, model=None, **numbers)``; the verdict column combines
+    ``holds`` with the test outcome (a claim recorded by an xfail test shows as not holding). ``model``: the
+    model the claim was measured on (the table's model column; default the embedded model).
     ``holds=None`` records a claim the test could not decide at its budget (its estimate lies within the
     measured cross-machine spread of the decision boundary): the verdict reads "inconclusive at this budget".
     """
 
-    def record(claim: str, expected: str, measured: str, holds: bool | None, **numbers: Any) -> None:
+    def record(claim: str, expected: str, measured: str, holds: bool | None, model: str | None = None,
+               **numbers: Any) -> None:
         request.node.user_properties.append(
-            (_CLAIMS_KEY, {"claim": claim, "expected": expected, "measured": measured,
+            (_CLAIMS_KEY, {"claim": claim, "model": model or EMBEDDED_MODEL, "expected": expected,
+                           "measured": measured,
                            "holds": None if holds is None else bool(holds), "numbers": _jsonable(numbers),
                            "test": request.node.nodeid})
         )
@@ -216,7 +219,7 @@ def verdict(claim: dict[str, Any]) -> str:
 
 def claims_markdown(claims: list[dict[str, Any]]) -> str:
     rows = [{**c, "verdict": verdict(c)} for c in claims]
-    return markdown_table(rows, ["claim", "expected", "measured", "verdict"])
+    return markdown_table(rows, ["claim", "model", "expected", "measured", "verdict"])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

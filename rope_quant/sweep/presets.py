@@ -170,6 +170,36 @@ def corpus_tag(corpus: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]", "_", PurePath(corpus).name or corpus) or "corpus"
 
 
+#: ``compare --configs lower-bits`` (App. F): the lower bit settings and the W4A4KV4 reference, as (W, A, K, V).
+LOWER_BITS = "lower-bits"
+LOWER_BIT_SETTINGS: dict[str, tuple[int, int, int, int]] = {
+    "W4A4KV4": (4, 4, 4, 4), "W4A3KV4": (4, 3, 4, 4), "W3A3KV3": (3, 3, 3, 3)}
+LOWER_BIT_CONFIGS = ("hadamard", "pairwise_plus_hadamard", "pairwise_only")
+
+
+def lower_bits_manifest(base: Any, seeds: Sequence[int], settings: Sequence[str] = tuple(LOWER_BIT_SETTINGS),
+                        configs: Sequence[str] = LOWER_BIT_CONFIGS, comparator: str = "hadamard") -> Manifest:
+    """App. F's tables: every R3 config at every bit setting (``<r3>+<setting>``), paired within seed against
+    the same setting's comparator (``meta[name]["control"]``). The R3 statistics and the GPTQ weights of a
+    seed are shared by the settings with the same weight bits."""
+    unknown = [s for s in settings if s not in LOWER_BIT_SETTINGS]
+    if unknown:
+        raise SweepError(f"unknown bit settings {unknown}: choose from {', '.join(LOWER_BIT_SETTINGS)}")
+    if comparator not in configs:
+        raise SweepError(f"the comparator {comparator!r} must be one of the configs {list(configs)}")
+    variants: dict[str, dict[str, Any]] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    for setting in settings:
+        w, a, k, v = LOWER_BIT_SETTINGS[setting]
+        for r3 in configs:
+            name = f"{r3}+{setting}"
+            variants[name] = {"r3": r3, "w_bits": w, "a_bits": a, "k_bits": k, "v_bits": v}
+            meta[name] = {"r3": r3, "bits": setting, "control": f"{comparator}+{setting}"}
+    first = f"{comparator}+{settings[0]}"
+    return build_manifest(base, variants, seeds, kind="lower-bits", comparator=first,
+                          family=[n for n in variants if not n.startswith(f"{comparator}+")], meta=meta)
+
+
 # ----------------------------------------------------------------------------- the A.4 protocol (issue 12 §6)
 
 

@@ -243,14 +243,19 @@ def summarize(
             "sd": _sd([ppl[name][s] for s in seeds]),
         }
 
+    meta = manifest.get("meta") or {}
+    # a config may name its own control (App. J: φ* against the branch-matched φ̂ of the same corpus; App. F:
+    # each bit setting's configs against that setting's hadamard)
+    control_of = {n: (meta.get(n) or {}).get("control", comparator) for n in name_order}
+    controls = set(control_of.values())
     paired: dict[str, Any] = {}
-    if comparator in ppl:
-        for name in configs:
-            if name == comparator:
-                continue
-            block = paired_block(ppl[name], ppl[comparator], comparator, level, margins)
-            if block is not None:
-                paired[name] = block
+    for name in configs:
+        ref = control_of[name]
+        if name in controls or name == ref or ref not in ppl:
+            continue
+        block = paired_block(ppl[name], ppl[ref], ref, level, margins)
+        if block is not None:
+            paired[name] = block
     equivalence = {name: block.pop("equivalence") for name, block in paired.items()}
     holm = holm_family(paired, family, alpha)
 
@@ -258,10 +263,6 @@ def summarize(
     if lengths:
         all_lengths = sorted({length for per in lengths.values() for length in per})
         lc_paired: dict[str, dict[str, Any]] = {}
-        meta = manifest.get("meta") or {}
-        # a config may name its own control (App. J: φ* against the branch-matched φ̂ of the same corpus)
-        control_of = {n: (meta.get(n) or {}).get("control", comparator) for n in name_order}
-        controls = set(control_of.values())
         for length in all_lengths:
             for name in name_order:
                 if name in controls or name not in lengths:
@@ -384,6 +385,11 @@ def _delta_ci(block: Mapping[str, Any] | None) -> str:
     return f"{block['mean']:+.3f} [{block['low']:+.3f}, {block['high']:+.3f}]"
 
 
+def _control_note(block: Mapping[str, Any], comparator: str) -> str:
+    """``"vs <control>: "`` where a config is paired against its own control instead of the comparator."""
+    return "" if block.get("comparator") == comparator else f"vs {block['comparator']}: "
+
+
 def multiseed_table(summary: Mapping[str, Any]) -> Table:
     """Per config: per-seed ppl, mean ± sd, Δ vs comparator with the paired CI, K diagnostics."""
     seeds = summary["seeds"]
@@ -391,15 +397,17 @@ def multiseed_table(summary: Mapping[str, Any]) -> Table:
     level = int(round(100 * summary.get("level", DEFAULT_LEVEL)))
     holm = summary["holm"]["results"]
     seed_cols = [f"seed {s}" for s in seeds]
-    columns = ["config", *seed_cols, "mean", "sd", "delta", "sd_delta", "ci_low", "ci_high", "n_pairs",
-               "k_range_mean", "k_rel_err"]
+    columns = ["config", *seed_cols, "mean", "sd", "control", "delta", "sd_delta", "ci_low", "ci_high",
+               "n_pairs", "k_range_mean", "k_rel_err"]
+    own = {(m or {}).get("control") for m in (summary.get("meta") or {}).values()} - {None}
     rows, md_rows = [], []
     for name, cfg in summary["configs"].items():
         per_seed = dict(zip(cfg["seeds"], cfg["ppl"], strict=True))
         block = summary["paired"].get(name)
         row = {"config": name, **{f"seed {s}": per_seed.get(s) for s in seeds},
                "mean": cfg["mean"], "sd": cfg["sd"],
-               "delta": block["mean"] if block else (0.0 if name == comp else None),
+               "control": block["comparator"] if block else None,
+            "delta": block["mean"] if block else (0.0 if name == comp else None),
                "sd_delta": block["sd"] if block else None,
                "ci_low": block["low"] if block else None, "ci_high": block["high"] if block else None,
                "n_pairs": block["n"] if block else None,
@@ -409,15 +417,18 @@ def multiseed_table(summary: Mapping[str, Any]) -> Table:
             "config": f"**{name}**" if name == comp else name,
             **{f"seed {s}": _fmt(per_seed.get(s)) for s in seeds},
             "mean ± sd": _mean_sd(cfg["mean"], cfg["sd"]),
-            f"Δ vs {comp} [{level}% CI]": ("(comparator)" if name == comp else
-                                           _delta_ci(block) + holm.get(name, {}).get("stars", "")),
+            f"Δ vs {comp} [{level}% CI]": (_control_note(block, comp) + _delta_ci(block)
+                                           + holm.get(name, {}).get("stars", "") if block else
+                                           "(comparator)" if name == comp else "(control)" if name in own
+                                           else "–"),
             "K range": _fmt(row["k_range_mean"]),
             "K rel. err": _fmt(row["k_rel_err"], 4),
         })
     md_cols = ["config", *seed_cols, "mean ± sd", f"Δ vs {comp} [{level}% CI]", "K range", "K rel. err"]
     return Table("multiseed", f"Perplexity per seed, paired against {comp}", columns, rows, md_cols, md_rows,
-                 notes=[f"Δ = ppl(config) − ppl({comp}) within seed; {level}% paired t interval; stars: "
-                        "Holm-corrected paired t test (* ≤ 0.05, ** < 0.01, *** < 0.001)."])
+                 notes=[f"Δ = ppl(config) − ppl({comp}) within seed (\"vs X\": against the config's own "
+                        f"control X); {level}% paired t interval; stars: Holm-corrected paired t test "
+                        "(* ≤ 0.05, ** < 0.01, *** < 0.001)."])
 
 
 def corrected_star_table(summary: Mapping[str, Any]) -> Table:
@@ -506,7 +517,8 @@ def lm_eval_table(summary: Mapping[str, Any]) -> Table | None:
                 block = lm["paired"].get(task, {}).get(metric, {}).get(name)
                 row = {"task": task, "metric": metric, "config": name,
                        **{f"seed {s}": per_seed.get(s) for s in seeds}, "mean": _mean(vals), "sd": _sd(vals),
-                       "delta": block["mean"] if block else (0.0 if name == comp else None),
+                       "control": block["comparator"] if block else None,
+            "delta": block["mean"] if block else (0.0 if name == comp else None),
                        "sd_delta": block["sd"] if block else None, "ci_low": block["low"] if block else None,
                        "ci_high": block["high"] if block else None, "n_pairs": block["n"] if block else None,
                        "p": block["p"] if block else None}

@@ -110,7 +110,25 @@ def e2e_budget(rq_options) -> E2EBudget:
 
 
 @pytest.fixture(scope="session")
-def experiment(embedded_model, tmp_path_factory, e2e_budget, rq_options) -> Experiment:
-    # ROPE_QUANT_E2E_CACHE keeps GPTQ weights and calibration statistics across sessions (keyed by content).
-    cache = os.environ.get("ROPE_QUANT_E2E_CACHE") or tmp_path_factory.mktemp("e2e-cache")
-    return Experiment(embedded_model, str(cache), e2e_budget, rq_options.corpus)
+def e2e_cache(tmp_path_factory) -> str:
+    """``ROPE_QUANT_E2E_CACHE`` (GPTQ weights and calibration statistics kept across sessions, keyed by
+    content), else a fresh session directory shared by every model of the session."""
+    return str(os.environ.get("ROPE_QUANT_E2E_CACHE") or tmp_path_factory.mktemp("e2e-cache"))
+
+
+def explicit_models(config: pytest.Config) -> tuple[str, ...]:
+    """The models named with ``--rq-model`` (empty when none was given)."""
+    return tuple(config.getoption("--rq-model") or ())
+
+
+@pytest.fixture(scope="session")
+def experiment(request, e2e_cache, e2e_budget, rq_options) -> Experiment:
+    """The embedded SmolLM2-135M under the paper's W4A4KV4 pipeline (test_claims.py). With ``--rq-model``
+    naming other models only, these Llama-pipeline claims skip: the model-generic claims
+    (test_cross_model.py) run on the named models."""
+    named = explicit_models(request.config)
+    if named and DEFAULT_MODEL not in {m.lower() for m in named}:
+        pytest.skip(f"--rq-model {', '.join(named)}: the W4A4KV4 pipeline claims run on {DEFAULT_MODEL} only; "
+                    "the named models run the model-generic claims (tests/e2e/test_cross_model.py)")
+    base = request.getfixturevalue("embedded_model")
+    return Experiment(base, e2e_cache, e2e_budget, rq_options.corpus)

@@ -54,7 +54,8 @@ def test_table1_pairwise_only_worse_than_hadamard(gpu_experiment, rq_claim) -> N
     ci = stats.paired_ci(pw, had) if len(had) > 1 else None
     holds = all(p > h for p, h in zip(pw, had, strict=True))
     rq_claim(f"Table 1 sign ({gpu_experiment.model})", "ppl(pairwise_only) > ppl(hadamard) every seed",
-             f"pw {pw} vs had {had}" + (f"; CI ({ci.low:+.3f}, {ci.high:+.3f})" if ci else ""), holds)
+             f"pw {pw} vs had {had}" + (f"; CI ({ci.low:+.3f}, {ci.high:+.3f})" if ci else ""), holds,
+             model=gpu_experiment.model)
     assert holds
 
 
@@ -67,5 +68,5 @@ def test_table1_pairwise_plus_hadamard_equivalent(gpu_experiment, rq_claim) -> N
     ci = stats.paired_ci(pph, had)
     holds = stats.equivalent(ci, PAPER_MARGIN)
     rq_claim(f"Table 1 TOST ({gpu_experiment.model})", f"90% CI within ±{PAPER_MARGIN}",
-             f"diff {ci.mean:+.4f} (CI {ci.low:+.4f}, {ci.high:+.4f}; n={ci.n})", holds)
+             f"diff {ci.mean:+.4f} (CI {ci.low:+.4f}, {ci.high:+.4f}; n={ci.n})", holds, model=gpu_experiment.model)
     assert holds
