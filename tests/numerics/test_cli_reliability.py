@@ -136,7 +136,8 @@ def test_corpus_too_small_names_the_numbers(tmp_path: Path, capsys, monkeypatch)
     assert not (tmp_path / "o" / "cells").exists()
     # long-context: a length beyond the evaluation stream
     code = cli.main(["long-context", "--out", str(tmp_path / "lc"), "--model", str(model), "--corpus",
-                     str(corpus), "--seeds", "0", "--seqlen", "16", "--lengths", "16,4096", *QUIET],
+                     str(corpus), "--eval-corpora", str(corpus), "--seeds", "0", "--seqlen", "16", "--lengths",
+                     "16,4096", *QUIET],
                     models=ModelCache(loader))
     err = capsys.readouterr().err
     assert code == 2 and "fewer than one window of 4096 tokens" in err
