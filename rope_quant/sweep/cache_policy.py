@@ -57,10 +57,15 @@ class CachePruner:
     freed: int = 0
     removed: list[Path] = field(default_factory=list)
 
+    @staticmethod
+    def _key(cfg: Any, key_of: str) -> str:
+        """``cfg``'s weight or statistics key (a long-context cell's are its run config's)."""
+        return getattr(cfg if hasattr(cfg, key_of) else cfg.run, key_of)()
+
     def _groups(self, key_of: str) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
         for i, (_, cfg) in enumerate(self.cells):
-            groups.setdefault(getattr(cfg, key_of)(), []).append(i)
+            groups.setdefault(self._key(cfg, key_of), []).append(i)
         return groups
 
     def after_cell(self, index: int) -> list[Path]:
@@ -68,7 +73,7 @@ class CachePruner:
         cfg = self.cells[index][1]
         removed: list[Path] = []
         for key_of, prefix, suffix in (("weight_key", "weights-", ".pt"), ("stats_key", "stats-", ".npz")):
-            key = getattr(cfg, key_of)()
+            key = self._key(cfg, key_of)
             if all(self.complete(i) for i in self._groups(key_of)[key]):
                 removed += self._remove(self.cache_dir.glob(f"{prefix}{key}-*{suffix}"))
         return removed

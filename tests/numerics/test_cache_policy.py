@@ -90,3 +90,19 @@ def test_compare_prunes_each_finished_seed_from_the_default_cache_only(tmp_path)
         assert cli.main([*argv, "--out", str(out), "--no-resume", *extra], cell_fn=fake) == 0
         assert all(f.exists() != pruned for f in files), extra
         assert (cache / "r1-whip-k-fp-d.pt").exists()
+
+
+@dataclass(frozen=True)
+class _LongContext:
+    """Like LongContextConfig: its own weight_key(), the statistics key only through ``run``."""
+
+    run: _Cfg
+
+    def weight_key(self) -> str:
+        return self.run.weight_key()
+
+
+def test_long_context_cells_prune_through_their_run_config(tmp_path):
+    cache = _cache(tmp_path)
+    pruner = CachePruner(cache, [("lc", _LongContext(_Cfg(1, "hadamard")))], lambda i: True)
+    assert sorted(p.name for p in pruner.after_cell(0)) == ["stats-s1-fp-data.npz", "weights-w1-fp.pt"]
