@@ -571,13 +571,18 @@ class CalibrationStats:
         out.ksample.copy_rng_state(self.ksample)
         return out
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the accumulators to a .npz file atomically (:func:`rope_quant.io.atomic_write_bytes`)."""
+    def save(self, path: str | os.PathLike, k_sample: bool = True) -> Path:
+        """Write the accumulators to a .npz file atomically (:func:`rope_quant.io.atomic_write_bytes`).
+
+        ``k_sample=False`` leaves the K sample out (it is most of the file; the file then loads as
+        statistics with ``sample_rows=0``, the moments and candidates unchanged).
+        """
         path = Path(path)
+        config = self.config() if k_sample else {**self.config(), "sample_rows": 0}
         arrays: dict[str, np.ndarray] = {
-            "meta": np.array(json.dumps({"version": _FORMAT_VERSION, **self.config()})),
+            "meta": np.array(json.dumps({"version": _FORMAT_VERSION, **config})),
             **self.topk_candidates.to_arrays(),
-            **self.ksample.to_arrays(),
+            **(self.ksample.to_arrays() if k_sample else {}),
             **self.moments.to_arrays(),
         }
         buf = io.BytesIO()

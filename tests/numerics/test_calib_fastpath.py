@@ -149,3 +149,21 @@ def test_huge_finite_inputs_whose_sums_overflow_are_accepted() -> None:
     with np.errstate(over="ignore", invalid="ignore"):
         stats.update(0, "k", x)
     assert stats.n_rows("k")[0] == 3
+
+
+def test_save_without_the_k_sample_keeps_moments_and_candidates(tmp_path):
+    """The artefact copy of the statistics (sweep/cells.py) leaves the K sample out, nothing else."""
+    stats = CalibrationStats(L, HQ, HK, D, topk=4, sample_rows=16)
+    for layer, st, x in _batches("plain", seed=3):
+        stats.update(layer, st, x)
+    full, slim = tmp_path / "full.npz", tmp_path / "slim.npz"
+    stats.save(full)
+    stats.save(slim, k_sample=False)
+    assert slim.stat().st_size < full.stat().st_size
+    back = CalibrationStats.load(slim)
+    assert back.sample_rows == 0
+    for key, value in stats.moments.to_arrays().items():
+        assert back.moments.to_arrays()[key].tobytes() == value.tobytes(), key
+    for layer in range(L):
+        assert stats.candidates(layer).tobytes() == back.candidates(layer).tobytes()
+    assert CalibrationStats.load(full).k_sample(0)[0].tobytes() == stats.k_sample(0)[0].tobytes()
