@@ -494,7 +494,7 @@ def _cache_pruner(args: argparse.Namespace, out: Path, manifest: Any) -> Any:
     from rope_quant.sweep import records, runner
     from rope_quant.sweep.cache_policy import CachePruner
 
-    if args.keep_cache or args.cache_dir:
+    if getattr(args, "keep_cache", False) or args.cache_dir:
         return None
 
     def complete(i: int) -> bool:
