@@ -252,6 +252,10 @@ def _sweep_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--comparator", default="hadamard", help="config every other one is paired against")
     g.add_argument("--no-figures", dest="figures", action="store_false", help="skip the PNG figures")
     g.add_argument("--quiet", action="store_true", help="do not print per-cell progress")
+    g.add_argument("--keep-cache", action="store_true",
+                   help="keep every seed's weights and statistics in the default cache DIR/cache (default: "
+                        "delete them once all cells using them are complete; an explicit --cache-dir is "
+                        "never pruned)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,6 +500,21 @@ def _pending(out: Path, manifest: Any, indices: Sequence[int], resume: bool) -> 
                                                                            cfg.key())]
 
 
+def _cache_pruner(args: argparse.Namespace, out: Path, manifest: Any) -> Any:
+    """The default cache's pruner (:mod:`rope_quant.sweep.cache_policy`), or None: --keep-cache or --cache-dir."""
+    from rope_quant.sweep import records, runner
+    from rope_quant.sweep.cache_policy import CachePruner
+
+    if getattr(args, "keep_cache", False) or args.cache_dir:
+        return None
+
+    def complete(i: int) -> bool:
+        name, cfg = manifest.cells[i]
+        return records.is_complete(records.cell_path(out, name, cfg), cfg.key())
+
+    return CachePruner(out / runner.CACHE_DIR, list(manifest.cells), complete)
+
+
 def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[str]) -> int:
     """Check the input, then run (or submit) a sweep's cells, then write and print the report."""
     from rope_quant.sweep import report, runner, slurm
@@ -539,10 +558,12 @@ def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[s
         print(f"submitted {len(jobs)} Slurm array tasks; when done run `rope-quant report {out}`")
         return 0
     start = time.perf_counter()
+    pruner = _cache_pruner(args, out, merged.manifest)
     result = runner.run_cells(merged.manifest, out, selected,
                               cell_fn=cells.function(args, out), resume=args.resume,
                               cache_dir=args.cache_dir, device=args.device,
-                              log=None if args.quiet else (lambda s: print(s, flush=True)))
+                              log=None if args.quiet else (lambda s: print(s, flush=True)),
+                              after_cell=None if pruner is None else pruner.after_cell)
     print(f"cells: {result.summary()}", flush=True)
     rep = report.write_report(out, comparator=args.comparator, figures=args.figures)
     print()
@@ -552,6 +573,11 @@ def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[s
     for path in rep["files"]:
         if str(path).endswith(".png"):
             print(f"figure: {path}")
+    if cells.cell_fn is None:
+        from rope_quant.sweep.cache_policy import policy_lines
+
+        for line in policy_lines(Path(args.cache_dir) if args.cache_dir else out / runner.CACHE_DIR, pruner):
+            print(line)
     if result.failed:
         _print_first_error(out, merged.manifest, result.failed)
     return 1 if result.failed else 0

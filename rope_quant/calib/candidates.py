@@ -43,22 +43,37 @@ class TopKCandidates:
     def update(self, layer: int, stream: str, a: np.ndarray, b: np.ndarray) -> None:
         """Offer one batch of pair channels a, b of shape (N, H, K); a no-op unless ``stream`` is kept."""
         if self.topk and stream in self.streams:
-            self.push(layer, np.stack([a, b], axis=-1).reshape(-1, self.n_pairs, 2))  # rows = (token, head)
+            # rows = (token, head), as np.stack([a, b], -1).reshape(-1, K, 2) orders them, without the copy
+            self._push_ab(layer, a.reshape(-1, self.n_pairs), b.reshape(-1, self.n_pairs))
 
     def push(self, layer: int, new: np.ndarray) -> None:
         """Re-rank the union of kept and new rows (M, K, 2) by |a|+|b| per pair; keep the top k."""
+        self._push_ab(layer, new[..., 0], new[..., 1])
+
+    def _push_ab(self, layer: int, new_a: np.ndarray, new_b: np.ndarray) -> None:
+        """:meth:`push` with the new rows given as their a and b channels (M, K) each."""
+        if new_a.shape[0] == 0:
+            return
         count = int(self._cand_count[layer])
-        union = np.concatenate([self._cand[layer, :count], new], axis=0)
-        keep = min(self.topk, union.shape[0])
-        score = np.abs(union).sum(axis=-1)  # (M, K)
-        if union.shape[0] > keep:
-            idx = np.argpartition(-score, keep - 1, axis=0)[:keep]
+        old = self._cand[layer, :count].copy()  # the kept rows are overwritten below
+        # |a|+|b| (what np.abs(row).sum(axis=-1) adds), kept rows first, then the new ones
+        score = np.concatenate([np.abs(old[..., 0]) + np.abs(old[..., 1]), np.abs(new_a) + np.abs(new_b)])
+        keep = min(self.topk, score.shape[0])
+        if score.shape[0] > keep:
+            # partition each pair's column as a contiguous row (the same selection, without strided access)
+            idx = np.ascontiguousarray(np.argpartition(-score.T, keep - 1, axis=1)[:, :keep].T)
         else:
             idx = np.broadcast_to(np.arange(keep)[:, None], score.shape).copy()
         kept_score = np.take_along_axis(score, idx, axis=0)
         order = np.argsort(-kept_score, axis=0, kind="stable")
         idx = np.take_along_axis(idx, order, axis=0)
-        self._cand[layer, :keep] = np.take_along_axis(union, idx[:, :, None], axis=0)
+        from_old = idx < count
+        i_old, i_new = np.where(from_old, idx, 0), np.where(from_old, 0, idx - count)
+        for c, src in enumerate((new_a, new_b)):
+            picked = np.take_along_axis(src, i_new, axis=0)
+            if count:
+                picked = np.where(from_old, np.take_along_axis(old[..., c], i_old, axis=0), picked)
+            self._cand[layer, :keep, :, c] = picked
         self._cand_count[layer] = keep
 
     def candidates(self, layer: int) -> np.ndarray:

@@ -54,19 +54,26 @@ class KSample:
             )
         positions = np.broadcast_to(np.arange(shape[-2]), shape[:-1]).reshape(-1)
         keys = self._rng.random(positions.size)
-        self.push(layer, keys, positions, rows.astype(np.float32))
+        self.push(layer, keys, positions, rows)
 
     def push(self, layer: int, keys: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
-        """Keep the ``size`` rows with the smallest keys of the kept and the new rows."""
-        old = self._sample[layer]
-        keys = np.concatenate([old[0], keys])
-        positions = np.concatenate([old[1], positions])
-        rows = np.concatenate([old[2], rows])
+        """Keep the ``size`` rows with the smallest keys of the kept and the new rows (stored as float32).
+
+        Only the kept new rows are copied (and cast); the selection is the same as on the whole union.
+        """
+        old_keys, old_pos, old_rows = self._sample[layer]
+        n_old = old_keys.size
+        keys = np.concatenate([old_keys, keys])
+        positions = np.concatenate([old_pos, positions])
         if keys.size > self.size:
             keep = np.argpartition(keys, self.size - 1)[: self.size]
             keep.sort()
-            keys, positions, rows = keys[keep], positions[keep], rows[keep]
-        self._sample[layer] = (keys, positions, rows)
+        else:
+            keep = np.arange(keys.size)
+        split = int(np.searchsorted(keep, n_old))
+        picked = np.asarray(rows)[keep[split:] - n_old].astype(np.float32)
+        kept_rows = np.concatenate([old_rows[keep[:split]], picked.reshape(-1, *old_rows.shape[1:])])
+        self._sample[layer] = (keys[keep], positions[keep], kept_rows)
 
     def sample(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The sample of a layer: pre-RoPE rows (n, H_kv, head_dim) float64 and positions (n,) int64."""

@@ -82,13 +82,29 @@ _RAW = ("sum_a", "sum_b", "sum_aa", "sum_bb", "sum_ab")
 _Pooler = Callable[[np.ndarray, dict[str, np.ndarray], int], tuple[np.ndarray, dict[str, np.ndarray]]]
 
 
-def _to_numpy64(x: Any) -> np.ndarray:
-    """float64 CPU numpy copy of a torch tensor or array-like (no torch import unless given one)."""
+def _to_numpy_float(x: Any) -> np.ndarray:
+    """A float32 or float64 CPU numpy view (a copy only where it must be) of a tensor or array-like.
+
+    Every value converts exactly: float32/float64 as they are, bf16/fp16 widened to float32, anything
+    else to float64. Callers widen to float64 where they compute, in numpy (on CPU many times faster
+    than ``Tensor.to(float64)``).
+    """
     if hasattr(x, "detach") and hasattr(x, "cpu"):
         import torch
 
-        return x.detach().to(device="cpu", dtype=torch.float64).numpy()
-    return np.asarray(x, dtype=np.float64)
+        t = x.detach().cpu()
+        if t.dtype not in (torch.float32, torch.float64):
+            t = t.to(torch.float32 if t.dtype.is_floating_point and t.dtype.itemsize < 4 else torch.float64)
+        return t.numpy()
+    arr = np.asarray(x)
+    return arr if arr.dtype in (np.float32, np.float64) else arr.astype(np.float64)
+
+
+def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
+    """An arithmetic index sequence as the equivalent slice (a strided copy is much cheaper than a gather)."""
+    if idx.size > 1 and np.all(np.diff(idx) == idx[1] - idx[0]) and idx[1] > idx[0]:
+        return slice(int(idx[0]), int(idx[-1]) + 1, int(idx[1] - idx[0]))
+    return idx
 
 
 def _chan_merge(
@@ -164,6 +180,23 @@ def _cov_from_raw(total: np.ndarray, s: dict[str, np.ndarray]) -> PairCov:
 
 
 
+def _mean_exact_constant(x: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """Column means of ``x`` (N, ...) from its column sums (``x.mean(axis=0)`` bit for bit); a constant
+    column gets its value exactly.
+
+    A column is constant iff its max equals its min; only the columns whose first, second and last rows
+    agree can be, so max/min run on those alone (none, for real activations) instead of on every column.
+    """
+    mean = total / x.shape[0]
+    maybe = (x[0] == x[-1]) & (x[0] == x[min(1, x.shape[0] - 1)])
+    if maybe.any():
+        cols = x[:, maybe]
+        const = np.zeros_like(maybe)
+        const[maybe] = cols.max(axis=0) == cols.min(axis=0)
+        mean = np.where(const, x[0], mean)
+    return mean
+
+
 def _check_geometry(n_layers: int, n_q_heads: int, n_kv_heads: int) -> None:
     """Positive layer/head counts with whole GQA groups, else CalibrationShapeError."""
     for name, value in (("n_layers", n_layers), ("n_q_heads", n_q_heads), ("n_kv_heads", n_kv_heads)):
@@ -212,31 +245,49 @@ class PairMoments:
 
     # ------------------------------------------------------------------ accumulation
 
-    def update(self, layer: int, stream: str, a: np.ndarray, b: np.ndarray) -> None:
-        """Fold one batch of pair channels a, b (N, H, K) float64 into (layer, stream)."""
+    def update(
+        self,
+        layer: int,
+        stream: str,
+        a: np.ndarray,
+        b: np.ndarray,
+        sums: tuple[np.ndarray, np.ndarray] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        """Fold one batch of pair channels a, b (N, H, K) float64 into (layer, stream).
+
+        ``sums`` = (a.sum(axis=0), b.sum(axis=0)) when the caller already has them (one pass fewer; the
+        batch mean is that sum divided by N, exactly what ``mean`` computes). With ``overwrite`` the
+        caller's a and b are centred in place (no temporaries; same values as ``a - mean``).
+        """
         stream = check_stream(stream)
         layer = check_layer(layer, self.n_layers)
         nb = a.shape[0]
-        batch = self._batch_moments(a, b)
+        sum_a, sum_b = (a.sum(axis=0), b.sum(axis=0)) if sums is None else sums
         acc = self._acc[stream]
+        acc["sum_a"][layer] += sum_a
+        acc["sum_b"][layer] += sum_b
+        acc["sum_aa"][layer] += np.einsum("nhk,nhk->hk", a, a)
+        acc["sum_bb"][layer] += np.einsum("nhk,nhk->hk", b, b)
+        acc["sum_ab"][layer] += np.einsum("nhk,nhk->hk", a, b)
+        batch = self._batch_moments(a, b, sum_a, sum_b, overwrite)
         old = {key: acc[key][layer] for key in _STABLE}
         merged = _chan_merge(np.int64(self._n[stream][layer]), old, np.int64(nb), batch)
         for key in _STABLE:
             acc[key][layer] = merged[key]
-        acc["sum_a"][layer] += a.sum(axis=0)
-        acc["sum_b"][layer] += b.sum(axis=0)
-        acc["sum_aa"][layer] += np.einsum("nhk,nhk->hk", a, a)
-        acc["sum_bb"][layer] += np.einsum("nhk,nhk->hk", b, b)
-        acc["sum_ab"][layer] += np.einsum("nhk,nhk->hk", a, b)
         self._n[stream][layer] += nb
 
     @staticmethod
-    def _batch_moments(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
+    def _batch_moments(
+        a: np.ndarray, b: np.ndarray, sum_a: np.ndarray, sum_b: np.ndarray, overwrite: bool = False
+    ) -> dict[str, np.ndarray]:
         """Means and centred co-moments of one batch; a constant column gets its value as mean exactly."""
-        mean_a, mean_b = a.mean(axis=0), b.mean(axis=0)
-        mean_a = np.where(a.max(axis=0) == a.min(axis=0), a[0], mean_a)
-        mean_b = np.where(b.max(axis=0) == b.min(axis=0), b[0], mean_b)
-        da, db = a - mean_a, b - mean_b
+        mean_a = _mean_exact_constant(a, sum_a)
+        mean_b = _mean_exact_constant(b, sum_b)
+        if overwrite:
+            da, db = np.subtract(a, mean_a, out=a), np.subtract(b, mean_b, out=b)
+        else:
+            da, db = a - mean_a, b - mean_b
         return {
             "mean_a": mean_a,
             "mean_b": mean_b,
@@ -429,6 +480,7 @@ class CalibrationStats:
         self.topk, self.topk_streams = self.topk_candidates.topk, self.topk_candidates.streams
         self.sample_rows, self.sample_seed = self.ksample.size, self.ksample.seed
         self._idx_a, self._idx_b = pair_indices(self.head_dim, self.layout)
+        self._sel_a, self._sel_b = _as_slice(self._idx_a), _as_slice(self._idx_b)
 
     # ------------------------------------------------------------------ configuration helpers
 
@@ -465,27 +517,33 @@ class CalibrationStats:
         stream = check_stream(stream)
         layer = check_layer(layer, self.n_layers)
         H, d = self.heads(stream), self.head_dim
-        arr = _to_numpy64(x)
+        arr = _to_numpy_float(x)  # float32 or float64; widened to float64 below while selecting the pairs
         if arr.ndim < 1 or arr.shape[-1] != H * d:
             raise CalibrationShapeError(
                 f"layer {layer}, stream {stream!r}: expected input of shape (..., {H}*{d}={H * d}) "
                 f"({H} heads of dim {d}), got {tuple(arr.shape)}"
             )
-        finite = np.isfinite(arr)
-        if not finite.all():
-            bad = int(arr.size - np.count_nonzero(finite))
-            raise NonFiniteCalibrationError(
-                f"layer {layer}, stream {stream!r}: {bad} non-finite value(s) (NaN/Inf) "
-                "in the calibration input"
-            )
         rows = arr.reshape(-1, H, d)
         if rows.shape[0] == 0:
             return
-        a, b = rows[:, :, self._idx_a], rows[:, :, self._idx_b]  # (N, H, K)
-        self.moments.update(layer, stream, a, b)
+        # (N, H, K) C-contiguous float64 copies, the layout the fancy-index gather gave (the einsums see it)
+        a = np.array(rows[:, :, self._sel_a], dtype=np.float64, order="C")
+        b = np.array(rows[:, :, self._sel_b], dtype=np.float64, order="C")
+        sums = a.sum(axis=0), b.sum(axis=0)
+        # A non-finite input makes its column's sum non-finite (float64 sums of the rows cannot overflow
+        # otherwise short of ~1e308 inputs), so the full elementwise check runs only when a sum is.
+        if not (np.isfinite(sums[0]).all() and np.isfinite(sums[1]).all()):
+            finite = np.isfinite(arr)
+            if not finite.all():
+                bad = int(arr.size - np.count_nonzero(finite))
+                raise NonFiniteCalibrationError(
+                    f"layer {layer}, stream {stream!r}: {bad} non-finite value(s) (NaN/Inf) "
+                    "in the calibration input"
+                )
         self.topk_candidates.update(layer, stream, a, b)
         if stream == "k":
-            self.ksample.update(layer, arr.shape, rows)
+            self.ksample.update(layer, arr.shape, rows)  # float32 rows cast exactly as before
+        self.moments.update(layer, stream, a, b, sums=sums, overwrite=True)  # centres a, b in place
 
     def candidates(self, layer: int) -> np.ndarray:
         """Top-k candidate rows of a layer, shape (n_kept, K, 2) as (a, b), sorted by |a|+|b| descending."""
@@ -521,13 +579,18 @@ class CalibrationStats:
         out.ksample.copy_rng_state(self.ksample)
         return out
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the accumulators to a .npz file atomically (:func:`rope_quant.io.atomic_write_bytes`)."""
+    def save(self, path: str | os.PathLike, k_sample: bool = True) -> Path:
+        """Write the accumulators to a .npz file atomically (:func:`rope_quant.io.atomic_write_bytes`).
+
+        ``k_sample=False`` leaves the K sample out (it is most of the file; the file then loads as
+        statistics with ``sample_rows=0``, the moments and candidates unchanged).
+        """
         path = Path(path)
+        config = self.config() if k_sample else {**self.config(), "sample_rows": 0}
         arrays: dict[str, np.ndarray] = {
-            "meta": np.array(json.dumps({"version": _FORMAT_VERSION, **self.config()})),
+            "meta": np.array(json.dumps({"version": _FORMAT_VERSION, **config})),
             **self.topk_candidates.to_arrays(),
-            **self.ksample.to_arrays(),
+            **(self.ksample.to_arrays() if k_sample else {}),
             **self.moments.to_arrays(),
         }
         buf = io.BytesIO()

@@ -32,6 +32,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,6 +60,10 @@ __all__ = [
 #: Stop a decoder layer's forward once every linear of the group being quantised has seen its input (the
 #: Hessians need nothing later; the weights are bit-identical either way, tests/numerics/test_gptq_speed.py).
 EARLY_STOP = True
+#: Linears of a group that read the very same input tensor in every window (q/k/v, gate/up: one tensor, also
+#: through the activation quantiser's shared-input memo) share one Hessian instead of accumulating copies of
+#: it (the same additions in the same order: bit-identical, tests/numerics/test_gptq_speed.py).
+SHARE_HESSIANS = True
 
 #: Number of per-linear GPTQ solves run in this process (the weight-cache test checks it does not grow).
 GPTQ_CALLS = {"linear": 0, "model": 0}
@@ -413,6 +418,57 @@ def _layer_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _group_hessians(layer: nn.Module, group: list[tuple[str, nn.Module]], inputs: list, dtype: torch.dtype,
+                    share: bool) -> dict[str, HessianAccumulator]:
+    """The Hessian of each linear of ``group`` over the layer's ``inputs`` (one layer forward per window,
+    stopped early where :data:`EARLY_STOP`).
+
+    With ``share``, a linear whose input is, in every window, the tensor the previous linear of the group
+    just read (same object, unchanged) takes that linear's accumulator instead of a copy; if a linear shares
+    in some windows but not in others, the forwards run again without sharing.
+    """
+    accs = {n: HessianAccumulator(m.in_features, m.weight.device, dtype) for n, m in group}
+    last: dict[str, Any] = {"x": None, "version": None, "name": None}
+    source: dict[str, set] = {n: set() for n, _ in group}  # who accumulated n's input, per window
+    handles = []
+    seen: set[str] = set()
+    size = len(accs)
+    for n, m in group:
+        def pre(_mod, args, _n=n):
+            x = args[0]
+            version = None if x.is_inference() else x._version
+            if share and last["x"] is x and last["version"] == version:
+                source[_n].add(last["name"])
+            else:
+                accs[_n].add(x)
+                source[_n].add(_n)
+                last.update(x=x, version=version, name=_n)
+            seen.add(_n)
+            if EARLY_STOP and len(seen) == size:
+                raise _StopForward  # every Hessian of the group has its input: the rest is unused
+        handles.append(m.register_forward_pre_hook(pre))
+    try:
+        with torch.no_grad():
+            for args, kwargs in inputs:
+                seen.clear()
+                try:
+                    layer(*args, **kwargs)
+                except _StopForward:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+        last.clear()
+    if not share:
+        return accs
+    for n, src in source.items():
+        (leader,) = src if len(src) == 1 else (None,)
+        if leader is None or source[leader] != {leader}:
+            return _group_hessians(layer, group, inputs, dtype, share=False)
+        accs[n] = accs[leader]
+    return accs
+
+
 def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg: GPTQConfig = GPTQConfig(),
                         clip_ratio: float = 1.0, progress: bool = True,
                         skip: Callable[[str], bool] | None = None) -> dict[str, float]:
@@ -435,28 +491,7 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
             group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
             if not group:
                 continue
-            accs = {n: HessianAccumulator(m.in_features, m.weight.device, cfg.dtype) for n, m in group}
-            handles = []
-            seen: set[str] = set()
-            size = len(accs)
-            for n, m in group:
-                def pre(_mod, args, _acc=accs[n], _n=n, _seen=seen, _size=size):
-                    _acc.add(args[0])
-                    _seen.add(_n)
-                    if EARLY_STOP and len(_seen) == _size:
-                        raise _StopForward  # every Hessian of the group has its input: the rest is unused
-                handles.append(m.register_forward_pre_hook(pre))
-            try:
-                with torch.no_grad():
-                    for args, kwargs in inputs:
-                        seen.clear()
-                        try:
-                            layer(*args, **kwargs)
-                        except _StopForward:
-                            pass
-            finally:
-                for h in handles:
-                    h.remove()
+            accs = _group_hessians(layer, group, inputs, cfg.dtype, SHARE_HESSIANS)
             for n, m in group:
                 H = accs[n].H
                 W = m.weight.data

@@ -173,6 +173,7 @@ def run_cells(
     cache_dir: str | os.PathLike[str] | None = None,
     device: str | None = None,
     log: Callable[[str], None] | None = print,
+    after_cell: Callable[[int], object] | None = None,
 ) -> SweepReport:
     """Run the selected cells of ``manifest`` into ``out``, one record each.
 
@@ -181,7 +182,8 @@ def run_cells(
     ``out/cache``). With ``resume`` (default) cells whose record :func:`~rope_quant.sweep.records.is_complete`
     are skipped; a cell without a complete record (missing, unreadable, error, every length failed) runs.
     A failing cell is recorded and the others continue; a complete record is never removed before its
-    replacement is complete, also with ``resume=False``.
+    replacement is complete, also with ``resume=False``. ``after_cell(i)`` runs after each cell that ran
+    (the CLI's cache pruning, :mod:`rope_quant.sweep.cache_policy`).
     """
     start = time.perf_counter()
     out = Path(out)
@@ -211,6 +213,8 @@ def run_cells(
             state = "done" if ok else f"FAILED (see {written}{kept})"
             elapsed = time.perf_counter() - t0
             log(f"[{count}/{len(chosen)}] {name} seed {config_seed(cfg)} {state} in {elapsed:.1f}s")
+        if after_cell is not None:
+            after_cell(i)
     report.seconds = time.perf_counter() - start
     return report
 

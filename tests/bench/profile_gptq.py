@@ -41,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--eval-windows", type=int, default=12)
+    ap.add_argument("--calib-windows", type=int, default=16, help="GPTQ/calibration windows of 512 tokens")
     ap.add_argument("--out", default=None, help="write the raw pstats here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -50,7 +51,7 @@ def main() -> None:
 
     t = time.perf_counter()
     base = load_model("smollm2-135m", device="cpu")
-    cfg = RunConfig.from_flat(seed=0, seqlen=512, calib_windows=16, eval_windows=args.eval_windows)
+    cfg = RunConfig.from_flat(seed=0, seqlen=512, calib_windows=args.calib_windows, eval_windows=args.eval_windows)
     corpus = data.load_corpus(cfg.corpus, base[1])
     print(f"load {time.perf_counter() - t:.1f} s; weight key {cfg.weight_key()}; threads {torch.get_num_threads()}")
     prof = cProfile.Profile()
