@@ -151,3 +151,24 @@ def test_niah_cell_without_accuracy_is_an_error_record():
     assert sweep_niah.scored({"niah": {"accuracy": {"by_length": {"256": 0.5}}}})
     assert not sweep_niah.scored({"niah": {"accuracy": {"by_length": {}}}})
     assert not sweep_niah.scored({"niah": {"accuracy": {"by_length": {"256": float("nan")}}}})
+
+
+def test_real_niah_cli_on_the_embedded_model(tmp_path, embedded_model):
+    """``rope-quant niah`` through the real pipeline (RTN, tiny calibration): FP and a quantised config answer
+    every probe, each probe is saved, and the quantised cell generated with the quantise-mode attention."""
+    from rope_quant.sweep.models import ModelCache
+
+    models = ModelCache()
+    models.put("smollm2-135m", "cpu", embedded_model)
+    out = tmp_path / "real"
+    argv = ["niah", "--lengths", "96", "--depths", "0.5", "--probes", "2", "--seeds", "0", "--configs", "hadamard",
+            "--out", str(out), *TINY, "--quiet", "--no-figures"]
+    assert cli.main(argv, models=models) == 0
+    recs = {r["name"]: r for r in (json.loads(p.read_text()) for p in out.glob("cells/*/*.json"))}
+    assert set(recs) == {"fp", "hadamard"}
+    for rec in recs.values():
+        probes = rec["result"]["niah"]["probes"]
+        assert len(probes) == 2 and all(p["length"] == 96 and p["output"] for p in probes)
+    assert recs["fp"]["result"]["niah"]["accuracy"]["by_length"]["96"] == 1.0  # the plain model finds it
+    assert "hadamard − pairwise_only" not in (out / "niah_summary.md").read_text()
+    assert "| hadamard | 96 |" in (out / "niah_summary.md").read_text()
