@@ -237,6 +237,10 @@ def accuracy_figure(acc: Mapping[str, Mapping[str, Mapping[int, float]]], path: 
         if r["discriminative"]:
             ax.axvline(r["length"], color="grey", alpha=0.25, linewidth=6)
     ax.set_xscale("log", base=2)
+    ticks = sorted({int(L) for per in acc.values() for L in per})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("NIAH accuracy (exact match)")
     ax.set_ylim(-0.03, 1.03)
