@@ -34,7 +34,9 @@ from rope_quant.sweep.niah import SATURATION, SEPARATION
 #: The claim length (tokens), chosen from the measurement (1 thread, pydoc haystack, 5 depths): FP 1.00 / 0.90 /
 #: 1.00 / 1.00 at 256 / 512 / 1024 / 2048 (10 probes, seed 0); quantised seed 0 at 256 (10 probes): hadamard
 #: 0.10, pairwise_only 0.30 (near the floor); at 512: hadamard 0.40, pairwise_only 0.00 (10 probes) and, with
-#: this test's 25 probes: fp 0.92, hadamard 0.40, pairwise_only 0.04, pairwise_plus_hadamard 0.40.
+#: this test's 25 probes: fp 0.92, hadamard 0.40, pairwise_only 0.04, pairwise_plus_hadamard 0.40 (seed 0) and
+#: fp 1.00, hadamard 0.12, pairwise_only 0.16, pairwise_plus_hadamard 0.12 (seed 2: not discriminative alone);
+#: mean of seeds 0 and 2: hadamard − pairwise_only +0.16. Seed 1 (quantised) and the 3-seed run: not measured.
 CLAIM_LENGTH = 512
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 PROBES = 5  # per depth and seed: 25 probes per cell (App. G: 20 per depth)
