@@ -10,6 +10,7 @@ Subcommands::
     rope-quant estimators    rows / k_only / balanced (+ φ* with --phi-star)
     rope-quant long-context  perplexity gap against context length L (crossover)
     rope-quant lm-eval       lm-evaluation-harness tasks on the quantised models (extra ``[eval]``)
+    rope-quant niah          needle-in-a-haystack retrieval, RULER format (App. G)
     rope-quant verify        φ* artefacts of a results directory (App. A.5)
     rope-quant report        tables and figures from a results directory (--check: completion only)
 
@@ -327,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sweep_options(p)
 
     add_lm_eval_parser(sub)
+    add_niah_parser(sub)
 
     p = sub.add_parser("verify", help="verify φ* from the artefacts of a results directory")
     p.add_argument("dir", metavar="DIR", help="results directory")
@@ -858,6 +860,90 @@ def cmd_lm_eval(args: argparse.Namespace, cells: Cells) -> int:
     return _execute(args, cells, manifest, used)
 
 
+# ----------------------------------------------------------------------------- NIAH (App. G)
+
+
+def add_niah_parser(sub: Any) -> argparse.ArgumentParser:
+    """``rope-quant niah``: needle-in-a-haystack retrieval (RULER format) of FP and each quantised config."""
+    from rope_quant.experiment.niah import Template
+    from rope_quant.sweep.niah import DEFAULT_CONFIGS
+
+    p = sub.add_parser("niah", help="needle-in-a-haystack retrieval in the RULER format (App. G)",
+                       description="Greedy retrieval of a key-value needle from a corpus haystack at several "
+                                   "lengths and depths, with the quantised KV cache in effect during generation; "
+                                   "FP (the unquantised model) is the reference.")
+    p.add_argument("--lengths", default="256,512,1024", metavar="L1,L2,...",
+                   help="prompt lengths in tokens (default 256,512,1024)")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="A,B,...",
+                   help=f"R3 configs (default {','.join(DEFAULT_CONFIGS)}); FP is added unless --no-fp")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", metavar="D1,D2,...",
+                   help="needle depths as fractions of the haystack (default 0,0.25,0.5,0.75,1: App. G's 5)")
+    p.add_argument("--probes", type=int, default=20, metavar="N",
+                   help="probes per (length, depth) and seed (default 20, App. G)")
+    p.add_argument("--digits", type=int, default=7, metavar="N", help="digits of the magic number (default 7)")
+    p.add_argument("--template", default="plain", choices=tuple(t.value for t in Template),
+                   help="plain text to complete (default) or the tokenizer's chat template")
+    p.add_argument("--haystack", default=None, metavar="NAME|PATH",
+                   help="haystack corpus (default: --corpus); its evaluation split is used")
+    p.add_argument("--no-fp", dest="fp", action="store_false", help="skip the unquantised reference cells")
+    _common(p)
+    _sweep_options(p)
+    return p
+
+
+def cmd_niah(args: argparse.Namespace, cells: Cells) -> int:
+    """Build the NIAH manifest (seed x [fp, configs]), run its cells resumably, write the NIAH report."""
+    from rope_quant.experiment.niah import NiahError, NiahSpec
+    from rope_quant.sweep import runner
+    from rope_quant.sweep.manifest import reconcile
+    from rope_quant.sweep.niah import niah_manifest, niah_report
+
+    _validate_common(args)
+    configs = parse_configs(args.configs)
+    lengths = parse_int_list(args.lengths, "--lengths", minimum=16)
+    try:
+        depths = tuple(float(d) for d in args.depths.split(",") if d.strip())
+    except ValueError:
+        raise CLIError(f"--depths expects comma-separated fractions in [0, 1], got {args.depths!r}") from None
+    haystack = check_corpus(args.haystack or args.corpus)
+    try:
+        spec = NiahSpec(lengths=lengths, depths=depths, probes=args.probes, corpus=haystack, digits=args.digits,
+                        template=args.template)
+    except NiahError as exc:
+        raise CLIError(str(exc)) from None
+    used: list[str] = []
+    seeds = _seeds(args, used)
+    used += resolve_budget(args)[1]
+    manifest = niah_manifest(base_config(args), configs, seeds, spec, fp=args.fp, comparator=args.comparator)
+    out = Path(args.out)
+    print(f"rope-quant niah: {len(manifest)} cells -> {out}", flush=True)
+    print("settings: " + describe(manifest.cells[0][1]), flush=True)
+    print(f"niah: lengths={','.join(map(str, lengths))} depths={','.join(f'{d:g}' for d in depths)} "
+          f"probes={args.probes} digits={args.digits} template={args.template} haystack={haystack} "
+          "(exact match of the first number in the greedy continuation)", flush=True)
+    if used:
+        print("defaults used: " + ", ".join(used), flush=True)
+    merged = reconcile(out, manifest, force=args.force_new_manifest)
+    selection = None
+    if args.shard is not None:
+        selection = runner.shard_from_env() if args.shard == "auto" else runner.parse_shard(args.shard)
+        if selection is None:
+            raise CLIError("--shard auto: no SLURM_ARRAY_TASK_ID/COUNT or PYTEST_XDIST_WORKER/COUNT set")
+    chosen = range(len(manifest)) if selection is None else runner.shard_indices(len(manifest), *selection)
+    start = time.perf_counter()
+    result = runner.run_cells(merged.manifest, out, [merged.indices[i] for i in chosen],
+                              cell_fn=cells.function(args, out), resume=args.resume, cache_dir=args.cache_dir,
+                              device=args.device, log=None if args.quiet else (lambda s: print(s, flush=True)))
+    print(f"cells: {result.summary()}", flush=True)
+    rep = niah_report(out, comparator=args.comparator, figures=args.figures)
+    print()
+    print(rep["markdown"])
+    print(f"wrote {', '.join(rep['files'])} (wall {time.perf_counter() - start:.1f}s)")
+    if result.failed:
+        _print_first_error(out, merged.manifest, result.failed)
+    return 1 if result.failed else 0
+
+
 def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.calib import verify
     from rope_quant.io import atomic_write_json, markdown_table
@@ -928,6 +1014,7 @@ def cmd_report(args: argparse.Namespace, cells: Cells) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace, Cells], int]] = {
     "run": cmd_run, "compare": cmd_compare, "support": cmd_support, "estimators": cmd_estimators,
     "long-context": cmd_long_context, "verify": cmd_verify, "report": cmd_report, "lm-eval": cmd_lm_eval,
+    "niah": cmd_niah,
 }
 
 

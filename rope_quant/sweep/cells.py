@@ -78,6 +78,13 @@ def _long_context_stream(cfg: LongContextConfig, run_cfg: Any, qm: Any) -> tuple
     return ids, longctx.EvalStream(corpus, ids, tuple(docs), len(docs), None)
 
 
+def _niah_cell(cfg: Any) -> Any:
+    """The NIAH sweep module when ``cfg`` is a NIAH cell (App. G), else None."""
+    from rope_quant.sweep import niah
+
+    return niah if isinstance(cfg, niah.NiahConfig) else None
+
+
 def pipeline_cell_fn(
     cache_dir: str | os.PathLike[str] | None = None, artifacts: str | os.PathLike[str] | None = None,
     progress: bool = False, *, models: ModelCache | None = None,
@@ -136,6 +143,10 @@ def pipeline_cell_fn(
 
     def run(cfg: Any) -> Mapping[str, Any]:
         run_cfg = run_of(cfg)
+        niah = _niah_cell(cfg)
+        if niah is not None and cfg.fp:  # NIAH's unquantised reference: the base model, plain attention
+            (model, tokenizer), corpora = cache.get(run_cfg.model, run_cfg.device, identity=run_cfg.model_id)
+            return niah.niah_result(cfg, model, tokenizer, niah.haystack_stream(cfg, tokenizer, corpora), progress)
         try:
             qm, reused = model_for(run_cfg)
         except BaseException:
@@ -143,6 +154,10 @@ def pipeline_cell_fn(
             raise
         if artifacts is not None and _uses_angles(run_cfg):
             save_artifacts(artifact_dir(artifacts, cfg), qm)
+        if niah is not None:
+            corpora = cache.get(run_cfg.model, run_cfg.device, identity=run_cfg.model_id)[1]
+            stream = niah.haystack_stream(cfg, qm.tokenizer, corpora)
+            return {**niah.niah_result(cfg, qm.model, qm.tokenizer, stream, progress), "model_reused": reused}
         if isinstance(cfg, LmEvalConfig):
             if not lm_eval_cells:
                 from rope_quant.sweep.lm_eval import LmEvalCells

@@ -220,6 +220,10 @@ def config_from_dict(data: Mapping[str, Any]) -> Any:
     :class:`LmEvalConfig`); the run's dict may be nested or the flat form of older results directories."""
     from rope_quant.experiment import config  # deferred: heavy
 
+    if "run" in data and "niah" in data:
+        from rope_quant.sweep.niah import NiahConfig
+
+        return NiahConfig.from_dict(data)
     if "run" in data and "lm_eval" in data:
         fields = dict(data["lm_eval"])
         fields["tasks"] = tuple(fields["tasks"])

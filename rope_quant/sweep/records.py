@@ -133,9 +133,19 @@ def _scored_tasks(result: Mapping[str, Any]) -> bool:
 
 
 def result_is_scored(result: Any) -> bool:
-    """A result counts when it has a score: its own ``ppl``, at least one scored context length, or
-    lm-eval metrics for every task."""
-    return isinstance(result, Mapping) and (_scored(result) or bool(scored_lengths(result)) or _scored_tasks(result))
+    """A result counts when it has a score: its own ``ppl``, at least one scored context length,
+    lm-eval metrics for every task, or NIAH accuracies."""
+    return isinstance(result, Mapping) and (_scored(result) or bool(scored_lengths(result)) or _scored_tasks(result)
+                                            or _scored_niah(result))
+
+
+def _scored_niah(result: Mapping[str, Any]) -> bool:
+    """A NIAH result (App. G): a finite accuracy for at least one length."""
+    if "niah" not in result:
+        return False
+    from rope_quant.sweep.niah import scored
+
+    return scored(result)
 
 
 def incomplete_reason(result: Mapping[str, Any]) -> str:
