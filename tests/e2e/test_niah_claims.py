@@ -7,8 +7,8 @@ decoding through the quantised model of the session ``experiment`` (W4A4KV4, GPT
 R2, online R4; the quantised KV cache is in effect during generation), exact match of N. FP is the plain model.
 
 A length is *discriminative* when FP is near saturation (>= :data:`SATURATION`) and the quantised
-configurations separate (spread >= :data:`SEPARATION`). The claim length comes from the measurement in
-/work/notes/readme_niah.md (README, "NIAH retrieval"). Accuracy is discrete and GPTQ's float order differs
+configurations separate (spread >= :data:`SEPARATION`). The claim length comes from the measurement in the
+README ("NIAH retrieval"). Accuracy is discrete and GPTQ's float order differs
 between machines, so the verdict is three-way: decided only when hadamard − pairwise_only lies more than
 :data:`SPREAD` (two probes of one seed's cell, as an accuracy averaged over seeds) from zero.
 
