@@ -57,6 +57,8 @@ __all__ = [
     "rotary_modules",
     "layer_inv_freq",
     "shared_inv_freq",
+    "inv_freq_by_layer",
+    "describe_sources",
     "layer_linear_groups",
     "decoder_linears",
     "rotation_refusal",
@@ -436,6 +438,26 @@ def shared_inv_freq(model: Any, head_dim: int | None = None) -> tuple[np.ndarray
             "use layer_inv_freq(model, i) per layer"
         )
     return values, source
+
+
+def inv_freq_by_layer(model: Any, head_dim: int | None = None) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Every layer's RoPE ``inv_freq`` as one (n_layers, K) float64 array, and each row's source buffer.
+
+    For a one-base family every row is the shared buffer; for Gemma 3 the sliding-window layers read
+    ``sliding_attention_inv_freq`` (θ = 1e4) and the full-attention layers ``full_attention_inv_freq`` (1e6).
+    """
+    rows = [layer_inv_freq(model, i, head_dim) for i in range(len(decoder_layers(model)))]
+    return np.stack([v for v, _ in rows]), tuple(s for _, s in rows)
+
+
+def describe_sources(sources: tuple[str, ...] | list[str]) -> str:
+    """One line naming each distinct source buffer and the layers that read it (records, logs)."""
+    by: dict[str, list[int]] = {}
+    for i, s in enumerate(sources):
+        by.setdefault(s, []).append(i)
+    if len(by) == 1:
+        return next(iter(by))
+    return "; ".join(f"{s} (layers {','.join(map(str, layers))})" for s, layers in by.items())
 
 
 # ----------------------------------------------------------------------------- linears
