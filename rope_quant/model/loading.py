@@ -140,6 +140,11 @@ def load_config(name_or_path: str) -> Any:
     Raises :class:`ModelNotFoundError` or :class:`ModelLoadError` (naming the path).
     """
     src = resolve_model(name_or_path)
+    embedded = EMBEDDED_MODELS.get(src.name)
+    if isinstance(embedded, model_cache.SplitGGUF) and model_cache.source_record(embedded) is not None:
+        state = model_cache.cached_state_dir(embedded)  # parsing the GGUF's metadata takes seconds
+        stamp = (state / "config.json").stat()
+        return _config_at(state, None, (stamp.st_size, stamp.st_mtime_ns))
     path = model_path(src)
     stat = (path if src.gguf_file else path / "config.json").stat()
     return _reading(src, "config", lambda: _config_at(src.directory, src.gguf_file,

@@ -213,7 +213,8 @@ def test_calibration_collects_post_norm_pre_rope_queries_and_keys(gemma, ids, ca
     raw_q = calib_stats.raw_moments("q")
     for layer in (0, 5):
         rows, pos = calib_stats.k_sample(layer)
-        k_norm = captured[(layer, "k_norm")][0].double().numpy()  # (L, 1, 256)
+        # Gemma 3 norms after the head transpose: (b, H, L, d)
+        k_norm = captured[(layer, "k_norm")][0].transpose(0, 1).double().numpy()  # (L, 1, 256)
         np.testing.assert_allclose(rows, k_norm[pos], rtol=1e-5, atol=1e-5)
         k_proj = captured[(layer, "k_proj")][0].double().numpy().reshape(LENGTH, 1, HEAD_DIM)
         assert np.abs(rows - k_proj[pos]).max() > 0.1  # the norm's output, not the projection's
@@ -224,7 +225,7 @@ def test_calibration_collects_post_norm_pre_rope_queries_and_keys(gemma, ids, ca
             other = freqs[5 if layer == 0 else 0]
             if m > 50:
                 assert np.abs(rope_matrix(other, m) @ rows[n, 0] - post_rope[m]).max() > 1e-2
-        q = captured[(layer, "q_norm")][0].double().numpy()  # (L, 4, 256)
+        q = captured[(layer, "q_norm")][0].transpose(0, 1).double().numpy()  # (L, 4, 256)
         ia = np.arange(HEAD_DIM // 2)
         np.testing.assert_allclose(raw_q["sum_aa"][layer], (q[..., ia] ** 2).sum(axis=0), rtol=1e-6)
         assert raw_q["n"][layer] == LENGTH
@@ -252,19 +253,36 @@ def test_r1_is_refused_with_the_norms_and_alternatives(gemma):
     assert resolve_r1("smollm2-135m", None, 4) == "whip"
 
 
+def _small_vocab_copy(model, ids: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A deep copy whose (tied) embedding / lm_head keep only the rows of the tokens in ``ids`` plus the first
+    4096: the same function on that sub-vocabulary, without copying and rotating 262k x 640 matrices in
+    float64. Returns (copy, ids re-indexed into the sub-vocabulary, the kept token ids)."""
+    emb, head = arch.embeddings(model), arch.lm_head(model)
+    full = emb.weight
+    vocab = torch.unique(torch.cat([ids.flatten(), torch.arange(4096)]))
+    small = torch.nn.Parameter(full.detach()[vocab].clone(), requires_grad=False)
+    emb.weight, head.weight = small, small
+    try:
+        out = copy.deepcopy(model)
+    finally:
+        emb.weight, head.weight = full, full
+    return out, torch.searchsorted(vocab, ids), vocab
+
+
 def test_r2_r4_preserve_and_a_folded_r1_changes_the_logits(gemma, ids, plain_logits):
     """R2 (per-KV-head random Hadamard) and R4 (online Hadamard on down_proj) keep the logits of the real model;
     an R1 folded anyway (bypassing the refusal) changes them: the refusal is honest."""
-    model = copy.deepcopy(gemma[0])
     x = ids[:, :LENGTH]
+    model, x_small, vocab = _small_vocab_copy(gemma[0], x)
+    ref = plain_logits[..., vocab]
+    assert _rel(_logits(model, x_small), ref) < 1e-6  # the sub-vocabulary copy is the same function
     rotation.rotate_model(model, rotation.RotationConfig(r1="identity", r2="random_hadamard", r4=True, seed=0))
     assert rotation.norms_fused(model)
-    r24 = _rel(_logits(model, x), plain_logits)
+    r24 = _rel(_logits(model, x_small), ref)
     assert r24 < REL_TOL, r24
     rotation._fold_r1(model, rotation.r1_hadamard(arch.dims(model).hidden, seed=0))
-    r1 = _rel(_logits(model, x), plain_logits)
+    r1 = _rel(_logits(model, x_small), ref)
     assert r1 > 1e-2, r1
-    del model
 
 
 # ----------------------------------------------------------------------------- MQA: repeat after R3 and K quant
@@ -293,6 +311,61 @@ def test_r3_and_the_k_quantiser_see_the_single_kv_head_before_the_repeat(gemma, 
     assert seen and all(s == (1, 1, 600, HEAD_DIM) for s in seen), set(seen)  # 1 KV head, never 4
 
 
+def _tiny(family: str, n_kv: int) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=n_kv, head_dim=16, max_position_embeddings=128)
+    if family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**common, layer_types=["sliding_attention", "full_attention"],
+                                            sliding_window=16)
+        model = transformers.Gemma3ForCausalLM(cfg)
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+@pytest.mark.parametrize(("family", "n_kv"), [("llama", 1), ("llama", 2), ("llama", 4), ("gemma3", 1),
+                                              ("gemma3", 2)])
+def test_r3_and_the_k_quantiser_act_before_the_repeat_for_any_kv_head_count(family, n_kv, monkeypatch):
+    """Per-KV-head R3 angles keep the logits only if each query head uses its own KV group's matrix, and the K
+    quantiser sees n_kv heads (the repeat to 4 query heads comes after both)."""
+    model = _tiny(family, n_kv)
+    x = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=x, use_cache=False).logits.double()
+    rng = np.random.default_rng(n_kv)
+    tr = T.build("pairwise_only", 16, angles=rng.uniform(-1.5, 1.5, (n_kv, 8)), layout="rotate_half")
+    seen: list[tuple[int, ...]] = []
+    real = attention.fake_quant
+    monkeypatch.setattr(attention, "fake_quant", lambda t, spec: seen.append(tuple(t.shape)) or real(t, spec))
+    attention.install_attention(model, [tr, tr])
+    with torch.no_grad():
+        assert _rel(model(input_ids=x, use_cache=False).logits.double(), ref) < REL_TOL
+        attention.install_attention(model, [tr, tr], k=QuantConfig(bits=4))
+        quantised = model(input_ids=x, use_cache=False).logits.double()
+    assert seen == [(2, n_kv, 40, 16)] * 2
+    assert _rel(quantised, ref) > 1e-4  # the quantiser did act
+    if 1 < n_kv < 4:  # control (GQA): the reversed group order (query heads with the wrong group's matrix) breaks it
+        wrong = T.build("pairwise_only", 16, angles=np.asarray(tr.angles)[::-1].copy(), layout="rotate_half")
+        q_only = _QOnly(wrong, tr)
+        attention.install_attention(model, [q_only, q_only])
+        with torch.no_grad():
+            assert _rel(model(input_ids=x, use_cache=False).logits.double(), ref) > 1e-3
+
+
+class _QOnly:
+    """A transform applying ``q_tr`` to the query (more heads) and ``k_tr`` to the key (fewer heads)."""
+
+    def __init__(self, q_tr, k_tr) -> None:
+        self.q_tr, self.k_tr = q_tr, k_tr
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.q_tr if x.shape[-3] == 4 else self.k_tr).apply(x)
+
+
 # ----------------------------------------------------------------------------- sliding window
 
 
@@ -318,6 +391,9 @@ def test_quantised_attention_respects_the_sliding_window(gemma, ids, plain_logit
     q_pos = LENGTH - 1
     for layer in range(N_LAYERS):
         mask = masks[layer]
+        if mask is None:  # SDPA's is_causal path: only a full-attention layer may take it
+            assert layer in FULL_LAYERS, f"sliding layer {layer} got no mask"
+            continue
         allowed = mask[0, 0, q_pos] if mask.dtype == torch.bool else mask[0, 0, q_pos] == 0
         n = int(allowed.sum())
         assert n == (LENGTH if layer in FULL_LAYERS else WINDOW), (layer, n)
@@ -351,7 +427,7 @@ def test_range_objective_at_head_dim_256(gemma, calib_stats, rq_record):
     t = time.perf_counter()
     fit = fit_range_angles(rows, pos, freqs[5])
     seconds = time.perf_counter() - t
-    assert fit.angles.shape == (1, HEAD_DIM // 2)
+    assert fit.angles.shape == (HEAD_DIM // 2,)
     steps = zip(fit.trace[:-1], fit.trace[1:], strict=True)
     assert fit.trace[-1] < fit.trace[0] and all(b <= a + 1e-12 for a, b in steps)
     rq_record("range objective at head_dim 256 (Gemma 3 270M, layer 5, 1 KV head)", rows=rows.shape[0],
