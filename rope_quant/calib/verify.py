@@ -248,6 +248,7 @@ def verify_phi_star(
     rule: str = "rows",
     tol: float = DEFAULT_TOLERANCE,
     frequency_source: str | None = None,
+    frequency_sources: Any = None,
 ) -> VerificationResult:
     """Recompute the surrogate, the achieved minimax variance and λ̄ for stored angles (App. A.5).
 
@@ -255,7 +256,9 @@ def verify_phi_star(
     see :func:`rope_quant.core.angles.as_pair_cov`), or a CalibrationStats whose raw-moment
     covariance under ``rule`` is used. ``inv_freq`` is an array, a model of a registered family (its
     layers' shared buffer, from :mod:`rope_quant.model.arch`) or a torch module holding the live buffer
-    (found with :func:`rope.find_inv_freq`).
+    (found with :func:`rope.find_inv_freq`). A model whose layers differ (Gemma 3) or a (n_layers, K) array
+    gives each layer its own frequencies; the record names each layer's source (``frequency_source_by_layer``,
+    from the model's buffers or ``frequency_sources``).
     """
     if isinstance(cov, CalibrationStats):
         cov = cov.pooled_raw(rule)
@@ -271,7 +274,7 @@ def verify_phi_star(
     elif not hasattr(inv_freq, "named_buffers") and np.ndim(inv_freq) == 2:  # (n_layers, K) given per layer
         freqs = np.stack([check_frequencies(v) for v in np.asarray(inv_freq, dtype=np.float64)])
         source = frequency_source or "given array (per layer)"
-        layer_sources = (source,) * freqs.shape[0]
+        layer_sources = tuple(frequency_sources) if frequency_sources is not None else (source,) * freqs.shape[0]
     elif hasattr(inv_freq, "named_buffers"):
         values, name = find_inv_freq(inv_freq, head_dim=head_dim)
         freqs, source = check_frequencies(values), frequency_source or f"live buffer {name}"
@@ -432,6 +435,15 @@ def load_angles(path: str | os.PathLike) -> np.ndarray:
     return np.asarray(data, dtype=np.float64)
 
 
+def load_frequency_sources(path: str | os.PathLike) -> list[str] | None:
+    """The per-layer source buffers saved with the frequencies (``sources_by_layer``), or None."""
+    p = Path(path)
+    if p.suffix != ".json" or not p.is_file():
+        return None
+    found = json.loads(p.read_text()).get("sources_by_layer")
+    return None if found is None else [str(s) for s in found]
+
+
 def load_frequencies(path: str | os.PathLike) -> tuple[np.ndarray, str]:
     """Frequencies from .npy, or .json ``{"inv_freq": [...], "source": "..."}``; returns (values, source)."""
     p = _require(path, "frequencies")
@@ -443,13 +455,17 @@ def load_frequencies(path: str | os.PathLike) -> tuple[np.ndarray, str]:
     return np.asarray(np.load(p, allow_pickle=False), dtype=np.float64), str(p)
 
 
-def save_frequencies(path: str | os.PathLike, inv_freq: Any, source: str) -> Path:
+def save_frequencies(path: str | os.PathLike, inv_freq: Any, source: str,
+                     sources_by_layer: Any = None) -> Path:
     """Write deployed frequencies and their source as JSON (atomically); a (n_layers, K) array (one row per
     layer, e.g. Gemma 3's two RoPE bases) is kept as nested lists."""
     p = Path(path)
     arr = np.asarray(inv_freq, dtype=np.float64)
     values = arr.tolist() if arr.ndim == 2 else [float(v) for v in arr.reshape(-1)]
-    atomic_write_text(p, json.dumps({"inv_freq": values, "source": source}, indent=2) + "\n")
+    payload: dict[str, Any] = {"inv_freq": values, "source": source}
+    if sources_by_layer is not None:
+        payload["sources_by_layer"] = list(sources_by_layer)
+    atomic_write_text(p, json.dumps(payload, indent=2) + "\n")
     return p
 
 
@@ -472,7 +488,8 @@ def verify_files(
     stats = CalibrationStats.load(stats_p)
     freqs, source = load_frequencies(freq_p)
     result = verify_phi_star(
-        angles, stats, freqs, average_length, rule=rule, tol=tol, frequency_source=source
+        angles, stats, freqs, average_length, rule=rule, tol=tol, frequency_source=source,
+        frequency_sources=load_frequency_sources(freq_p) if freqs.ndim == 2 else None,
     )
     write_artifacts(result, out_dir, prefix)
     return result

@@ -184,6 +184,24 @@ def test_sliding_and_full_layers_get_their_own_frequencies_phase_averages_and_ph
     assert not verify_phi_star(wrong, calib_stats, model, LENGTH).summary["phi_star_verified"]
 
 
+def test_phi_star_files_keep_the_per_layer_frequencies_and_sources(gemma, calib_stats, tmp_path):
+    """The artefacts of a cell (angles, statistics, frequencies.json) verify with each layer's own buffer named."""
+    from rope_quant.calib.verify import save_frequencies, verify_files
+
+    model, _ = gemma
+    freqs, sources = arch.inv_freq_by_layer(model)
+    phi = estimate_angles(calib_stats, inv_freq=model, average_length=LENGTH)
+    np.save(tmp_path / "angles.npy", phi)
+    calib_stats.save(tmp_path / "stats.npz")
+    save_frequencies(tmp_path / "frequencies.json", freqs, arch.describe_sources(sources), sources)
+    result = verify_files(tmp_path / "angles.npy", tmp_path / "stats.npz", tmp_path / "frequencies.json", LENGTH,
+                          tmp_path / "out")
+    assert result.verified
+    summary = json.loads((tmp_path / "out" / "phi_star_summary.json").read_text())
+    assert summary["frequency_source_by_layer"] == list(sources)
+    assert summary["frequency_source_by_layer"][11].endswith("full_attention_inv_freq")
+
+
 # ----------------------------------------------------------------------------- q/k norms before RoPE
 
 
