@@ -465,3 +465,38 @@ def test_models_command_lists_and_clears_the_model_cache(tmp_path, monkeypatch, 
     assert f"{tmp_path / 'models'}" in out and "1 files" in out
     assert main(["models", "--clear-cache"]) == 0
     assert not any((tmp_path / "models").iterdir())
+
+
+def test_gptq_runs_each_layer_with_its_own_rope_and_mask():
+    """GPTQ replays decoder layers one by one: a full-attention layer must get its own (θ = 1e6) position
+    embeddings and causal mask, not those captured at layer 0 (a sliding layer)."""
+    from rope_quant.quant import gptq
+
+    model = _tiny("gemma3", 1)
+    x = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    plain: dict[int, tuple] = {}
+    replayed: dict[int, list] = {0: [], 1: []}
+    layers = arch.decoder_layers(model)
+    def keep(_m, _a, kw, i):
+        plain.setdefault(i, kw["position_embeddings"])
+
+    def record(_m, _a, kw, i):
+        replayed[i].append(kw["position_embeddings"])
+
+    handles = [layers[i].register_forward_pre_hook(lambda m, a, kw, i=i: keep(m, a, kw, i), with_kwargs=True)
+               for i in (0, 1)]
+    with torch.no_grad():
+        model(input_ids=x[:1], use_cache=False)
+    for h in handles:
+        h.remove()
+    assert not torch.allclose(plain[0][0], plain[1][0])  # the two layer types differ
+    handles = [layers[i].register_forward_pre_hook(lambda m, a, kw, i=i: record(m, a, kw, i), with_kwargs=True)
+               for i in (0, 1)]
+    try:
+        gptq.quantize_model_gptq(model, x, 8, progress=False)
+    finally:
+        for h in handles:
+            h.remove()
+    assert replayed[1] and all(torch.equal(pe[0], plain[1][0]) and torch.equal(pe[1], plain[1][1])
+                               for pe in replayed[1] if pe[0].shape == plain[1][0].shape)
+    assert any(pe[0].shape == plain[1][0].shape for pe in replayed[1])
