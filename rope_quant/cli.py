@@ -13,6 +13,7 @@ Subcommands::
     rope-quant niah          needle-in-a-haystack retrieval, RULER format (App. G)
     rope-quant verify        φ* artefacts of a results directory (App. A.5)
     rope-quant report        tables and figures from a results directory (--check: completion only)
+    rope-quant models        embedded models and the model cache (--clear-cache empties it)
 
 Defaults run on CPU in minutes on the embedded SmolLM2-135M and the ``pydoc`` corpus; with
 ``--device cuda`` the paper's budgets (seqlen 2048, 128 calibration windows, all evaluation windows)
@@ -200,9 +201,11 @@ def _common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     g.add_argument("--angle", default=AngleRule.PHI_HAT.value, choices=values(AngleRule),
                    help="angle rule of the variance objective: φ̂ (the paper's pairwise_only), φ̂ wrapped to "
                         "φ*'s branch (App. J's control) or the position-averaged φ* (default phi_hat)")
-    g.add_argument("--r1", default=RotationKind.WHIP.value, choices=ROTATION_CHOICES,
+    g.add_argument("--r1", default=None, choices=ROTATION_CHOICES,
                    help="R1: whip (the paper, A.1; default), random_hadamard (QuaRot's diag(s)·H), the plain "
-                        "hadamard, or identity")
+                        "hadamard, or identity. On a model whose architecture refuses R1 (Gemma 3's sandwich "
+                        "norms) the default is identity when activations stay 16-bit (--a-bits 16) and an "
+                        "error otherwise")
     g.add_argument("--r2", default=RotationKind.RANDOM_HADAMARD.value, choices=ROTATION_CHOICES,
                    help="R2: random_hadamard (the paper keeps whip's initialisation, A.8; default), hadamard, "
                         "identity, or whip (trains R2: a deviation from A.8)")
@@ -336,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also check φ̂ cells (averaging length = seqlen); default: φ* cells only")
     p.add_argument("--tol", type=float, default=None, help="relative excess tolerance (default 5e-5)")
 
+    p = sub.add_parser("models", help="embedded models and the per-machine model cache (location, clearing)")
+    p.add_argument("--clear-cache", action="store_true",
+                   help="delete the model cache (assembled GGUFs, converted states); the next load rebuilds it")
+
     p = sub.add_parser("report", help="tables and figures from a results directory")
     p.add_argument("dir", metavar="DIR", help="results directory")
     p.add_argument("--check", action="store_true", help="only check completion (exit 1 if incomplete)")
@@ -376,7 +383,7 @@ def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
     w_mse = budget.pop("w_mse")
     fields = dict(model=args.model, corpus=args.corpus, w_bits=args.w_bits, a_bits=args.a_bits,
                   k_bits=args.k_bits, v_bits=args.v_bits, estimator=args.estimator, objective=args.objective,
-                  angle=args.angle, r1=args.r1, r2=args.r2,
+                  angle=args.angle, r1=args.r1 or RotationKind.WHIP.value, r2=args.r2,
                   **({} if args.whip_epochs is None else {"whip_epochs": args.whip_epochs}),
                   device=args.device, dtype=args.dtype, gptq=dataclasses.replace(GPTQConfig(), mse=bool(w_mse)),
                   **budget)
@@ -405,6 +412,44 @@ def _validate_common(args: argparse.Namespace) -> None:
 
     for q in ("w", "a", "k", "v"):
         check_bits(getattr(args, f"{q}_bits"), f"--{q}-bits", low=2, high=OFF_BITS, error=CLIError)
+    if hasattr(args, "r1"):
+        args.r1 = resolve_r1(args.model, args.r1, args.a_bits)
+
+
+def _r1_refusal(model: str) -> str | None:
+    """Why the model's architecture refuses R1 (from its config alone), or None."""
+    from types import SimpleNamespace
+
+    from rope_quant.model import arch
+    from rope_quant.model.loading import ModelLoadError, load_config
+
+    try:
+        return arch.rotation_refusal(SimpleNamespace(config=load_config(model)), "r1")
+    except (ModelLoadError, arch.ArchitectureError):
+        return None  # reported by the pipeline's own checks
+
+
+def resolve_r1(model: str, requested: str | None, a_bits: int) -> str:
+    """The R1 to use: ``requested``, or the default (whip). Where the architecture refuses R1 (sandwich norms),
+    an unrequested R1 becomes ``identity`` when activations stay 16-bit (KV-only W16A16KV4, or W4A16KV4: R1
+    then only conditions the weights), with a note on stderr; otherwise :class:`CLIError` naming the norms
+    and the alternatives."""
+    from rope_quant.quant.quantizers import OFF_BITS
+
+    if requested == RotationKind.IDENTITY.value:
+        return requested
+    reason = _r1_refusal(model)
+    if reason is None:
+        return requested or RotationKind.WHIP.value
+    alternatives = ("--r1 identity (R2, R4 and the online R3 remain available), or a setting with 16-bit "
+                    "activations, where R1 defaults to identity: KV-only (--w-bits 16 --a-bits 16) or W4A16KV4 "
+                    "(--w-bits 4 --a-bits 16: GPTQ weights, no R1)")
+    if requested is None and a_bits >= OFF_BITS:
+        print(f"note: R1 set to identity for {model}: {reason}", file=sys.stderr)
+        return RotationKind.IDENTITY.value
+    what = f"--r1 {requested}" if requested else f"the default R1 (whip) with --a-bits {a_bits}"
+    raise CLIError(f"{what} is refused for {model}: R1 would change the model's function, since {reason}. "
+                   f"Alternatives: {alternatives}")
 
 
 def _head_dim(model: str) -> int:
@@ -1011,10 +1056,30 @@ def cmd_report(args: argparse.Namespace, cells: Cells) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace, cells: Cells) -> int:
+    """List the embedded models and the model cache (``$ROPE_QUANT_MODEL_CACHE``); ``--clear-cache`` empties it."""
+    from rope_quant.model import model_cache
+    from rope_quant.model.loading import EMBEDDED_MODELS, INSTALL_HINT
+
+    root = model_cache.cache_root()
+    if args.clear_cache:
+        removed = model_cache.clear_model_cache()
+        print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} from {root}")
+        return 0
+    for name in EMBEDDED_MODELS:
+        print(f"{name}: install with `{INSTALL_HINT[name]}`")
+    entries = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+    size = sum(p.stat().st_size for p in entries)
+    print(f"model cache {root} ({model_cache.CACHE_ENV}): {len(entries)} files, {size / 2 ** 20:.0f} MiB; "
+          "clear it with `rope-quant models --clear-cache`")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, Cells], int]] = {
     "run": cmd_run, "compare": cmd_compare, "support": cmd_support, "estimators": cmd_estimators,
     "long-context": cmd_long_context, "verify": cmd_verify, "report": cmd_report, "lm-eval": cmd_lm_eval,
     "niah": cmd_niah,
+    "models": cmd_models,
 }
 
 

@@ -662,8 +662,9 @@ def register_projection_hooks(model: Any, stats: CalibrationStats) -> list[Any]:
     """Feed ``stats`` from forward hooks on every layer's pre-RoPE query/key module.
 
     The modules come from :func:`rope_quant.model.arch.attention_modules`: q_proj/k_proj, or the per-head
-    q/k norms where the family has them (what RoPE actually rotates; their (..., H, d) outputs are
-    flattened to (..., H*d)). Returns the hook handles; call ``handle.remove()`` on each when done.
+    q/k norms where the family has them (what RoPE actually rotates; their (..., L, H, d) outputs, or
+    (b, H, L, d) ones transposed first where the family norms after the head transpose, are flattened to
+    (..., L, H*d)). Returns the hook handles; call ``handle.remove()`` on each when done.
     """
     try:
         parts = arch.attention_modules(model)
@@ -674,9 +675,12 @@ def register_projection_hooks(model: Any, stats: CalibrationStats) -> list[Any]:
         layer = position if attn.layer_idx is None else attn.layer_idx
         for stream in ("q", "k"):
             mod, per_head = attn.pre_rope(stream)
+            heads_first = per_head and attn.norm_heads_first  # Gemma 3: (b, H, L, d) -> (b, L, H, d) first
 
             def hook(_mod: Any, _inp: Any, out: Any, layer: int = layer, stream: str = stream,
-                     per_head: bool = per_head) -> None:
+                     per_head: bool = per_head, heads_first: bool = heads_first) -> None:
+                if heads_first:
+                    out = out.transpose(-3, -2)
                 stats.update(layer, stream, out.flatten(-2) if per_head else out)
 
             handles.append(mod.register_forward_hook(hook))

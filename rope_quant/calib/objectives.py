@@ -215,6 +215,38 @@ def resolve_inv_freq(inv_freq: Any, head_dim: int | None = None) -> tuple[np.nda
     return check_frequencies(inv_freq), "given array"
 
 
+def resolve_layer_inv_freq(inv_freq: Any, n_layers: int, head_dim: int | None = None
+                           ) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Per-layer frequencies (n_layers, K) and each layer's source.
+
+    A model of a registered family gives each layer the buffer that layer applies
+    (:func:`rope_quant.model.arch.inv_freq_by_layer`: Gemma 3's sliding and full layers differ); a 1-D
+    array or another module is shared by every layer; a 2-D array is taken as (n_layers, K).
+    """
+    if arch.is_registered(inv_freq):
+        values, names = arch.inv_freq_by_layer(inv_freq, head_dim=head_dim)
+        if values.shape[0] != n_layers:
+            raise AngleEstimationError(f"the model has {values.shape[0]} layers, the statistics {n_layers}")
+        return np.stack([check_frequencies(v) for v in values]), tuple(f"live buffer {n}" for n in names)
+    arr = None if hasattr(inv_freq, "named_buffers") else np.asarray(inv_freq, dtype=np.float64)
+    if arr is not None and arr.ndim == 2:
+        if arr.shape[0] != n_layers:
+            raise AngleEstimationError(f"inv_freq has {arr.shape[0]} rows for {n_layers} layers")
+        return np.stack([check_frequencies(v) for v in arr]), ("given array",) * n_layers
+    values, source = resolve_inv_freq(inv_freq, head_dim=head_dim)
+    return np.broadcast_to(values, (n_layers, values.size)).copy(), (source,) * n_layers
+
+
+def _per_layer_variance_angles(cov: Any, freqs: np.ndarray, average_length: int | None,
+                               branch_matched: bool) -> np.ndarray:
+    """:func:`variance_angles` with layer l's frequencies ``freqs[l]`` (one call when all layers agree)."""
+    if (freqs == freqs[0]).all():
+        return variance_angles(cov, freqs[0], average_length, branch_matched)
+    cov = as_pair_cov(cov)
+    return np.stack([variance_angles(PairCov(*(np.asarray(v)[layer] for v in cov)), freqs[layer],
+                                     average_length, branch_matched) for layer in range(freqs.shape[0])])
+
+
 def variance_angles(
     cov: PairCov, inv_freq: Any = None, average_length: int | None = None, branch_matched: bool = False
 ) -> np.ndarray:
@@ -259,11 +291,11 @@ def estimate_angles(
     """
     if objective not in OBJECTIVES:
         raise UnknownObjectiveError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")
-    if inv_freq is not None:
-        inv_freq, _ = resolve_inv_freq(inv_freq, head_dim=stats.head_dim)
-        if inv_freq.size != stats.n_pairs:
+    if inv_freq is not None:  # per layer: Gemma 3's sliding and full-attention layers use different bases
+        inv_freq, _ = resolve_layer_inv_freq(inv_freq, stats.n_layers, head_dim=stats.head_dim)
+        if inv_freq.shape[-1] != stats.n_pairs:
             raise AngleEstimationError(
-                f"inv_freq has {inv_freq.size} frequencies, "
+                f"inv_freq has {inv_freq.shape[-1]} frequencies, "
                 f"head_dim {stats.head_dim} has {stats.n_pairs} pairs"
             )
     if objective == "range":
@@ -272,7 +304,7 @@ def estimate_angles(
         if average_length is not None or branch_matched:
             raise AngleEstimationError("average_length/branch_matched apply to objective='variance' only")
         return np.stack([
-            fit_range_angles(*stats.k_sample(layer), inv_freq, per_head=estimator == "per_head",
+            fit_range_angles(*stats.k_sample(layer), inv_freq[layer], per_head=estimator == "per_head",
                              then_hadamard=then_hadamard, layout=stats.layout).angles
             for layer in range(stats.n_layers)
         ])
@@ -280,7 +312,9 @@ def estimate_angles(
         raise AngleEstimationError("then_hadamard applies to objective='range' only")
     cov = stats.pooled(estimator)
     if objective == "variance":
-        return variance_angles(cov, inv_freq, average_length, branch_matched)
+        if inv_freq is None:
+            return variance_angles(cov, None, average_length, branch_matched)
+        return _per_layer_variance_angles(cov, inv_freq, average_length, branch_matched)
     _check_grid_estimator(stats, estimator, objective)
     if inv_freq is not None or average_length is not None or branch_matched:
         raise AngleEstimationError(

@@ -248,6 +248,7 @@ def verify_phi_star(
     rule: str = "rows",
     tol: float = DEFAULT_TOLERANCE,
     frequency_source: str | None = None,
+    frequency_sources: Any = None,
 ) -> VerificationResult:
     """Recompute the surrogate, the achieved minimax variance and λ̄ for stored angles (App. A.5).
 
@@ -255,16 +256,25 @@ def verify_phi_star(
     see :func:`rope_quant.core.angles.as_pair_cov`), or a CalibrationStats whose raw-moment
     covariance under ``rule`` is used. ``inv_freq`` is an array, a model of a registered family (its
     layers' shared buffer, from :mod:`rope_quant.model.arch`) or a torch module holding the live buffer
-    (found with :func:`rope.find_inv_freq`).
+    (found with :func:`rope.find_inv_freq`). A model whose layers differ (Gemma 3) or a (n_layers, K) array
+    gives each layer its own frequencies; the record names each layer's source (``frequency_source_by_layer``,
+    from the model's buffers or ``frequency_sources``).
     """
     if isinstance(cov, CalibrationStats):
         cov = cov.pooled_raw(rule)
     s11, s22, s12 = (np.asarray(v, dtype=np.float64) for v in as_pair_cov(cov))
     phi = np.asarray(angles, dtype=np.float64)
     head_dim = 2 * phi.shape[-1] if phi.ndim else None
-    if arch.is_registered(inv_freq):
-        values, name = arch.shared_inv_freq(inv_freq, head_dim=head_dim)
-        freqs, source = check_frequencies(values), frequency_source or f"live buffer {name}"
+    layer_sources: tuple[str, ...] | None = None
+    if arch.is_registered(inv_freq):  # each layer's own buffer (Gemma 3: sliding and full layers differ)
+        values, names = arch.inv_freq_by_layer(inv_freq, head_dim=head_dim)
+        freqs = np.stack([check_frequencies(v) for v in values])
+        layer_sources = tuple(f"live buffer {n}" for n in names)
+        source = frequency_source or arch.describe_sources(layer_sources)
+    elif not hasattr(inv_freq, "named_buffers") and np.ndim(inv_freq) == 2:  # (n_layers, K) given per layer
+        freqs = np.stack([check_frequencies(v) for v in np.asarray(inv_freq, dtype=np.float64)])
+        source = frequency_source or "given array (per layer)"
+        layer_sources = tuple(frequency_sources) if frequency_sources is not None else (source,) * freqs.shape[0]
     elif hasattr(inv_freq, "named_buffers"):
         values, name = find_inv_freq(inv_freq, head_dim=head_dim)
         freqs, source = check_frequencies(values), frequency_source or f"live buffer {name}"
@@ -278,8 +288,10 @@ def verify_phi_star(
         raise VerificationShapeError(f"angles have shape {phi.shape} but the covariances {s11.shape}")
     if phi.ndim not in (2, 3):
         raise VerificationShapeError(f"angles must be (n_layers, K) or (n_layers, H_kv, K), got {phi.shape}")
-    if freqs.size != phi.shape[-1]:
-        raise VerificationShapeError(f"{freqs.size} frequencies for {phi.shape[-1]} pairs")
+    if freqs.shape[-1] != phi.shape[-1]:
+        raise VerificationShapeError(f"{freqs.shape[-1]} frequencies for {phi.shape[-1]} pairs")
+    if freqs.ndim == 2 and freqs.shape[0] != phi.shape[0]:
+        raise VerificationShapeError(f"frequencies for {freqs.shape[0]} layers, angles for {phi.shape[0]}")
     if not (
         np.isfinite(phi).all()
         and np.isfinite(s11).all()
@@ -290,7 +302,13 @@ def verify_phi_star(
     if not 0 < tol:
         raise VerificationError(f"tolerance must be positive, got {tol!r}")
 
-    cc, ss, cs = position_moments(freqs, average_length)
+    if freqs.ndim == 2:  # per layer: (L, K), broadcast over the heads of per-head angles
+        cc, ss, cs = (np.stack(m) for m in zip(*(position_moments(f, average_length) for f in freqs),
+                                                strict=True))
+        if phi.ndim == 3:
+            freqs, cc, ss, cs = (a[:, None, :] for a in (freqs, cc, ss, cs))
+    else:
+        cc, ss, cs = position_moments(freqs, average_length)
     t11 = cc * s11 - 2 * cs * s12 + ss * s22
     t22 = ss * s11 + 2 * cs * s12 + cc * s22
     t12 = cs * (s11 - s22) + (cc - ss) * s12
@@ -347,6 +365,7 @@ def verify_phi_star(
         "worst_abs_excess": float(excess.max()),
         "tolerance": float(tol),
         "frequency_source": source,
+        "frequency_source_by_layer": list(layer_sources) if layer_sources else [source] * int(shape[0]),
         "average_length": int(average_length),
         "n_layers": int(shape[0]),
         "n_pairs": int(shape[-1]),
@@ -416,6 +435,15 @@ def load_angles(path: str | os.PathLike) -> np.ndarray:
     return np.asarray(data, dtype=np.float64)
 
 
+def load_frequency_sources(path: str | os.PathLike) -> list[str] | None:
+    """The per-layer source buffers saved with the frequencies (``sources_by_layer``), or None."""
+    p = Path(path)
+    if p.suffix != ".json" or not p.is_file():
+        return None
+    found = json.loads(p.read_text()).get("sources_by_layer")
+    return None if found is None else [str(s) for s in found]
+
+
 def load_frequencies(path: str | os.PathLike) -> tuple[np.ndarray, str]:
     """Frequencies from .npy, or .json ``{"inv_freq": [...], "source": "..."}``; returns (values, source)."""
     p = _require(path, "frequencies")
@@ -427,11 +455,17 @@ def load_frequencies(path: str | os.PathLike) -> tuple[np.ndarray, str]:
     return np.asarray(np.load(p, allow_pickle=False), dtype=np.float64), str(p)
 
 
-def save_frequencies(path: str | os.PathLike, inv_freq: Any, source: str) -> Path:
-    """Write deployed frequencies and their source as JSON (atomically)."""
+def save_frequencies(path: str | os.PathLike, inv_freq: Any, source: str,
+                     sources_by_layer: Any = None) -> Path:
+    """Write deployed frequencies and their source as JSON (atomically); a (n_layers, K) array (one row per
+    layer, e.g. Gemma 3's two RoPE bases) is kept as nested lists."""
     p = Path(path)
-    values = [float(v) for v in np.asarray(inv_freq, dtype=np.float64).reshape(-1)]
-    atomic_write_text(p, json.dumps({"inv_freq": values, "source": source}, indent=2) + "\n")
+    arr = np.asarray(inv_freq, dtype=np.float64)
+    values = arr.tolist() if arr.ndim == 2 else [float(v) for v in arr.reshape(-1)]
+    payload: dict[str, Any] = {"inv_freq": values, "source": source}
+    if sources_by_layer is not None:
+        payload["sources_by_layer"] = list(sources_by_layer)
+    atomic_write_text(p, json.dumps(payload, indent=2) + "\n")
     return p
 
 
@@ -454,7 +488,8 @@ def verify_files(
     stats = CalibrationStats.load(stats_p)
     freqs, source = load_frequencies(freq_p)
     result = verify_phi_star(
-        angles, stats, freqs, average_length, rule=rule, tol=tol, frequency_source=source
+        angles, stats, freqs, average_length, rule=rule, tol=tol, frequency_source=source,
+        frequency_sources=load_frequency_sources(freq_p) if freqs.ndim == 2 else None,
     )
     write_artifacts(result, out_dir, prefix)
     return result

@@ -270,11 +270,14 @@ def _check_rotations(model: nn.Module, cfg: RunConfig) -> None:
 
 
 def _inv_freq(model: nn.Module, head_dim: int) -> tuple[np.ndarray, str]:
-    """The RoPE frequencies shared by every layer (the angle estimators take one vector)."""
+    """The RoPE frequencies: one (K,) vector when every layer shares it, else (n_layers, K), one row per layer
+    (Gemma 3's sliding / full-attention bases), with a source naming each buffer and its layers. The angle
+    estimators read each layer's own row from the model (:func:`rope_quant.model.arch.inv_freq_by_layer`)."""
     try:
         return arch.shared_inv_freq(model, head_dim=head_dim)
-    except rope.AmbiguousInvFreqError as exc:
-        raise PipelineError(f"per-layer RoPE bases are not supported by the R3 angle estimators: {exc}") from exc
+    except rope.AmbiguousInvFreqError:
+        values, sources = arch.inv_freq_by_layer(model, head_dim=head_dim)
+        return values, arch.describe_sources(sources)
 
 
 def _r1_cache_path(cache: Path | None, cfg: RunConfig, fingerprint: str, data_fp: str) -> Path | None:

@@ -57,6 +57,8 @@ __all__ = [
     "rotary_modules",
     "layer_inv_freq",
     "shared_inv_freq",
+    "inv_freq_by_layer",
+    "describe_sources",
     "layer_linear_groups",
     "decoder_linears",
     "rotation_refusal",
@@ -86,6 +88,8 @@ class ArchSpec:
     ``post_mlp_norm`` (sandwich norms, optional) scale the o_proj / down_proj outputs before the residual
     add. ``norm_offset``: the RMSNorm scale is ``offset + weight`` (Gemma: 1). ``inv_freq_by_layer_type``:
     the rotary module holds one buffer per ``config.layer_types`` entry, named ``f"{layer_type}_inv_freq"``.
+    ``qk_norm_heads_first``: the q/k norms run after the (b, L, H, d) -> (b, H, L, d) transpose (Gemma 3),
+    not before it (Qwen3).
     ``refused``: extra (rotation, reason) declarations beyond those derived from the structure.
     """
 
@@ -113,6 +117,7 @@ class ArchSpec:
     post_mlp_norm: str | None = None
     norm_offset: float = 0.0
     inv_freq_by_layer_type: bool = False
+    qk_norm_heads_first: bool = False
     refused: tuple[tuple[str, str], ...] = field(default=())
 
     def linear_groups(self) -> tuple[tuple[str, ...], ...]:
@@ -138,7 +143,7 @@ register(ArchSpec("qwen3", q_norm="q_norm", k_norm="k_norm"))
 register(ArchSpec(
     "gemma3_text", q_norm="q_norm", k_norm="k_norm", pre_mlp_norm="pre_feedforward_layernorm",
     post_attn_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm",
-    norm_offset=1.0, inv_freq_by_layer_type=True,
+    norm_offset=1.0, inv_freq_by_layer_type=True, qk_norm_heads_first=True,
 ))
 
 
@@ -242,6 +247,7 @@ class AttentionParts:
     o: nn.Module
     q_norm: nn.Module | None
     k_norm: nn.Module | None
+    norm_heads_first: bool = False
 
     @property
     def head_dim(self) -> int | None:
@@ -256,7 +262,8 @@ class AttentionParts:
 
     def pre_rope(self, stream: str) -> tuple[nn.Module, bool]:
         """The module whose output is the pre-RoPE query ("q") or key ("k"), and whether that output is
-        per head, (..., H, head_dim) (a q/k norm), rather than (..., H*head_dim) (the projection)."""
+        per head, (..., L, H, head_dim) (a q/k norm; (b, H, L, head_dim) when :attr:`norm_heads_first`),
+        rather than (..., H*head_dim) (the projection)."""
         if stream not in ("q", "k"):
             raise ValueError(f"stream must be 'q' or 'k', got {stream!r}")
         norm = self.q_norm if stream == "q" else self.k_norm
@@ -315,7 +322,7 @@ def attention(model: Any, i: int) -> AttentionParts:
     q, k, v, o = (_get(attn, n, where) for n in (spec.q, spec.k, spec.v, spec.o))
     qn = getattr(attn, spec.q_norm, None) if spec.q_norm else None
     kn = getattr(attn, spec.k_norm, None) if spec.k_norm else None
-    return AttentionParts(attn, q, k, v, o, qn, kn)
+    return AttentionParts(attn, q, k, v, o, qn, kn, spec.qk_norm_heads_first)
 
 
 def attention_modules(model: Any) -> list[AttentionParts]:
@@ -436,6 +443,26 @@ def shared_inv_freq(model: Any, head_dim: int | None = None) -> tuple[np.ndarray
             "use layer_inv_freq(model, i) per layer"
         )
     return values, source
+
+
+def inv_freq_by_layer(model: Any, head_dim: int | None = None) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Every layer's RoPE ``inv_freq`` as one (n_layers, K) float64 array, and each row's source buffer.
+
+    For a one-base family every row is the shared buffer; for Gemma 3 the sliding-window layers read
+    ``sliding_attention_inv_freq`` (θ = 1e4) and the full-attention layers ``full_attention_inv_freq`` (1e6).
+    """
+    rows = [layer_inv_freq(model, i, head_dim) for i in range(len(decoder_layers(model)))]
+    return np.stack([v for v, _ in rows]), tuple(s for _, s in rows)
+
+
+def describe_sources(sources: tuple[str, ...] | list[str]) -> str:
+    """One line naming each distinct source buffer and the layers that read it (records, logs)."""
+    by: dict[str, list[int]] = {}
+    for i, s in enumerate(sources):
+        by.setdefault(s, []).append(i)
+    if len(by) == 1:
+        return next(iter(by))
+    return "; ".join(f"{s} (layers {','.join(map(str, layers))})" for s, layers in by.items())
 
 
 # ----------------------------------------------------------------------------- linears

