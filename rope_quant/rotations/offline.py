@@ -5,7 +5,7 @@ Sec. 3) and DartQuant (Shao et al., 2025, Sec. 3). Row-vector convention through
 activation row ``x`` to ``x @ R``. A linear ``y = x Wᵀ`` whose input is rotated keeps its output when
 ``W ← W R``, and a linear whose output must come out rotated gets ``W ← Rᵀ W`` (and ``b ← b R``).
 
-Steps, all function-preserving, in the order :func:`rotate_model` runs them:
+Steps, all function-preserving, in the order :func:`rotate_model` runs them (1–3 only when R1 is requested):
 
 1. :func:`untie_embeddings`: lm_head gets its own copy of the (tied) embedding matrix.
 2. :func:`fuse_norms`: each RMSNorm scale ``g`` moves into the linears it feeds (``W ← W diag(g)``) and
@@ -536,7 +536,8 @@ def rotate_model(
     whip_options: dict | None = None,
     register_r4_hooks: bool = True,
 ) -> RotationResult:
-    """Untie → fuse norms → R1 → R2 → R4, in place; every step function-preserving.
+    """Untie → fuse norms → R1 (these three only when R1 is not identity) → R2 → R4, in place; every step
+    function-preserving.
 
     r1/r2="random_hadamard" use seeded random Hadamards diag(s)·H (``cfg.seed``), "hadamard" the plain
     normalised Hadamard; "given" needs the matrix;
@@ -572,9 +573,12 @@ def rotate_model(
         fitted = None
 
     result = RotationResult(config=cfg, fitted=fitted)
-    result.untied = untie_embeddings(model)
-    fuse_norms(model)
     if cfg.r1 != "identity":
+        # untie and fuse only for R1 (as QuaRot does): R1 must pass through unit-weight norms; R2 and R4 pass
+        # through none. Without R1 a fused scale would only move the norm's per-channel range into the weights
+        # (Gemma 3's (1 + w) scales reach 122: one input column of q/k/v then sets every 4-bit step of a row).
+        result.untied = untie_embeddings(model)
+        fuse_norms(model)
         q = r1_matrix
         if cfg.r1 in ("random_hadamard", "hadamard"):
             q = r1_hadamard(dims.hidden, cfg.seed if cfg.r1 == "random_hadamard" else None)

@@ -330,11 +330,16 @@ def test_gemma3_folding_r1_anyway_changes_the_logits():
 
 @needs_gemma3
 def test_gemma3_r2_r4_and_norm_fusion_preserve_logits():
-    """Without R1 the offline steps stay exact on Gemma 3 (norm fusion honours its ``1 + w`` scale)."""
+    """Without R1 the offline steps stay exact on Gemma 3 and leave its norms unfused (fusion is R1's step);
+    norm fusion itself is exact too (it honours the ``1 + w`` scale)."""
     model = tiny_gemma3()
     ids = _ids()
     ref = _logits(model, ids)
     rotation.rotate_model(model, rotation.RotationConfig(r1="none", r2="hadamard", r4=True, seed=1))
+    assert not rotation.norms_fused(model)
+    assert _rel(_logits(model, ids), ref) < REL_TOL
+    rotation.untie_embeddings(model)
+    rotation.fuse_norms(model)
     assert rotation.norms_fused(model)
     assert _rel(_logits(model, ids), ref) < REL_TOL
 

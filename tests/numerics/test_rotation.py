@@ -328,7 +328,10 @@ def test_rotate_model_configs_preserve_logits(cfg):
     before = _snapshot(model)
     rotation.rotate_model(model, cfg, **kwargs)
     assert _rel(_logits(model, ids), ref) <= REL_TOL
-    assert _changed(before, model, "model.layers.0.self_attn.q_proj.weight")  # fused norm scales at least
+    # norms are fused (and lm_head untied) for R1 only: without R1 the q/k/v weights keep the norm's scale apart
+    assert _changed(before, model, "model.layers.0.self_attn.q_proj.weight") == (cfg.r1 != "identity")
+    assert torch.equal(model.model.layers[0].input_layernorm.weight,
+                       before["model.layers.0.input_layernorm.weight"]) == (cfg.r1 == "identity")
     assert _changed(before, model, "model.embed_tokens.weight") == (cfg.r1 != "identity")
     assert cfg.r1 in ("identity", "random_hadamard", "hadamard", "given")  # "none" reads as identity
     assert _changed(before, model, "model.layers.0.mlp.down_proj.weight") == (cfg.r1 != "identity" or cfg.r4)
