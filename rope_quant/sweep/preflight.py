@@ -93,7 +93,7 @@ def check_windows(corpus: Any, cells: Iterable[Any]) -> list[str]:
         seqlen, wanted = run.budget.seqlen, run.budget.eval_windows
         if n_calib < seqlen:
             errors.append(f"the calibration stream has {n_calib} tokens, fewer than one window of seqlen={seqlen}")
-        lengths = cfg.lengths if isinstance(cfg, LongContextConfig) else (seqlen,)
+        lengths = cfg.lengths if isinstance(cfg, LongContextConfig) or hasattr(cfg, "static_fields") else (seqlen,)
         for length in lengths:
             fit = n_eval // length
             if fit == 0:
