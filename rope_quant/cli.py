@@ -900,6 +900,10 @@ def cmd_report(args: argparse.Namespace, cells: Cells) -> int:
                               figures=args.figures)
     print(rep["markdown"])
     print("wrote " + ", ".join(str(Path(f).relative_to(out)) for f in rep["files"]))
+    if rep["summary"].get("kind") == "static":  # App. A.6 contrasts, A.8 non-additivity, App. E diagnostic
+        from rope_quant.sweep.static import write_static_report
+
+        print(write_static_report(out, level=args.level))
     return 0
 
 

@@ -287,6 +287,9 @@ def test_report_contrasts_and_non_additivity_arithmetic(tmp_path: Path, capsys) 
     assert float(rows[("64", "act", "pairwise_plus_hadamard − hadamard")]["mean"]) == pytest.approx(0.5)
     na = {(r["L"], r["quantity"]): r for r in csv.DictReader((out / "tables" / "static-nonadditivity.csv").open())}
     assert float(na[("64", "ppl(hadamard)")]["interaction"]) == pytest.approx(5.0 - 3.0)
+    (out / "static.md").unlink()
+    assert cli.main(["report", str(out), "--no-figures"]) == 0  # `report` rewrites the static tables too
+    assert "Non-additivity of the static scopes" in capsys.readouterr().out and (out / "static.md").is_file()
     gap = na[("128", "gap(pairwise_only − hadamard)")]
     assert float(gap["effect_both"]) == pytest.approx(-3.0) and float(gap["effect_sum"]) == pytest.approx(-0.5)
     assert float(gap["interaction"]) == pytest.approx(-2.5)
