@@ -38,6 +38,8 @@ def _static_cells(experiment, scope: str = "both") -> dict[str, list[dict]]:
                 qm.reconfigure(experiment.config(seed, r3=r3, eval_windows=STATIC_EVAL_WINDOWS))
                 cell = StaticConfig(qm.cfg, (b.seqlen,), scope, max_windows=STATIC_WINDOWS)
                 out[r3].append(evaluate_static_cell(cell, qm))
+                print(f"C8 static {scope} seed {seed} {r3}: ppl {out[r3][-1]['lengths'][str(b.seqlen)]['ppl']:.3f}",
+                      flush=True)  # the measurement as it lands (the session's output with -s)
             del qm
         experiment._cells[key] = out
     return experiment._cells[key]
