@@ -11,6 +11,7 @@ Subcommands::
     rope-quant long-context  perplexity gap against context length L (crossover)
     rope-quant lm-eval       lm-evaluation-harness tasks on the quantised models (extra ``[eval]``)
     rope-quant niah          needle-in-a-haystack retrieval, RULER format (App. G)
+    rope-quant static        the static per-channel control (App. A.6): scopes both/act/kv against dynamic
     rope-quant verify        φ* artefacts of a results directory (App. A.5)
     rope-quant report        tables and figures from a results directory (--check: completion only)
     rope-quant models        embedded models and the model cache (--clear-cache empties it)
@@ -332,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_lm_eval_parser(sub)
     add_niah_parser(sub)
+    add_static_parser(sub)
 
     p = sub.add_parser("verify", help="verify φ* from the artefacts of a results directory")
     p.add_argument("dir", metavar="DIR", help="results directory")
@@ -936,6 +938,37 @@ def add_niah_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+# ----------------------------------------------------------------------------- static control (App. A.6)
+
+
+def add_static_parser(sub: Any) -> argparse.ArgumentParser:
+    """``rope-quant static``: the static per-channel control of A.6 (scales per corpus and length)."""
+    from rope_quant.experiment.static_control import PAPER_MAX_WINDOWS, StaticProtocol
+
+    p = sub.add_parser("static", help="static per-channel control (App. A.6/D/H): scopes both/act/kv vs dynamic")
+    p.add_argument("--lengths", default=None, metavar="L1,L2,...",
+                   help="context lengths (CPU 256,512,1024; CUDA 2048,4096,8192,16384)")
+    p.add_argument("--configs", default="hadamard,pairwise_only,pairwise_plus_hadamard", metavar="A,B,...",
+                   help="R3 configs (default hadamard,pairwise_only,pairwise_plus_hadamard)")
+    p.add_argument("--scopes", default="dynamic,act,kv,both", metavar="S1,S2,...",
+                   help="static scopes: both (activations and KV), act, kv; dynamic = no static control "
+                        "(default all four: the A.8 non-additivity check needs them)")
+    p.add_argument("--protocol", default=StaticProtocol.TRANSDUCTIVE.value, choices=values(StaticProtocol),
+                   help="where the scales come from: transductive = windows of the evaluation corpus (A.6, "
+                        "the paper's protocol); calibration-split = the calibration split (out of sample, not "
+                        "in the paper)")
+    p.add_argument("--static-windows", type=int, default=PAPER_MAX_WINDOWS, metavar="N",
+                   help=f"at most N non-overlapping estimation windows per length (A.6: {PAPER_MAX_WINDOWS}; "
+                        "fewer is a printed deviation)")
+    p.add_argument("--eval-corpus", default=None, metavar="NAME|PATH",
+                   help="corpus scored (default: --corpus's evaluation split); calibration stays on --corpus")
+    p.add_argument("--quant-diagnostic", action="store_true",
+                   help="record the selected step Δ and the relative error of every quantiser call (App. E)")
+    _common(p)
+    _sweep_options(p)
+    return p
+
+
 def cmd_niah(args: argparse.Namespace, cells: Cells) -> int:
     """Build the NIAH manifest (seed x [fp, configs]), run its cells resumably, write the NIAH report."""
     from rope_quant.experiment.niah import NiahError, NiahSpec
@@ -987,6 +1020,46 @@ def cmd_niah(args: argparse.Namespace, cells: Cells) -> int:
     if result.failed:
         _print_first_error(out, merged.manifest, result.failed)
     return 1 if result.failed else 0
+
+
+def cmd_static(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.sweep import static
+
+    _validate_common(args)
+    configs = parse_configs(args.configs)
+    scopes = tuple(static.parse_scope(n) for n in parse_names(
+        args.scopes, "static scope", (static.DYNAMIC, "act", "kv", "both")))
+    if args.static_windows < 1:
+        raise CLIError(f"--static-windows must be an integer >= 1, got {args.static_windows}")
+    used: list[str] = []
+    seeds = _seeds(args, used)
+    used += resolve_budget(args)[1]
+    if args.lengths is None:
+        lengths = LONG_CONTEXT_LENGTHS["cuda" if args.device.startswith("cuda") else "cpu"]
+        used.append("lengths=" + ",".join(map(str, lengths)))
+    else:
+        lengths = parse_int_list(args.lengths, "--lengths", minimum=2)
+    if args.eval_corpus:
+        check_corpus(args.eval_corpus)
+    manifest = static.static_manifest(base_config(args), configs, seeds, lengths, scopes, protocol=args.protocol,
+                                      max_windows=args.static_windows, eval_corpus=args.eval_corpus,
+                                      quant_diagnostic=args.quant_diagnostic, comparator=args.comparator)
+    first = next(cfg for _, cfg in manifest.cells if cfg.scope is not None) if any(
+        cfg.scope is not None for _, cfg in manifest.cells) else None
+    if first is not None:
+        print("static protocol: " + ("transductive (A.6: scales from the evaluation corpus)"
+                                     if first.protocol.value == "transductive" else
+                                     "calibration-split (out of sample; the paper ran the transductive protocol)"),
+              flush=True)
+        for line in static.deviations(first):
+            print(f"deviation from A.6: {line}", flush=True)
+    rc = _execute(args, cells, manifest, used)
+    out = Path(args.out)
+    text = static.write_static_report(out, comparator=args.comparator)
+    print()
+    print(text)
+    print(f"wrote {out / 'static.md'}")
+    return rc
 
 
 def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
@@ -1053,6 +1126,10 @@ def cmd_report(args: argparse.Namespace, cells: Cells) -> int:
                               figures=args.figures)
     print(rep["markdown"])
     print("wrote " + ", ".join(str(Path(f).relative_to(out)) for f in rep["files"]))
+    if rep["summary"].get("kind") == "static":  # App. A.6 contrasts, A.8 non-additivity, App. E diagnostic
+        from rope_quant.sweep.static import write_static_report
+
+        print(write_static_report(out, level=args.level))
     return 0
 
 
@@ -1080,6 +1157,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Cells], int]] = {
     "long-context": cmd_long_context, "verify": cmd_verify, "report": cmd_report, "lm-eval": cmd_lm_eval,
     "niah": cmd_niah,
     "models": cmd_models,
+    "static": cmd_static,
 }
 
 

@@ -112,7 +112,8 @@ def install_activation_quantizers(model: nn.Module, spec: QuantConfig,
     per-channel quantiser) where given. The hooks are appended after existing pre-hooks, so down_proj's
     online R4 Hadamard (registered with ``prepend=True``) runs first. Returns the handles.
     """
-    from rope_quant.quant.quantizers import fake_quant
+    from rope_quant.quant import diagnostic as qdiag
+    from rope_quant.quant.quantizers import fake_quant, selected_step
 
     # q/k/v (and gate/up) read the same tensor: the dynamic quantiser runs once per input tensor and the others
     # reuse its output (same function of the same values, so bit-identical). The memo holds the last input (so
@@ -128,6 +129,8 @@ def install_activation_quantizers(model: nn.Module, spec: QuantConfig,
             return memo["y"]
         y = fake_quant(x, _spec)
         memo.update(x=x, version=version(x), y=y)
+        if qdiag.active() is not None:  # App. E diagnostic: one record per evaluation (memo hits excluded)
+            qdiag.observe(qdiag.Stream.ACT, qdiag.Rule.DYNAMIC, x, y, lambda: selected_step(x, _spec))
         return y
 
     handles = []
@@ -142,7 +145,10 @@ def install_activation_quantizers(model: nn.Module, spec: QuantConfig,
                 return (quantise_once(args[0]),) + tuple(args[1:])
         else:
             def hook(_mod, args, _fn=fn):
-                return (_fn(args[0]),) + tuple(args[1:])
+                y = _fn(args[0])
+                if qdiag.active() is not None and hasattr(_fn, "step"):
+                    qdiag.observe(qdiag.Stream.ACT, qdiag.Rule.STATIC, args[0], y, _fn.step)
+                return (y,) + tuple(args[1:])
         handles.append(mod.register_forward_pre_hook(hook))
         setattr(mod, _ACT_FLAG, True)
     return handles
@@ -562,6 +568,10 @@ class _HeadsQuantizer:
         b, h, length, d = x.shape
         y = self.q(_heads_last(x))
         return y.reshape(b, length, h, d).transpose(1, 2)
+
+    def step(self) -> torch.Tensor:
+        """The per-channel steps of the wrapped quantiser (App. E diagnostic)."""
+        return self.q.step()
 
 
 def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray) -> list[Any]:

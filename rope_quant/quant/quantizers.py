@@ -39,6 +39,7 @@ __all__ = [
     "fake_quant_per_token",
     "fake_quant",
     "quant_step",
+    "selected_step",
     "StaticChannelQuantizer",
 ]
 
@@ -249,6 +250,20 @@ def quant_step(
     return _step(hi, lo, levels).squeeze(-1), (hi - lo).squeeze(-1)
 
 
+def selected_step(x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """The step Δ the dynamic quantiser :func:`fake_quant` selects for each token/group of x, shape
+    (..., n_groups), float32 (App. E's diagnostic): the same range, clip and zero-range guard (Δ = 1) as
+    the quantiser itself; asymmetric or symmetric as ``cfg`` says."""
+    g = _grouped(_work(x), cfg.group_size)
+    if cfg.symmetric:
+        amax, _ = _sym_amax(g, cfg.clip_ratio)
+        delta = _step(amax, torch.zeros_like(amax), (1 << (cfg.bits - 1)) - 1)
+    else:
+        lo, hi, _ = _asym_range(g, cfg.clip_ratio)
+        delta = _step(hi, lo, (1 << cfg.bits) - 1)
+    return torch.where(delta > 0, delta, torch.ones_like(delta)).squeeze(-1)
+
+
 class StaticChannelQuantizer:
     """Static per-channel INT-b control (App. A.6/D): one range per channel of the last dim, calibrated once.
 
@@ -334,6 +349,17 @@ class StaticChannelQuantizer:
             hi = self.hi.clamp(min=0.0) * self.clip_ratio
             self._params = (lo, hi)
         self.frozen = True
+
+    def step(self) -> torch.Tensor:
+        """The frozen per-channel step Δ_c (App. E's diagnostic), with the quantiser's zero-range guard."""
+        if self._params is None:
+            self.finalize()
+        a, b = self._params  # type: ignore[misc]
+        if self.symmetric:
+            delta = _step(a, torch.zeros_like(a), (1 << (self.bits - 1)) - 1)
+        else:
+            delta = _step(b, a, (1 << self.bits) - 1)
+        return torch.where(delta > 0, delta, torch.ones_like(delta))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Fake-quantise x (..., n_channels) with the frozen per-channel ranges."""

@@ -38,7 +38,8 @@ from torch import nn
 
 from rope_quant.core import rope
 from rope_quant.model import arch
-from rope_quant.quant.quantizers import QuantConfig, fake_quant
+from rope_quant.quant import diagnostic as qdiag
+from rope_quant.quant.quantizers import QuantConfig, fake_quant, selected_step
 
 __all__ = [
     "ATTN_NAME",
@@ -131,12 +132,18 @@ def _sdpa():
     return sdpa_attention_forward
 
 
-def _apply_quant(x: torch.Tensor, spec: QuantConfig, static: Any) -> torch.Tensor:
+def _apply_quant(x: torch.Tensor, spec: QuantConfig, static: Any, stream: str = "k") -> torch.Tensor:
     if static is not None:
-        return static(x)
+        y = static(x)
+        if qdiag.active() is not None and hasattr(static, "step"):
+            qdiag.observe(stream, qdiag.Rule.STATIC, x, y, static.step)
+        return y
     if not spec.enabled:
         return x
-    return fake_quant(x, spec)
+    y = fake_quant(x, spec)
+    if qdiag.active() is not None:  # App. E diagnostic (read-only)
+        qdiag.observe(stream, qdiag.Rule.DYNAMIC, x, y, lambda: selected_step(x, spec))
+    return y
 
 
 def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -154,8 +161,8 @@ def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
                 state.diagnostics.update(k_new, layer=state.layer_idx)
             for fn in state.observers:
                 fn(state.layer_idx, k_new, v_new)
-        key = _apply_quant(key, state.k, state.k_static)
-        value = _apply_quant(value, state.v, state.v_static)
+        key = _apply_quant(key, state.k, state.k_static, "k")
+        value = _apply_quant(value, state.v, state.v_static, "v")
     return _sdpa()(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -169,6 +169,10 @@ def pipeline_cell_fn(
 
                 lm_eval_cells.append(LmEvalCells())
             return {**lm_eval_cells[0](cfg, qm), "model_reused": reused}
+        if hasattr(cfg, "static_fields"):  # rope-quant static (App. A.6): scales per length, then scored
+            from rope_quant.sweep.static import evaluate_static_cell
+
+            return {**evaluate_static_cell(cfg, qm, progress=progress), "model_reused": reused}
         if not isinstance(cfg, LongContextConfig):
             return {**pipeline.run_cell(run_cfg, qm=qm, progress=progress), "model_reused": reused}
         from rope_quant.experiment import evaluate

@@ -228,6 +228,10 @@ def config_from_dict(data: Mapping[str, Any]) -> Any:
         fields = dict(data["lm_eval"])
         fields["tasks"] = tuple(fields["tasks"])
         return LmEvalConfig(config.RunConfig.from_dict(dict(data["run"])), **fields)
+    if "run" in data and "static" in data:  # rope-quant static (App. A.6)
+        from rope_quant.sweep.static import StaticConfig
+
+        return StaticConfig.from_dict(data)
     if "run" in data and "lengths" in data:
         return LongContextConfig(config.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),
                                  matched_average=bool(data.get("matched_average", False)),
@@ -405,6 +409,8 @@ def cell_settings(cfg: Any) -> dict[str, Any]:
         out = cell_settings(cfg.run)
         out.update(lengths=list(cfg.lengths), matched_average=cfg.matched_average)
         return out
+    if hasattr(cfg, "static_fields"):  # a rope-quant static cell
+        return {**cell_settings(cfg.run), **cfg.static_fields()}
     flat = cfg.flat() if hasattr(cfg, "flat") else config_dict(cfg)
     flat = {k: to_jsonable(dataclasses.asdict(v)) if dataclasses.is_dataclass(v) else v for k, v in flat.items()}
     for name in ("seed", *_identity_fields(cfg)):

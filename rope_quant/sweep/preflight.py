@@ -93,7 +93,7 @@ def check_windows(corpus: Any, cells: Iterable[Any]) -> list[str]:
         seqlen, wanted = run.budget.seqlen, run.budget.eval_windows
         if n_calib < seqlen:
             errors.append(f"the calibration stream has {n_calib} tokens, fewer than one window of seqlen={seqlen}")
-        lengths = cfg.lengths if isinstance(cfg, LongContextConfig) else (seqlen,)
+        lengths = cfg.lengths if isinstance(cfg, LongContextConfig) or hasattr(cfg, "static_fields") else (seqlen,)
         if isinstance(cfg, LongContextConfig) and (cfg.eval_docs is not None or cfg.eval_corpus not in (None,
                                                                                                      run.corpus)):
             lengths = ()  # scored on its own stream: check_eval_streams
