@@ -1,4 +1,4 @@
-"""C8 (App. D, A.6): under the static joint control (scope ``both``) the dynamic ordering does not hold at the
+"""The static control (App. D, A.6): under the static joint control (scope ``both``) the dynamic ordering does not hold at the
 shortest length: pairwise_only − hadamard ≤ 0 (the paper: −5.60 PPL at 2K).
 
 The cells are the e2e session's (``tests/e2e/conftest.py``: GPTQ weights, whip R1, 16 × 512 calibration tokens,
@@ -28,7 +28,7 @@ STATIC_EVAL_WINDOWS = 4
 #: The verdict is decided only when the mean gap is farther than this from 0 (PPL). Not measured across
 #: machines or thread counts (no time on this run): an assumed margin of the order of the dynamic claims' spreads
 #: (test_claims.SPREAD, 0.6–7 PPL), scaled to the larger static perplexities.
-SPREAD_C8 = 5.0
+SPREAD_STATIC = 5.0
 
 
 def _static_cells(experiment, scope: str = "both") -> dict[str, list[dict]]:
@@ -48,7 +48,7 @@ def _static_cells(experiment, scope: str = "both") -> dict[str, list[dict]]:
                 qm.reconfigure(experiment.config(seed, r3=r3, eval_windows=STATIC_EVAL_WINDOWS))
                 cell = StaticConfig(qm.cfg, (b.seqlen,), scope, max_windows=STATIC_WINDOWS)
                 out[r3].append(evaluate_static_cell(cell, qm))
-                print(f"C8 static {scope} seed {seed} {r3}: ppl {out[r3][-1]['lengths'][str(b.seqlen)]['ppl']:.3f}",
+                print(f"static {scope} seed {seed} {r3}: ppl {out[r3][-1]['lengths'][str(b.seqlen)]['ppl']:.3f}",
                       flush=True)  # the measurement as it lands (the session's output with -s)
             del qm
         experiment._cells[key] = out
@@ -56,7 +56,7 @@ def _static_cells(experiment, scope: str = "both") -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
-def test_c8_static_joint_control_reverses_the_ordering_at_the_shortest_length(experiment, rq_claim,
+def test_static_joint_control_reverses_the_ordering_at_the_shortest_length(experiment, rq_claim,
                                                                               rq_record) -> None:
     b = experiment.budget
     cells = _static_cells(experiment, "both")
@@ -72,10 +72,10 @@ def test_c8_static_joint_control_reverses_the_ordering_at_the_shortest_length(ex
         st = c["lengths"][length]["static"]
         assert c["static"]["transductive"] and st["scope"] == "both" and st["length"] == b.seqlen
         assert st["windows"] == min(STATIC_WINDOWS, st["available_windows"])
-    verdict = three_way(-ci.mean, SPREAD_C8)  # True: the gap is clearly ≤ 0
-    rq_claim("C8 (App. D) static joint control: pairwise_only − hadamard ≤ 0 at the shortest length",
-             f"mean paired gap ≤ 0 (paper: −5.60 PPL at 2K), decided beyond ±{SPREAD_C8} PPL",
+    verdict = three_way(-ci.mean, SPREAD_STATIC)  # True: the gap is clearly ≤ 0
+    rq_claim("Static (App. D) joint control: pairwise_only − hadamard ≤ 0 at the shortest length",
+             f"mean paired gap ≤ 0 (paper: −5.60 PPL at 2K), decided beyond ±{SPREAD_STATIC} PPL",
              f"L={b.seqlen}: {ci.mean:+.3f} (90% CI {ci.low:+.3f}, {ci.high:+.3f}; n={ci.n}); "
              f"hadamard {[round(v, 3) for v in had]}, pairwise_only {[round(v, 3) for v in pw]}; "
-             f"{_verdict_text(verdict, SPREAD_C8)}", verdict, stat=ci.mean)
+             f"{_verdict_text(verdict, SPREAD_STATIC)}", verdict, stat=ci.mean)
     assert verdict is not False, f"static both, L={b.seqlen}: pairwise_only − hadamard = {ci}"
