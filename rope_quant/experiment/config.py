@@ -658,6 +658,8 @@ class RunConfig:
             parts["calibration"] = self._calibration(ref)
         if self.gptq_sees_act_quant:
             parts["activations"] = self._activations(ref)
+        if self.rotation.r1 == "identity":  # norms stay unfused without R1 (rotations/offline.rotate_model); the
+            parts["norms"] = "unfused"     # marker keeps caches written when they were fused from being read
         return parts
 
     def weight_key(self) -> str:

@@ -1,5 +1,5 @@
-"""The static control (App. D, A.6): under the static joint control (scope ``both``) the dynamic ordering does not hold at the
-shortest length: pairwise_only − hadamard ≤ 0 (the paper: −5.60 PPL at 2K).
+"""The static control (App. D, A.6): under the static joint control (scope ``both``) the dynamic ordering does
+not hold at the shortest length: pairwise_only − hadamard ≤ 0 (the paper: −5.60 PPL at 2K).
 
 The cells are the e2e session's (``tests/e2e/conftest.py``: GPTQ weights, whip R1, 16 × 512 calibration tokens,
 3 seeds, shared cache): each seed's hadamard model is built, its static scales estimated transductively (A.6)
