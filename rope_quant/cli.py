@@ -1065,8 +1065,7 @@ def cmd_static(args: argparse.Namespace, cells: Cells) -> int:
 def cmd_verify(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.calib import verify
     from rope_quant.io import atomic_write_json, markdown_table
-    from rope_quant.sweep.cells import ARTIFACTS_DIR
-    from rope_quant.sweep.manifest import config_from_dict, read_manifest, run_of
+    from rope_quant.sweep.manifest import ARTIFACTS_DIR, config_from_dict, read_manifest, run_of
     from rope_quant.sweep.records import is_complete
 
     out = Path(args.dir)

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.io import atomic_writer
-from rope_quant.sweep.manifest import LmEvalConfig, LongContextConfig, run_of
+from rope_quant.sweep.manifest import ARTIFACTS_DIR, LmEvalConfig, LongContextConfig, run_of
 from rope_quant.sweep.models import ModelCache, process_models
 
 CellFn = Callable[[Any], Mapping[str, Any]]
-ARTIFACTS_DIR = "artifacts"
 
 
 def artifact_dir(out: str | os.PathLike[str], cfg: Any) -> Path:

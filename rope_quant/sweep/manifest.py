@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -23,6 +24,8 @@ from rope_quant.io import atomic_write_json, to_jsonable
 
 MANIFEST_FILE = "manifest.json"
 CELLS_DIR = "cells"
+#: Per-cell artefacts (φ angles, statistics, frequencies) under ``DIR/artifacts/<key>/``.
+ARTIFACTS_DIR = "artifacts"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
 
 
@@ -215,23 +218,26 @@ class LmEvalConfig(_WrapsRun):
         return {"run": config_dict(self.run), "lm_eval": {**self._task_fields(), "batch_size": self.batch_size}}
 
 
+#: Cell kinds whose config classes live in modules that import this one, by the tag their ``to_dict()`` carries:
+#: ``"module:Class"`` with a ``from_dict`` classmethod, imported only when a manifest holds such a cell (so the
+#: dependency points from those modules to this one).
+CELL_KINDS: dict[str, str] = {"niah": "rope_quant.sweep.niah:NiahConfig",
+                              "static": "rope_quant.sweep.static:StaticConfig"}
+
+
 def config_from_dict(data: Mapping[str, Any]) -> Any:
     """Rebuild a cell config from its manifest dict (``RunConfig``, :class:`LongContextConfig` or
     :class:`LmEvalConfig`); the run's dict may be nested or the flat form of older results directories."""
     from rope_quant.experiment import config  # deferred: heavy
 
-    if "run" in data and "niah" in data:
-        from rope_quant.sweep.niah import NiahConfig
-
-        return NiahConfig.from_dict(data)
+    for tag, where in CELL_KINDS.items():  # kinds defined above this module (their modules import this one)
+        if "run" in data and tag in data:
+            module, name = where.split(":")
+            return getattr(importlib.import_module(module), name).from_dict(data)
     if "run" in data and "lm_eval" in data:
         fields = dict(data["lm_eval"])
         fields["tasks"] = tuple(fields["tasks"])
         return LmEvalConfig(config.RunConfig.from_dict(dict(data["run"])), **fields)
-    if "run" in data and "static" in data:  # rope-quant static (App. A.6)
-        from rope_quant.sweep.static import StaticConfig
-
-        return StaticConfig.from_dict(data)
     if "run" in data and "lengths" in data:
         return LongContextConfig(config.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),
                                  matched_average=bool(data.get("matched_average", False)),

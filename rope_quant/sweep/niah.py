@@ -104,10 +104,9 @@ def haystack_stream(cfg: NiahConfig, tokenizer: Any, corpora: dict) -> Any:
 
 def scored(result: Any) -> bool:
     """A NIAH result counts when it has an accuracy for at least one length (the records' predicate)."""
-    acc = result.get("niah", {}).get("accuracy", {}) if isinstance(result, Mapping) else {}
-    by_length = acc.get("by_length") if isinstance(acc, Mapping) else None
-    return isinstance(by_length, Mapping) and bool(by_length) and all(
-        isinstance(v, (int, float)) and np.isfinite(v) for v in by_length.values())
+    from rope_quant.sweep.records import scored_niah
+
+    return isinstance(result, Mapping) and scored_niah(result)
 
 
 # ----------------------------------------------------------------------------- report

@@ -34,7 +34,7 @@ PROTOCOL = "long-context-protocol"
 
 def find_stats(root: Path) -> tuple[Path, str] | None:
     """The first ``artifacts/<key>/stats.npz`` of the manifest's cells and a label ``name seed s``."""
-    from rope_quant.sweep.cells import ARTIFACTS_DIR
+    from rope_quant.sweep.manifest import ARTIFACTS_DIR
 
     for entry in read_manifest(root)["cells"]:
         path = root / ARTIFACTS_DIR / entry["key"] / "stats.npz"

@@ -136,16 +136,15 @@ def result_is_scored(result: Any) -> bool:
     """A result counts when it has a score: its own ``ppl``, at least one scored context length,
     lm-eval metrics for every task, or NIAH accuracies."""
     return isinstance(result, Mapping) and (_scored(result) or bool(scored_lengths(result)) or _scored_tasks(result)
-                                            or _scored_niah(result))
+                                            or scored_niah(result))
 
 
-def _scored_niah(result: Mapping[str, Any]) -> bool:
+def scored_niah(result: Mapping[str, Any]) -> bool:
     """A NIAH result (App. G): a finite accuracy for at least one length."""
-    if "niah" not in result:
-        return False
-    from rope_quant.sweep.niah import scored
-
-    return scored(result)
+    acc = result.get("niah", {}).get("accuracy", {}) if isinstance(result.get("niah"), Mapping) else {}
+    by_length = acc.get("by_length") if isinstance(acc, Mapping) else None
+    return isinstance(by_length, Mapping) and bool(by_length) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in by_length.values())
 
 
 def incomplete_reason(result: Mapping[str, Any]) -> str:

@@ -96,7 +96,7 @@ def test_corpus_rewritten_under_the_same_path_recomputes_cell_and_statistics(tmp
     corpus.write_text(corpus_text(1))
     out = tmp_path / "out"
     argv = ["compare", "--model", str(tiny_model), "--corpus", str(corpus), "--configs", "pairwise_only",
-            "--comparator", "pairwise_only", "--out", str(out), *TINY]
+            "--comparator", "pairwise_only", "--out", str(out), "--keep-cache", *TINY]  # the test reads the cache
     assert cli.main(argv, models=ModelCache()) == 0
     assert "1 ran, 0 already complete" in capsys.readouterr().out
     first = only_record(out)
@@ -264,7 +264,7 @@ def test_truncated_statistics_cache_is_warned_rebuilt_and_the_cell_succeeds(tmp_
     corpus.write_text(corpus_text(1))
     out = tmp_path / "out"
     argv = ["compare", "--model", str(tiny_model), "--corpus", str(corpus), "--configs", "pairwise_only",
-            "--comparator", "pairwise_only", "--out", str(out), *TINY]
+            "--comparator", "pairwise_only", "--out", str(out), "--keep-cache", *TINY]  # the test reads the cache
     assert cli.main(argv, models=ModelCache()) == 0
     good = only_record(out)
     (stats,) = (out / "cache").glob("stats-*.npz")
