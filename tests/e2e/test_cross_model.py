@@ -68,6 +68,21 @@ def xexp(xmodel, request, e2e_cache, e2e_budget, rq_options, experiment_factory)
     return Experiment(base, e2e_cache, e2e_budget, rq_options.corpus, model=xmodel)
 
 
+#: Claims measured NOT to hold on a model (a disagreement between the models, reported in the README): strict
+#: xfails with the measured numbers. 2026-11-24, 1 thread, 3 seeds, 12 x 512 pydoc tokens, W16A16KV4, no BOS.
+DISAGREEMENTS = {
+    ("C3", "gemma3-270m"): "C3 does not hold on Gemma 3 (MQA, 1 KV head): k_only 299.35, 253.58, 261.63 vs rows "
+                           "153.47, 148.46, 164.72; diff +115.97 (90% CI +71.76, +160.18), far past the 1% spread",
+}
+
+
+def _expect(request, claim: str, exp) -> None:
+    """Mark the running test as a strict xfail where :data:`DISAGREEMENTS` records that the claim fails."""
+    reason = DISAGREEMENTS.get((claim, _name(exp)))
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+
+
 def _name(exp) -> str:
     return exp.model.rstrip("/").split("/")[-1]
 
@@ -116,9 +131,10 @@ def test_c8_kv_only_k_diagnostics_favour_hadamard(xexp, rq_claim) -> None:
     assert holds, metrics
 
 
-def test_c3_kv_only_k_only_beats_rows(xexp, rq_claim) -> None:
+def test_c3_kv_only_k_only_beats_rows(xexp, rq_claim, request) -> None:
     """C3 on 4-bit keys alone: the paired 90% interval of ppl(k_only) − ppl(rows) lies below zero (decided
-    beyond the relative spread)."""
+    beyond the relative spread). A strict xfail on Gemma 3 (:data:`DISAGREEMENTS`)."""
+    _expect(request, "C3", xexp)
     rows = xexp.per_seed(r3="pairwise_only", estimator="rows", **KV_ONLY)
     k_only = xexp.per_seed(r3="pairwise_only", estimator="k_only", **KV_ONLY)
     ci = stats.paired_ci(k_only, rows)
