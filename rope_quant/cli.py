@@ -564,8 +564,10 @@ def _cache_pruner(args: argparse.Namespace, out: Path, manifest: Any) -> Any:
     return CachePruner(out / runner.CACHE_DIR, list(manifest.cells), complete)
 
 
-def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[str]) -> int:
-    """Check the input, then run (or submit) a sweep's cells, then write and print the report."""
+def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[str],
+             report_fn: Callable[[Path], dict] | None = None) -> int:
+    """Check the input, then run (or submit) a sweep's cells, then write and print the report (``report_fn(out)``
+    for kinds with their own report, returning ``{"markdown", "files"}``; default the paired perplexity report)."""
     from rope_quant.sweep import report, runner, slurm
     from rope_quant.sweep.manifest import Manifest, reconcile, write_manifest
     from rope_quant.sweep.preflight import preflight
@@ -614,11 +616,15 @@ def _execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[s
                               log=None if args.quiet else (lambda s: print(s, flush=True)),
                               after_cell=None if pruner is None else pruner.after_cell)
     print(f"cells: {result.summary()}", flush=True)
-    rep = report.write_report(out, comparator=args.comparator, figures=args.figures)
+    if report_fn is None:
+        rep = report.write_report(out, comparator=args.comparator, figures=args.figures)
+        written = f"{out / 'summary.json'} and {out / 'summary.md'}"
+    else:
+        rep = report_fn(out)
+        written = ", ".join(str(f) for f in rep["files"] if not str(f).endswith(".png"))
     print()
     print(rep["markdown"])
-    print(f"wrote {out / 'summary.json'} and {out / 'summary.md'} "
-          f"(wall {time.perf_counter() - start:.1f}s)")
+    print(f"wrote {written} (wall {time.perf_counter() - start:.1f}s)")
     for path in rep["files"]:
         if str(path).endswith(".png"):
             print(f"figure: {path}")
@@ -970,10 +976,8 @@ def add_static_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd_niah(args: argparse.Namespace, cells: Cells) -> int:
-    """Build the NIAH manifest (seed x [fp, configs]), run its cells resumably, write the NIAH report."""
+    """Build the NIAH manifest (seed x [fp, configs]) and run it like every other sweep, with the NIAH report."""
     from rope_quant.experiment.niah import NiahError, NiahSpec
-    from rope_quant.sweep import runner
-    from rope_quant.sweep.manifest import reconcile
     from rope_quant.sweep.niah import niah_manifest, niah_report
 
     _validate_common(args)
@@ -993,33 +997,11 @@ def cmd_niah(args: argparse.Namespace, cells: Cells) -> int:
     seeds = _seeds(args, used)
     used += resolve_budget(args)[1]
     manifest = niah_manifest(base_config(args), configs, seeds, spec, fp=args.fp, comparator=args.comparator)
-    out = Path(args.out)
-    print(f"rope-quant niah: {len(manifest)} cells -> {out}", flush=True)
-    print("settings: " + describe(manifest.cells[0][1]), flush=True)
     print(f"niah: lengths={','.join(map(str, lengths))} depths={','.join(f'{d:g}' for d in depths)} "
           f"probes={args.probes} digits={args.digits} template={args.template} haystack={haystack} "
           "(exact match of the first number in the greedy continuation)", flush=True)
-    if used:
-        print("defaults used: " + ", ".join(used), flush=True)
-    merged = reconcile(out, manifest, force=args.force_new_manifest)
-    selection = None
-    if args.shard is not None:
-        selection = runner.shard_from_env() if args.shard == "auto" else runner.parse_shard(args.shard)
-        if selection is None:
-            raise CLIError("--shard auto: no SLURM_ARRAY_TASK_ID/COUNT or PYTEST_XDIST_WORKER/COUNT set")
-    chosen = range(len(manifest)) if selection is None else runner.shard_indices(len(manifest), *selection)
-    start = time.perf_counter()
-    result = runner.run_cells(merged.manifest, out, [merged.indices[i] for i in chosen],
-                              cell_fn=cells.function(args, out), resume=args.resume, cache_dir=args.cache_dir,
-                              device=args.device, log=None if args.quiet else (lambda s: print(s, flush=True)))
-    print(f"cells: {result.summary()}", flush=True)
-    rep = niah_report(out, comparator=args.comparator, figures=args.figures)
-    print()
-    print(rep["markdown"])
-    print(f"wrote {', '.join(rep['files'])} (wall {time.perf_counter() - start:.1f}s)")
-    if result.failed:
-        _print_first_error(out, merged.manifest, result.failed)
-    return 1 if result.failed else 0
+    return _execute(args, cells, manifest, used,
+                    report_fn=lambda out: niah_report(out, comparator=args.comparator, figures=args.figures))
 
 
 def cmd_static(args: argparse.Namespace, cells: Cells) -> int:
