@@ -18,3 +18,13 @@ def paired_best(fns: list[Callable[[], None]], rounds: int = 3) -> list[float]:
             fn()
             best[i] = min(best[i], time.perf_counter() - t0)
     return best
+
+
+def best_of(fn: Callable[[], None], repeats: int = 3) -> float:
+    """The shortest of ``repeats`` wall times of ``fn()`` (seconds)."""
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from _timing import best_of
 
 EXPECTED = {
     "eval_time": "~1 to 2 (linear layers ∝ L, attention ∝ L²)",
@@ -51,14 +51,6 @@ def _reset_peak() -> bool:
     except OSError:
         return False
 
-
-def _best(fn, repeats: int) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def bench_eval(base, rows: list) -> None:
@@ -125,7 +117,7 @@ def bench_gptq(rows: list) -> None:
         def run(model=model, state=state) -> None:
             model.load_state_dict(state)
             quantize_model_gptq(model, windows, 4, GPTQConfig(), progress=False)
-        t = _best(run, 2)
+        t = best_of(run, 2)
         rows.append(("gptq_time", hidden, t, "1 layer, 4 x 128 tokens"))
         print(rows[-1], flush=True)
 
@@ -137,7 +129,7 @@ def bench_fwht(rows: list) -> None:
         d = 2 ** e
         x = torch.randn(256, d)
         fwht(x)
-        rows.append(("fwht_time", d, _best(lambda x=x: fwht(x), 5), "256 rows"))
+        rows.append(("fwht_time", d, best_of(lambda x=x: fwht(x), 5), "256 rows"))
         print(rows[-1], flush=True)
 
 

@@ -4,11 +4,9 @@ ratios are measured side by side in one run (timings only; no speed is asserted)
 
 from __future__ import annotations
 
-import math
-import time
-
 import numpy as np
 import pytest
+from _timing import best_of
 
 from rope_quant.calib.moments import CalibrationStats
 from rope_quant.calib.objectives import RANGE_GRID_SIZE, RANGE_REFINE, RANGE_SWEEPS, estimate_angles, fit_range_angles
@@ -28,14 +26,6 @@ def layer():
     return rows, positions, stats
 
 
-def _best_of(fn, repeats: int = 3) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
 
 @pytest.mark.parametrize("then_hadamard", [False, True], ids=["pairwise_only", "pairwise_plus_hadamard"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
@@ -44,10 +34,10 @@ def test_range_fit_cost_per_layer(benchmark, rq_record, layer, per_head: bool, t
     fit = benchmark.pedantic(fit_range_angles, args=(rows, positions, INV_FREQ),
                              kwargs={"per_head": per_head, "then_hadamard": then_hadamard},
                              rounds=2, iterations=1)
-    range_s = _best_of(lambda: fit_range_angles(rows, positions, INV_FREQ, per_head=per_head,
+    range_s = best_of(lambda: fit_range_angles(rows, positions, INV_FREQ, per_head=per_head,
                                                 then_hadamard=then_hadamard), repeats=1)
-    phi_hat_s = _best_of(lambda: estimate_angles(stats, "k_only"))
-    phi_star_s = _best_of(lambda: estimate_angles(stats, "k_only", inv_freq=INV_FREQ, average_length=512))
+    phi_hat_s = best_of(lambda: estimate_angles(stats, "k_only"))
+    phi_star_s = best_of(lambda: estimate_angles(stats, "k_only", inv_freq=INV_FREQ, average_length=512))
     rq_record(
         f"angle fit cost per layer (N={N} tokens, {H_KV} KV heads, d={D}; grid {RANGE_GRID_SIZE}"
         f"+{RANGE_REFINE}, {RANGE_SWEEPS} sweeps)",
