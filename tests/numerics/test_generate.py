@@ -13,7 +13,8 @@ import copy
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from rope_quant.core import transforms as T
 from rope_quant.experiment.generate import GenerationError, greedy_generate
@@ -33,14 +34,14 @@ def tiny_llama(vocab: int, seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-def tiny_gemma3(vocab: int = 256, window: int = 8, seed: int = 0) -> Gemma3ForCausalLM:
+def tiny_gemma3(vocab: int = 256, window: int = 8, seed: int = 0) -> transformers.PreTrainedModel:
     """Three layers, sliding, sliding, full (window 8): the Gemma 3 pattern at toy size."""
     torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    cfg = transformers.Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                            num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=window,
                            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                            max_position_embeddings=256, query_pre_attn_scalar=16)
-    return Gemma3ForCausalLM(cfg).eval()
+    return transformers.Gemma3ForCausalLM(cfg).eval()
 
 
 def _prompt(vocab: int, n: int, seed: int = 3) -> torch.Tensor:
