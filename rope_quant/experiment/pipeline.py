@@ -10,7 +10,9 @@
    per-token asymmetric dynamic INT-a fake quantisation (or the static per-channel control, App. A.6/D).
    On down_proj the online R4 Hadamard pre-hook is registered with ``prepend=True`` by rotation.py, so it
    runs before the quantiser;
-4. weights: GPTQ (:mod:`rope_quant.quant.gptq`) or RTN, cached on disk per :meth:`RunConfig.weight_key`. GPTQ's
+4. weights: GPTQ (:mod:`rope_quant.quant.gptq`) or RTN, cached on disk per :meth:`RunConfig.weight_key`
+   (integer codes and scales; the rotated embeddings and lm_head are left out and rebuilt from the cached R1 on
+   a hit, checked against their sha256). GPTQ's
    Hessians see the inputs each linear actually sees (R4 and the activation quantiser included);
 5. a calibration pass in collect mode over the same calibration windows (pre-RoPE q/k statistics and a
    sample of :data:`K_SAMPLE_ROWS` K tokens per layer with their positions);
@@ -348,20 +350,37 @@ def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, r1_cache: Pat
     return rotate_model(model, cfg.rotation.config(cfg.seed), **kwargs), fit_log
 
 
+class WeightCacheMismatch(PipelineError):
+    """A cache hit could not rebuild the left-out embeddings bit for bit (the cell recomputes the weights)."""
+
+
 def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
     """Cache hit: rebuild the rotated model's structure and load its cached (quantised) parameters.
 
-    The weight algebra of :func:`rotation.rotate_model` is skipped (the cached state already holds its
-    result): embeddings are untied, the full state dict is loaded, and only the online half of R4 is
-    registered (:func:`rotation.install_online_r4`, ``prepend=True`` as in ``apply_r4``).
+    The decoder's weight algebra (:func:`rotation.rotate_model`) is skipped: the cached state holds its
+    result. The embeddings and lm_head, which the cache leaves out (``derived``), are rebuilt from the loaded
+    model and the cached R1 (:func:`rotation.rotate_embeddings`; without R1 they are the model's own) and
+    must match their cached sha256, else
+    :class:`WeightCacheMismatch`. An older file that holds them is loaded as it is (embeddings untied). Only
+    the online half of R4 is registered (:func:`rotation.install_online_r4`, ``prepend=True`` as in
+    ``apply_r4``).
     """
     from rope_quant.rotations import offline as rotation
 
-    rotation.untie_embeddings(model)
+    derived = payload.get("derived") or {}
+    if derived and payload.get("r1") is not None:
+        rotation.rotate_embeddings(model, payload["r1"])
+    elif not derived:  # an older file holds the (untied) embeddings; without R1 they are the model's own
+        rotation.untie_embeddings(model)
     missing, unexpected = model.load_state_dict(payload["state"], strict=False)
+    missing = [k for k in missing if k not in derived]
     if missing or unexpected:
         raise PipelineError(f"weight cache does not match the model: missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]}")
+    state = model.state_dict()
+    for key, digest in derived.items():
+        if key not in state or _digest(state[key]) != digest:
+            raise WeightCacheMismatch(f"{key} rebuilt from the cached R1 differs from the cached digest")
     result = rotation.RotationResult(config=cfg.rotation.config(cfg.seed), r1=payload.get("r1"), r2=payload.get("r2"),
                                      untied=bool(payload.get("untied")))
     if cfg.rotation.r4:
@@ -418,9 +437,10 @@ def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, e
     when they dequantise to it bit for bit, else as the tensor; :func:`_read_weight_cache` dequantises.
     """
     state, codes = _compact_state(model)
+    derived = {key: _digest(state.pop(key)) for key in _embedding_keys(model)}  # rebuilt on a hit
     payload = {
         "format": WEIGHT_CACHE_FORMAT, "weight_fields": cfg.weight_fields(),
-        "state": state, "codes": codes,
+        "state": state, "codes": codes, "derived": derived,
         "r1": None if rotation is None or rotation.r1 is None else rotation.r1.cpu(),
         "r2": None if rotation is None or rotation.r2 is None else rotation.r2.cpu(),
         "untied": bool(getattr(rotation, "untied", False)), "errors": errors,
@@ -429,6 +449,21 @@ def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, e
     }
     with atomic_writer(path) as handle:
         torch.save(payload, handle)
+
+
+def _embedding_keys(model: nn.Module) -> list[str]:
+    """State-dict keys of the embedding and lm_head weights (the matrices :func:`rotation.rotate_embeddings`
+    rebuilds)."""
+    targets = (arch.embeddings(model).weight, arch.lm_head(model).weight)
+    return [k for k, v in model.state_dict(keep_vars=True).items() if any(v is t for t in targets)]
+
+
+def _digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (a rebuilt matrix must match its cached digest bit for bit)."""
+    t = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _compact_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -691,7 +726,13 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     cached = _read_weight_cache(wpath, cfg)
     rotation_fit: dict = {}
     if cached is not None:
-        rotation = _restore_rotated(model, cfg, cached)
+        try:
+            rotation = _restore_rotated(model, cfg, cached)
+        except WeightCacheMismatch as exc:  # e.g. another BLAS: recompute; the restore changed the model
+            log.warning("ignoring weight cache %s (%s); recomputing it", wpath, exc)
+            cached = None
+            model, tokenizer = _load(cfg, base)
+    if cached is not None:
         if cfg.rotation.r1 == RotationKind.WHIP:  # the fit log only: the weights already hold R1
             rotation_fit = (_read_r1_cache(r1_cache) or (None, {}))[1]
     else:

@@ -67,6 +67,7 @@ __all__ = [
     "check_function_preserving",
     "embeddings_tied",
     "untie_embeddings",
+    "rotate_embeddings",
     "fuse_norms",
     "norms_fused",
     "subtract_embedding_mean",
@@ -274,11 +275,15 @@ def fuse_norms(model: nn.Module) -> None:
         w = _rmsnorm_weight(norm, where)
         g = w.detach().to(torch.float64).cpu() + offset
         for lin in linears:
-            # row blocks: the same float64 products, without a float64 copy of a 262k-row lm_head (Gemma 3)
-            for rows in torch.split(torch.arange(lin.weight.shape[0]), _FUSE_ROWS):
-                block = lin.weight.detach()[rows].to("cpu", torch.float64) * g[None, :]
-                lin.weight.data[rows] = block.to(device=lin.weight.device, dtype=lin.weight.dtype)
+            _scale_columns(lin, g)
         w.data.fill_(1.0 - offset)
+
+
+def _scale_columns(lin: nn.Linear, g: torch.Tensor) -> None:
+    """``W ← W diag(g)`` in float64, in row blocks (no float64 copy of a 262k-row lm_head, Gemma 3)."""
+    for rows in torch.split(torch.arange(lin.weight.shape[0]), _FUSE_ROWS):
+        block = lin.weight.detach()[rows].to("cpu", torch.float64) * g[None, :]
+        lin.weight.data[rows] = block.to(device=lin.weight.device, dtype=lin.weight.dtype)
 
 
 def norms_fused(model: nn.Module) -> bool:
@@ -329,11 +334,16 @@ def apply_r1(model: nn.Module, q: torch.Tensor) -> None:
     _fold_r1(model, qm)
 
 
-def _fold_r1(model: nn.Module, qm: torch.Tensor) -> None:
-    """The R1 weight algebra without the checks (tests use it to show why a refusal is needed)."""
+def _fold_r1(model: nn.Module, qm: torch.Tensor, decoder: bool = True) -> None:
+    """The R1 weight algebra without the checks (tests use it to show why a refusal is needed);
+    ``decoder=False`` rotates only the embeddings and lm_head (:func:`rotate_embeddings`)."""
     emb = arch.embeddings(model).weight
     _set(emb, emb.detach().to("cpu", torch.float64) @ qm)
-    readers: list[nn.Linear] = [_lm_head(model)]
+    head = _lm_head(model)
+    if not decoder:
+        _set(head.weight, head.weight.detach().to("cpu", torch.float64) @ qm)
+        return
+    readers: list[nn.Linear] = [head]
     writers: list[nn.Linear] = []
     for i in range(len(decoder_layers(model))):
         a, m = arch.attention(model, i), arch.mlp_parts(model, i)
@@ -345,6 +355,25 @@ def _fold_r1(model: nn.Module, qm: torch.Tensor) -> None:
         _set(lin.weight, qm.T @ lin.weight.detach().to("cpu", torch.float64))
         if lin.bias is not None:
             _set(lin.bias, lin.bias.detach().to("cpu", torch.float64) @ qm)
+
+
+@torch.no_grad()
+def rotate_embeddings(model: nn.Module, q: torch.Tensor) -> None:
+    """Untie → fuse the final norm → R1, on the embeddings and lm_head only, with the arithmetic of
+    :func:`rotate_model` (QuaRot Sec. 4.1).
+
+    The weight cache stores the quantised decoder linears and leaves these two unquantised matrices out
+    (their 227 MB would dominate the file); a cache hit rebuilds them from the loaded model and the cached R1.
+    The decoder's norms are left as they are (the cached state holds them, fused).
+    """
+    qm = _check_rotation(q, model_dims(model).hidden, "R1")
+    untie_embeddings(model)
+    head = _lm_head(model)
+    offset = arch.norm_weight_offset(model)
+    for where, norm, linears in arch.fusable_norms(model):
+        if any(lin is head for lin in linears):
+            _scale_columns(head, _rmsnorm_weight(norm, where).detach().to(torch.float64).cpu() + offset)
+    _fold_r1(model, qm, decoder=False)
 
 
 # ------------------------------------------------------------------------------------------ R2

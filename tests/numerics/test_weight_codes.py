@@ -76,6 +76,9 @@ def test_weight_cache_round_trip_is_bit_identical(embedded_model, corpus, tmp_pa
     payload = torch.load(path, map_location="cpu", weights_only=True)
     linears = {f"model.{n}.weight" for n in gptq.linear_names(first.model)}
     assert set(payload["codes"]) == linears and not linears & set(payload["state"])
+    # the rotated embeddings and lm_head are left out, rebuilt from R1 on a hit (only their digests are kept)
+    assert set(payload["derived"]) == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert not set(payload["derived"]) & set(payload["state"]) and payload["r1"] is not None
     second = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
     assert second.weight_cache_hit
     sd1, sd2 = first.model.state_dict(), second.model.state_dict()
@@ -98,3 +101,40 @@ def test_weight_cache_round_trip_is_bit_identical(embedded_model, corpus, tmp_pa
     assert not third.weight_cache_hit and "unreadable weight cache" in caplog.text
     for k in sd1:
         assert packing.bitwise_equal(sd1[k], third.model.state_dict()[k]), k
+
+
+def _logits(qm, corpus) -> torch.Tensor:
+    with torch.no_grad():
+        return qm.model(data.calibration_windows(corpus, 1, 64, seed=7)).logits
+
+
+@pytest.mark.parametrize("r1", ["whip", "identity"])
+def test_weight_cache_rebuilds_the_embeddings_or_recomputes(embedded_model, corpus, tmp_path, caplog, r1):
+    """A hit rebuilds the left-out embeddings from R1 (or, without R1, keeps the model's own) bit for bit; a
+    file whose digests do not match what the rebuild gives is warned about and recomputed; an older file that
+    holds the embeddings still loads."""
+    base = _tiny(embedded_model)
+    cfg = RunConfig.from_flat(seqlen=64, calib_windows=4, eval_windows=2, weights="rtn", r3="hadamard", r1=r1)
+    first = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
+    ref = _logits(first, corpus)
+    (path,) = tmp_path.glob("weights-*.pt")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    key = "model.embed_tokens.weight"
+    # the digest covers every bit: one flipped mantissa bit in the rebuilt matrix is a mismatch
+    emb = first.model.state_dict()[key].clone()
+    assert pipeline._digest(emb) == payload["derived"][key]
+    emb.view(torch.int32)[0, 0] ^= 1
+    assert pipeline._digest(emb) != payload["derived"][key]
+
+    bad = dict(payload, derived=dict(payload["derived"], **{key: "0" * 64}))
+    torch.save(bad, path)
+    with caplog.at_level(logging.WARNING, logger=pipeline.log.name):
+        second = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
+    assert not second.weight_cache_hit and "differs from the cached digest" in caplog.text
+    assert torch.equal(_logits(second, corpus), ref)
+
+    old = dict(payload, derived={}, state=dict(payload["state"], **{
+        k: first.model.state_dict()[k].clone() for k in payload["derived"]}))
+    torch.save(old, path)
+    third = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
+    assert third.weight_cache_hit and torch.equal(_logits(third, corpus), ref)
