@@ -304,11 +304,10 @@ def estimate_angles(
             raise AngleEstimationError("objective 'range' needs the live inv_freq (the RoPE phase of each row)")
         if average_length is not None or branch_matched:
             raise AngleEstimationError("average_length/branch_matched apply to objective='variance' only")
-        return np.stack([
-            fit_range_angles(*stats.k_sample(layer), inv_freq[layer], per_head=estimator == "per_head",
-                             then_hadamard=then_hadamard, layout=stats.layout).angles
-            for layer in range(stats.n_layers)
-        ])
+        fits = fit_range_angles_layers([stats.k_sample(layer) for layer in range(stats.n_layers)], inv_freq,
+                                       per_head=estimator == "per_head", then_hadamard=then_hadamard,
+                                       layout=stats.layout)
+        return np.stack([fit.angles for fit in fits])
     if then_hadamard:
         raise AngleEstimationError("then_hadamard applies to objective='range' only")
     cov = stats.pooled(estimator)
@@ -381,14 +380,73 @@ def fit_range_angles(
     ``rows``: pre-RoPE keys (N, H_kv, d); ``positions``: (N,) RoPE positions. Each pair step scores the
     current angle first, so the objective never increases (ties keep the current angle).
 
-    Every candidate angle is scored in float64 when ``exact``; by default (same choices, much faster) the
-    candidates are first scored in float32 on the (token, head) entries whose range can depend on the pair
-    (an entry whose rest-of-class extremes dominate the pair's norm contributes a constant), and only the
-    candidates within a margin of the best (1e-5 of the movable entries' sum, ~80× their float32 error
-    bound, plus 1e-12 of the score) are re-scored in float64 exactly as with ``exact``. The choice can
-    differ only if the float32 error exceeds that margin; tests/numerics/test_range_fast.py
-    checks the angles against ``exact=True`` to 1e-6 rad.
+    Every candidate angle is scored in float64 when ``exact``; by default (same choices, much faster,
+    :mod:`rope_quant.calib.range_fast`) the candidates are first scored in float32 on the (token, head)
+    entries whose range can depend on the pair (an entry whose rest-of-class extremes dominate the pair's
+    norm contributes a constant), and only the candidates within a margin of the best (1e-5 of the movable
+    entries' sum, ~80× their float32 error bound, plus 1e-12 of the score) are re-scored in float64 exactly
+    as with ``exact``. The choice can differ only if the float32 error exceeds that margin;
+    tests/numerics/test_range_fast.py checks the angles against ``exact=True`` to 1e-6 rad and
+    tests/numerics/test_range_fastpath.py against the previous implementation.
     """
+    return fit_range_angles_layers([(rows, positions)], np.asarray(inv_freq, dtype=np.float64)[None],
+                                   per_head=per_head, then_hadamard=then_hadamard, layout=layout,
+                                   grid_size=grid_size, refine=refine, sweeps=sweeps,
+                                   init=None if init is None else [init], exact=exact)[0]
+
+
+def fit_range_angles_layers(
+    samples: Any, inv_freq: Any, *, per_head: bool = False, then_hadamard: bool = False,
+    layout: str = "rotate_half", grid_size: int = RANGE_GRID_SIZE, refine: int = RANGE_REFINE,
+    sweeps: int = RANGE_SWEEPS, init: Any = None, exact: bool = False,
+) -> list[RangeFit]:
+    """:func:`fit_range_angles` of several layers: ``samples`` [(rows, positions)] per layer, ``inv_freq``
+    (n_layers, K), ``init`` None or one start per layer. The layers are independent; the fast descent runs
+    the layers with the same sample shape as one batch (the same angles as one layer at a time)."""
+    samples = list(samples)
+    freqs_all = np.asarray(inv_freq, dtype=np.float64)
+    if freqs_all.ndim != 2 or freqs_all.shape[0] != len(samples):
+        raise AngleEstimationError(f"inv_freq must be (n_layers={len(samples)}, K), got {freqs_all.shape}")
+    if int(grid_size) != grid_size or grid_size < 4 or refine < 0 or sweeps < 1:
+        raise AngleEstimationError("range objective needs grid_size >= 4, refine >= 0, sweeps >= 1")
+    inits = [None] * len(samples) if init is None else list(init)
+    prepared = [_prepare_range_layer(r, p, f, per_head, layout, i)
+                for (r, p), f, i in zip(samples, freqs_all, inits, strict=True)]
+    step = 2 * math.pi / grid_size
+    grid = torch.arange(grid_size, dtype=torch.float64) * step - math.pi + step
+    fine = torch.linspace(-step, step, refine + 2, dtype=torch.float64)[1:-1] if refine else None
+
+    def score(y: torch.Tensor) -> float:
+        return float(group_range(y).mean())
+
+    groups: dict[tuple, list[int]] = {}
+    for i, (x, _, _, _, _) in enumerate(prepared):
+        groups.setdefault(tuple(x.shape) if not exact else (i,), []).append(i)
+    fits: list[RangeFit | None] = [None] * len(samples)
+    for members in groups.values():
+        x = torch.stack([prepared[i][0] for i in members])
+        psi = torch.stack([prepared[i][1] for i in members])
+        phi = torch.stack([prepared[i][2] for i in members])
+        ia, ib = prepared[members[0]][3], prepared[members[0]][4]
+        d = x.shape[-1]
+        mix = None  # what follows the pair rotations: the identity, or the Hadamard
+        if then_hadamard:
+            from rope_quant.core import hadamard as _hd
+
+            mix = _hd.hadamard_matrix(d).to(torch.float64) / math.sqrt(d)
+        if exact:
+            traces = [_exact_descend(x[0], psi[0], phi[0], ia, ib, mix, grid, fine, int(sweeps), per_head, score)]
+        else:
+            traces = range_fast.descend(x, psi, phi, ia, ib, mix, grid, fine, int(sweeps), per_head, score)
+        out = range_fast.wrap(phi).numpy()
+        for j, i in enumerate(members):
+            fits[i] = RangeFit(out[j] if per_head else out[j, 0], traces[j])
+    return fits
+
+
+def _prepare_range_layer(rows: Any, positions: Any, inv_freq: Any, per_head: bool, layout: str, init: Any
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """Checked inputs of one layer: keys x (N, H, d), phases ψ (N, K), start angles (rows, K), pair indices."""
     x = torch.as_tensor(np.asarray(rows, dtype=np.float64))
     if x.ndim != 3 or x.shape[0] == 0:
         raise AngleEstimationError(f"range objective: rows must be (N > 0, H_kv, head_dim), got {tuple(x.shape)}")
@@ -400,8 +458,6 @@ def fit_range_angles(
     pos = torch.as_tensor(np.asarray(positions, dtype=np.float64))
     if pos.shape != (n_tok,):
         raise AngleEstimationError(f"positions must have shape ({n_tok},), got {tuple(pos.shape)}")
-    if int(grid_size) != grid_size or grid_size < 4 or refine < 0 or sweeps < 1:
-        raise AngleEstimationError("range objective needs grid_size >= 4, refine >= 0, sweeps >= 1")
     n_pairs = ia.size
     rows_ = n_heads if per_head else 1
     phi = torch.zeros(rows_, n_pairs, dtype=torch.float64)
@@ -412,21 +468,7 @@ def fit_range_angles(
                                        f"got {start.shape}")
         phi += torch.as_tensor(start)
     psi = pos[:, None] * torch.as_tensor(freqs)[None, :]  # (N, K) RoPE phases m·θ_k
-    mix = None  # what follows the pair rotations: the identity, or the Hadamard
-    if then_hadamard:
-        from rope_quant.core import hadamard as _hd
-
-        mix = _hd.hadamard_matrix(d).to(torch.float64) / math.sqrt(d)
-    step = 2 * math.pi / grid_size
-    grid = torch.arange(grid_size, dtype=torch.float64) * step - math.pi + step
-    fine = torch.linspace(-step, step, refine + 2, dtype=torch.float64)[1:-1] if refine else None
-    def score(y: torch.Tensor) -> float:
-        return float(group_range(y).mean())
-
-    descend = _exact_descend if exact else range_fast.descend
-    trace = descend(x, psi, phi, ia, ib, mix, grid, fine, int(sweeps), per_head, score)
-    out = range_fast.wrap(phi).numpy()
-    return RangeFit(out if per_head else out[0], trace)
+    return x, psi, phi, ia, ib
 
 
 def _exact_descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarray, ib: np.ndarray,

@@ -18,6 +18,7 @@ tests/numerics/test_range_fastpath.py checks it against the frozen previous impl
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -58,37 +59,39 @@ class _ClassLayout:
 
 def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarray, ib: np.ndarray,
             mix: torch.Tensor | None, grid: torch.Tensor, fine: torch.Tensor | None, sweeps: int,
-            per_head: bool, score) -> list[float]:
-    """Coordinate descent of one layer in place on ``phi`` (rows, K); returns the trace of ``score(y)``
-    (the objective at the start and after every sweep).
+            per_head: bool, score: Callable[[torch.Tensor], float]) -> list[list[float]]:
+    """Coordinate descent of L layers at once, in place on ``phi`` (L, rows, K); returns each layer's trace of
+    ``score(y)`` (the objective at the start and after every sweep).
 
-    ``x`` (N, H, d) float64 pre-RoPE keys, ``psi`` (N, K) RoPE phases, ``mix``: the Hadamard (d, d) or None
-    for the identity. Each sweep starts from y recomputed by the caller's formula (``_full``).
+    ``x`` (L, N, H, d) float64 pre-RoPE keys, ``psi`` (L, N, K) RoPE phases, ``mix``: the Hadamard (d, d) or
+    None for the identity. Each sweep starts from y = M R_m k recomputed at the current angles, as the exact
+    descent does; the layers are independent, batched only to share every tensor operation.
     """
-    n_tok, n_heads, d = x.shape
+    n_layers, n_tok, n_heads, d = x.shape
     n_pairs = ia.size
-    rows_ = phi.shape[0]
+    rows_ = phi.shape[1]
     a, b = x[..., ia], x[..., ib]
-    a_k = [a[..., k] for k in range(n_pairs)]
-    b_k = [b[..., k] for k in range(n_pairs)]
-    psi_k = [psi[:, k, None] for k in range(n_pairs)]
+    a_k = [a[..., k].contiguous() for k in range(n_pairs)]  # (L, N, H)
+    b_k = [b[..., k].contiguous() for k in range(n_pairs)]
+    psi_k = [psi[:, :, k, None].contiguous() for k in range(n_pairs)]  # (L, N, 1)
 
     def pair_out(p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both outputs of pair k for angles p (C, rows_) -> (C, N, H) (the exact descent's formula)."""
-        ang = p[:, None, :] + psi_k[k][None]
+        """Both outputs of pair k for angles p (L, C, rows) -> (L, C, N, H), with the exact descent's formula."""
+        ang = p[:, :, None, :] + psi_k[k][:, None]
         c, s = torch.cos(ang), torch.sin(ang)
-        return c * a_k[k][None] - s * b_k[k][None], s * a_k[k][None] + c * b_k[k][None]
+        ak, bk = a_k[k][:, None], b_k[k][:, None]
+        return c * ak - s * bk, s * ak + c * bk
 
-    cpsi, spsi = torch.cos(psi)[:, None, :], torch.sin(psi)[:, None, :]
-    rope_a, rope_b = a * cpsi - b * spsi, a * spsi + b * cpsi  # (N, H, K) float64
-    ab32 = torch.stack([rope_a, rope_b]).to(torch.float32)  # (2, N, H, K)
+    cpsi, spsi = torch.cos(psi)[:, :, None, :], torch.sin(psi)[:, :, None, :]
+    rope_a, rope_b = a * cpsi - b * spsi, a * spsi + b * cpsi  # (L, N, H, K) float64
+    ab32 = torch.stack([rope_a, rope_b]).to(torch.float32)  # (2, L, N, H, K)
     rho = torch.hypot(rope_a, rope_b)
     identity = mix is None
     unit = torch.tensor([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
     layouts = None if identity else [_ClassLayout(mix[:, [ia[k], ib[k]]]) for k in range(n_pairs)]
     heads = list(range(n_heads)) if per_head else [None]
     y = _full(x, phi, psi, ia, ib, mix)
-    trace = [score(y)]
+    traces = [[score(y[layer])] for layer in range(n_layers)]
     for _ in range(int(sweeps)):
         if identity and d > 2:
             ya, yb = y[..., ia], y[..., ib]
@@ -96,9 +99,10 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
             suf_lo = torch.minimum(ya, yb).flip(-1).cummin(-1).values.flip(-1)
             pre_hi = pre_lo = None
         for k in range(n_pairs):
-            old1, old2 = pair_out(phi[None, :, k], k)
+            old1, old2 = pair_out(phi[:, None, :, k], k)
+            old1, old2 = old1[:, 0], old2[:, 0]  # (L, N, H)
             if identity:
-                r0a, r0b = y[..., ia[k]] - old1[0], y[..., ib[k]] - old2[0]
+                r0a, r0b = y[..., ia[k]] - old1, y[..., ib[k]] - old2
                 classes = [(unit[1], r0b, r0b), (unit[2], r0a, r0a)]
                 if d > 2:
                     his = [t for t in (pre_hi, suf_hi[..., k + 1] if k + 1 < n_pairs else None) if t is not None]
@@ -109,112 +113,171 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
             else:
                 lay = layouts[k]
                 cols = lay.cols
-                t1, t2 = old1[0, ..., None] * cols[:, 0], old2[0, ..., None] * cols[:, 1]
-                y_rest = y - t1 - t2
+                y_rest = y - old1[..., None] * cols[:, 0] - old2[..., None] * cols[:, 1]
                 if lay.equal:  # classes contiguous after one gather (max/min are exact: the same extremes)
-                    g = y_rest.index_select(-1, lay.perm).view(n_tok, n_heads, lay.coef.shape[0], lay.size)
+                    g = y_rest.index_select(-1, lay.perm).view(*y.shape[:-1], lay.coef.shape[0], lay.size)
                     gmin, gmax = torch.aminmax(g, dim=-1)
                     classes = [(lay.coef[j], gmax[..., j], gmin[..., j]) for j in range(lay.coef.shape[0])]
                 else:
                     classes = [(lay.coef[j], y_rest[..., lay.which == j].amax(-1),
                                 y_rest[..., lay.which == j].amin(-1)) for j in range(lay.coef.shape[0])]
-            current = phi[:, k]
-            cands = torch.cat([current[None, :], grid[:, None].expand(-1, rows_)])
-            best = _prefiltered_best(cands, classes, per_head, ab32[..., k], rho[..., k], heads,
-                                     lambda cc, _k=k: pair_out(cc, _k))
+            prep = _Prefilter(classes, ab32[..., k], rho[..., k], heads, a_k[k], b_k[k], psi_k[k])
+            current = phi[:, :, k]
+            cands = torch.cat([current[:, None, :], grid[None, :, None].expand(n_layers, -1, rows_)], dim=1)
+            best = prep.best(cands)
             if fine is not None:
-                cands = torch.cat([best[None, :], best[None, :] + fine[:, None]])
-                best = _prefiltered_best(cands, classes, per_head, ab32[..., k], rho[..., k], heads,
-                                         lambda cc, _k=k: pair_out(cc, _k))
-            phi[:, k] = best
-            u1, u2 = pair_out(best[None, :], k)
+                cands = torch.cat([best[:, None, :], best[:, None, :] + fine[None, :, None]], dim=1)
+                best = prep.best(cands)
+            phi[:, :, k] = best
+            u1, u2 = pair_out(best[:, None, :], k)
             if identity:
-                y[..., ia[k]] = r0a + u1[0]
-                y[..., ib[k]] = r0b + u2[0]
+                y[..., ia[k]] = r0a + u1[:, 0]
+                y[..., ib[k]] = r0b + u2[:, 0]
                 if d > 2:
-                    new_hi, new_lo = torch.maximum(y[..., ia[k]], y[..., ib[k]]), torch.minimum(y[..., ia[k]],
-                                                                                               y[..., ib[k]])
+                    ua, ub = y[..., ia[k]], y[..., ib[k]]
+                    new_hi, new_lo = torch.maximum(ua, ub), torch.minimum(ua, ub)
                     pre_hi = new_hi if pre_hi is None else torch.maximum(pre_hi, new_hi)
                     pre_lo = new_lo if pre_lo is None else torch.minimum(pre_lo, new_lo)
             else:
-                y = y_rest + u1[0, ..., None] * cols[:, 0] + u2[0, ..., None] * cols[:, 1]
+                y = y_rest + u1[:, 0, ..., None] * cols[:, 0] + u2[:, 0, ..., None] * cols[:, 1]
         y = _full(x, phi, psi, ia, ib, mix)
-        trace.append(score(y))
-    return trace
+        for layer in range(n_layers):
+            traces[layer].append(score(y[layer]))
+    return traces
 
 
 def _full(x: torch.Tensor, p: torch.Tensor, psi: torch.Tensor, ia: np.ndarray, ib: np.ndarray,
           mix: torch.Tensor | None) -> torch.Tensor:
-    """y = M R_m k for all tokens (N, H, d) at angles p (rows, K): the exact descent's formula."""
+    """y = M R_m k for all tokens (L, N, H, d) at angles p (L, rows, K): the exact descent's formula."""
     a, b = x[..., ia], x[..., ib]
-    ang = p[None, :, :] + psi[:, None, :]  # (N, rows, K)
+    ang = p[:, None, :, :] + psi[:, :, None, :]  # (L, N, rows, K)
     c, s = torch.cos(ang), torch.sin(ang)
     y = torch.empty_like(x)
     y[..., ia], y[..., ib] = c * a - s * b, s * a + c * b
-    if mix is None:
-        return y
-    return y @ mix.T
+    return y if mix is None else y @ mix.T
 
 
-def _prefiltered_best(cands: torch.Tensor, classes: list, per_head: bool, ab: torch.Tensor, rho: torch.Tensor,
-                      heads: list, pair_out) -> torch.Tensor:
-    """:func:`best_candidate` of ``cands`` (C, rows) via the float32 prefilter (module docstring).
+class _Prefilter:
+    """The float32 prefilter of one pair step for all layers at once (module docstring): which (token, head)
+    entries can move, their float32 table, and the float64 re-scoring of the near candidates on them.
 
-    ``ab`` (2, N, H) float32: the pair after RoPE; ``rho`` (N, H) float64: its norm; ``heads``: the head of
-    each row of ``cands`` (None: every head); ``pair_out(c)``: the float64 outputs (C', N, rows) of ``c``.
-    """
-    best = cands[0].clone()
-    cos, sin = torch.cos(cands).to(torch.float32), torch.sin(cands).to(torch.float32)
-    fixed = [(cmax, cmin) for c, cmax, cmin in classes if float(torch.hypot(c[0], c[1])) == 0.0]
-    moving = [(c, cmax, cmin, float(torch.hypot(c[0], c[1]))) for c, cmax, cmin in classes
-              if float(torch.hypot(c[0], c[1])) != 0.0]
-    zero = torch.zeros_like(rho)
-    const_hi, const_lo = zero, zero
-    for cmax, cmin in fixed:
-        const_hi = torch.maximum(const_hi, cmax)
-        const_lo = torch.minimum(const_lo, cmin)
-    r = rho * (1 + PREFILTER_MARGIN)
-    active = torch.zeros_like(rho, dtype=torch.bool)
-    for _, cmax, cmin, norm in moving:
-        active |= (cmax + norm * r > const_hi) | (cmin - norm * r < const_lo)
-    width = const_hi - const_lo
-    # every per-entry quantity the float32 scores need, gathered once per row
-    parts = [ab[0], ab[1], const_hi, const_lo] + [t for _, cmax, cmin, _ in moving for t in (cmax, cmin)]
-    table = torch.stack([t.to(torch.float32) for t in parts])  # (P, N, H) float32
-    for row, head in enumerate(heads):
-        act = active.reshape(-1) if head is None else active[:, head]
-        idx = act.nonzero()[:, 0]
-        if not idx.numel():  # no entry can move: every candidate scores the same, the first one is kept
-            continue
-        w = width.reshape(-1) if head is None else width[:, head]
-        const = float(w[~act].sum())
-        sub = (table.reshape(table.shape[0], -1) if head is None else table[:, :, head]).index_select(1, idx)
-        a_, b_ = sub[0], sub[1]
-        cs, sn = cos[:, row][:, None], sin[:, row][:, None]
-        u1, u2 = cs * a_ - sn * b_, sn * a_ + cs * b_  # (C, n_active)
+    The entries of all layers are kept ragged (one flat axis with a layer index), so every operation covers
+    every layer without padding."""
+
+    def __init__(self, classes: list, ab: torch.Tensor, rho: torch.Tensor, heads: list, a_k: torch.Tensor,
+                 b_k: torch.Tensor, psi_k: torch.Tensor) -> None:
+        self.classes, self.heads = classes, heads
+        self.a_k, self.b_k, self.psi_k = a_k, b_k, psi_k  # (L, N, H), (L, N, H), (L, N, 1) float64
+        norms = [float(torch.hypot(c[0], c[1])) for c, _, _ in classes]
+        self.moving = [(float(c[0]), float(c[1])) for (c, _, _), n in zip(classes, norms, strict=True) if n != 0.0]
+        const_hi = const_lo = torch.zeros_like(rho)
+        for (_, cmax, cmin), n in zip(classes, norms, strict=True):
+            if n == 0.0:
+                const_hi, const_lo = torch.maximum(const_hi, cmax), torch.minimum(const_lo, cmin)
+        r = rho * (1 + PREFILTER_MARGIN)
+        active = torch.zeros_like(rho, dtype=torch.bool)
+        for (_, cmax, cmin), n in zip(classes, norms, strict=True):
+            if n != 0.0:
+                active |= (cmax + n * r > const_hi) | (cmin - n * r < const_lo)
+        self.active = active
+        # a class of one channel (pairwise_only: the pair's own two channels) has max = min, usually exactly 0
+        self.same_extremes = [cmax is cmin for (_, cmax, cmin), n in zip(classes, norms, strict=True) if n != 0.0]
+        self.zero_extremes = [bool(same) and not bool(cmax.any())
+                              for same, (_, cmax, _) in zip(self.same_extremes,
+                                                            [cl for cl, n in zip(classes, norms, strict=True)
+                                                             if n != 0.0], strict=True)]
+        parts = [ab[0], ab[1], const_hi, const_lo]
+        parts += [t for (_, cmax, cmin), n in zip(classes, norms, strict=True) if n != 0.0 for t in (cmax, cmin)]
+        self.table = torch.stack([t.to(torch.float32) for t in parts])  # (P, L, N, H)
+        self._entries: dict = {}
+
+    def _flat(self, head: int | None) -> tuple:
+        """The movable entries of every layer for one row (head None: all heads): flat indices into (L, N, H),
+        their layer, token and head, and their float32 table (P, A)."""
+        if head not in self._entries:
+            n_layers, n_tok, n_heads = self.active.shape
+            act = self.active if head is None else self.active[:, :, head:head + 1]
+            nz = act.nonzero()  # (A, 3): layer, token, head (row-major: each layer's entries in order)
+            layer, tok, hd = nz[:, 0], nz[:, 1], nz[:, 2] + (0 if head is None else head)
+            flat = (layer * n_tok + tok) * n_heads + hd
+            sub = self.table.reshape(self.table.shape[0], -1).index_select(1, flat)
+            self._entries[head] = (flat, layer, tok, sub)
+        return self._entries[head]
+
+    def best(self, cands: torch.Tensor) -> torch.Tensor:
+        """The candidate (L, C, rows) with the least mean range per layer and row; ties keep the first."""
+        n_layers, n_cands, _ = cands.shape
+        best = cands[:, 0].clone()
+        cos, sin = torch.cos(cands).to(torch.float32), torch.sin(cands).to(torch.float32)
+        for row, head in enumerate(self.heads):
+            flat, layer, tok, sub = self._flat(head)
+            if not flat.numel():  # no entry of any layer can move: every candidate ties, the first one is kept
+                continue
+            cs = cos[:, :, row].T.index_select(1, layer)  # (C, A): each entry's layer's candidates
+            sn = sin[:, :, row].T.index_select(1, layer)
+            # float32, any rounding order (the margin covers it): u1 = cs·a − sn·b, u2 = sn·a + cs·b
+            u1 = torch.addcmul(cs * sub[0], sn, sub[1], value=-1.0)
+            u2 = torch.addcmul(sn * sub[0], cs, sub[1])
+            hi, lo = sub[2], sub[3]
+            for j, (c0, c1) in enumerate(self.moving):
+                shift = _shift(c0, c1, u1, u2)
+                cmax, cmin = sub[4 + 2 * j], sub[5 + 2 * j]
+                if self.same_extremes[j] and self.zero_extremes[j]:
+                    hi, lo = torch.maximum(hi, shift), torch.minimum(lo, shift)
+                elif self.same_extremes[j]:
+                    v = cmax + shift
+                    hi, lo = torch.maximum(hi, v), torch.minimum(lo, v)
+                else:
+                    hi, lo = torch.maximum(hi, cmax + shift), torch.minimum(lo, cmin + shift)
+            moved = torch.zeros(n_cands, n_layers, dtype=torch.float64).index_add_(
+                1, layer, (hi - lo).to(torch.float64))  # (C, L); each term's float32 error ~eps·its size
+            low = moved.min(0).values
+            margin = PREFILTER_MARGIN * moved.max(0).values + 1e-12 * low.abs() + 1e-300
+            near = (moved <= low + margin).T  # (L, C); a layer with no movable entry: all tie -> the first
+            n_near = near.sum(1)
+            width = int(n_near.max())
+            pos = torch.argsort((~near).to(torch.int8), dim=1, stable=True)[:, :width]
+            pos = torch.where(torch.arange(width)[None, :] >= n_near[:, None], pos[:, :1], pos)
+            c_near = cands[:, :, row].gather(1, pos)  # (L, C'): the near angles in order, padded with the first
+            best[:, row] = c_near[:, 0]
+            if width > 1:
+                multi = (c_near != c_near[:, :1]).any(1)  # layers left with distinct near angles
+                if bool(multi.any()):
+                    pick = self._exact(c_near, multi, flat, layer, tok, head)
+                    best[multi, row] = pick[multi]
+        return best
+
+    def _exact(self, c_near: torch.Tensor, multi: torch.Tensor, flat: torch.Tensor, layer: torch.Tensor,
+               tok: torch.Tensor, head: int | None) -> torch.Tensor:
+        """Float64 scores of the near angles (L, C') on the movable entries of the layers ``multi``, each entry's
+        range by the exact descent's formula (the other entries add the same constant to every candidate);
+        returns each layer's first best angle (L,)."""
+        keep = multi.index_select(0, layer)
+        flat, layer, tok = flat[keep], layer[keep], tok[keep]
+        n_layers, width = c_near.shape
+        ang = c_near.T.index_select(1, layer) + self.psi_k.reshape(-1).index_select(0, layer * self.psi_k.shape[1]
+                                                                                    + tok)  # (C', A)
+        c, s = torch.cos(ang), torch.sin(ang)
+        ak, bk = self.a_k.reshape(-1).index_select(0, flat), self.b_k.reshape(-1).index_select(0, flat)
+        u1, u2 = c * ak - s * bk, s * ak + c * bk
         hi = lo = None
-        for j, (c, _, _, _) in enumerate(moving):
-            c0, c1 = float(c[0]), float(c[1])
-            if c1 == 0.0:
-                shift = u1 if c0 == 1.0 else c0 * u1
-            elif c0 == 0.0:
-                shift = u2 if c1 == 1.0 else c1 * u2
-            else:
-                shift = c0 * u1 + c1 * u2
-            h_, l_ = sub[4 + 2 * j] + shift, sub[5 + 2 * j] + shift
-            hi = torch.maximum(sub[2], h_) if hi is None else torch.maximum(hi, h_)
-            lo = torch.minimum(sub[3], l_) if lo is None else torch.minimum(lo, l_)
-        moved = (hi - lo).sum(dim=1, dtype=torch.float64)  # each term's float32 error is ~eps·its size
-        sums = moved + const
-        low = float(sums.min())
-        margin = PREFILTER_MARGIN * float(moved.max()) + 1e-12 * abs(low) + 1e-300
-        near = (sums <= low + margin).nonzero()[:, 0]
-        c_near = cands.index_select(0, near)
-        if near.numel() == 1 or bool((c_near[:, row] == c_near[0, row]).all()):  # equal angles: equal scores
-            best[row] = c_near[0, row]
-            continue
-        best[row] = best_candidate(c_near, *pair_out(c_near), classes, per_head)[row]
-    return best
+        for cf, cmax, cmin in self.classes:
+            shift = cf[0] * u1 + cf[1] * u2
+            mx, mn = cmax.reshape(-1).index_select(0, flat), cmin.reshape(-1).index_select(0, flat)
+            hi = mx + shift if hi is None else torch.maximum(hi, mx + shift)
+            lo = mn + shift if lo is None else torch.minimum(lo, mn + shift)
+        r = hi.clamp(min=0.0) - lo.clamp(max=0.0)
+        score = torch.zeros(width, n_layers, dtype=torch.float64).index_add_(1, layer, r)  # (C', L)
+        return c_near.gather(1, score.argmin(0)[:, None])[:, 0]
+
+
+def _shift(c0: float, c1: float, u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+    """c0·u1 + c1·u2 without the multiplications by 0 or 1."""
+    if c1 == 0.0:
+        return u1 if c0 == 1.0 else c0 * u1
+    if c0 == 0.0:
+        return u2 if c1 == 1.0 else c1 * u2
+    return c0 * u1 + c1 * u2
 
 
 def wrap(phi: torch.Tensor) -> torch.Tensor:
