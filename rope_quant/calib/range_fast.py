@@ -94,9 +94,12 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
     traces = [[score(y[layer])] for layer in range(n_layers)]
     for _ in range(int(sweeps)):
         if identity and d > 2:
-            ya, yb = y[..., ia], y[..., ib]
-            suf_hi = torch.maximum(ya, yb).flip(-1).cummax(-1).values.flip(-1)
-            suf_lo = torch.minimum(ya, yb).flip(-1).cummin(-1).values.flip(-1)
+            # suf_hi[k] = max over the channels of pairs k.. (max is exact: the same as aminmax over them)
+            suf_hi, suf_lo = [None] * (n_pairs + 1), [None] * (n_pairs + 1)
+            for j in range(n_pairs - 1, 0, -1):
+                hj, lj = torch.maximum(y[..., ia[j]], y[..., ib[j]]), torch.minimum(y[..., ia[j]], y[..., ib[j]])
+                suf_hi[j] = hj if suf_hi[j + 1] is None else torch.maximum(suf_hi[j + 1], hj)
+                suf_lo[j] = lj if suf_lo[j + 1] is None else torch.minimum(suf_lo[j + 1], lj)
             pre_hi = pre_lo = None
         for k in range(n_pairs):
             old1, old2 = pair_out(phi[:, None, :, k], k)
@@ -105,8 +108,8 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
                 r0a, r0b = y[..., ia[k]] - old1, y[..., ib[k]] - old2
                 classes = [(unit[1], r0b, r0b), (unit[2], r0a, r0a)]
                 if d > 2:
-                    his = [t for t in (pre_hi, suf_hi[..., k + 1] if k + 1 < n_pairs else None) if t is not None]
-                    los = [t for t in (pre_lo, suf_lo[..., k + 1] if k + 1 < n_pairs else None) if t is not None]
+                    his = [t for t in (pre_hi, suf_hi[k + 1]) if t is not None]
+                    los = [t for t in (pre_lo, suf_lo[k + 1]) if t is not None]
                     rest_hi = his[0] if len(his) == 1 else torch.maximum(*his)
                     rest_lo = los[0] if len(los) == 1 else torch.minimum(*los)
                     classes.insert(0, (unit[0], rest_hi, rest_lo))
@@ -188,7 +191,7 @@ class _Prefilter:
                                                              if n != 0.0], strict=True)]
         parts = [ab[0], ab[1], const_hi, const_lo]
         parts += [t for (_, cmax, cmin), n in zip(classes, norms, strict=True) if n != 0.0 for t in (cmax, cmin)]
-        self.table = torch.stack([t.to(torch.float32) for t in parts])  # (P, L, N, H)
+        self.parts = parts  # (L, N, H) each: gathered on the movable entries, then cast to float32
         self._entries: dict = {}
 
     def _flat(self, head: int | None) -> tuple:
@@ -200,8 +203,9 @@ class _Prefilter:
             nz = act.nonzero()  # (A, 3): layer, token, head (row-major: each layer's entries in order)
             layer, tok, hd = nz[:, 0], nz[:, 1], nz[:, 2] + (0 if head is None else head)
             flat = (layer * n_tok + tok) * n_heads + hd
-            sub = self.table.reshape(self.table.shape[0], -1).index_select(1, flat)
-            self._entries[head] = (flat, layer, tok, sub)
+            sub = torch.stack([t.reshape(-1).index_select(0, flat) for t in self.parts]).to(torch.float32)
+            ends = torch.bincount(layer, minlength=n_layers).cumsum(0)  # each layer's entries end here
+            self._entries[head] = (flat, layer, tok, sub, ends)
         return self._entries[head]
 
     def best(self, cands: torch.Tensor) -> torch.Tensor:
@@ -210,7 +214,7 @@ class _Prefilter:
         best = cands[:, 0].clone()
         cos, sin = torch.cos(cands).to(torch.float32), torch.sin(cands).to(torch.float32)
         for row, head in enumerate(self.heads):
-            flat, layer, tok, sub = self._flat(head)
+            flat, layer, tok, sub, ends = self._flat(head)
             if not flat.numel():  # no entry of any layer can move: every candidate ties, the first one is kept
                 continue
             cs = cos[:, :, row].T.index_select(1, layer)  # (C, A): each entry's layer's candidates
@@ -229,8 +233,10 @@ class _Prefilter:
                     hi, lo = torch.maximum(hi, v), torch.minimum(lo, v)
                 else:
                     hi, lo = torch.maximum(hi, cmax + shift), torch.minimum(lo, cmin + shift)
-            moved = torch.zeros(n_cands, n_layers, dtype=torch.float64).index_add_(
-                1, layer, (hi - lo).to(torch.float64))  # (C, L); each term's float32 error ~eps·its size
+            # per-layer sums (C, L) from one float64 running sum (its error, ~1e-14 of the total, is far below
+            # the margin); each term's float32 error is ~eps·its size
+            run = torch.nn.functional.pad(torch.cumsum(hi - lo, dim=1, dtype=torch.float64), (1, 0))
+            moved = run[:, ends] - run[:, torch.nn.functional.pad(ends[:-1], (1, 0))]
             low = moved.min(0).values
             margin = PREFILTER_MARGIN * moved.max(0).values + 1e-12 * low.abs() + 1e-300
             near = (moved <= low + margin).T  # (L, C); a layer with no movable entry: all tie -> the first
@@ -262,7 +268,7 @@ class _Prefilter:
         u1, u2 = c * ak - s * bk, s * ak + c * bk
         hi = lo = None
         for cf, cmax, cmin in self.classes:
-            shift = cf[0] * u1 + cf[1] * u2
+            shift = _shift(float(cf[0]), float(cf[1]), u1, u2)  # x·1 + y·0 = x: the same values
             mx, mn = cmax.reshape(-1).index_select(0, flat), cmin.reshape(-1).index_select(0, flat)
             hi = mx + shift if hi is None else torch.maximum(hi, mx + shift)
             lo = mn + shift if lo is None else torch.minimum(lo, mn + shift)
