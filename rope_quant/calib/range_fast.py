@@ -130,7 +130,7 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
             best = prep.best(cands)
             if fine is not None:
                 cands = torch.cat([best[:, None, :], best[:, None, :] + fine[None, :, None]], dim=1)
-                best = prep.best(cands)
+                best = prep.best(cands, base=best)
             phi[:, :, k] = best
             u1, u2 = pair_out(best[:, None, :], k)
             if identity:
@@ -189,6 +189,10 @@ class _Prefilter:
                               for same, (_, cmax, _) in zip(self.same_extremes,
                                                             [cl for cl, n in zip(classes, norms, strict=True)
                                                              if n != 0.0], strict=True)]
+        # every moving class (±h, ±h) with both signs of c0·c1 present: the Hadamard's structure
+        mags = {abs(c) for cc in self.moving for c in cc}
+        self.hadamard_like = (next(iter(mags)) if len(mags) == 1 and 0.0 not in mags
+                              and {c0 * c1 > 0 for c0, c1 in self.moving} == {True, False} else 0.0)
         parts = [ab[0], ab[1], const_hi, const_lo]
         parts += [t for (_, cmax, cmin), n in zip(classes, norms, strict=True) if n != 0.0 for t in (cmax, cmin)]
         self.parts = parts  # (L, N, H) each: gathered on the movable entries, then cast to float32
@@ -208,35 +212,35 @@ class _Prefilter:
             self._entries[head] = (flat, layer, tok, sub, ends)
         return self._entries[head]
 
-    def best(self, cands: torch.Tensor) -> torch.Tensor:
-        """The candidate (L, C, rows) with the least mean range per layer and row; ties keep the first."""
+    def best(self, cands: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+        """The candidate (L, C, rows) with the least mean range per layer and row; ties keep the first.
+
+        ``base`` (L, rows): for the float32 scores the entries are first turned by it, and the candidates taken
+        relative to it, so that offsets shared by every layer (the grid; the refinement around the best) are
+        one row of cosines for all entries."""
         n_layers, n_cands, _ = cands.shape
         best = cands[:, 0].clone()
-        cos, sin = torch.cos(cands).to(torch.float32), torch.sin(cands).to(torch.float32)
+        rel = cands if base is None else cands - base[:, None]
         for row, head in enumerate(self.heads):
             flat, layer, tok, sub, ends = self._flat(head)
             if not flat.numel():  # no entry of any layer can move: every candidate ties, the first one is kept
                 continue
-            cs = cos[:, :, row].T.index_select(1, layer)  # (C, A): each entry's layer's candidates
-            sn = sin[:, :, row].T.index_select(1, layer)
-            # float32, any rounding order (the margin covers it): u1 = cs·a − sn·b, u2 = sn·a + cs·b
-            u1 = torch.addcmul(cs * sub[0], sn, sub[1], value=-1.0)
-            u2 = torch.addcmul(sn * sub[0], cs, sub[1])
-            hi, lo = sub[2], sub[3]
-            for j, (c0, c1) in enumerate(self.moving):
-                shift = _shift(c0, c1, u1, u2)
-                cmax, cmin = sub[4 + 2 * j], sub[5 + 2 * j]
-                if self.same_extremes[j] and self.zero_extremes[j]:
-                    hi, lo = torch.maximum(hi, shift), torch.minimum(lo, shift)
-                elif self.same_extremes[j]:
-                    v = cmax + shift
-                    hi, lo = torch.maximum(hi, v), torch.minimum(lo, v)
+            ea, eb = sub[0], sub[1]
+            if base is not None:  # turn each entry by its layer's base angle (float32; the margin covers it)
+                cb = torch.cos(base[:, row]).to(torch.float32).index_select(0, layer)
+                sb = torch.sin(base[:, row]).to(torch.float32).index_select(0, layer)
+                ea, eb = cb * sub[0] - sb * sub[1], sb * sub[0] + cb * sub[1]
+            shared = (rel[:, :, row] == rel[:1, :, row]).all(0)  # (C,) offsets every layer shares
+            moved = torch.empty(n_cands, n_layers, dtype=torch.float64)
+            for cols in (shared.nonzero()[:, 0], (~shared).nonzero()[:, 0]):
+                if not cols.numel():
+                    continue
+                ang = rel[:, :, row].index_select(1, cols)  # (L, C_x)
+                if bool(shared[cols[0]]):
+                    cs, sn = torch.cos(ang[0])[:, None], torch.sin(ang[0])[:, None]  # (C_x, 1)
                 else:
-                    hi, lo = torch.maximum(hi, cmax + shift), torch.minimum(lo, cmin + shift)
-            # per-layer sums (C, L) from one float64 running sum (its error, ~1e-14 of the total, is far below
-            # the margin); each term's float32 error is ~eps·its size
-            run = torch.nn.functional.pad(torch.cumsum(hi - lo, dim=1, dtype=torch.float64), (1, 0))
-            moved = run[:, ends] - run[:, torch.nn.functional.pad(ends[:-1], (1, 0))]
+                    cs, sn = torch.cos(ang).T.index_select(1, layer), torch.sin(ang).T.index_select(1, layer)
+                moved[cols] = self._moved32(cs.to(torch.float32), sn.to(torch.float32), ea, eb, sub, ends)
             low = moved.min(0).values
             margin = PREFILTER_MARGIN * moved.max(0).values + 1e-12 * low.abs() + 1e-300
             near = (moved <= low + margin).T  # (L, C); a layer with no movable entry: all tie -> the first
@@ -252,6 +256,41 @@ class _Prefilter:
                     pick = self._exact(c_near, multi, flat, layer, tok, head)
                     best[multi, row] = pick[multi]
         return best
+
+    def _moved32(self, cs: torch.Tensor, sn: torch.Tensor, ea: torch.Tensor, eb: torch.Tensor, sub: torch.Tensor,
+                 ends: torch.Tensor) -> torch.Tensor:
+        """Float32 sums over each layer's movable entries of their range (C_x, L), for the candidates whose
+        cosines and sines (C_x, 1 or A) turn the entries (ea, eb) (A,); any rounding order (the margin covers it)."""
+        hi, lo = sub[2], sub[3]
+        if self.hadamard_like:
+            # classes (±h, ±h): shifts ±h(u1 + u2), ±h(u1 − u2), straight from the candidates' (c ± s)
+            h = self.hadamard_like
+            p, q = (cs + sn) * h, (cs - sn) * h
+            w = {1: torch.addcmul(p * ea, q, eb), -1: torch.addcmul(q * ea, p, eb, value=-1.0)}
+            for j, (c0, c1) in enumerate(self.moving):
+                shift = w[1 if c0 == c1 else -1]
+                cmax, cmin = sub[4 + 2 * j], sub[5 + 2 * j]
+                if c0 > 0:
+                    hi, lo = torch.maximum(hi, cmax + shift), torch.minimum(lo, cmin + shift)
+                else:
+                    hi, lo = torch.maximum(hi, cmax - shift), torch.minimum(lo, cmin - shift)
+        else:
+            u1 = torch.addcmul(cs * ea, sn, eb, value=-1.0)  # u1 = c·a − s·b, u2 = s·a + c·b
+            u2 = torch.addcmul(sn * ea, cs, eb)
+            for j, (c0, c1) in enumerate(self.moving):
+                shift = _shift(c0, c1, u1, u2)
+                cmax, cmin = sub[4 + 2 * j], sub[5 + 2 * j]
+                if self.same_extremes[j] and self.zero_extremes[j]:
+                    hi, lo = torch.maximum(hi, shift), torch.minimum(lo, shift)
+                elif self.same_extremes[j]:
+                    v = cmax + shift
+                    hi, lo = torch.maximum(hi, v), torch.minimum(lo, v)
+                else:
+                    hi, lo = torch.maximum(hi, cmax + shift), torch.minimum(lo, cmin + shift)
+        # per-layer sums from one float64 running sum (its error, ~1e-14 of the total, is far below the margin);
+        # each term's float32 error is ~eps·its size
+        run = torch.nn.functional.pad(torch.cumsum(hi - lo, dim=1, dtype=torch.float64), (1, 0))
+        return run[:, ends] - run[:, torch.nn.functional.pad(ends[:-1], (1, 0))]
 
     def _exact(self, c_near: torch.Tensor, multi: torch.Tensor, flat: torch.Tensor, layer: torch.Tensor,
                tok: torch.Tensor, head: int | None) -> torch.Tensor:
