@@ -182,7 +182,7 @@ class _Prefilter:
         for (_, cmax, cmin), n in zip(classes, norms, strict=True):
             if n != 0.0:
                 active |= (cmax + n * r > const_hi) | (cmin - n * r < const_lo)
-        self.active = active
+        self.active, self.width = active, const_hi.clamp(min=0.0) - const_lo.clamp(max=0.0)
         # a class of one channel (pairwise_only: the pair's own two channels) has max = min, usually exactly 0
         self.same_extremes = [cmax is cmin for (_, cmax, cmin), n in zip(classes, norms, strict=True) if n != 0.0]
         self.zero_extremes = [bool(same) and not bool(cmax.any())
@@ -294,9 +294,8 @@ class _Prefilter:
 
     def _exact(self, c_near: torch.Tensor, multi: torch.Tensor, flat: torch.Tensor, layer: torch.Tensor,
                tok: torch.Tensor, head: int | None) -> torch.Tensor:
-        """Float64 scores of the near angles (L, C') on the movable entries of the layers ``multi``, each entry's
-        range by the exact descent's formula (the other entries add the same constant to every candidate);
-        returns each layer's first best angle (L,)."""
+        """Float64 scores of the near angles (L, C') of the layers ``multi``, each movable entry's range by the
+        exact descent's formula; returns each layer's first best angle (L,)."""
         keep = multi.index_select(0, layer)
         flat, layer, tok = flat[keep], layer[keep], tok[keep]
         n_layers, width = c_near.shape
@@ -311,9 +310,24 @@ class _Prefilter:
             mx, mn = cmax.reshape(-1).index_select(0, flat), cmin.reshape(-1).index_select(0, flat)
             hi = mx + shift if hi is None else torch.maximum(hi, mx + shift)
             lo = mn + shift if lo is None else torch.minimum(lo, mn + shift)
-        r = hi.clamp(min=0.0) - lo.clamp(max=0.0)
-        score = torch.zeros(width, n_layers, dtype=torch.float64).index_add_(1, layer, r)  # (C', L)
-        return c_near.gather(1, score.argmin(0)[:, None])[:, 0]
+        r = hi.clamp(min=0.0) - lo.clamp(max=0.0)  # (C', A)
+        # Every other entry's range is its constant width (the pair stays below its extremes) exactly as the
+        # exact descent computes it: fill them in and take the same float64 mean over (token, head) per
+        # candidate, so the scores, ties included, are the exact descent's bit for bit.
+        sel = multi.nonzero()[:, 0]
+        slot = torch.full((n_layers,), -1, dtype=torch.long)
+        slot[sel] = torch.arange(sel.numel())
+        n_tok, n_heads = self.width.shape[1:]
+        rows = self.width.index_select(0, sel)[:, None].expand(-1, width, -1, -1).clone()  # (L', C', N, H)
+        hd = flat % n_heads
+        rows.permute(0, 2, 3, 1).index_put_((slot.index_select(0, layer), tok, hd), r.T)
+        if head is None:
+            score = rows.mean(dim=(2, 3))  # (L', C')
+        else:
+            score = rows.mean(dim=2)[..., head]
+        best = c_near[:, 0].clone()
+        best[sel] = c_near.index_select(0, sel).gather(1, score.argmin(1)[:, None])[:, 0]
+        return best
 
 
 def _shift(c0: float, c1: float, u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
