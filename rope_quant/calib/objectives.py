@@ -87,6 +87,7 @@ DEFAULT_QUANTILE = 0.99
 RANGE_GRID_SIZE = 64
 RANGE_REFINE = 16
 RANGE_SWEEPS = 2
+RANGE_BATCH_LAYERS = 8  # layers per batch of the fast range fit (more spill the caches; fewer add overhead)
 
 
 class AngleEstimationError(ValueError):
@@ -422,8 +423,10 @@ def fit_range_angles_layers(
     groups: dict[tuple, list[int]] = {}
     for i, (x, _, _, _, _) in enumerate(prepared):
         groups.setdefault(tuple(x.shape) if not exact else (i,), []).append(i)
+    batches = [members[j:j + RANGE_BATCH_LAYERS] for members in groups.values()
+               for j in range(0, len(members), RANGE_BATCH_LAYERS)]
     fits: list[RangeFit | None] = [None] * len(samples)
-    for members in groups.values():
+    for members in batches:
         x = torch.stack([prepared[i][0] for i in members])
         psi = torch.stack([prepared[i][1] for i in members])
         phi = torch.stack([prepared[i][2] for i in members])
