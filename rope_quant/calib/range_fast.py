@@ -90,14 +90,25 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
     unit = torch.tensor([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
     layouts = None if identity else [_ClassLayout(mix[:, [ia[k], ib[k]]]) for k in range(n_pairs)]
     heads = list(range(n_heads)) if per_head else [None]
-    y = _full(x, phi, psi, ia, ib, mix)
+    order = torch.as_tensor(np.argsort(np.concatenate([ia, ib])))  # [a-channels, b-channels] -> channels
+
+    def full(p: torch.Tensor) -> tuple:
+        """y = M R_m k at angles p (L, rows, K): (y (L, N, H, d) with the channels in the order [a_k.., b_k..]
+        for the identity (the range does not depend on it), per-pair lists of the a and b channels (L, N, H))."""
+        ya, yb = _pairs(a, b, p, psi)
+        y = torch.cat([ya, yb], -1)
+        if not identity:
+            return y.index_select(-1, order) @ mix.T, None, None
+        return y, list(ya.permute(3, 0, 1, 2).contiguous()), list(yb.permute(3, 0, 1, 2).contiguous())
+
+    y, ya_k, yb_k = full(phi)
     traces = [[score(y[layer])] for layer in range(n_layers)]
     for _ in range(int(sweeps)):
         if identity and d > 2:
             # suf_hi[k] = max over the channels of pairs k.. (max is exact: the same as aminmax over them)
             suf_hi, suf_lo = [None] * (n_pairs + 1), [None] * (n_pairs + 1)
             for j in range(n_pairs - 1, 0, -1):
-                hj, lj = torch.maximum(y[..., ia[j]], y[..., ib[j]]), torch.minimum(y[..., ia[j]], y[..., ib[j]])
+                hj, lj = torch.maximum(ya_k[j], yb_k[j]), torch.minimum(ya_k[j], yb_k[j])
                 suf_hi[j] = hj if suf_hi[j + 1] is None else torch.maximum(suf_hi[j + 1], hj)
                 suf_lo[j] = lj if suf_lo[j + 1] is None else torch.minimum(suf_lo[j + 1], lj)
             pre_hi = pre_lo = None
@@ -105,7 +116,7 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
             old1, old2 = pair_out(phi[:, None, :, k], k)
             old1, old2 = old1[:, 0], old2[:, 0]  # (L, N, H)
             if identity:
-                r0a, r0b = y[..., ia[k]] - old1, y[..., ib[k]] - old2
+                r0a, r0b = ya_k[k] - old1, yb_k[k] - old2
                 classes = [(unit[1], r0b, r0b), (unit[2], r0a, r0a)]
                 if d > 2:
                     his = [t for t in (pre_hi, suf_hi[k + 1]) if t is not None]
@@ -134,30 +145,26 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
             phi[:, :, k] = best
             u1, u2 = pair_out(best[:, None, :], k)
             if identity:
-                y[..., ia[k]] = r0a + u1[:, 0]
-                y[..., ib[k]] = r0b + u2[:, 0]
+                ya_k[k], yb_k[k] = r0a + u1[:, 0], r0b + u2[:, 0]
                 if d > 2:
-                    ua, ub = y[..., ia[k]], y[..., ib[k]]
+                    ua, ub = ya_k[k], yb_k[k]
                     new_hi, new_lo = torch.maximum(ua, ub), torch.minimum(ua, ub)
                     pre_hi = new_hi if pre_hi is None else torch.maximum(pre_hi, new_hi)
                     pre_lo = new_lo if pre_lo is None else torch.minimum(pre_lo, new_lo)
             else:
                 y = y_rest + u1[:, 0, ..., None] * cols[:, 0] + u2[:, 0, ..., None] * cols[:, 1]
-        y = _full(x, phi, psi, ia, ib, mix)
+        y, ya_k, yb_k = full(phi)
         for layer in range(n_layers):
             traces[layer].append(score(y[layer]))
     return traces
 
 
-def _full(x: torch.Tensor, p: torch.Tensor, psi: torch.Tensor, ia: np.ndarray, ib: np.ndarray,
-          mix: torch.Tensor | None) -> torch.Tensor:
-    """y = M R_m k for all tokens (L, N, H, d) at angles p (L, rows, K): the exact descent's formula."""
-    a, b = x[..., ia], x[..., ib]
+def _pairs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, psi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both channels of every pair after R3 and RoPE, (L, N, H, K) each, at angles p (L, rows, K): the exact
+    descent's formula."""
     ang = p[:, None, :, :] + psi[:, :, None, :]  # (L, N, rows, K)
     c, s = torch.cos(ang), torch.sin(ang)
-    y = torch.empty_like(x)
-    y[..., ia], y[..., ib] = c * a - s * b, s * a + c * b
-    return y if mix is None else y @ mix.T
+    return c * a - s * b, s * a + c * b
 
 
 class _Prefilter:
