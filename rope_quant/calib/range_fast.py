@@ -70,10 +70,11 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
     n_layers, n_tok, n_heads, d = x.shape
     n_pairs = ia.size
     rows_ = phi.shape[1]
-    a, b = x[..., ia], x[..., ib]
-    a_k = [a[..., k].contiguous() for k in range(n_pairs)]  # (L, N, H)
-    b_k = [b[..., k].contiguous() for k in range(n_pairs)]
-    psi_k = [psi[:, :, k, None].contiguous() for k in range(n_pairs)]  # (L, N, 1)
+    # pair-major copies (K, L, N, H): pair k's channels and phases are contiguous
+    a_pm = x.index_select(-1, torch.as_tensor(ia)).permute(3, 0, 1, 2).contiguous()
+    b_pm = x.index_select(-1, torch.as_tensor(ib)).permute(3, 0, 1, 2).contiguous()
+    psi_pm = psi.permute(2, 0, 1)[..., None].contiguous()  # (K, L, N, 1)
+    a_k, b_k, psi_k = list(a_pm), list(b_pm), list(psi_pm)
 
     def pair_out(p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Both outputs of pair k for angles p (L, C, rows) -> (L, C, N, H), with the exact descent's formula."""
@@ -82,9 +83,9 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
         ak, bk = a_k[k][:, None], b_k[k][:, None]
         return c * ak - s * bk, s * ak + c * bk
 
-    cpsi, spsi = torch.cos(psi)[:, :, None, :], torch.sin(psi)[:, :, None, :]
-    rope_a, rope_b = a * cpsi - b * spsi, a * spsi + b * cpsi  # (L, N, H, K) float64
-    ab32 = torch.stack([rope_a, rope_b]).to(torch.float32)  # (2, L, N, H, K)
+    cpsi, spsi = torch.cos(psi_pm), torch.sin(psi_pm)
+    rope_a, rope_b = a_pm * cpsi - b_pm * spsi, a_pm * spsi + b_pm * cpsi  # (K, L, N, H) float64
+    ab32 = torch.stack([rope_a, rope_b], dim=1).to(torch.float32)  # (K, 2, L, N, H)
     rho = torch.hypot(rope_a, rope_b)
     identity = mix is None
     unit = torch.tensor([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
@@ -93,13 +94,16 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
     order = torch.as_tensor(np.argsort(np.concatenate([ia, ib])))  # [a-channels, b-channels] -> channels
 
     def full(p: torch.Tensor) -> tuple:
-        """y = M R_m k at angles p (L, rows, K): (y (L, N, H, d) with the channels in the order [a_k.., b_k..]
-        for the identity (the range does not depend on it), per-pair lists of the a and b channels (L, N, H))."""
-        ya, yb = _pairs(a, b, p, psi)
-        y = torch.cat([ya, yb], -1)
+        """y = M R_m k at angles p (L, rows, K), as the exact descent's formula: (y (L, N, H, d), with the
+        channels in the order [a_k.., b_k..] for the identity (the range does not depend on it), and the
+        per-pair lists of the a and b channels (L, N, H) for the identity)."""
+        ang = p.permute(2, 0, 1)[:, :, None, :] + psi_pm  # (K, L, N, rows)
+        c, s = torch.cos(ang), torch.sin(ang)
+        ya, yb = c * a_pm - s * b_pm, s * a_pm + c * b_pm  # (K, L, N, H)
+        y = torch.cat([ya, yb]).permute(1, 2, 3, 0)
         if not identity:
             return y.index_select(-1, order) @ mix.T, None, None
-        return y, list(ya.permute(3, 0, 1, 2).contiguous()), list(yb.permute(3, 0, 1, 2).contiguous())
+        return y, list(ya), list(yb)
 
     y, ya_k, yb_k = full(phi)
     traces = [[score(y[layer])] for layer in range(n_layers)]
@@ -135,7 +139,7 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
                 else:
                     classes = [(lay.coef[j], y_rest[..., lay.which == j].amax(-1),
                                 y_rest[..., lay.which == j].amin(-1)) for j in range(lay.coef.shape[0])]
-            prep = _Prefilter(classes, ab32[..., k], rho[..., k], heads, a_k[k], b_k[k], psi_k[k])
+            prep = _Prefilter(classes, ab32[k], rho[k], heads, a_k[k], b_k[k], psi_k[k])
             current = phi[:, :, k]
             cands = torch.cat([current[:, None, :], grid[None, :, None].expand(n_layers, -1, rows_)], dim=1)
             best = prep.best(cands)
@@ -157,14 +161,6 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
         for layer in range(n_layers):
             traces[layer].append(score(y[layer]))
     return traces
-
-
-def _pairs(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, psi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both channels of every pair after R3 and RoPE, (L, N, H, K) each, at angles p (L, rows, K): the exact
-    descent's formula."""
-    ang = p[:, None, :, :] + psi[:, :, None, :]  # (L, N, rows, K)
-    c, s = torch.cos(ang), torch.sin(ang)
-    return c * a - s * b, s * a + c * b
 
 
 class _Prefilter:
