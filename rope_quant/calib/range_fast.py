@@ -181,10 +181,16 @@ class _Prefilter:
             if n == 0.0:
                 const_hi, const_lo = torch.maximum(const_hi, cmax), torch.minimum(const_lo, cmin)
         r = rho * (1 + PREFILTER_MARGIN)
-        active = torch.zeros_like(rho, dtype=torch.bool)
+        active = None
         for (_, cmax, cmin), n in zip(classes, norms, strict=True):
             if n != 0.0:
-                active |= (cmax + n * r > const_hi) | (cmin - n * r < const_lo)
+                nr = r if n == 1.0 else n * r
+                up = (cmax + nr > const_hi) if cmax.any() else (nr > const_hi)
+                down = (cmin - nr < const_lo) if cmin.any() else (nr > -const_lo)
+                up |= down
+                active = up if active is None else active.logical_or_(up)
+        if active is None:  # no class moves with the pair
+            active = torch.zeros_like(rho, dtype=torch.bool)
         self.active, self.width = active, const_hi.clamp(min=0.0) - const_lo.clamp(max=0.0)
         # a class of one channel (pairwise_only: the pair's own two channels) has max = min, usually exactly 0
         self.same_extremes = [cmax is cmin for (_, cmax, cmin), n in zip(classes, norms, strict=True) if n != 0.0]
@@ -292,8 +298,9 @@ class _Prefilter:
                     hi, lo = torch.maximum(hi, cmax + shift), torch.minimum(lo, cmin + shift)
         # per-layer sums from one float64 running sum (its error, ~1e-14 of the total, is far below the margin);
         # each term's float32 error is ~eps·its size
-        run = torch.nn.functional.pad(torch.cumsum(hi - lo, dim=1, dtype=torch.float64), (1, 0))
-        return run[:, ends] - run[:, torch.nn.functional.pad(ends[:-1], (1, 0))]
+        run = torch.cumsum(hi - lo, dim=1, dtype=torch.float64)
+        upto = torch.where(ends > 0, run[:, (ends - 1).clamp(min=0)], 0.0)  # (C_x, L) the sum up to each end
+        return torch.diff(upto, dim=1, prepend=torch.zeros_like(upto[:, :1]))
 
     def _exact(self, c_near: torch.Tensor, multi: torch.Tensor, flat: torch.Tensor, layer: torch.Tensor,
                tok: torch.Tensor, head: int | None) -> torch.Tensor:
