@@ -1,15 +1,22 @@
 """The fast coordinate descent behind :func:`rope_quant.calib.objectives.fit_range_angles` (§6's range objective).
 
 Same candidates, the same float64 scores and therefore the same angles as the all-float64 descent
-(``exact=True``); only the bookkeeping around those scores is cheaper:
+(``exact=True``); only the bookkeeping around those scores is cheaper, and a batch of layers shares every
+tensor operation (the layers stay independent):
 
+- keys, RoPE phases and (``pairwise_only``) the pair channels of y are stored pair-major, so a pair step reads
+  and writes contiguous (L, N, H) blocks;
 - the rest-of-head extremes of pair k (``pairwise_only``) come from prefix/suffix maxima of the per-pair
   extremes (max is exact, so they equal the gather + ``aminmax`` over the other d − 2 channels bit for bit);
 - with the Hadamard, the class structure of every pair is built once and each class's extremes come from one
   gather that makes the classes contiguous (instead of a boolean-mask copy per class and extreme);
-- the float32 prefilter gathers the movable (token, head) entries once per step and scores every candidate
-  on them; only the candidates within its margin (1e-5 of the movable entries' sum, ~80× their float32 error
-  bound) are re-scored in float64 on every entry, with :func:`best_candidate` exactly as the exact descent does.
+- the float32 prefilter scores every candidate on the movable (token, head) entries of all layers, kept ragged
+  on one axis; offsets shared by the layers (the grid, the refinement around each layer's best) are one row of
+  cosines; per-layer sums come from one float64 running sum. Only the candidates within its margin (1e-5 of
+  the movable entries' sum, ~80× their float32 error bound) are re-scored in float64: each movable entry's
+  range by the exact descent's formula, every other entry's range filled in as its constant width (the value
+  the exact descent computes for it), then the exact descent's per-candidate mean, so scores and ties agree
+  bit for bit.
 
 The choice can differ from ``exact=True`` only if the float32 error exceeds that margin;
 tests/numerics/test_range_fastpath.py checks it against the frozen previous implementation and ``exact=True``.
