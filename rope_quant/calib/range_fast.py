@@ -149,7 +149,7 @@ def descend(x: torch.Tensor, psi: torch.Tensor, phi: torch.Tensor, ia: np.ndarra
             prep = _Prefilter(classes, ab32[k], rho[k], heads, a_k[k], b_k[k], psi_k[k])
             current = phi[:, :, k]
             cands = torch.cat([current[:, None, :], grid[None, :, None].expand(n_layers, -1, rows_)], dim=1)
-            best = prep.best(cands)
+            best = prep.best(cands, quarters=grid.numel())
             if fine is not None:
                 cands = torch.cat([best[:, None, :], best[:, None, :] + fine[None, :, None]], dim=1)
                 best = prep.best(cands, base=best)
@@ -205,6 +205,8 @@ class _Prefilter:
                               for same, (_, cmax, _) in zip(self.same_extremes,
                                                             [cl for cl, n in zip(classes, norms, strict=True)
                                                              if n != 0.0], strict=True)]
+        self.pair_only = (sorted(self.moving) == [(0.0, 1.0), (1.0, 0.0)]
+                          and all(self.same_extremes) and all(self.zero_extremes))
         # every moving class (±h, ±h) with both signs of c0·c1 present: the Hadamard's structure
         mags = {abs(c) for cc in self.moving for c in cc}
         self.hadamard_like = (next(iter(mags)) if len(mags) == 1 and 0.0 not in mags
@@ -228,12 +230,13 @@ class _Prefilter:
             self._entries[head] = (flat, layer, tok, sub, ends)
         return self._entries[head]
 
-    def best(self, cands: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+    def best(self, cands: torch.Tensor, base: torch.Tensor | None = None, quarters: int = 0) -> torch.Tensor:
         """The candidate (L, C, rows) with the least mean range per layer and row; ties keep the first.
 
         ``base`` (L, rows): for the float32 scores the entries are first turned by it, and the candidates taken
         relative to it, so that offsets shared by every layer (the grid; the refinement around the best) are
-        one row of cosines for all entries."""
+        one row of cosines for all entries. ``quarters``: the candidates after the first are the grid of that
+        size (a multiple of 4), so its four quarter-turns of the pair's own channels share one set of outputs."""
         n_layers, n_cands, _ = cands.shape
         best = cands[:, 0].clone()
         rel = cands if base is None else cands - base[:, None]
@@ -248,7 +251,15 @@ class _Prefilter:
                 ea, eb = cb * sub[0] - sb * sub[1], sb * sub[0] + cb * sub[1]
             shared = (rel[:, :, row] == rel[:1, :, row]).all(0)  # (C,) offsets every layer shares
             moved = torch.empty(n_cands, n_layers, dtype=torch.float64)
-            for cols in (shared.nonzero()[:, 0], (~shared).nonzero()[:, 0]):
+            col_sets = [shared.nonzero()[:, 0], (~shared).nonzero()[:, 0]]
+            if (quarters and self.pair_only and quarters % 4 == 0 and n_cands == quarters + 1
+                    and bool(shared[1:].all())):
+                q = quarters // 4
+                ang = rel[0, 1:1 + q, row]
+                cs, sn = torch.cos(ang)[:, None].to(torch.float32), torch.sin(ang)[:, None].to(torch.float32)
+                moved[1:] = self._moved32_quarters(cs, sn, ea, eb, sub, ends)
+                col_sets = [torch.zeros(1, dtype=torch.long)]
+            for cols in col_sets:
                 if not cols.numel():
                     continue
                 ang = rel[:, :, row].index_select(1, cols)  # (L, C_x)
@@ -272,6 +283,22 @@ class _Prefilter:
                     pick = self._exact(c_near, multi, flat, layer, tok, head)
                     best[multi, row] = pick[multi]
         return best
+
+    def _moved32_quarters(self, cs: torch.Tensor, sn: torch.Tensor, ea: torch.Tensor, eb: torch.Tensor,
+                          sub: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """:meth:`_moved32` of the grid (4q, L) for ``pairwise_only`` (the pair's own two channels, zero rest
+        of class) from its first quarter (cs, sn (q, 1)): a quarter turn maps (u1, u2) to (−u2, u1)."""
+        u1 = torch.addcmul(cs * ea, sn, eb, value=-1.0)
+        u2 = torch.addcmul(sn * ea, cs, eb)
+        hi_c, lo_c = sub[2], sub[3]
+        nu2 = u2.neg()
+        big, small = torch.maximum(u1, u2), torch.minimum(u1, u2)  # turn 0: (u1, u2)
+        big1, small1 = torch.maximum(u1, nu2), torch.minimum(u1, nu2)  # turn 1: (−u2, u1)
+        # turn 2: (−u1, −u2): max −small, min −big; turn 3: (u2, −u1): max −small1, min −big1
+        out = []
+        for mx, mn in ((big, small), (big1, small1), (small.neg(), big.neg()), (small1.neg(), big1.neg())):
+            out.append(_segment_sums(torch.maximum(hi_c, mx) - torch.minimum(lo_c, mn), ends))
+        return torch.cat(out)
 
     def _moved32(self, cs: torch.Tensor, sn: torch.Tensor, ea: torch.Tensor, eb: torch.Tensor, sub: torch.Tensor,
                  ends: torch.Tensor) -> torch.Tensor:
@@ -303,11 +330,7 @@ class _Prefilter:
                     hi, lo = torch.maximum(hi, v), torch.minimum(lo, v)
                 else:
                     hi, lo = torch.maximum(hi, cmax + shift), torch.minimum(lo, cmin + shift)
-        # per-layer sums from one float64 running sum (its error, ~1e-14 of the total, is far below the margin);
-        # each term's float32 error is ~eps·its size
-        run = torch.cumsum(hi - lo, dim=1, dtype=torch.float64)
-        upto = torch.where(ends > 0, run[:, (ends - 1).clamp(min=0)], 0.0)  # (C_x, L) the sum up to each end
-        return torch.diff(upto, dim=1, prepend=torch.zeros_like(upto[:, :1]))
+        return _segment_sums(hi - lo, ends)
 
     def _exact(self, c_near: torch.Tensor, multi: torch.Tensor, flat: torch.Tensor, layer: torch.Tensor,
                tok: torch.Tensor, head: int | None) -> torch.Tensor:
@@ -345,6 +368,14 @@ class _Prefilter:
         best = c_near[:, 0].clone()
         best[sel] = c_near.index_select(0, sel).gather(1, score.argmin(1)[:, None])[:, 0]
         return best
+
+
+def _segment_sums(r: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Per-layer sums (C, L) of float32 terms r (C, A) whose layers end at ``ends``, from one float64 running
+    sum (its error, ~1e-14 of the total, is far below the margin; each term's float32 error is ~eps·its size)."""
+    run = torch.cumsum(r, dim=1, dtype=torch.float64)
+    upto = torch.where(ends > 0, run[:, (ends - 1).clamp(min=0)], 0.0)  # (C, L) the sum up to each end
+    return torch.diff(upto, dim=1, prepend=torch.zeros_like(upto[:, :1]))
 
 
 def _shift(c0: float, c1: float, u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
