@@ -36,7 +36,9 @@ from rope_quant.sweep.niah import SATURATION, SEPARATION
 #: 0.10, pairwise_only 0.30 (near the floor); at 512: hadamard 0.40, pairwise_only 0.00 (10 probes) and, with
 #: this test's 25 probes: fp 0.92, hadamard 0.40, pairwise_only 0.04, pairwise_plus_hadamard 0.40 (seed 0) and
 #: fp 1.00, hadamard 0.12, pairwise_only 0.16, pairwise_plus_hadamard 0.12 (seed 2: not discriminative alone);
-#: mean of seeds 0 and 2: hadamard − pairwise_only +0.16. Seed 1 (quantised) and the 3-seed run: not measured.
+#: mean of seeds 0 and 2: hadamard − pairwise_only +0.16. Seeds 0, 1, 2 (``--rq-seeds 0,1,2``, 1 thread): fp 0.96,
+#: hadamard 0.240 [0.40, 0.20, 0.12], pairwise_only 0.107 [0.04, 0.12, 0.16], pairwise_plus_hadamard 0.227:
+#: +0.133, holds (spread 0.027).
 CLAIM_LENGTH = 512
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 PROBES = 5  # per depth and seed: 25 probes per cell (App. G: 20 per depth)

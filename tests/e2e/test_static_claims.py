@@ -8,10 +8,10 @@ first :data:`STATIC_EVAL_WINDOWS` windows scored; then R3 is switched to pairwis
 (``reconfigure``) and the scales are re-estimated for it. The shortest length on CPU is the session's 512
 (the paper's is 2048). Marked ``slow``: it adds 2 × 3 static evaluations (8 × 512 tokens each) to the session.
 
-Measured 2026-11-24 (1 thread, nice, machine load 9–14, ``--rq-seeds 2,0``, GPTQ weights cached; 255 s): static
-both, L = 512, hadamard / pairwise_only: seed 2 50.746 / 44.113 (gap −6.633), seed 0 42.766 / 40.452 (−2.314);
-mean −4.473 (90% CI −18.110, +9.164; n = 2): the paper's sign in both seeds, inconclusive at ±5 PPL. Seed 1 was
-not measured (its GPTQ weights were not cached).
+Measured 2026-11-24 (1 thread, ``--rq-seeds 0,1,2``, GPTQ weights cached): static both, L = 512, hadamard /
+pairwise_only: seed 0 42.766 / 40.452 (gap −2.313), seed 1 41.699 / 41.745 (+0.046), seed 2 50.746 / 44.113
+(−6.633); mean −2.967 (90% CI −8.677, +2.743; n = 3): the paper's sign in seeds 0 and 2, a tie in seed 1,
+inconclusive at ±5 PPL.
 """
 
 from __future__ import annotations
