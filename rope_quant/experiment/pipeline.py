@@ -360,10 +360,9 @@ def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
     The decoder's weight algebra (:func:`rotation.rotate_model`) is skipped: the cached state holds its
     result. The embeddings and lm_head, which the cache leaves out (``derived``), are rebuilt from the loaded
     model and the cached R1 (:func:`rotation.rotate_embeddings`; without R1 they are the model's own) and
-    must match their cached sha256, else
-    :class:`WeightCacheMismatch`. An older file that holds them is loaded as it is (embeddings untied). Only
-    the online half of R4 is registered (:func:`rotation.install_online_r4`, ``prepend=True`` as in
-    ``apply_r4``).
+    must match their cached sha256, else :class:`WeightCacheMismatch`. An older file that holds them is
+    loaded as it is (embeddings untied). Only the online half of R4 is registered
+    (:func:`rotation.install_online_r4`, ``prepend=True`` as in ``apply_r4``).
     """
     from rope_quant.rotations import offline as rotation
 
