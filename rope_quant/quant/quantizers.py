@@ -167,11 +167,12 @@ def _asym_range(g: torch.Tensor, clip_ratio: float) -> tuple[torch.Tensor, torch
     """
     lo = torch.amin(g, dim=-1, keepdim=True)
     hi = torch.amax(g, dim=-1, keepdim=True)
-    if not bool((torch.isfinite(lo) & torch.isfinite(hi) & (lo != 0) & (hi != 0)).all()):
+    finite = bool((torch.isfinite(lo) & torch.isfinite(hi) & (lo != 0) & (hi != 0)).all())
+    if not finite:  # the plain path (finite is then recomputed: a zero extreme is finite)
         lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
-    finite = _all_finite(lo) and _all_finite(hi)
-    if not finite:
-        lo, hi = torch.aminmax(_finite_or_zero(g), dim=-1, keepdim=True)
+        finite = _all_finite(lo) and _all_finite(hi)
+        if not finite:
+            lo, hi = torch.aminmax(_finite_or_zero(g), dim=-1, keepdim=True)
     lo = lo.clamp(max=0.0)
     hi = hi.clamp(min=0.0)
     if clip_ratio != 1.0:
