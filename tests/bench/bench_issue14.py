@@ -1,6 +1,7 @@
 """Issue 14 figures on the embedded SmolLM2-135M, each measured side by side in one run (a script, not a test):
 
-    PYTHONPATH=. python tests/bench/bench_issue14.py [--threads 2] [--only calib,fq,range,cache]
+    PYTHONPATH=. python tests/bench/bench_issue14.py [--threads 2] [--only calib,fq,range,cache] [--rounds 3]
+        [--angles-out range_angles.npy]
 
 calib: calibration-statistics pass / plain forward (2048 tokens); fq: W4A4KV4 fake-quant forward / plain
 (2048 tokens); range: the range-objective fit of every layer (real K samples, 2048 tokens per layer);
@@ -29,7 +30,7 @@ def forward(model):
     return run
 
 
-def bench_calib(base, ids) -> dict:
+def bench_calib(base, ids, rounds: int = 3) -> dict:
     from rope_quant.calib.moments import CalibrationStats
     from rope_quant.rotations import attention
 
@@ -41,18 +42,18 @@ def bench_calib(base, ids) -> dict:
     def calib():
         with attention.calibration_hooks(model, stats):
             run(ids)
-    t_plain, t_cal = paired_best([lambda: run(ids), calib])
+    t_plain, t_cal = paired_best([lambda: run(ids), calib], rounds)
     return {"plain_s": t_plain, "calib_s": t_cal, "ratio": t_cal / t_plain}
 
 
-def bench_fq(base, corpus, ids) -> dict:
+def bench_fq(base, corpus, ids, rounds: int = 3) -> dict:
     from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 
     cfg = RunConfig.from_flat(w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4, seqlen=256, calib_windows=1,
                               r3="identity")
     qm = build_quantized_model(cfg, base=base, corpus=corpus)
     plain, fq = forward(base[0]), forward(qm.model)
-    t_plain, t_fq = paired_best([lambda: plain(ids), lambda: fq(ids)])
+    t_plain, t_fq = paired_best([lambda: plain(ids), lambda: fq(ids)], rounds)
     return {"plain_s": t_plain, "fq_s": t_fq, "ratio": t_fq / t_plain}
 
 
@@ -102,6 +103,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="calib,fq,range,cache")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per paired timing (best of)")
+    ap.add_argument("--angles-out", default=None, help="with range: save both angle arrays here (.npy)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from rope_quant.experiment import data
@@ -113,13 +116,13 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}")
     for what in args.only.split(","):
         if what == "calib":
-            print("calib", bench_calib(base, ids), flush=True)
+            print("calib", bench_calib(base, ids, args.rounds), flush=True)
         elif what == "fq":
-            print("fq", bench_fq(base, corpus, ids), flush=True)
+            print("fq", bench_fq(base, corpus, ids, args.rounds), flush=True)
         elif what == "range":
             r = bench_range(base, corpus)
-            np.save("/tmp/perf/range_angles.npy", np.stack([r["pairwise_only_angles"],
-                                                            r["pairwise_plus_hadamard_angles"]]))
+            if args.angles_out:  # compare two code versions' angles with np.array_equal
+                np.save(args.angles_out, np.stack([r["pairwise_only_angles"], r["pairwise_plus_hadamard_angles"]]))
             print("range", {k: v for k, v in r.items() if k.endswith("_s")}, flush=True)
         elif what == "cache":
             print("cache", bench_cache(base, corpus), flush=True)
