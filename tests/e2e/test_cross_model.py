@@ -9,6 +9,9 @@ Settings (issue 13):
 - **KV-only, W16A16KV4** (:data:`KV_ONLY`): 4-bit keys and nothing else quantised, no offline rotation. It
   isolates R3's effect on the keys and is valid on both architectures (Gemma 3's sandwich norms refuse R1).
 - **W4A16KV4** (:data:`W4A16KV4`, ``slow``): GPTQ weights, no R1, R2 random Hadamard, R4 online, 4-bit KV.
+  Measured 2026-11-24 (2 threads, 3 seeds, 12 x 512 pydoc tokens, ``-k w4a16 --rq-model M``): smollm2-135m
+  hadamard 15.407, 15.437, 15.433 vs pairwise_only 17.599, 17.600, 17.740 (smallest gap +14.0%), 7 min 46 s;
+  gemma3-270m 55.269, 49.295, 50.596 vs 182.464, 177.727, 147.928 (+192%), 11 min 40 s: C1 and C8 hold on both.
 
 The module is in the ``slow`` subset (``tox -e slow``; ``pytest -m e2e --run-slow``): on 2 cores the KV-only
 claims take about 10 minutes per model at 1 thread and would not fit the default run's CI budget. Both
@@ -42,6 +45,9 @@ W4A16KV4 = dict(w_bits=4, a_bits=16, k_bits=4, v_bits=16, r1="identity")
 #: Relative perplexity spread inside which a KV-only claim is inconclusive (2x the 0.49% measured float-order
 #: spread on 4-bit keys, issue 11 §4).
 KV_SPREAD = 0.01
+#: The same for W4A16KV4, whose GPTQ weights carry the cross-machine float-order spread: up to ~7% of a W4A4KV4
+#: cell's perplexity across thread counts and float64 GPTQ (issue 11 §0; test_lower_bits_claims.REL_SPREAD).
+GPTQ_SPREAD = 0.07
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -96,8 +102,8 @@ def three_way_rel(stat: float, spread: float = KV_SPREAD) -> bool | None:
     return True if stat > spread else False if stat < -spread else None
 
 
-def _verdict(v: bool | None) -> str:
-    return {True: "decided", False: "decided against", None: f"inconclusive (within ±{KV_SPREAD:.0%})"}[v]
+def _verdict(v: bool | None, spread: float = KV_SPREAD) -> str:
+    return {True: "decided", False: "decided against", None: f"inconclusive (within ±{spread:.0%})"}[v]
 
 
 def test_c1_kv_only_pairwise_only_worse(xexp, rq_claim, rq_record) -> None:
@@ -185,10 +191,11 @@ def test_c1_c8_w4a16kv4(xexp, rq_claim, rq_record) -> None:
         rq_record("Cross-model, W4A16KV4", model=_name(xexp), seed=seed, hadamard=h, pairwise_only=p,
                   pairwise_plus_hadamard=q)
     rel = min((p - h) / h for p, h in zip(pw, had, strict=True))
-    verdict = three_way_rel(rel)
+    verdict = three_way_rel(rel, GPTQ_SPREAD)
     c8 = all(h < p for h, p in zip(*rng, strict=True))
     rq_claim("C1 + C8 (App. I) W4A16KV4", "pw > had every seed; K range lower under hadamard",
-             f"pw {_fmt(pw)} vs had {_fmt(had)} (smallest relative gap {rel:+.2%}, {_verdict(verdict)}); "
+             f"pw {_fmt(pw)} vs had {_fmt(had)} (smallest relative gap {rel:+.2%}, "
+             f"{_verdict(verdict, GPTQ_SPREAD)}); "
              f"pw+H {_fmt(pph)}; K range {_fmt(rng[0])} vs {_fmt(rng[1])}", verdict if c8 else False,
              model=_name(xexp), hadamard=had, pairwise_only=pw, pairwise_plus_hadamard=pph, stat=rel)
     assert c8, rng
