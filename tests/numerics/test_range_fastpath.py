@@ -16,18 +16,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from range_reference import reference_fit_range_angles
+from test_range_fast import _keys
 
 from rope_quant.calib.objectives import AngleEstimationError, fit_range_angles, fit_range_angles_layers
 
 TOL = 1e-6
-
-
-def _keys(seed: int, n: int = 300, heads: int = 2, d: int = 16):
-    rng = np.random.default_rng(seed)
-    scale = np.exp(rng.normal(0, 1, d))
-    scale[rng.integers(0, d, 2)] *= 6  # outlier channels: most entries' range is set by them
-    rows = rng.standard_t(5, (n, heads, d)) * scale + rng.standard_normal(d) * 2
-    return rows, rng.integers(0, 512, n), 10000.0 ** (-np.arange(0, d, 2) / d)
 
 
 def _assert_same_fit(new, old):
