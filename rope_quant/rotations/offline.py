@@ -334,16 +334,16 @@ def apply_r1(model: nn.Module, q: torch.Tensor) -> None:
     _fold_r1(model, qm)
 
 
-def _fold_r1(model: nn.Module, qm: torch.Tensor, decoder: bool = True) -> None:
-    """The R1 weight algebra without the checks (tests use it to show why a refusal is needed);
-    ``decoder=False`` rotates only the embeddings and lm_head (:func:`rotate_embeddings`)."""
-    emb = arch.embeddings(model).weight
-    _set(emb, emb.detach().to("cpu", torch.float64) @ qm)
-    head = _lm_head(model)
-    if not decoder:
-        _set(head.weight, head.weight.detach().to("cpu", torch.float64) @ qm)
-        return
-    readers: list[nn.Linear] = [head]
+def _fold_r1_ends(model: nn.Module, qm: torch.Tensor) -> None:
+    """R1 on the two ends of the residual stream: ``E ← E Q`` and ``W_head ← W_head Q``."""
+    for w in (arch.embeddings(model).weight, _lm_head(model).weight):
+        _set(w, w.detach().to("cpu", torch.float64) @ qm)
+
+
+def _fold_r1(model: nn.Module, qm: torch.Tensor) -> None:
+    """The R1 weight algebra without the checks (tests use it to show why a refusal is needed)."""
+    _fold_r1_ends(model, qm)
+    readers: list[nn.Linear] = []
     writers: list[nn.Linear] = []
     for i in range(len(decoder_layers(model))):
         a, m = arch.attention(model, i), arch.mlp_parts(model, i)
@@ -373,7 +373,7 @@ def rotate_embeddings(model: nn.Module, q: torch.Tensor) -> None:
     for where, norm, linears in arch.fusable_norms(model):
         if any(lin is head for lin in linears):
             _scale_columns(head, _rmsnorm_weight(norm, where).detach().to(torch.float64).cpu() + offset)
-    _fold_r1(model, qm, decoder=False)
+    _fold_r1_ends(model, qm)
 
 
 # ------------------------------------------------------------------------------------------ R2
