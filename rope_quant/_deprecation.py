@@ -1,0 +1,120 @@
+"""The module paths that 0.2.0 moved (commit 2da0636), kept importable until :data:`REMOVAL`.
+
+Each old path ``rope_quant/<old>.py`` is a two-line shim that calls :func:`alias_module`: the first import warns
+with a :class:`DeprecationWarning` that names the new path and the removal version, and the old name then *is*
+the new module (same object, so patching either patches both). Two old modules became packages of the same
+name (``rope_quant.quant``, ``rope_quant.sweep``); their old top-level names resolve through the package's
+``__getattr__`` with :func:`moved_attribute`. Stdlib only: importing a shim costs what importing its target costs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+import warnings
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
+
+REMOVAL = "0.3.0"
+
+# old module (under rope_quant.) -> its new path. The single source for the shims and their tests.
+MOVED_MODULES: dict[str, str] = {
+    "angles": "rope_quant.core.angles",
+    "attention": "rope_quant.rotations.attention",
+    "calibration": "rope_quant.calib.moments",
+    "data": "rope_quant.experiment.data",
+    "diagnostics": "rope_quant.calib.diagnostics",
+    "envinfo": "rope_quant.experiment.envinfo",
+    "evaluate": "rope_quant.experiment.evaluate",
+    "gptq": "rope_quant.quant.gptq",
+    "hadamard": "rope_quant.core.hadamard",
+    "models": "rope_quant.model.loading",
+    "objectives": "rope_quant.calib.objectives",
+    "pipeline": "rope_quant.experiment.pipeline",
+    "report": "rope_quant.sweep.report",
+    "rope": "rope_quant.core.rope",
+    "rotation": "rope_quant.rotations.offline",
+    "stats": "rope_quant.core.stats",
+    "transforms": "rope_quant.core.transforms",
+    "verify": "rope_quant.calib.verify",
+    "whip": "rope_quant.rotations.whip",
+}
+
+# The public names of the old flat modules that are packages now, as 0.1.0 had them.
+OLD_QUANT_NAMES = frozenset({
+    "OFF_BITS", "NonFloatTensorError", "QuantConfigError", "NotCalibratedError", "QuantConfig", "is_off",
+    "fake_quant_per_token", "fake_quant", "quant_step", "StaticChannelQuantizer",
+})
+OLD_SWEEP_NAMES = frozenset({
+    "MANIFEST_FILE", "CELLS_DIR", "CACHE_DIR", "ARTIFACTS_DIR", "CellFn", "Selection", "SweepError",
+    "InvalidCellNameError", "DuplicateCellError", "ShardSpecError", "ManifestNotFoundError", "check_name",
+    "config_seed", "config_dict", "Manifest", "build_manifest", "manifest_from_dict", "read_manifest",
+    "write_manifest", "cell_relpath", "cell_path", "read_record", "record_is_complete", "is_complete",
+    "parse_shard", "shard_from_env", "shard_indices", "select", "SweepReport", "run_cell_record", "run_cells",
+    "Status", "status", "complete_records", "LongContextConfig", "compare_manifest", "support_manifest",
+    "estimators_manifest", "long_context_manifest", "BEYOND_ANGLES", "BEYOND_TRANSFORMS", "BEYOND_LONG",
+    "beyond_variants", "beyond_manifest", "beyond_long_context_manifest", "artifact_dir", "save_artifacts",
+    "pipeline_cell_fn", "config_from_dict", "run_shard", "submit_slurm",
+})
+
+
+def message(old: str, new: str) -> str:
+    """The one wording of every deprecation in this package."""
+    return f"{old} is deprecated since rope_quant 0.2.0 and will be removed in {REMOVAL}; use {new}"
+
+
+def alias_module(old_name: str) -> ModuleType:
+    """Warn once for the old module path ``old_name`` and make it the new module (called by each shim)."""
+    new = MOVED_MODULES[old_name.rpartition(".")[2]]
+    warnings.warn(message(f"module {old_name}", new), DeprecationWarning, stacklevel=_caller_level())
+    module = importlib.import_module(new)
+    sys.modules[old_name] = module  # the import system returns sys.modules[old_name]: the new module itself
+    return module
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the importing code: past this module, the shim, any loader and importlib (whose
+    frames ``warnings`` does not count)."""
+    ours = {__name__, *_shim_names()}
+    frame = sys._getframe(1)  # alias_module: level 1
+    level = 1
+    while frame.f_back is not None:
+        frame = frame.f_back
+        internal = "importlib" in frame.f_code.co_filename and "_bootstrap" in frame.f_code.co_filename
+        if not internal:
+            level += 1
+            # a loader's exec_module (pytest's assertion rewriter, say) runs the shim: walk past it too
+            if frame.f_globals.get("__name__") not in ours and frame.f_code.co_name != "exec_module":
+                return level
+    return level
+
+
+def _shim_names() -> set[str]:
+    return {f"rope_quant.{old}" for old in MOVED_MODULES}
+
+
+def moved_attribute(package: str, name: str, modules: Iterable[str]) -> Any:
+    """Resolve ``package.name`` (an old flat module's name) from the first of ``modules`` that defines it.
+
+    Warns with the new path. Searches the package's other submodules if none of ``modules`` has it, so a later
+    move inside the package keeps the old name working.
+    """
+    preferred = list(modules)
+    for mod_name in preferred + [m for m in _submodules(package) if m not in preferred]:
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError:
+            if mod_name in preferred:
+                raise
+            continue  # a submodule needing an optional extra cannot be where a 0.1.0 name lives
+        if name in vars(module):
+            warnings.warn(message(f"{package}.{name}", f"{mod_name}.{name}"), DeprecationWarning, stacklevel=3)
+            return vars(module)[name]
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+
+def _submodules(package: str) -> list[str]:
+    pkg = importlib.import_module(package)
+    return [m.name for m in pkgutil.walk_packages(getattr(pkg, "__path__", []), f"{package}.")]
