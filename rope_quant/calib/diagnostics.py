@@ -122,7 +122,7 @@ class KDiagnostics:
             raise DiagnosticsError("per_layer=True needs the layer index in update(k, layer=...)")
         batch = self.batch_stats(k)
         self.total.add(batch)
-        if self.per_layer:
+        if self.per_layer and layer is not None:  # (per_layer without a layer raised above)
             self.layers.setdefault(int(layer), KStats()).add(batch)
         return batch
 

@@ -77,4 +77,4 @@ def pool_spec(rule: Any) -> PoolSpec:
     """The table entry of ``rule`` (a :class:`PoolingRule` or its name), else UnknownPoolingRuleError."""
     if not isinstance(rule, str) or rule not in POOLING:
         raise UnknownPoolingRuleError(f"unknown pooling rule {rule!r}; expected one of {POOLING_RULES}")
-    return POOLING[rule]
+    return POOLING[PoolingRule(rule)]

