@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "tests._support.fixtures"]
 
 settings.register_profile(
     "ci", derandomize=True, max_examples=40, deadline=None, print_blob=True,

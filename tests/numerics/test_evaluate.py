@@ -20,6 +20,7 @@ from rope_quant.experiment.evaluate import (
     long_context,
     perplexity,
 )
+from tests._support import tiny_llama
 
 # HF causal-LM outputs (labels loss, base model + lm_head) and the GGUF-loaded model: compat
 pytestmark = pytest.mark.compat
@@ -30,14 +31,7 @@ OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 @pytest.fixture(scope="module")
 def tiny():
     """A small random Llama with a wide init so per-token NLLs vary (misalignment would show)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(101, hidden=32, intermediate=64, initializer_range=0.5)
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rope_quant.quant import quantizers as Q
+from tests._support import tiny_llama
 
 # ----------------------------------------------------------------------------- the reference (old code)
 
@@ -278,10 +279,7 @@ def test_generic_activations_take_the_vectorised_clamp(monkeypatch) -> None:
 
 
 def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(96, seed=seed, max_positions=256)
 
 
 def _w4a4kv4_logits(a_cfg: Q.QuantConfig, kv_cfg: Q.QuantConfig) -> torch.Tensor:

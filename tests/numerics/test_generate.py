@@ -14,24 +14,21 @@ import copy
 import pytest
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rope_quant.core import transforms as T
 from rope_quant.experiment.generate import GenerationError, greedy_generate
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
+from tests._support import tiny_llama as _shared_tiny_llama
 
 OFF = dict(w_bits=16, a_bits=16, k_bits=16, v_bits=16, weights="none")
 TINY = dict(seqlen=64, calib_windows=2, eval_windows=1)
 
 
 def tiny_llama(vocab: int, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
+    return _shared_tiny_llama(vocab, seed=seed, tied=True)
 
 
 def tiny_gemma3(vocab: int = 256, window: int = 8, seed: int = 0) -> transformers.PreTrainedModel:

@@ -6,10 +6,11 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rope_quant.quant import gptq
 from rope_quant.quant.gptq import GPTQConfig, GPTQError, HessianAccumulator, gptq_quantize, rtn_quantize
+from tests._support import tiny_llama
 
 
 def _problem(out_f: int = 96, in_f: int = 128, n: int = 2048, seed: int = 0):
@@ -153,10 +154,7 @@ def test_blocksize_does_not_change_the_result():
 
 
 def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(96, seed=seed, layers=3, max_positions=128)
 
 
 def test_model_gptq_is_layer_sequential_and_beats_rtn():

@@ -5,19 +5,16 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rope_quant.quant import gptq, packing
 from rope_quant.quant.quantizers import QuantConfig
+from tests._support import tiny_llama
 
 
 def test_early_stop_keeps_the_weights_bit_identical(monkeypatch):
     from rope_quant.experiment.pipeline import install_activation_quantizers
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).eval()
+    model = _tiny(0)
     install_activation_quantizers(model, QuantConfig(bits=4))  # hooks before the Hessian hooks, as in the pipeline
     windows = torch.randint(0, 128, (3, 32))
     fast = copy.deepcopy(model)
@@ -35,10 +32,7 @@ def test_early_stop_keeps_the_weights_bit_identical(monkeypatch):
 
 
 def _tiny(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(128, seed=seed, intermediate=96, max_positions=64)
 
 
 def test_shared_hessians_keep_the_weights_bit_identical(monkeypatch):

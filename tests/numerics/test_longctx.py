@@ -15,6 +15,7 @@ from rope_quant.experiment import data, longctx
 from rope_quant.experiment.config import Estimator, RunConfig
 from rope_quant.sweep import presets
 from rope_quant.sweep.manifest import LongContextConfig, SweepError, config_from_dict, read_manifest
+from tests._support import tiny_base
 
 PAPER_LENGTHS = tuple(2048 * 2 ** i for i in range(7))  # 2K ... 128K
 
@@ -203,14 +204,7 @@ def test_cli_defaults_to_other_corpora_and_prints_the_deviations(tmp_path: Path,
 
 def tiny_llama(embedded_model):
     """A 2-layer Llama (head_dim 16, GQA 4:2) with the embedded model's tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=embedded_model[0].config.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=1024, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval(), embedded_model[1]
+    return tiny_base(embedded_model, max_positions=1024)
 
 
 def test_matched_cells_under_every_estimator_record_the_protocol(embedded_model, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from rope_quant.core import rope
 from rope_quant.experiment import data, evaluate, pipeline
@@ -21,6 +21,7 @@ from rope_quant.quant import gptq
 from rope_quant.quant.quantizers import QuantConfig, fake_quant_per_token
 from rope_quant.rotations import attention
 from rope_quant.rotations import offline as rotation
+from tests._support import TINY, tiny_base
 
 R3_VARIANTS = [("identity", None), ("hadamard", None), ("pairwise_only", None),
                ("pairwise_plus_hadamard", None), ("pair_h2", None), ("block_hadamard", 4)]
@@ -32,16 +33,6 @@ def corpus(embedded_model):
     return data.load_corpus("pydoc", embedded_model[1])
 
 
-def tiny_base(embedded_model, seed: int = 0):
-    """A 2-layer random Llama with the embedded tokenizer's vocabulary (GQA 4/2, head_dim 16)."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=embedded_model[0].config.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=512, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval(), embedded_model[1]
-
-
-TINY = dict(seqlen=64, calib_windows=4, eval_windows=2)
 
 
 # ----------------------------------------------------------------------------- RunConfig

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_pipeline import tiny_base
 
 from rope_quant.experiment import static_control
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
@@ -17,6 +16,7 @@ from rope_quant.quant.quantizers import (
     quant_step,
     selected_step,
 )
+from tests._support import tiny_base
 
 TINY = dict(seqlen=32, calib_windows=2, eval_windows=2, weights="rtn", r1="random_hadamard")
 

@@ -7,14 +7,7 @@ import numpy as np
 import pytest
 
 from rope_quant.calib.objectives import fit_range_angles
-
-
-def _keys(seed: int, n: int = 300, heads: int = 2, d: int = 16):
-    rng = np.random.default_rng(seed)
-    scale = np.exp(rng.normal(0, 1, d))
-    scale[rng.integers(0, d, 2)] *= 6  # outlier channels: most entries' range is set by them
-    rows = rng.standard_t(5, (n, heads, d)) * scale + rng.standard_normal(d) * 2
-    return rows, rng.integers(0, 512, n), 10000.0 ** (-np.arange(0, d, 2) / d)
+from tests._support import range_keys as _keys
 
 
 @pytest.mark.parametrize("then_hadamard", [False, True], ids=["pairwise_only", "pairwise_plus_hadamard"])

@@ -1,5 +1,5 @@
 """The layer-batched range-objective fit (rope_quant.calib.range_fast) against the previous implementation
-(tests/numerics/range_reference.py, frozen at 0a3b657) and the all-float64 descent (``exact=True``).
+(tests/_support/range_reference.py, frozen at 0a3b657) and the all-float64 descent (``exact=True``).
 
 Tolerance, stated: the angles agree within 1e-6 rad and the fitted objective is not worse (1e-12 relative).
 The only change in float order is the float64 re-scoring of the near candidates, which now sums the movable
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from range_reference import reference_fit_range_angles
-from test_range_fast import _keys
 
 from rope_quant.calib.objectives import AngleEstimationError, fit_range_angles, fit_range_angles_layers
+from tests._support import range_keys as _keys
+from tests._support.range_reference import reference_fit_range_angles
 
 TOL = 1e-6
 

@@ -27,6 +27,7 @@ from rope_quant.sweep import presets
 from rope_quant.sweep.cells import pipeline_cell_fn
 from rope_quant.sweep.manifest import LongContextConfig, SweepError, config_from_dict
 from rope_quant.sweep.models import ModelCache
+from tests._support import tiny_base
 
 D, H_KV, H_Q = 16, 2, 6
 
@@ -293,13 +294,7 @@ def test_cli_objective_flag_reaches_the_cells(tmp_path: Path):
 
 
 def tiny_llama(embedded_model):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=embedded_model[0].config.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=1024, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval(), embedded_model[1]
+    return tiny_base(embedded_model, max_positions=1024)
 
 
 def test_matched_phi_star_cell_equals_separate_phi_star_cells(embedded_model, tmp_path):

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rope_quant.core import hadamard
 from rope_quant.rotations import offline as rotation
@@ -27,6 +27,7 @@ from rope_quant.rotations.offline import (
     TiedEmbeddingsError,
 )
 from rope_quant.rotations.whip import WhipConfig
+from tests._support import tiny_llama
 
 REL_TOL = 1e-4  # max |Δlogit| / max |logit| for an exact (function-preserving) step in fp32
 STEPS = ("untie", "fuse", "r1", "r2", "r4")
@@ -37,13 +38,8 @@ def _synthetic(bias: bool, seed: int = 0) -> LlamaForCausalLM:
 
     Tied embeddings like SmolLM2; norm weights randomised so that fusing them is not a no-op.
     """
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-        attention_bias=bias, mlp_bias=bias,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(128, seed=seed, intermediate=96, max_positions=128, tied=True, attention_bias=bias,
+                       mlp_bias=bias)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

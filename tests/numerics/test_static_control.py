@@ -1,6 +1,6 @@
 """The static per-channel control of App. A.6 (rope_quant.experiment.static_control, rope_quant.sweep.static).
 
-Tiny random Llama with the embedded tokenizer (tests/numerics/test_pipeline.py's ``tiny_base``): scales are
+Tiny random Llama with the embedded tokenizer (``tests._support.tiny_base``): scales are
 per channel and estimated from the evaluation-corpus windows of the target length, frozen during evaluation,
 scope masks, the window cap, records, the CLI, resume, and the A.8 non-additivity arithmetic of the report.
 """
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_pipeline import tiny_base
 
 from rope_quant import cli
 from rope_quant.experiment import pipeline, static_control
@@ -24,6 +23,7 @@ from rope_quant.quant import diagnostic
 from rope_quant.sweep import static
 from rope_quant.sweep.manifest import SweepError, config_from_dict
 from rope_quant.sweep.models import ModelCache
+from tests._support import tiny_base
 
 TINY = dict(seqlen=32, calib_windows=2, eval_windows=2, weights="rtn", r1="random_hadamard")
 

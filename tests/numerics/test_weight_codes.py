@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-from test_pipeline import tiny_base as _tiny
 
 from rope_quant.experiment import data, pipeline
 from rope_quant.experiment.pipeline import GPTQConfig, RunConfig, build_quantized_model
@@ -67,8 +66,8 @@ def corpus(embedded_model):
 
 
 @pytest.mark.parametrize("weights", ["gptq", "rtn"])
-def test_weight_cache_round_trip_is_bit_identical(embedded_model, corpus, tmp_path, weights, caplog):
-    base = _tiny(embedded_model)
+def test_weight_cache_round_trip_is_bit_identical(tiny_base_model, corpus, tmp_path, weights, caplog):
+    base = tiny_base_model
     cfg = RunConfig.from_flat(seqlen=64, calib_windows=4, eval_windows=2, weights=weights, gptq=GPTQConfig(grid=20),
                               r3="pairwise_only")
     first = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
@@ -109,11 +108,11 @@ def _logits(qm, corpus) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("r1", ["whip", "identity"])
-def test_weight_cache_rebuilds_the_embeddings_or_recomputes(embedded_model, corpus, tmp_path, caplog, r1):
+def test_weight_cache_rebuilds_the_embeddings_or_recomputes(tiny_base_model, corpus, tmp_path, caplog, r1):
     """A hit rebuilds the left-out embeddings from R1 (or, without R1, keeps the model's own) bit for bit; a
     file whose digests do not match what the rebuild gives is warned about and recomputed; an older file that
     holds the embeddings still loads."""
-    base = _tiny(embedded_model)
+    base = tiny_base_model
     cfg = RunConfig.from_flat(seqlen=64, calib_windows=4, eval_windows=2, weights="rtn", r3="hadamard", r1=r1)
     first = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
     ref = _logits(first, corpus)

@@ -7,12 +7,13 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rope_quant.core import hadamard
 from rope_quant.rotations import offline as rotation
 from rope_quant.rotations import whip
 from rope_quant.rotations.whip import RELEASED_R2, WhipConfig, WhipError
+from tests._support import tiny_llama
 
 ORTHO_TOL = 1e-5
 
@@ -217,11 +218,7 @@ def test_bad_input_raises_whip_errors():
 
 
 def _tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(128, intermediate=96, max_positions=64, tied=True)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
