@@ -109,6 +109,7 @@ def policy_lines(cache_dir: str | os.PathLike[str], pruner: CachePruner | None) 
     else:
         lines.append(f"cache policy: weights and calibration statistics are deleted once every cell using them "
                      f"is complete ({len(pruner.removed)} file(s), {_mb(pruner.freed)} freed this run); "
-                     "the whip R1 fits are kept; --keep-cache keeps everything")
+                     + ("the whip R1 fits are kept; " if KINDS["r1-whip-"] in use else "")
+                     + "--keep-cache keeps everything")
     lines.append(f"cache: deleting {cache_dir} is always safe (it only costs recomputation): rm -r {cache_dir}")
     return lines
