@@ -55,6 +55,7 @@ from rope_quant.cli.common import (
     DEFAULT_CONFIGS,
     DEFAULT_SEEDS,
     base_config,
+    flags_for_fields,
     parse_configs,
     resolve_budget,
     resolve_r1,
@@ -160,7 +161,10 @@ def _dispatch(cmd: Command, args: argparse.Namespace, cells: Cells) -> int:
     run = cmd.target(cmd.run)
     try:
         return int(run(args, cells) if len(inspect.signature(run).parameters) > 1 else run(args))
-    except (CLIError, SweepError, PipelineError, FileNotFoundError) as exc:  # PipelineError: RunConfig refuses
+    except PipelineError as exc:  # a setting RunConfig refuses: name the flag, not the field
+        print(f"rope-quant {args.command}: error: {flags_for_fields(str(exc))}", file=sys.stderr)
+        return 2
+    except (CLIError, SweepError, FileNotFoundError) as exc:
         print(f"rope-quant {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

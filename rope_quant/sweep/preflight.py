@@ -249,8 +249,9 @@ ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, err
 
 
 def check_corpus_text(name: str, seqlen: int) -> None:
-    """A local corpus path holds UTF-8 text of at least one window: "corpus X: missing / empty / binary / not
-    UTF-8 / shorter than one window" before any model loads. Embedded and hub names pass (checked by name)."""
+    """A local corpus path holds UTF-8 text and a calibration window of ``seqlen`` tokens: "corpus X: missing /
+    empty / binary / not UTF-8 / shorter than one window" before any model loads (the token counts of every
+    window are checked after the tokenizer loads, :func:`check_windows`). Embedded and hub names pass."""
     from rope_quant.experiment import data
 
     if name.lower() in data.list_corpora(include_unavailable=True) or name.lower() in data.HF_WIKITEXT_NAMES:
@@ -277,12 +278,10 @@ def check_corpus_text(name: str, seqlen: int) -> None:
         raise PreflightError(f"corpus {name}: {text}") from None
     if not split.calib_text.strip() and not split.eval_text.strip():
         raise PreflightError(f"corpus {name}: empty")
-    for part, text in (("calibration", split.calib_text), ("evaluation", split.eval_text)):
-        size = len(text.encode("utf-8"))  # a token covers at least one byte of byte-level BPE text
-        if size + 1 < seqlen:  # +1: a SentencePiece dummy prefix
-            raise PreflightError(f"corpus {name}: shorter than one window: its {part} split has {size} bytes, "
-                                 f"fewer than the {seqlen} tokens of one window (lower --seqlen or use a longer "
-                                 "corpus)")
+    size = len(split.calib_text.encode("utf-8"))  # a token covers at least one byte of byte-level BPE text
+    if size + 1 < seqlen:  # +1: a SentencePiece dummy prefix
+        raise PreflightError(f"corpus {name}: shorter than one window: its calibration split has {size} bytes, "
+                             f"fewer than the {seqlen} tokens of one window (lower --seqlen or use a longer corpus)")
 
 
 def _head_bytes(path: Path) -> bytes:
