@@ -80,13 +80,17 @@ def seeds(args: argparse.Namespace, used: list[str]) -> tuple[int, ...]:
 
 def resolve_budget(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     """seqlen, windows, weights and w_mse from the flags or the device defaults; lists the defaults used."""
+    from rope_quant.quant.quantizers import OFF_BITS
     from rope_quant.sweep.presets import BUDGET_FIELDS, BudgetError
     from rope_quant.sweep.presets import resolve_budget as resolve
 
     try:
-        return resolve(args.device, {f: getattr(args, f) for f in BUDGET_FIELDS})
+        budget, used = resolve(args.device, {f: getattr(args, f) for f in BUDGET_FIELDS})
     except BudgetError as exc:
         raise CLIError(flag(exc.field) + str(exc)[len(exc.field):]) from None
+    if args.w_bits >= OFF_BITS:  # unquantised weights: the weight quantiser's defaults are not used
+        used = [u for u in used if not u.startswith(("weights=", "w_mse="))]
+    return budget, used
 
 
 def resolve_r1(model: str, requested: str | None, a_bits: int) -> str:
