@@ -141,21 +141,6 @@ def pending(out: Path, manifest: Any, indices: Sequence[int], resume: bool) -> l
                                                                            cfg.key())]
 
 
-def cache_pruner(args: argparse.Namespace, out: Path, manifest: Any) -> Any:
-    """The default cache's pruner (:mod:`rope_quant.sweep.cache_policy`), or None: --keep-cache or --cache-dir."""
-    from rope_quant.sweep import records, runner
-    from rope_quant.sweep.cache_policy import CachePruner
-
-    if getattr(args, "keep_cache", False) or args.cache_dir:
-        return None
-
-    def complete(i: int) -> bool:
-        name, cfg = manifest.cells[i]
-        return records.is_complete(records.cell_path(out, name, cfg), cfg.key())
-
-    return CachePruner(out / runner.CACHE_DIR, list(manifest.cells), complete)
-
-
 def sweep(args: argparse.Namespace, cells: Cells, build: Build,
           report_fn: Callable[[Path], dict] | None = None) -> int:
     """The shared sweep command: validate every model-free input, build the manifest, execute it."""
@@ -219,7 +204,9 @@ def execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[st
         print(f"submitted {len(jobs)} Slurm array tasks; when done run `rope-quant report {out}`")
         return 0
     start = time.perf_counter()
-    pruner = cache_pruner(args, out, merged.manifest)
+    from rope_quant.sweep.cache_policy import default_pruner
+
+    pruner = default_pruner(out, merged.manifest, keep=getattr(args, "keep_cache", False), cache_dir=args.cache_dir)
     result = runner.run_cells(merged.manifest, out, selected,
                               cell_fn=cells.function(args, out), resume=args.resume,
                               cache_dir=args.cache_dir, device=args.device,
