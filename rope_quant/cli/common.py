@@ -94,8 +94,8 @@ def resolve_budget(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]
 
 
 def resolve_r1(model: str, requested: str | None, a_bits: int) -> str:
-    """The R1 to use (:func:`rope_quant.model.arch.choose_r1`); a changed default is explained on stdout and
-    stderr, a refusal is a :class:`CLIError` naming the sandwich norms and the alternatives."""
+    """The R1 to use (:func:`rope_quant.model.arch.choose_r1`); a changed default is explained on stdout, a
+    refusal is a :class:`CLIError` naming the sandwich norms and the alternatives."""
     from rope_quant.quant.quantizers import OFF_BITS
 
     if requested == "identity":
@@ -107,8 +107,7 @@ def resolve_r1(model: str, requested: str | None, a_bits: int) -> str:
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if choice.note:
-        print(f"note: {choice.note}", flush=True)
-        print(f"note: {choice.note}", file=sys.stderr)
+        print(f"note: {choice.note}", flush=True)  # stdout: it explains the run's R1 next to its settings
     return choice.r1
 
 

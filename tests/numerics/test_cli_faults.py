@@ -285,7 +285,7 @@ def test_r1_refusal_note_on_stdout_names_the_norms(tmp_path: Path, capsys, monke
                      "--a-bits", "16", *QUIET], cell_fn=_cell) == 0
     captured = capsys.readouterr()
     assert "note: R1 set to identity" in captured.out and "post_feedforward_layernorm" in captured.out
-    assert "R1=identity" in captured.out
+    assert "R1=identity" in captured.out and "R1 set to identity" not in captured.err  # once, next to the settings
     line = refused(["compare", "--out", str(tmp_path / "p"), *QUIET], capsys)
     assert "post_attention_layernorm" in line and "--r1 identity" in line
 
