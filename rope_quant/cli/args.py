@@ -7,6 +7,7 @@ grammar of :mod:`rope_quant.seeds`.
 from __future__ import annotations
 
 import difflib
+import enum
 from collections.abc import Sequence
 
 from rope_quant.seeds import SeedSpecError, parse_seeds
@@ -58,9 +59,9 @@ def parse_seed_list(text: str, what: str = "--seeds") -> tuple[int, ...]:
         raise CLIError(f"{what}: {exc}") from None
 
 
-def values(enum_cls: type) -> tuple[str, ...]:
+def values(enum_cls: type[enum.Enum]) -> tuple[str, ...]:
     """The values of a ``StrEnum``: the argparse choices and valid names of a flag."""
-    return tuple(member.value for member in enum_cls)
+    return tuple(str(member.value) for member in enum_cls)
 
 
 def parse_names(text: str, what: str, valid: Sequence[str]) -> tuple[str, ...]:
