@@ -116,3 +116,9 @@ def test_budget_weight_modes_are_weight_mode_values() -> None:
 
     assert {b["weights"] for b in BUDGETS.values()} <= {m.value for m in WeightMode}
     assert BUDGETS["cpu"]["weights"] == WeightMode.RTN.value and BUDGETS["cuda"]["weights"] == WeightMode.GPTQ.value
+
+
+@pytest.mark.parametrize("name", [c.name for c in cli.COMMANDS])
+def test_each_command_help_exits_0(name: str, capsys) -> None:
+    assert cli.main([name, "--help"]) == 0
+    assert f"usage: rope-quant {name}" in capsys.readouterr().out
