@@ -109,6 +109,24 @@ def policy_lines(cache_dir: str | os.PathLike[str], pruner: CachePruner | None) 
     else:
         lines.append(f"cache policy: weights and calibration statistics are deleted once every cell using them "
                      f"is complete ({len(pruner.removed)} file(s), {_mb(pruner.freed)} freed this run); "
-                     "the whip R1 fits are kept; --keep-cache keeps everything")
+                     + ("the whip R1 fits are kept; " if KINDS["r1-whip-"] in use else "")
+                     + "--keep-cache keeps everything")
     lines.append(f"cache: deleting {cache_dir} is always safe (it only costs recomputation): rm -r {cache_dir}")
     return lines
+
+
+def default_pruner(out: str | os.PathLike[str], manifest: Any, *, keep: bool, cache_dir: Any = None
+                   ) -> CachePruner | None:
+    """The pruner of a sweep's default cache ``DIR/cache``; None when everything is kept: ``keep``
+    (``--keep-cache``) or an explicit ``cache_dir`` (never pruned)."""
+    from rope_quant.sweep import records, runner
+
+    if keep or cache_dir:
+        return None
+    out = Path(out)
+
+    def complete(i: int) -> bool:
+        name, cfg = manifest.cells[i]
+        return records.is_complete(records.cell_path(out, name, cfg), cfg.key())
+
+    return CachePruner(out / runner.CACHE_DIR, list(manifest.cells), complete)

@@ -12,7 +12,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -198,3 +202,96 @@ def preflight(manifest: Manifest, models: ModelCache, *, load: bool) -> list[str
         except _input_errors() as exc:
             raise PreflightError(f"model {model}: {exc}") from exc
     return notes
+
+
+# ----------------------------------------------------------------------------- checks before the model loads
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output_dir(path: str | os.PathLike[str], what: str = "--out") -> None:
+    """``path`` is (or can become) a writable directory: not an existing file, not under a file, not on a
+    read-only filesystem or in a directory this user cannot write. Creates nothing."""
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise PreflightError(f"{what} {path}: an existing file, not a directory; choose a directory")
+    base = _nearest_existing(target.absolute())
+    if not base.is_dir():
+        raise PreflightError(f"{what} {path}: {base} is a file, so no directory can be created under it")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise PreflightError(f"{what} {path}: {base} is not writable (read-only or another user's); "
+                             "choose a writable directory")
+    try:  # os.access does not see a read-only mount for root, nor a full disk: probe with a real file
+        fd, probe = tempfile.mkstemp(prefix=".rope-quant-probe-", dir=base)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise PreflightError(f"{what} {path}: cannot write in {base}: {environment_fault(exc)}") from None
+
+
+def environment_fault(exc: OSError) -> str:
+    """A one-line description of a filesystem fault (disk full, read-only, permission) with the remedy."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ("the disk is full (errno ENOSPC); free space and rerun the same command: complete cells are kept "
+                "and resume")
+    if exc.errno == errno.EROFS:
+        return "the filesystem is read-only (errno EROFS); choose a writable directory"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied ({exc.strerror}); choose a writable directory"
+    return f"{type(exc).__name__}: {exc}"
+
+
+ENVIRONMENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def check_corpus_text(name: str, seqlen: int) -> None:
+    """A local corpus path holds UTF-8 text and a calibration window of ``seqlen`` tokens: "corpus X: missing /
+    empty / binary / not UTF-8 / shorter than one window" before any model loads (the token counts of every
+    window are checked after the tokenizer loads, :func:`check_windows`). Embedded and hub names pass."""
+    from rope_quant.experiment import data
+
+    if name.lower() in data.list_corpora(include_unavailable=True) or name.lower() in data.HF_WIKITEXT_NAMES:
+        return
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise PreflightError(f"corpus {name}: missing (no such file or directory)")
+    if path.is_file():
+        raw = _head_bytes(path)
+        if not raw.strip():
+            raise PreflightError(f"corpus {name}: empty")
+        if b"\0" in raw:
+            raise PreflightError(f"corpus {name}: binary (NUL bytes), not UTF-8 text")
+    try:
+        split = data.load_text(path)
+    except data.CorpusError as exc:
+        text = str(exc)
+        if "UTF-8" in text:
+            raise PreflightError(f"corpus {name}: not UTF-8 text ({text})") from None
+        if "no corpus files" in text:
+            raise PreflightError(f"corpus {name}: a folder with no text (.txt / .jsonl / wiki.*.raw) files") from None
+        if "too short" in text:
+            raise PreflightError(f"corpus {name}: shorter than one window ({text})") from None
+        raise PreflightError(f"corpus {name}: {text}") from None
+    if not split.calib_text.strip() and not split.eval_text.strip():
+        raise PreflightError(f"corpus {name}: empty")
+    size = len(split.calib_text.encode("utf-8"))  # a token covers at least one byte of byte-level BPE text
+    if size + 1 < seqlen:  # +1: a SentencePiece dummy prefix
+        raise PreflightError(f"corpus {name}: shorter than one window: its calibration split has {size} bytes, "
+                             f"fewer than the {seqlen} tokens of one window (lower --seqlen or use a longer corpus)")
+
+
+def _head_bytes(path: Path) -> bytes:
+    if path.name.endswith(".gz"):
+        import gzip
+
+        try:
+            with gzip.open(path, "rb") as fh:
+                return fh.read(1 << 16)
+        except (OSError, EOFError) as exc:
+            raise PreflightError(f"corpus {path}: not a readable .gz file ({exc})") from None
+    with open(path, "rb") as fh:
+        return fh.read(1 << 16)

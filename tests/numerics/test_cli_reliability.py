@@ -126,13 +126,23 @@ def test_corpus_too_small_names_the_numbers(tmp_path: Path, capsys, monkeypatch)
     corpus.write_text("The quick brown fox jumps over the lazy dog. " * 8)  # 360 bytes = tokens
     model = checkpoint_dir(tmp_path / "m")
     loader = CountingLoader()
+    # fewer bytes than one calibration window: refused from the text alone, before the model loads
     code = cli.main(["compare", "--out", str(tmp_path / "o"), "--model", str(model), "--corpus", str(corpus),
                      "--seeds", "0,1", "--configs", "hadamard,identity", "--seqlen", "512", *QUIET],
                     models=ModelCache(loader))
     err = capsys.readouterr().err
     assert code == 2, err
+    assert loader.loads == 0
+    assert f"corpus {corpus}: shorter than one window" in err and "512 tokens" in err
+    assert not (tmp_path / "o").exists()
+    # the calibration split fits, the evaluation split does not: found once the tokenizer has loaded
+    code = cli.main(["compare", "--out", str(tmp_path / "o"), "--model", str(model), "--corpus", str(corpus),
+                     "--seeds", "0,1", "--configs", "hadamard,identity", "--seqlen", "200", *QUIET],
+                    models=ModelCache(loader))
+    err = capsys.readouterr().err
+    assert code == 2, err
     assert loader.loads == 1
-    assert "too small" in err and "seqlen=512" in err and "tokens, fewer than one window" in err
+    assert "too small" in err and "tokens, fewer than one window of 200" in err
     assert not (tmp_path / "o" / "cells").exists()
     # long-context: a length beyond the evaluation stream
     code = cli.main(["long-context", "--out", str(tmp_path / "lc"), "--model", str(model), "--corpus",
@@ -239,7 +249,7 @@ def test_complete_sweep_rerun_loads_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["estimators", "--phi-star", "--average-length", "0"], "average_length must be None or a positive integer"),
+    (["estimators", "--phi-star", "--average-length", "0"], "--average-length must be None or a positive integer"),
     (["support", "--blocks", "3"], "--blocks must be powers of two"),
     (["compare", "--eval-windows", "-1"], "--eval-windows must be an integer >= 1 (0 = all)"),
 ])

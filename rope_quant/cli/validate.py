@@ -1,0 +1,94 @@
+"""Checks of a command's input that need no model: device, model and corpus names, bits, paths, corpus text.
+
+Each raises :class:`~rope_quant.cli.args.CLIError` (exit 2, one line) before any model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rope_quant.cli.args import CLIError, unknown_name
+
+
+def check_corpus(name: str) -> str:
+    """An embedded corpus name, ``wikitext2``, or an existing local path (else the closest names)."""
+    from rope_quant.experiment import data
+
+    known = data.list_corpora(include_unavailable=True)
+    if name in known and name not in data.list_corpora():
+        raise CLIError(f"corpus {name!r} is not installed here; available: {', '.join(data.list_corpora())}")
+    if name in known or name.lower() in data.HF_WIKITEXT_NAMES or Path(name).expanduser().exists():
+        return name
+    if "/" in name or "\\" in name or "." in name:  # looks like a path: call it missing
+        raise CLIError(f"corpus {name}: missing (no such file or directory)")
+    raise unknown_name("corpus", name, [*known, "wikitext2"])
+
+
+def check_model(name: str) -> str:
+    """An embedded model name or an existing local checkpoint / .gguf file (else the closest names)."""
+    from rope_quant.model.loading import EMBEDDED_MODELS, ModelNotFoundError, resolve_model
+
+    looks_like_path = "/" in name or "\\" in name or name.endswith(".gguf")
+    if name.lower() not in EMBEDDED_MODELS and not looks_like_path and not Path(name).expanduser().exists():
+        raise unknown_name("model", name, list(EMBEDDED_MODELS))
+    try:
+        resolve_model(name)
+    except ModelNotFoundError as exc:
+        raise CLIError(str(exc)) from None
+    return name
+
+
+def check_device(device: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` (CUDA only where it is available)."""
+    if device == "cpu":
+        return device
+    if device == "cuda" or device.startswith("cuda:"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CLIError(f"--device {device}: CUDA is not available on this machine")
+        return device
+    raise CLIError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """``--out`` and ``--cache-dir`` are writable directories (or can be created): before the model loads."""
+    from rope_quant.sweep.preflight import PreflightError, check_output_dir
+
+    try:
+        check_output_dir(args.out, "--out")
+        if getattr(args, "cache_dir", None):
+            check_output_dir(args.cache_dir, "--cache-dir")
+    except PreflightError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def check_corpus_text(name: str, seqlen: int) -> None:
+    """A local corpus is non-empty UTF-8 text of at least one window (:func:`preflight.check_corpus_text`)."""
+    from rope_quant.sweep.preflight import PreflightError
+    from rope_quant.sweep.preflight import check_corpus_text as check
+
+    try:
+        check(name, seqlen)
+    except PreflightError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def validate_common(args: argparse.Namespace) -> None:
+    """Device, model, corpus, bits, whip epochs, R1, output paths and the corpus text: all before any load."""
+    from rope_quant.cli.common import resolve_budget, resolve_r1
+    from rope_quant.quant.quantizers import OFF_BITS, check_bits
+
+    check_device(args.device)
+    check_model(args.model)
+    check_corpus(args.corpus)
+    for q in ("w", "a", "k", "v"):
+        check_bits(getattr(args, f"{q}_bits"), f"--{q}-bits", low=2, high=OFF_BITS, error=CLIError)
+    if args.whip_epochs is not None and args.whip_epochs < 1:
+        raise CLIError(f"--whip-epochs must be an integer >= 1, got {args.whip_epochs}")
+    budget, _ = resolve_budget(args)
+    check_paths(args)
+    check_corpus_text(args.corpus, budget["seqlen"])
+    if hasattr(args, "r1"):
+        args.r1 = resolve_r1(args.model, args.r1, args.a_bits)
