@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from rope_quant.experiment.config import RunConfig, WeightMode
-from rope_quant.export.fold import ExportError, fold_r3
+from rope_quant.export.fold import ExportError, fold_r3, r3_split
+from rope_quant.model import arch
 
 __all__ = ["WeightSource", "ExportModel", "build_export_model", "weight_cache_present"]
 
@@ -101,11 +102,12 @@ def _strip(qm: Any, keep_r4_hook: bool) -> nn.Module:
 def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
                        base: tuple[nn.Module, Any] | None = None, *,
                        weights: WeightSource = WeightSource.UNQUANTISED, recompute: bool = True,
-                       keep_r4_hook: bool = False, corpus: Any = None) -> ExportModel:
+                       keep_r4_hook: bool = False, corpus: Any = None, fold: bool = True) -> ExportModel:
     """The cell ``cfg`` as a plain model with its commuting R3 folded (see the module docstring).
 
     ``recompute=False`` raises :class:`ExportError` (naming the missing cache file) when the weight cache was
-    pruned, before the weights are rebuilt; otherwise the rebuild adds a note to ``notes``.
+    pruned, before the weights are rebuilt; otherwise the rebuild adds a note to ``notes``. ``fold=False`` keeps
+    W_Q/W_K as the cell has them (compressed-tensors: a fold would move quantised rows off their grid).
     """
     from rope_quant.experiment import data, pipeline
     from rope_quant.rotations.offline import RotationKind, rotate_model
@@ -147,7 +149,9 @@ def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = Non
             if (got is None) != (want is None) or (got is not None and not torch.equal(got.cpu(), want.cpu())):
                 raise ExportError(f"rebuilding {what} for the unquantised export gave another matrix than the cell's")
         del qm
-    fold_r3(model, transforms_)
+    dims = arch.dims(model)
+    if fold and r3_split(cfg.online.transform, dims.head_dim, cfg.online.block)[0]:
+        fold_r3(model, transforms_)  # a non-commuting R3 stays online (compressed-tensors' transform_config)
     model.eval()
     return ExportModel(model=model, tokenizer=tokenizer, cfg=dataclasses.replace(cfg), transforms=transforms_,
                        codes=codes, notes=notes, r4_online=r4_online)
