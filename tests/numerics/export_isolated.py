@@ -68,3 +68,17 @@ def hf_logits(path: Path, ids: torch.Tensor, tmp: Path) -> tuple[torch.Tensor, d
     info = run_isolated(LOAD_HF.format(ids=str(ids_file), path=str(path), logits=str(logits_file)), tmp)
     assert info["has_rope_quant"] is False
     return torch.load(logits_file), info
+
+
+def byte_tokenizer():
+    """A saveable byte-level tokenizer (one id per byte, 256 ids): a real tokenizer for tiny checkpoint dirs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    chars = {b: chr(b if b in printable else next(extra)) for b in range(256)}  # the byte-level alphabet
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
