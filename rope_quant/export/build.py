@@ -99,6 +99,17 @@ def _strip(qm: Any, keep_r4_hook: bool) -> nn.Module:
     return model
 
 
+def drop_loader_quantization(model: nn.Module) -> None:
+    """Forget how the source checkpoint was stored (e.g. GGUF): its weights were dequantised at load, and what
+    an export saves is described by the export's own config (a GGUF quantizer also blocks ``save_pretrained``)."""
+    model.hf_quantizer = None
+    if "is_quantized" in vars(model):
+        model.is_quantized = False
+    for cfg in {id(c): c for c in (model.config, arch.text_config(model))}.values():
+        if "quantization_config" in vars(cfg):
+            del cfg.quantization_config
+
+
 def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
                        base: tuple[nn.Module, Any] | None = None, *,
                        weights: WeightSource = WeightSource.UNQUANTISED, recompute: bool = True,
@@ -152,6 +163,7 @@ def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = Non
     dims = arch.dims(model)
     if fold and r3_split(cfg.online.transform, dims.head_dim, cfg.online.block)[0]:
         fold_r3(model, transforms_)  # a non-commuting R3 stays online (compressed-tensors' transform_config)
+    drop_loader_quantization(model)
     model.eval()
     return ExportModel(model=model, tokenizer=tokenizer, cfg=dataclasses.replace(cfg), transforms=transforms_,
                        codes=codes, notes=notes, r4_online=r4_online)

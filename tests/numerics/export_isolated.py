@@ -34,7 +34,7 @@ LOAD_HF = """
 from transformers import AutoModelForCausalLM
 ids = torch.load({ids!r})
 t = time.perf_counter()
-model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32).eval()
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype={dtype}).eval()
 load_s = time.perf_counter() - t
 with torch.no_grad():
     logits = model(input_ids=ids).logits
@@ -61,11 +61,13 @@ def run_isolated(body: str, tmp: Path, timeout: float = 600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def hf_logits(path: Path, ids: torch.Tensor, tmp: Path) -> tuple[torch.Tensor, dict]:
-    """Load the hf export at ``path`` in the isolated interpreter; its fp32 logits on ``ids`` and facts."""
+def hf_logits(path: Path, ids: torch.Tensor, tmp: Path, dtype: str = "torch.float32") -> tuple[torch.Tensor, dict]:
+    """Load the checkpoint at ``path`` in the isolated interpreter (``dtype``: a Python expression, e.g.
+    ``"'auto'"`` for the stored dtype); its logits on ``ids`` and facts (load time, class)."""
     ids_file, logits_file = tmp / "ids.pt", tmp / "logits.pt"
     torch.save(ids, ids_file)
-    info = run_isolated(LOAD_HF.format(ids=str(ids_file), path=str(path), logits=str(logits_file)), tmp)
+    info = run_isolated(LOAD_HF.format(ids=str(ids_file), path=str(path), logits=str(logits_file), dtype=dtype),
+                        tmp)
     assert info["has_rope_quant"] is False
     return torch.load(logits_file), info
 

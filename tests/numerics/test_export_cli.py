@@ -136,3 +136,29 @@ def test_compressed_tensors_rejects_unquantised_weights_flag(tmp_path: Path, mod
                  "--weights", "unquantised", "--out", str(tmp_path / "ct")])
     err = capsys.readouterr().err
     assert code == 2 and "packs the quantised codes" in err
+
+
+def test_direct_flags_build_and_export(tmp_path: Path, model_dir: Path, capsys) -> None:
+    sets = ["r1=random_hadamard", "r4=false", "weights=none", "a_bits=16", "k_bits=16", "v_bits=16", "seqlen=32",
+            "calib_windows=2"]
+    argv = ["--model", str(model_dir), "--config", "pairwise_only", "--corpus", "pydoc", "--format", "hf",
+            "--out", str(tmp_path / "direct")]
+    for s in sets:
+        argv += ["--set", s]
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    info = json.loads((tmp_path / "direct" / "rope_quant_export.json").read_text())
+    assert info["folded"]["r3"] == "pairwise_only" and info["config"]["rotation"]["r4"] is False
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--cell", "x", "--model", "m", "--config", "pairwise_only"], ["--cell needs --from"]),
+    (["--model", "m"], ["--model and --config"]),
+    (["--model", "m", "--config", "pairwise_only", "--set", "w_bits"], ["FIELD=VALUE"]),
+    (["--model", "m", "--config", "pairwise_only", "--set", "nonsense=1"], ["nonsense"]),
+])
+def test_direct_flag_errors(tmp_path: Path, capsys, argv, words) -> None:
+    code = main([*argv, "--format", "hf", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error:") and all(w in err for w in words), err
