@@ -42,6 +42,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-export-"))
     plain = root / "fp16"
     m16 = copy.deepcopy(model).to(torch.float16)
+    build.drop_loader_quantization(m16)  # the GGUF source: its weights are already dequantised
     m16.config.dtype = torch.float16
     m16.save_pretrained(plain)
     tok.save_pretrained(plain)
