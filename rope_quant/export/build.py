@@ -99,7 +99,7 @@ def _strip(qm: Any, keep_r4_hook: bool) -> nn.Module:
     return model
 
 
-def drop_loader_quantization(model: nn.Module) -> None:
+def drop_loader_quantization(model: Any) -> None:
     """Forget how the source checkpoint was stored (e.g. GGUF): its weights were dequantised at load, and what
     an export saves is described by the export's own config (a GGUF quantizer also blocks ``save_pretrained``)."""
     model.hf_quantizer = None

@@ -20,6 +20,9 @@ no field: they are listed in ``rope_quant_export.json`` notes.
 * A non-commuting R3 that is the full-head Hadamard (``hadamard``; ``pairwise_plus_hadamard`` after its
   pairwise half is folded): type ``hadamard`` with ``head_dim``, locations ``q_attn`` and ``k_cache``.
   Other non-commuting R3s (block controls) have no transform type: refused.
+* A RoPE-commuting R3 is not folded here (it would move the quantised W_Q/W_K rows off their grid) and has no
+  per-layer transform type: with K and V unquantised it changes no q·k and is left out (a note); with a
+  quantised KV cache the export is refused.
 """
 
 from __future__ import annotations
@@ -213,7 +216,7 @@ def write_compressed(em: ExportModel, out_dir: str | os.PathLike[str], dtype: to
     if tconfig is not None and tconfig["config_groups"].get(R4_SCHEME, {}).get("type") == "random-hadamard":
         state.update(_r4_weights(em.model, dims, dtype))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    model = em.model
+    model: Any = em.model
     tied = arch.embeddings_tied(model)
     for cfg in {id(c): c for c in (model.config, arch.text_config(model))}.values():
         if hasattr(cfg, "tie_word_embeddings"):

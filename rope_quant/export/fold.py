@@ -108,11 +108,11 @@ def pairwise_part(transform: Any) -> Any:
     return transform
 
 
-def _norm_scale(norm: nn.Module, offset: float) -> torch.Tensor:
+def _norm_scale(norm: Any, offset: float) -> torch.Tensor:
     return offset + norm.weight.detach().to("cpu", torch.float64)
 
 
-def _check_norm(norm: nn.Module | None, mats: list[np.ndarray], offset: float, where: str) -> None:
+def _check_norm(norm: Any, mats: list[np.ndarray], offset: float, where: str) -> None:
     if norm is None:
         return
     if getattr(norm, "weight", None) is None:
@@ -130,7 +130,7 @@ def _check_norm(norm: nn.Module | None, mats: list[np.ndarray], offset: float, w
 
 
 @torch.no_grad()
-def _rotate_rows(lin: nn.Module, mats: list[np.ndarray], head_dim: int) -> None:
+def _rotate_rows(lin: Any, mats: list[np.ndarray], head_dim: int) -> None:
     """``W[h] ← M_h W[h]`` (and the bias) for every head h, in float64."""
     w = lin.weight.detach().to("cpu", torch.float64)
     out = w.clone()

@@ -68,7 +68,7 @@ def write_hf(em: ExportModel, out_dir: str | os.PathLike[str], dtype: torch.dtyp
     out = Path(out_dir)
     check_hf(em.cfg, arch.dims(em.model).head_dim)
     _set_dtype(em, dtype)
-    model = em.model
+    model: Any = em.model
     tied = arch.embeddings_tied(model)
     for cfg in {id(c): c for c in (model.config, arch.text_config(model))}.values():
         if hasattr(cfg, "tie_word_embeddings"):
