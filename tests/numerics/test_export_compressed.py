@@ -158,3 +158,36 @@ def test_ct_quantization_config_fields_for_a4kv4() -> None:
     assert (acts.num_bits, acts.dynamic, acts.strategy, acts.symmetric) == (4, True, "token", False)
     assert parsed.kv_cache_scheme.num_bits == 4 and parsed.kv_cache_scheme.dynamic is True
     assert any("k_clip=0.9" in n for n in notes)
+
+
+LOAD_R4_WEIGHTS = """
+from safetensors.torch import load_file
+stored = {{k: v for k, v in load_file(path + "/model.safetensors").items() if ".R4_input." in k}}
+missing, unexpected = model.load_state_dict(stored, strict=False)
+assert not unexpected, unexpected
+assert len(stored) == {n_layers}, sorted(stored)
+"""
+
+
+def test_ct_online_r4_not_power_of_two_stores_its_matrix(ids, tmp_path: Path) -> None:
+    """An R4 of size 96 (= 12·8, like SmolLM2's 1536 = 12·128): ``random-hadamard`` with our ±1 matrix stored per
+    layer; compressed-tensors applies it after loading those weights into its transform modules."""
+    base = (tiny_llama(intermediate=96), CharTokenizer())
+    cfg = cell(weights="rtn", a_bits=16, k_bits=16, v_bits=16, r4=True, r3="hadamard")
+    qm = build_quantized_model(cfg, base=(copy.deepcopy(base[0]), base[1]))
+    with torch.no_grad():
+        ref = weights_only(qm)(input_ids=ids).logits
+    out = export_ct(cfg, base, tmp_path / "ct96")
+    tcfg = json.loads((out / "config.json").read_text())["quantization_config"]["transform_config"]
+    assert tcfg["config_groups"]["R4"]["type"] == "random-hadamard"
+    anchor = "with torch.no_grad():\n    logits"
+    body = LOAD_CT.replace(anchor, LOAD_R4_WEIGHTS + anchor, 1)
+    torch.save(ids, tmp_path / "ids.pt")
+    run_isolated(body.format(ids=str(tmp_path / "ids.pt"), path=str(out), result=str(tmp_path / "ct.pt"),
+                             apply_transforms=["R4"], n_layers=2), tmp_path)
+    got = torch.load(tmp_path / "ct.pt")
+    assert rel(got["logits"], ref) < REL, rel(got["logits"], ref)
+    # control: the format's own random-hadamard of size 96 (not our matrix) gives other logits
+    run_isolated(LOAD_CT.format(ids=str(tmp_path / "ids.pt"), path=str(out), result=str(tmp_path / "ct0.pt"),
+                                apply_transforms=["R4"]), tmp_path)
+    assert rel(torch.load(tmp_path / "ct0.pt")["logits"], ref) > 1e-3

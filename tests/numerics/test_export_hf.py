@@ -31,9 +31,10 @@ class CharTokenizer:
         return {chr(i): i for i in range(256)}
 
 
-def tiny_llama(seed: int = 0, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+               intermediate: int = 128) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                       tie_word_embeddings=True, rms_norm_eps=1e-6)
     model = LlamaForCausalLM(cfg).eval()
