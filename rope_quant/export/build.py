@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from rope_quant.experiment.config import RunConfig, WeightMode
-from rope_quant.export.fold import ExportError, fold_r3, r3_split
+from rope_quant.export.fold import ExportError, check_fold_layout, fold_r3, r3_split
 from rope_quant.model import arch
 
 __all__ = ["WeightSource", "ExportModel", "build_export_model", "weight_cache_present"]
@@ -133,6 +133,10 @@ def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = Non
     if corpus is None:
         corpus = data.load_corpus(cfg.corpus, tokenizer)
     calib = data.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
+    r3 = cfg.online
+    if fold and r3_split(r3.transform, arch.dims(model0).head_dim, r3.block)[0]:  # before the expensive build
+        check_fold_layout(model0, "pairwise_only" if r3.transform == "pairwise_plus_hadamard" else r3.transform,
+                          r3.block)
     present, wpath = weight_cache_present(cfg, cache_dir, model0, calib)
     if cache_dir is not None and not present:
         if not recompute:

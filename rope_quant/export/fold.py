@@ -34,6 +34,7 @@ __all__ = [
     "OnlinePart",
     "online_parts",
     "fold_r3",
+    "check_fold_layout",
     "r3_split",
 ]
 
@@ -147,12 +148,29 @@ def _rotate_rows(lin: Any, mats: list[np.ndarray], head_dim: int) -> None:
         lin.bias.copy_(ob.to(lin.bias.dtype))
 
 
-def fold_r3(model: nn.Module, transforms_: list[Any]) -> None:
-    """Fold each layer's RoPE-commuting R3 into its W_Q and W_K rows, in place (see the module docstring).
+def check_fold_layout(model: nn.Module, name: str, block: int | None = None) -> None:
+    """Refuse, before the cell is built, a model whose q/k norms cannot let R3 ``name`` through (:class:`LayoutError`).
 
-    Raises :class:`ExportError` for a transform that does not commute and :class:`LayoutError` where a q/k norm
-    before RoPE does not commute with it, before any weight changes.
+    Uses generic angles (0.3 rad in every pair): a pair rotation passes a norm only where its scale is equal inside
+    the pair, whatever the (non-zero) angle.
     """
+    from rope_quant.core import transforms
+
+    if name == "identity" or not any(p.q_norm is not None or p.k_norm is not None
+                                     for p in arch.attention_modules(model)):
+        return
+    head_dim = arch.dims(model).head_dim
+    params: dict[str, Any] = {}
+    if transforms.needs_angles(name):
+        params["angles"] = np.full(head_dim // 2, 0.3)
+    if transforms.needs_block(name):
+        params["block"] = block
+    t = transforms.build(name, head_dim, **params)
+    _plan(model, [t] * arch.dims(model).n_layers)
+
+
+def _plan(model: nn.Module, transforms_: list[Any]) -> list[tuple[Any, list[np.ndarray], list[np.ndarray]]]:
+    """The per-layer (parts, Q head matrices, K head matrices) of a fold, after every layout check."""
     dims = arch.dims(model)
     if len(transforms_) != dims.n_layers:
         raise ExportError(f"expected one R3 per layer ({dims.n_layers}), got {len(transforms_)}")
@@ -168,6 +186,16 @@ def fold_r3(model: nn.Module, transforms_: list[Any]) -> None:
         _check_norm(parts.q_norm, q_mats, offset, f"layers.{i} q_norm")
         _check_norm(parts.k_norm, k_mats, offset, f"layers.{i} k_norm")
         plan.append((parts, q_mats, k_mats))
-    for parts, q_mats, k_mats in plan:
-        _rotate_rows(parts.q, q_mats, dims.head_dim)
-        _rotate_rows(parts.k, k_mats, dims.head_dim)
+    return plan
+
+
+def fold_r3(model: nn.Module, transforms_: list[Any]) -> None:
+    """Fold each layer's RoPE-commuting R3 into its W_Q and W_K rows, in place (see the module docstring).
+
+    Raises :class:`ExportError` for a transform that does not commute and :class:`LayoutError` where a q/k norm
+    before RoPE does not commute with it, before any weight changes.
+    """
+    head_dim = arch.dims(model).head_dim
+    for parts, q_mats, k_mats in _plan(model, transforms_):
+        _rotate_rows(parts.q, q_mats, head_dim)
+        _rotate_rows(parts.k, k_mats, head_dim)

@@ -179,3 +179,23 @@ def test_fold_refuses_pair_mixing_qk_norm() -> None:
         model.model.layers[1].self_attn.k_norm.weight[8] = 0.7  # pair-uniform again: folds
     fold.fold_r3(model, ts)
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)
+
+
+def test_layout_refused_before_the_cell_is_built(monkeypatch) -> None:
+    """build_export_model checks the q/k norms on the loaded model before any calibration or quantisation."""
+    import transformers
+
+    from rope_quant.experiment import pipeline
+
+    torch.manual_seed(0)
+    gcfg = transformers.Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                         layer_types=["sliding_attention", "full_attention"], sliding_window=32)
+    model = transformers.Gemma3ForCausalLM(gcfg).eval()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_norm.weight[3] = 0.5
+    calls: list = []
+    monkeypatch.setattr(pipeline, "build_quantized_model", lambda *a, **k: calls.append(1))
+    with pytest.raises(fold.LayoutError) as info:
+        ebuild.build_export_model(cell(r1="identity"), None, base=(model, CharTokenizer()))
+    assert "layers.0 q_norm" in str(info.value) and calls == []
