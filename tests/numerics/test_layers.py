@@ -16,7 +16,8 @@ from rope_quant._deprecation import MOVED_MODULES
 
 ROOT = Path(rope_quant.__file__).parent
 # Bottom-up. A module may import its own layer or any layer below it.
-LAYERS = ("defaults", "seeds", "io", "core", "model", "quant", "calib", "rotations", "experiment", "sweep", "cli")
+LAYERS = ("defaults", "seeds", "io", "core", "model", "quant", "calib", "rotations", "experiment", "export", "sweep",
+          "cli")
 # The pytest plugin stands beside the layers: it may import only the bottom ones (stdlib-only modules).
 PLUGIN_MAY_IMPORT = {"defaults", "seeds", "io"}
 # The 0.1.0 module paths (deprecation shims, rope_quant/_deprecation.py) stand beside the layers too: a shim

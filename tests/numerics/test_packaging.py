@@ -28,7 +28,7 @@ def test_test_tooling_is_an_extra_not_a_runtime_dependency():
 
 def test_the_install_line_and_tox_install_the_test_extra():
     install = re.search(r"^INSTALL: (.*)$", (REPO / ".ci/commands").read_text(), re.M).group(1)
-    assert '-e ".[eval,test]"' in install
+    assert '-e ".[eval,test,export]"' in install
     tox = configparser.ConfigParser(interpolation=None)
     tox.read(REPO / "tox.ini")
     assert {e.strip() for e in tox["testenv"]["extras"].split(",")} == {"eval", "test"}

@@ -1,0 +1,182 @@
+"""``rope-quant export``: a deployable checkpoint from one cell (issue 25; docs/export.md).
+
+The cell comes from a results directory (``--from DIR --cell NAME --seed K``: its manifest gives the
+configuration, ``DIR/cache`` the weights and statistics) or from configuration flags (``--model``,
+``--config``, … as ``run``; the cell is built, with ``--cache-dir`` if given). Every check that needs no model
+runs first: the format's choices, ``--out``, the cell's record, what the format cannot carry. Then the model
+is built and written to a temporary directory next to ``--out``, which is renamed into place at the end.
+
+``add_parser(subparsers)`` and ``run(args)`` (exit 0 ok, 2 bad input with one ``error: …`` line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rope_quant.cli.args import CLIError
+
+FORMATS = ("hf", "compressed-tensors")
+DTYPES = ("float32", "bfloat16", "float16")
+WEIGHTS = ("unquantised", "dequantised")
+
+HELP = "write one cell as a deployable checkpoint (hf or compressed-tensors)"
+
+__all__ = ["FORMATS", "DTYPES", "WEIGHTS", "add_parser", "run", "resolve_cell"]
+
+
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``export`` subcommand to ``subparsers`` and return its parser."""
+    p = subparsers.add_parser("export", help="write one cell as a deployable checkpoint (hf or compressed-tensors)")
+    src = p.add_argument_group("the cell (a results directory, or configuration flags as for run)")
+    src.add_argument("--from", dest="results", default=None, metavar="DIR", help="results directory of the cell")
+    src.add_argument("--cell", default=None, metavar="NAME", help="cell (config) name in the results directory")
+    src.add_argument("--seed", type=int, default=0, help="seed of the cell (default 0)")
+    src.add_argument("--model", default=None, metavar="NAME|PATH", help="without --from: the model")
+    src.add_argument("--corpus", default=None, metavar="NAME|PATH", help="without --from: the calibration corpus")
+    src.add_argument("--config", default=None, metavar="R3", help="without --from: the R3 registry name")
+    src.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                     help="without --from: any other RunConfig flat field (repeatable), e.g. r4=false, w_bits=4, "
+                          "weights=rtn, seqlen=512, calib_windows=4")
+    src.add_argument("--cache-dir", default=None, metavar="DIR", help="weight/statistics cache (default DIR/cache)")
+    out = p.add_argument_group("the export")
+    out.add_argument("--format", required=True, choices=FORMATS, help="hf (everything folded) or compressed-tensors")
+    out.add_argument("--out", required=True, metavar="DIR", help="output directory (written whole, or not at all)")
+    out.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the saved tensors (default float32)")
+    out.add_argument("--weights", default=None, choices=WEIGHTS,
+                     help="hf: the rotated fp weights, or the cell's GPTQ/RTN weights dequantised (default "
+                          "unquantised); compressed-tensors always packs the quantised codes")
+    out.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    out.add_argument("--no-recompute", dest="recompute", action="store_false",
+                     help="refuse (instead of recomputing) when the cache policy pruned the cell's weights")
+    return p
+
+
+def _flat_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def resolve_cell(args: argparse.Namespace) -> tuple[Any, Path | None, str]:
+    """(RunConfig, cache dir, a description of the cell) from the flags; :class:`CLIError` naming the cell."""
+    from rope_quant.experiment.config import PipelineError, RunConfig
+
+    if args.results is None:
+        if args.cell is not None:
+            raise CLIError("--cell needs --from DIR (the results directory that holds it)")
+        if args.model is None or args.config is None:
+            raise CLIError("give --from DIR --cell NAME, or --model and --config (with --set FIELD=VALUE)")
+        flat: dict[str, Any] = {"model": args.model, "r3": args.config, "seed": args.seed}
+        if args.corpus is not None:
+            flat["corpus"] = args.corpus
+        for item in args.set:
+            field, sep, value = item.partition("=")
+            if not sep:
+                raise CLIError(f"--set {item!r}: expected FIELD=VALUE")
+            flat[field.strip()] = _flat_value(value.strip())
+        try:
+            cfg = RunConfig.from_flat(**flat)
+        except PipelineError as exc:
+            raise CLIError(str(exc)) from None
+        return cfg, None if args.cache_dir is None else Path(args.cache_dir), f"{args.config} seed {args.seed}"
+    return _cell_from_results(args)
+
+
+def _cell_from_results(args: argparse.Namespace) -> tuple[Any, Path, str]:
+    from rope_quant.sweep import records
+    from rope_quant.sweep.manifest import SweepError, config_seed, load_manifest, run_of
+
+    if args.cell is None:
+        raise CLIError("--from DIR needs --cell NAME (a config name of its manifest)")
+    if args.model is not None or args.config is not None or args.set:
+        raise CLIError("--from DIR takes the configuration from its manifest: drop --model/--config/--set")
+    out = Path(args.results)
+    try:
+        manifest = load_manifest(out)
+    except (SweepError, OSError, ValueError) as exc:
+        raise CLIError(f"--from {out}: {exc}") from None
+    what = f"cell {args.cell!r} seed {args.seed}"
+    match = [(n, c) for n, c in manifest.cells if n == args.cell and config_seed(c) == args.seed]
+    if not match:
+        names = sorted({n for n, _ in manifest.cells})
+        raise CLIError(f"{out} has no {what}; cells: {', '.join(names)}")
+    name, cfg = match[0]
+    path = records.cell_path(out, name, cfg)
+    if not records.is_complete(path, cfg.key()):
+        record = records.read_record(path)
+        if record is None:
+            raise CLIError(f"{what} in {out} is incomplete: no record at {path} (run it first)")
+        err = record.get("error") if isinstance(record.get("error"), dict) else {}
+        why = f"{err.get('type', 'error')}: {err.get('message', '')}" if err else "its result is not scored"
+        raise CLIError(f"{what} in {out} failed ({why}); rerun it before exporting")
+    run_cfg = run_of(cfg)
+    cache = Path(args.cache_dir) if args.cache_dir is not None else out / "cache"
+    return run_cfg, cache, what
+
+
+def _precheck(cfg: Any, fmt: str) -> None:
+    """What the format cannot carry, from the configuration alone (head_dim-free checks)."""
+    from rope_quant.export import compressed, hf
+
+    nominal = max(64, 2 * (cfg.online.block or 1))  # commutation depends on block and layout, not head_dim
+    if fmt == "hf":
+        hf.check_hf(cfg, nominal)
+    else:
+        compressed.require()
+        compressed.check_compressed(cfg, nominal)
+
+
+def export(args: argparse.Namespace) -> Path:
+    """Do the export described by ``args``; returns --out (raises on bad input)."""
+    import torch
+
+    from rope_quant.export import build, compressed, hf, outdir
+
+    cfg, cache, what = resolve_cell(args)
+    outdir.check_out(args.out, args.overwrite)
+    _precheck(cfg, args.format)
+    if args.format == "compressed-tensors" and args.weights == "unquantised":
+        raise CLIError("--format compressed-tensors packs the quantised codes: --weights unquantised does not apply")
+    weights = build.WeightSource(args.weights or ("dequantised" if args.format == "compressed-tensors"
+                                                  else "unquantised"))
+    dtype = getattr(torch, args.dtype)
+    t = time.perf_counter()
+    em = build.build_export_model(cfg, cache, weights=weights, recompute=args.recompute,
+                                  fold=args.format == "hf")
+    source = {"cell": what, "results": None if args.results is None else str(Path(args.results).resolve()),
+              "key": cfg.key(), "weight_key": cfg.weight_key(), "build_s": time.perf_counter() - t}
+    with outdir.staged(args.out, args.overwrite) as tmp:
+        if args.format == "hf":
+            hf.write_hf(em, tmp, dtype, weights=weights.value, source=source)
+        else:
+            compressed.write_compressed(em, tmp, dtype, source=source)
+    for note in em.notes:
+        print(note, file=sys.stderr)
+    return Path(args.out)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of the subcommand: 0 ok, 2 bad input (one ``error:`` line)."""
+    from rope_quant.experiment.config import PipelineError
+    from rope_quant.export.fold import ExportError
+    from rope_quant.rotations.offline import RotationError
+
+    try:
+        out = export(args)
+    except (CLIError, ExportError, PipelineError, RotationError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {args.format} to {out}")
+    return 0
