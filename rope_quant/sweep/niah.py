@@ -1,16 +1,16 @@
 """NIAH sweeps (App. G): the manifest of ``rope-quant niah``, what computes one of its cells, and its report.
 
-A cell is a :class:`NiahConfig`: one configuration at one seed answering every probe of a
-:class:`~rope_quant.experiment.niah.NiahSpec` (lengths × depths × probes). ``fp`` cells answer with the
-unquantised model (plain SDPA, no rotation); the other cells with the seed's quantised model (the
-pipeline's, reconfigured per R3 in the paired design, see :mod:`rope_quant.sweep.cells`), whose online R3
-and K/V quantisers act during generation. Cells are written, resumed and sharded by the ordinary runner;
-each record keeps every probe (key, number, needle position, output, score).
+A cell is a :class:`~rope_quant.sweep.kinds.niah.NiahConfig` (its cell kind): one configuration at one seed
+answering every probe of a :class:`~rope_quant.experiment.niah.NiahSpec` (lengths × depths × probes). ``fp`` cells
+answer with the unquantised model (plain SDPA, no rotation); the other cells with the seed's quantised model (the
+pipeline's, reconfigured per R3 in the paired design, see :mod:`rope_quant.sweep.cells`), whose online R3 and K/V
+quantisers act during generation. Cells are written, resumed and sharded by the ordinary runner; each record keeps
+every probe (key, number, needle position, output, score).
 
-The report (:func:`niah_report`): accuracy per config × length (mean over seeds, with the per-seed
-values) and per length × depth, the paired difference against the comparator per length, the
-*discriminative lengths* (FP at or above ``saturation`` while the quantised configs spread by at least
-``separation``), a markdown table, ``niah_summary.json`` and the figure ``niah_accuracy.png``.
+The report (:func:`niah_report`): accuracy per config × length (mean over seeds, with the per-seed values) and per
+length × depth, the paired difference against the comparator per length, the *discriminative lengths* (FP at or
+above ``saturation`` while the quantised configs spread by at least ``separation``), a markdown table,
+``niah_summary.json`` and the figure ``niah_accuracy.png``.
 """
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rope_quant.experiment.niah import NiahSpec, accuracy_table, run_probes
-from rope_quant.sweep.manifest import Manifest, _WrapsRun, config_dict, with_overrides
+from rope_quant.experiment.niah import NiahSpec
+from rope_quant.sweep.kinds.niah import NiahConfig, haystack_stream, niah_result, scored
+from rope_quant.sweep.manifest import Manifest, with_overrides
+
+__all__ = ["KIND", "FP", "DEFAULT_CONFIGS", "NiahConfig", "niah_manifest", "niah_result", "haystack_stream", "scored",
+           "collect", "discriminative_lengths", "paired", "niah_report", "accuracy_figure", "spec_hash"]
 
 KIND = "niah"
 FP = "fp"
@@ -38,33 +41,6 @@ SATURATION = 0.9
 SEPARATION = 0.05
 SUMMARY_FILE = "niah_summary.json"
 FIGURE_FILE = "niah_accuracy.png"
-
-
-@dataclass(frozen=True)
-class NiahConfig(_WrapsRun):
-    """A NIAH cell: the model of ``run`` (or the unquantised model when ``fp``) on every probe of ``spec``.
-
-    ``weight_key()`` is the run's, so the R3 variants of a seed share its quantised weights; ``key()`` adds
-    the NIAH settings (and ``fp``).
-    """
-
-    run: Any
-    spec: NiahSpec
-    fp: bool = False
-
-    def key(self) -> str:
-        return self._hash({"niah": self.spec.to_dict(), "fp": self.fp})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"run": config_dict(self.run), "niah": self.spec.to_dict(), "fp": self.fp}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> NiahConfig:
-        from rope_quant.experiment.config import RunConfig
-
-        spec = dict(data["niah"])
-        spec["lengths"], spec["depths"] = tuple(spec["lengths"]), tuple(spec["depths"])
-        return cls(RunConfig.from_dict(dict(data["run"])), NiahSpec(**spec), fp=bool(data.get("fp", False)))
 
 
 def niah_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], spec: NiahSpec, *,
@@ -80,33 +56,6 @@ def niah_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], spec:
     if fp:
         meta[FP] = {"r3": None, "unquantised": True}
     return Manifest(cells=cells, kind=KIND, comparator=comparator, meta=meta)
-
-
-def niah_result(cfg: NiahConfig, model: Any, tokenizer: Any, stream: Any, progress: bool = False) -> dict[str, Any]:
-    """Answer every probe of ``cfg`` with ``model``: accuracy tables and every probe record."""
-    import time
-
-    start = time.perf_counter()
-    probes = run_probes(model, tokenizer, stream, cfg.spec, cfg.seed, progress=progress)
-    return {"niah": {"accuracy": accuracy_table(probes), "contains": accuracy_table(probes, "contains"),
-                     "probes": probes, "spec": cfg.spec.to_dict(), "fp": cfg.fp,
-                     "seconds": time.perf_counter() - start}}
-
-
-def haystack_stream(cfg: NiahConfig, tokenizer: Any, corpora: dict) -> Any:
-    """The evaluation token stream of the haystack corpus (cached in ``corpora`` by name)."""
-    from rope_quant.experiment import data
-
-    if cfg.spec.corpus not in corpora:
-        corpora[cfg.spec.corpus] = data.load_corpus(cfg.spec.corpus, tokenizer)
-    return corpora[cfg.spec.corpus].eval_ids
-
-
-def scored(result: Any) -> bool:
-    """A NIAH result counts when it has an accuracy for at least one length (the records' predicate)."""
-    from rope_quant.sweep.records import scored_niah
-
-    return isinstance(result, Mapping) and scored_niah(result)
 
 
 # ----------------------------------------------------------------------------- report
