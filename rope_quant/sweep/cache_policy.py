@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rope_quant.sweep.cellkind import run_of
-
 #: File kinds of the pipeline's cache directory, by file-name prefix (pipeline.py names them).
 KINDS = {"weights-": "quantised weights", "stats-": "calibration statistics", "r1-whip-": "whip R1 fits"}
 
@@ -62,7 +60,7 @@ class CachePruner:
     @staticmethod
     def _key(cfg: Any, key_of: str) -> str:
         """``cfg``'s weight or statistics key (a long-context cell's are its run config's)."""
-        return getattr(run_of(cfg), key_of)()
+        return getattr(cfg if hasattr(cfg, key_of) else cfg.run, key_of)()
 
     def _groups(self, key_of: str) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}

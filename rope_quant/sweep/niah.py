@@ -27,9 +27,11 @@ import numpy as np
 from rope_quant.experiment.niah import NiahSpec
 from rope_quant.sweep.kinds.niah import NiahConfig, haystack_stream, niah_result, scored
 from rope_quant.sweep.manifest import Manifest, with_overrides
+from rope_quant.sweep.titles import Setup, describe
 
 __all__ = ["KIND", "FP", "DEFAULT_CONFIGS", "NiahConfig", "niah_manifest", "niah_result", "haystack_stream", "scored",
-           "collect", "discriminative_lengths", "paired", "niah_report", "accuracy_figure", "spec_hash"]
+           "collect", "discriminative_lengths", "paired", "niah_report", "accuracy_figure", "accuracy_axes",
+           "spec_hash"]
 
 KIND = "niah"
 FP = "fp"
@@ -154,7 +156,7 @@ def niah_report(out: str | os.PathLike[str], *, comparator: str = "hadamard", fi
     files = [atomic_write_json(out / SUMMARY_FILE, summary)]
     files.append(atomic_write_text(out / "niah_summary.md", markdown + "\n"))
     if figures and acc:
-        files.append(accuracy_figure(acc, out / FIGURE_FILE, disc))
+        files.append(accuracy_figure(acc, out / FIGURE_FILE, disc, describe(out)))
     return {"markdown": markdown, "summary": summary, "files": [str(f) for f in files]}
 
 
@@ -163,27 +165,40 @@ def _depths(data: Mapping[str, Any]) -> list[str]:
 
 
 def accuracy_figure(acc: Mapping[str, Mapping[str, Mapping[int, float]]], path: Path,
-                    disc: Sequence[Mapping[str, Any]] = ()) -> Path:
-    """Accuracy against context length, one line per config (mean over seeds, per-seed values as dots)."""
-    import matplotlib
+                    disc: Sequence[Mapping[str, Any]] = (), setup: Setup | None = None) -> Path:
+    """Write :func:`accuracy_axes`' figure."""
+    from rope_quant.sweep.figures import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = accuracy_axes(acc, disc, setup)
+    out = save_png(fig, path)
+    pyplot().close(fig)
+    return out
 
-    from rope_quant.io import atomic_writer
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+def accuracy_axes(acc: Mapping[str, Mapping[str, Mapping[int, float]]], disc: Sequence[Mapping[str, Any]] = (),
+                  setup: Setup | None = None) -> Any:
+    """Accuracy against context length, one line per config (mean over seeds, per-seed values as dots); grey
+    bands: the discriminative lengths. The NIAH report has no Holm family, so no marker claims significance."""
+    from rope_quant.sweep.figures import legend_outside, pyplot, suptitle
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.6, 4.2), layout="constrained")
     for n, per in acc.items():
         lengths = sorted(per, key=int)
         xs = [int(L) for L in lengths]
         means = [float(np.mean(list(per[L].values()))) for L in lengths]
         style = dict(color="black", linestyle="--") if n == FP else {}
-        (line,) = ax.plot(xs, means, marker="o", label=n, **style)
-        for x, L in zip(xs, lengths, strict=True):
-            ax.scatter([x] * len(per[L]), list(per[L].values()), s=10, alpha=0.35, color=line.get_color())
+        label = "unquantised model (fp)" if n == FP else n
+        (line,) = ax.plot(xs, means, marker="o", label=f"{label}: mean over seeds", **style)
+        for i, (x, L) in enumerate(zip(xs, lengths, strict=True)):
+            ax.scatter([x] * len(per[L]), list(per[L].values()), s=10, alpha=0.35, color=line.get_color(),
+                       label=f"{label}: per seed" if i == 0 else None)
+    shaded = False
     for r in disc:
         if r["discriminative"]:
-            ax.axvline(r["length"], color="grey", alpha=0.25, linewidth=6)
+            ax.axvline(r["length"], color="grey", alpha=0.25, linewidth=6,
+                       label=None if shaded else "discriminative length")
+            shaded = True
     ax.set_xscale("log", base=2)
     ticks = sorted({int(L) for per in acc.values() for L in per})
     ax.set_xticks(ticks)
@@ -192,13 +207,10 @@ def accuracy_figure(acc: Mapping[str, Mapping[str, Mapping[int, float]]], path: 
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("NIAH accuracy (exact match)")
     ax.set_ylim(-0.03, 1.03)
-    ax.set_title("Needle in a haystack (RULER format, App. G); grey: discriminative lengths", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_writer(path) as handle:
-        fig.savefig(handle, format="png", dpi=120)
-    plt.close(fig)
-    return path
+    ax.set_title("needle in a haystack (RULER format, App. G); grey: discriminative lengths", fontsize=9)
+    legend_outside(ax)
+    suptitle(fig, setup, "NIAH accuracy against context length")
+    return fig
 
 
 def spec_hash(spec: NiahSpec) -> str:
