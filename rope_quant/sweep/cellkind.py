@@ -115,7 +115,8 @@ class CellContext:
 def _plain_settings(cfg: Any) -> dict[str, Any]:
     """A plain run's settings by flat name, without its seed and content identities."""
     flat = cfg.flat() if hasattr(cfg, "flat") else config_dict(cfg)
-    flat = {k: to_jsonable(dataclasses.asdict(v)) if dataclasses.is_dataclass(v) else v for k, v in flat.items()}
+    flat = {k: to_jsonable(dataclasses.asdict(v)) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+            for k, v in flat.items()}
     for name in ("seed", *identity_fields(cfg)):
         flat.pop(name, None)
     return flat

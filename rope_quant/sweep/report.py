@@ -763,7 +763,13 @@ def read_csv_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+#: What the φ* excess figure calls verify's CSV columns (``calib/verify.py``).
+EXCESS_LABELS = {"excess": "φ* (the verified angle)", "excess_identity": "identity (φ = 0)",
+                 "excess_h2": "H2 (φ = π/4)", "excess_phi_hat": "φ̂ (variance rule)"}
+
+
+def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLike[str],
+                         setup: Setup | None = None) -> Path:
     """Per-pair minimax excess of φ̂ and φ* (from verify's per-pair CSV) against the pair index k.
 
     Plots every column whose name contains ``excess``, averaged over layers/heads per pair index.
@@ -776,7 +782,7 @@ def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLi
     if pair_col is None or not excess_cols:
         raise ReportError(f"{csv_path}: need a pair column (pair/k) and excess columns, got {list(rows[0])}")
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
     for col in excess_cols:
         acc: dict[int, list[float]] = {}
         for r in rows:
@@ -785,11 +791,12 @@ def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLi
             except (TypeError, ValueError):
                 continue
         ks = sorted(acc)
-        ax.plot(ks, [sum(acc[k]) / len(acc[k]) for k in ks], marker=".", label=col)
+        ax.plot(ks, [sum(acc[k]) / len(acc[k]) for k in ks], marker=".", label=EXCESS_LABELS.get(col, col))
     ax.set_yscale("symlog", linthresh=1e-8)
     ax.set_xlabel("pair index k")
     ax.set_ylabel("minimax excess (mean over layers)")
-    ax.legend(fontsize=8)
+    legend_outside(ax)
+    suptitle(fig, setup, "φ̂ and φ*: per-pair minimax excess (rope-quant verify)")
     out = save_png(fig, Path(path))
     plt.close(fig)
     return out
@@ -844,5 +851,5 @@ def write_report(
         found = sorted(root.glob("**/*_pairs.csv"))
         csv_path = Path(phi_star_csv) if phi_star_csv else (found[0] if found else None)
         if csv_path is not None:
-            files.append(plot_phi_star_excess(csv_path, root / "figures" / "phi_star_excess.png"))
+            files.append(plot_phi_star_excess(csv_path, root / "figures" / "phi_star_excess.png", setup))
     return {"summary": summary, "markdown": text, "files": [str(f) for f in files]}

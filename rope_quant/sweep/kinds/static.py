@@ -101,7 +101,7 @@ class StaticConfig(WrapsRun):
 def deviations(cfg: StaticConfig, windows_used: Mapping[int, int] | None = None,
                available: Mapping[int, int] | None = None) -> list[str]:
     """Departures from A.6 of a static cell (and of its measured window counts, when given)."""
-    out = []
+    out: list[str] = []
     if cfg.scope is None:
         return out
     if cfg.protocol != StaticProtocol.TRANSDUCTIVE:
@@ -142,14 +142,14 @@ def evaluate_static_cell(cfg: StaticConfig, qm: Any, progress: bool = False) -> 
         recorder = diagnostic.recording() if cfg.quant_diagnostic else contextlib.nullcontext()
         with static_control.applied(qm, scales), recorder as rec:
             res = evaluate.perplexity(qm.model, eval_ids, length, cap, run.device, progress=progress)
-        entry = {"ppl": res.ppl, "nll": res.nll, "n_windows": res.n_windows, "n_tokens": res.n_tokens,
+        entry: dict[str, Any] = {"ppl": res.ppl, "nll": res.nll, "n_windows": res.n_windows, "n_tokens": res.n_tokens,
                  "seqlen": res.seqlen}
         if scales is not None:
             transductive = cfg.protocol == StaticProtocol.TRANSDUCTIVE
             source_name = f"{eval_name} (evaluation split)" if transductive else f"{run.corpus} (calibration split)"
             entry["static"] = {**scales.record(), "available_windows": available[length], "source": source_name,
                                "protocol": cfg.protocol.value}
-        if cfg.quant_diagnostic:
+        if cfg.quant_diagnostic and rec is not None:
             entry["quant_diagnostic"] = rec.summary()
         lengths[str(length)] = entry
     return {"lengths": lengths,
