@@ -193,3 +193,48 @@ def test_the_sniffing_check_can_fail() -> None:
                "    pass\nif isinstance(x, Mapping) or hasattr(cfg, 'to_dict'):\n    pass\n")
     assert [f.split(": ", 1)[1] for f in _sniffing(planted, "x")] == [
         "imports importlib", "isinstance(cfg, LongContextConfig)", "hasattr(cfg, 'static_fields')"]
+
+
+# ----------------------------------------------------------------------------- each kind's report
+
+
+def _fake_static(cfg) -> dict:
+    from rope_quant.sweep.static import scope_name
+
+    ppl = {"hadamard": 10.0, "pairwise_only": 11.0}[cfg.run.r3] + {"dynamic": 0.0, "both": 1.0}[
+        scope_name(cfg.scope)] + 0.1 * cfg.seed + (0.02 * cfg.seed if cfg.run.r3 == "pairwise_only" else 0.0)
+    return {"lengths": {str(L): {"ppl": ppl + L / 1000, "n_windows": 1} for L in cfg.lengths},
+            "static": {"transductive": cfg.scope is not None, "deviations": []}}
+
+
+def test_each_kind_in_a_results_directory_writes_its_report(tmp_path: Path) -> None:
+    from rope_quant.sweep import kind_reports
+    from rope_quant.sweep.static import write_static_report
+
+    out = tmp_path / "static"
+    manifest = static_manifest(BASE, ["hadamard", "pairwise_only"], [0, 1, 2], [64, 128], [None, StaticScope.BOTH],
+                               max_windows=2)
+    run_cells(manifest, out, cell_fn=_fake_static)
+    assert kind_reports.kinds_in(out) == ["static"]
+    (part,) = kind_reports.write_kind_reports(out, kind_reports.ReportOptions(level=0.8))
+    assert part.kind == "static" and "Static per-channel control (A.6)" in part.markdown
+    assert part.markdown == write_static_report(out, level=0.8) == (out / "static.md").read_text()
+    plain = tmp_path / "plain"
+    run_cells(_manifests()[CellKindName.RUN], plain, cell_fn=lambda cfg: {"ppl": 10.0 + cfg.seed})
+    assert kind_reports.kinds_in(plain) == ["run"] and kind_reports.write_kind_reports(plain) == []
+
+
+def test_a_foreign_kind_registers_its_report(tmp_path: Path, echo_kind: CellKind) -> None:
+    from rope_quant.sweep import kind_reports
+
+    manifest = Manifest([("echo1.0", EchoConfig(BASE.override(seed=s), 1.0)) for s in (0, 1)], kind="echo")
+    run_cells(manifest, tmp_path, cell_fn=lambda cfg: _echo_evaluate(cfg, None))
+    kind_reports.register_report("echo", lambda root, opts: kind_reports.KindReport(
+        "echo", f"{len(records.complete_records(root))} echoes at level {opts.level}"))
+    try:
+        with pytest.raises(SweepError, match="already has a report"):
+            kind_reports.register_report("echo", lambda root, opts: None)
+        (part,) = kind_reports.write_kind_reports(tmp_path, kind_reports.ReportOptions(level=0.5))
+        assert part.markdown == "2 echoes at level 0.5"
+    finally:
+        kind_reports.unregister_report("echo")

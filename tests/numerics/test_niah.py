@@ -184,6 +184,12 @@ def test_niah_figure_names_the_run_and_keeps_the_legend_clear(tmp_path):
     assert cli.main(argv, cell_fn=FakeNiah()) == 0
     setup = describe(out)
     assert setup.budget() == "3 seeds × 3 probes per depth × L={256,512}" and setup.bits == "W4A4KV4"
+    from rope_quant.sweep.kind_reports import write_kind_reports
+
+    (out / sweep_niah.SUMMARY_FILE).unlink()
+    (part,) = write_kind_reports(out)  # `rope-quant report` finds the NIAH report through the kind registry
+    assert part.kind == "niah" and str(out / sweep_niah.SUMMARY_FILE) in part.files
+    assert part.markdown.startswith("NIAH accuracy") and (out / sweep_niah.FIGURE_FILE).is_file()
     data = sweep_niah.collect(out)
     fig = sweep_niah.accuracy_axes(data["accuracy"], sweep_niah.discriminative_lengths(data["accuracy"]), setup)
     try:
