@@ -5,7 +5,9 @@
 * ``long-context.png``: perplexity against context length L, and the gap against the comparator at each L
   with its interval;
 * ``lm-eval.png``: per task, the headline metric (``acc`` where the task has it) of every config at every
-  seed, and the paired Δ against the comparator with its interval.
+  seed, and the paired Δ against the comparator with its interval;
+* the report's table figures: ``crossover.png`` (gap against L), ``support.png`` (block size b) and
+  ``beyond.png`` (gap against K range).
 
 In every Δ panel the comparator is the dashed zero line (named in the legend), the dots are the per-seed
 differences and the bars the paired t interval of their mean; a filled marker (and its stars) is a difference
@@ -17,6 +19,7 @@ matplotlib figure (tests read its titles, labels and markers); the ``plot_*`` on
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -292,6 +295,102 @@ def lm_eval_figure(summary: Mapping[str, Any], setup: Setup | None = None) -> An
 def plot_lm_eval(summary: Mapping[str, Any], path: str | os.PathLike[str], setup: Setup | None = None) -> Path:
     """Write :func:`lm_eval_figure`."""
     return _close(lm_eval_figure(summary, setup), path)
+
+
+# ----------------------------------------------------------------------------- the report's table figures
+
+
+def plot_crossover(table: Any, path: str | os.PathLike[str], setup: Setup | None = None,
+                   alpha: float = 0.05) -> Path:
+    """The ``crossover`` table's figure: perplexity gap against context length, one line per config, with its CI
+    as error bars; a filled marker is a gap that stays significant after Holm over the (L, config) family (the
+    table's ``p_holm``)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(10.0, 4.2), layout="constrained")
+    first: set[str] = set()
+    for i, name in enumerate(dict.fromkeys(r["config"] for r in table.rows)):
+        colour = plt.get_cmap("tab10")(i % 10)
+        rows = [r for r in table.rows if r["config"] == name and r["gap"] is not None]
+        xs = [r["L"] for r in rows]
+        ys = [r["gap"] for r in rows]
+        err = [[(r["gap"] - r["ci_low"]) if r["ci_low"] is not None else 0 for r in rows],
+               [(r["ci_high"] - r["gap"]) if r["ci_high"] is not None else 0 for r in rows]]
+        controls = ", ".join(dict.fromkeys(r["control"] for r in rows))
+        ax.errorbar(xs, ys, yerr=err, marker="none", capsize=3, color=colour, label=f"{name} − {controls}")
+        for r in rows:
+            reject = None if r.get("p_holm") is None else r["p_holm"] <= alpha
+            ax.plot([r["L"]], [r["gap"]], "o", ms=7, color=colour, mfc=colour if reject else "white", mew=1.6)
+            holm_proxy(ax, reject, alpha, first)
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    lengths = sorted({r["L"] for r in table.rows})
+    ax.set_xticks(lengths, [str(v) for v in lengths])
+    ax.set_xlabel("context length L (tokens)")
+    ax.set_ylabel("gap: ppl(config) − ppl(control)\n(90% paired CI)")
+    ax.set_title("gap by context length (positive: worse)", fontsize=9)
+    legend_outside(ax)
+    suptitle(fig, setup, "crossover: where the gap changes sign")
+    out = save_png(fig, Path(path))
+    plt.close(fig)
+    return out
+
+
+def plot_support(table: Any, path: str | os.PathLike[str], setup: Setup | None = None) -> Path:
+    """Support interpolation: K range, relative K error and perplexity gap against block size b."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.8), layout="constrained")
+    bs = [r["b"] for r in table.rows]
+    for ax, key, label in zip(axes, ("k_range_mean", "k_rel_err", "gap"),
+                              ("mean K range", "relative K error", "Δ ppl vs comparator (90% paired CI)"),
+                              strict=True):
+        ys = [r[key] if r[key] is not None else math.nan for r in table.rows]
+        if key == "gap":
+            err = [[(r["gap"] - r["ci_low"]) if r["ci_low"] is not None else 0 for r in table.rows],
+                   [(r["ci_high"] - r["gap"]) if r["ci_high"] is not None else 0 for r in table.rows]]
+            ax.errorbar(bs, ys, yerr=err, marker="o", capsize=3)
+            ax.axhline(0.0, color="grey", lw=0.8)
+        else:
+            ax.plot(bs, ys, marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size b")
+        ax.set_ylabel(label)
+    suptitle(fig, setup, "mixing support: block-diagonal R3 of block size b")
+    out = save_png(fig, Path(path))
+    plt.close(fig)
+    return out
+
+
+def plot_beyond(table: Any, path: str | os.PathLike[str], setup: Setup | None = None,
+                holm: Mapping[str, Mapping[str, Any]] | None = None) -> Path:
+    """Δ ppl vs the comparator (with its CI) against the mean K range: colour = angle rule, filled circles =
+    RoPE-commuting maps, open squares = maps that mix across pairs; stars: significant after Holm (``holm``: the
+    summary's ``holm["results"]``)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8.0, 4.4), layout="constrained")
+    colours = {a: plt.get_cmap("tab10")(i % 10) for i, a in enumerate(dict.fromkeys(r["angles"] for r in table.rows))}
+    for row in table.rows:
+        if row["k_range_mean"] is None:
+            continue
+        gap = row["delta"] if row["delta"] is not None else 0.0
+        err = [[gap - row["ci_low"]], [row["ci_high"] - gap]] if row["ci_low"] is not None else None
+        colour = colours[row["angles"]]
+        ax.errorbar([row["k_range_mean"]], [gap], yerr=err, marker="o" if row["commutes"] else "s", capsize=3,
+                    ls="none", color=colour, mfc=colour if row["commutes"] else "white", ms=7,
+                    label=f"{row['r3']}: {row['angles']}")
+        h = (holm or {}).get(row["config"]) or {}
+        stars = h.get("stars", "") if h.get("reject") else ""
+        if stars:
+            ax.annotate(stars, (row["k_range_mean"], gap), xytext=(6, 4), textcoords="offset points",
+                        fontsize=9, color=colour)
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_xlabel("mean K range after R3 (the dynamic quantiser's range)")
+    ax.set_ylabel("Δ ppl vs comparator (90% CI)")
+    ax.set_title("filled: commutes with RoPE; open: mixes across pairs; *: significant after Holm", fontsize=9)
+    legend_outside(ax)
+    suptitle(fig, setup, "beyond the paper: gap against K range")
+    out = save_png(fig, Path(path))
+    plt.close(fig)
+    return out
 
 
 def write_figures(summary: Mapping[str, Any], directory: str | os.PathLike[str],
