@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -177,8 +178,8 @@ def _sniffing(source: str, label: str) -> list[str]:
                 found.append(f"{label}:{node.lineno}: {ast.unparse(node)}")
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
-            if any(n.split(".")[0] == "importlib" for n in names):
-                found.append(f"{label}:{node.lineno}: imports importlib")
+            if any(n.split(".")[0] == "importlib" and not n.startswith("importlib.metadata") for n in names):
+                found.append(f"{label}:{node.lineno}: imports importlib")  # entry points (metadata) are fine
     return found
 
 
@@ -189,7 +190,8 @@ def test_no_type_sniffing_on_cell_kinds_and_no_importlib() -> None:
 
 
 def test_the_sniffing_check_can_fail() -> None:
-    planted = ("import importlib\nif isinstance(cfg, LongContextConfig) or hasattr(cfg, 'static_fields'):\n"
+    planted = ("from importlib.metadata import entry_points\nimport importlib\n"
+               "if isinstance(cfg, LongContextConfig) or hasattr(cfg, 'static_fields'):\n"
                "    pass\nif isinstance(x, Mapping) or hasattr(cfg, 'to_dict'):\n    pass\n")
     assert [f.split(": ", 1)[1] for f in _sniffing(planted, "x")] == [
         "imports importlib", "isinstance(cfg, LongContextConfig)", "hasattr(cfg, 'static_fields')"]
@@ -238,3 +240,64 @@ def test_a_foreign_kind_registers_its_report(tmp_path: Path, echo_kind: CellKind
         assert part.markdown == "2 echoes at level 0.5"
     finally:
         kind_reports.unregister_report("echo")
+
+
+# ----------------------------------------------------------------------------- a kind from an installed package
+
+PLUGIN = '''
+from dataclasses import dataclass
+from typing import Any
+
+from rope_quant.experiment.config import RunConfig
+from rope_quant.sweep.cellkind import CellKind, WrapsRun, config_dict
+
+
+@dataclass(frozen=True)
+class TwiceConfig(WrapsRun):
+    run: Any
+
+    def key(self):
+        return self._hash({"twice": True})
+
+    def to_dict(self):
+        return {"run": config_dict(self.run), "twice": True}
+
+    @classmethod
+    def from_dict(cls, data):
+        return cls(RunConfig.from_dict(dict(data["run"])))
+
+
+KIND = CellKind("twice", TwiceConfig, tag="twice", from_dict=TwiceConfig.from_dict,
+                evaluate=lambda cfg, ctx: {"ppl": 2.0 * (1 + cfg.seed)})
+'''
+
+
+def test_an_installed_package_declares_a_kind_by_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A throwaway distribution on sys.path (module + dist-info with an entry point): its kind is registered,
+    its cells rebuild from manifest.json and run through the runner; a broken entry point only warns."""
+    from rope_quant.sweep.kinds import builtin
+
+    (tmp_path / "twice_kind.py").write_text(PLUGIN)
+    info = tmp_path / "twice_kind-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: twice-kind\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        f"[{builtin.ENTRY_POINT_GROUP}]\ntwice = twice_kind:KIND\nbroken = twice_kind:NOPE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.warns(UserWarning, match="'broken' .*not loaded"):
+            assert builtin.load_entry_points() == ["twice"]
+        import twice_kind
+
+        cfg = twice_kind.TwiceConfig(BASE.override(seed=1))
+        assert kind_of(cfg).name == "twice"
+        out = tmp_path / "res"
+        run_cells(Manifest([("twice", cfg)], kind="twice"), out, cell_fn=lambda c: kind_of(c).evaluate(c, None))
+        (again,) = [c for _, c in load_manifest(out)]
+        assert again == cfg and records.status(out).done
+        assert records.read_record(records.cell_path(out, "twice", cfg))["result"]["ppl"] == 4.0
+        with pytest.warns(UserWarning, match="'broken'"):
+            assert builtin.load_entry_points() == ["twice"]  # loading again registers nothing twice
+    finally:
+        cellkind.unregister("twice")
+        sys.modules.pop("twice_kind", None)
