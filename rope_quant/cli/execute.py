@@ -51,8 +51,9 @@ def describe(cfg: Any) -> str:
     """One line with the settings shared by a sweep's cells (the rotations and their deviations included)."""
     from rope_quant.experiment.config import RotationKind
     from rope_quant.quant.quantizers import OFF_BITS
+    from rope_quant.sweep.cellkind import run_of
 
-    run = getattr(cfg, "run", cfg)
+    run = run_of(cfg)
     evals = "all" if run.eval_windows is None else run.eval_windows
     rot = run.rotation
     r1 = rot.r1.value + (f" (epochs {rot.whip.epochs}, batch {rot.whip.batch_size}, subset {rot.whip.subset}, "
@@ -72,8 +73,9 @@ def describe(cfg: Any) -> str:
 def weight_mode_note(cfg: Any, used: Sequence[str]) -> str | None:
     """Which weight quantiser the perplexities come from, when it is the CPU budget's RTN (not the paper's GPTQ)."""
     from rope_quant.quant.quantizers import OFF_BITS
+    from rope_quant.sweep.cellkind import run_of
 
-    run = getattr(cfg, "run", cfg)
+    run = run_of(cfg)
     if run.w_bits >= OFF_BITS or str(run.weights) != "rtn":
         return None
     why = "the CPU budget's default" if any(u.startswith("weights=") for u in used) else "--weights rtn"

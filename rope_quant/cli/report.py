@@ -71,10 +71,10 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
                               figures=args.figures)
     print(rep["markdown"])
     print("wrote " + ", ".join(str(Path(f).relative_to(out)) for f in rep["files"]))
-    if rep["summary"].get("kind") == "static":  # App. A.6 contrasts, A.8 non-additivity, App. E diagnostic
-        from rope_quant.sweep.static import write_static_report
+    from rope_quant.sweep.kind_reports import ReportOptions, write_kind_reports
 
-        print(write_static_report(out, level=args.level))
+    for part in write_kind_reports(out, ReportOptions(level=args.level, figures=args.figures)):  # static, NIAH
+        print(part.markdown)
     return 0
 
 

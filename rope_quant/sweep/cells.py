@@ -7,15 +7,14 @@ fakes instead.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from rope_quant.io import atomic_writer
-from rope_quant.sweep.manifest import ARTIFACTS_DIR, LmEvalConfig, LongContextConfig, run_of
+from rope_quant.sweep.cellkind import CellContext, kind_of, run_of
+from rope_quant.sweep.manifest import ARTIFACTS_DIR
 from rope_quant.sweep.models import ModelCache, process_models
 
 CellFn = Callable[[Any], Mapping[str, Any]]
@@ -54,41 +53,6 @@ def _uses_angles(run_cfg: Any) -> bool:
         return False
 
 
-def _ppl_entry(value: Any) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return dict(value)
-    entry = dataclasses.asdict(value)
-    entry.pop("window_nll", None)
-    return entry
-
-
-def _long_context_stream(cfg: LongContextConfig, run_cfg: Any, qm: Any) -> tuple[Any, Any]:
-    """The token stream a long-context cell scores and its :class:`~rope_quant.experiment.longctx.EvalStream`:
-    the first ``cfg.eval_docs`` evaluation documents of ``cfg.eval_corpus`` (else the calibration corpus), or
-    the whole evaluation split when ``eval_docs`` is None (older cells)."""
-    from rope_quant.experiment import longctx
-
-    corpus = cfg.eval_corpus or run_cfg.corpus
-    if cfg.eval_docs is not None:
-        stream = longctx.eval_stream(corpus, qm.tokenizer, cfg.eval_docs)
-        return stream.ids, stream
-    if corpus == run_cfg.corpus:
-        ids, docs = qm.corpus.eval_ids, qm.corpus.eval_docs
-    else:
-        from rope_quant.experiment.data import load_corpus
-
-        loaded = load_corpus(corpus, qm.tokenizer)
-        ids, docs = loaded.eval_ids, loaded.eval_docs
-    return ids, longctx.EvalStream(corpus, ids, tuple(docs), len(docs), None)
-
-
-def _niah_cell(cfg: Any) -> Any:
-    """The NIAH sweep module when ``cfg`` is a NIAH cell (App. G), else None."""
-    from rope_quant.sweep import niah
-
-    return niah if isinstance(cfg, niah.NiahConfig) else None
-
-
 def pipeline_cell_fn(
     cache_dir: str | os.PathLike[str] | None = None, artifacts: str | os.PathLike[str] | None = None,
     progress: bool = False, *, models: ModelCache | None = None,
@@ -101,10 +65,10 @@ def pipeline_cell_fn(
     ``QuantizedModel.reconfigure``, which redoes only the angles, the R3 and the K/V quantisers
     (docs/ARCHITECTURE.md).
 
-    Short-context cells give ``pipeline.run_cell``'s dict; :class:`LongContextConfig` cells give
-    ``{"lengths": {L: {ppl, nll, n_windows, n_tokens, seqlen} | {error...}}, k_range_mean, ...}``;
-    :class:`LmEvalConfig` cells give lm-eval's ``{"tasks": {task: {metric: value}}, "samples": ...}``
-    (:class:`rope_quant.sweep.lm_eval.LmEvalCells`).
+    Each cell is computed by its kind's ``evaluate`` (:func:`rope_quant.sweep.cellkind.kind_of`; the built-in
+    kinds are in :mod:`rope_quant.sweep.kinds`): short-context cells give ``pipeline.run_cell``'s dict,
+    long-context cells ``{"lengths": {L: {ppl, ...} | {error...}}, k_range_mean, ...}``, lm-eval cells
+    ``{"tasks": {task: {metric: value}}, "samples": ...}``, NIAH cells their probes, static cells their scales.
     With ``artifacts`` (a results directory) each cell's angles, statistics and frequencies are saved
     under :func:`artifact_dir` for ``rope-quant verify``.
     """
@@ -114,7 +78,6 @@ def pipeline_cell_fn(
 
     cache = models if models is not None else process_models()
     current: list[Any] = []  # the last built QuantizedModel, reused for R3 variants of the same seed
-    lm_eval_cells: list[Any] = []  # created on the first lm-eval cell (lm-eval is an optional extra)
 
     def model_for(run_cfg: Any) -> tuple[Any, bool]:
         """Reconfigure the last model when only R3/KV settings differ (paired design), else build.
@@ -145,12 +108,8 @@ def pipeline_cell_fn(
         current.append(qm)
         return qm, False
 
-    def run(cfg: Any) -> Mapping[str, Any]:
+    def quantized(cfg: Any) -> tuple[Any, bool]:
         run_cfg = run_of(cfg)
-        niah = _niah_cell(cfg)
-        if niah is not None and cfg.fp:  # NIAH's unquantised reference: the base model, plain attention
-            (model, tokenizer), corpora = cache.get(run_cfg.model, run_cfg.device, identity=run_cfg.model_id)
-            return niah.niah_result(cfg, model, tokenizer, niah.haystack_stream(cfg, tokenizer, corpora), progress)
         try:
             qm, reused = model_for(run_cfg)
         except BaseException:
@@ -158,58 +117,14 @@ def pipeline_cell_fn(
             raise
         if artifacts is not None and _uses_angles(run_cfg):
             save_artifacts(artifact_dir(artifacts, cfg), qm)
-        if niah is not None:
-            corpora = cache.get(run_cfg.model, run_cfg.device, identity=run_cfg.model_id)[1]
-            stream = niah.haystack_stream(cfg, qm.tokenizer, corpora)
-            return {**niah.niah_result(cfg, qm.model, qm.tokenizer, stream, progress), "model_reused": reused}
-        if isinstance(cfg, LmEvalConfig):
-            if not lm_eval_cells:
-                from rope_quant.sweep.lm_eval import LmEvalCells
+        return qm, reused
 
-                lm_eval_cells.append(LmEvalCells())
-            return {**lm_eval_cells[0](cfg, qm), "model_reused": reused}
-        if hasattr(cfg, "static_fields"):  # rope-quant static (App. A.6): scales per length, then scored
-            from rope_quant.sweep.static import evaluate_static_cell
+    def base(run_cfg: Any) -> tuple[tuple[Any, Any], dict]:
+        return cache.get(run_cfg.model, run_cfg.device, identity=run_cfg.model_id)
 
-            return {**evaluate_static_cell(cfg, qm, progress=progress), "model_reused": reused}
-        if not isinstance(cfg, LongContextConfig):
-            return {**pipeline.run_cell(run_cfg, qm=qm, progress=progress), "model_reused": reused}
-        from rope_quant.experiment import evaluate
+    ctx = CellContext(quantized=quantized, base=base, progress=progress)
 
-        eval_ids, protocol = _long_context_stream(cfg, run_cfg, qm)
-        diag = qm.attach_diagnostics()
-        start = time.perf_counter()
-        max_windows = run_cfg.eval_windows or evaluate.LONG_CONTEXT_MAX_WINDOWS
-        try:
-            if cfg.matched_average:  # φ* re-estimated with averaging length L for every length L
-                res = {}
-                for length in cfg.lengths:
-                    qm.reconfigure(run_cfg.override(average_length=int(length)), progress=progress)
-                    for st in qm.states:  # reconfigure installs fresh attention states
-                        st.diagnostics = diag
-                    res.update(evaluate.long_context(qm.model, eval_ids, (length,),
-                                                     max_windows=max_windows, device=run_cfg.device,
-                                                     progress=progress))
-                qm.reconfigure(run_cfg, progress=progress)
-            else:
-                res = evaluate.long_context(qm.model, eval_ids, cfg.lengths, max_windows=max_windows,
-                                            device=run_cfg.device, progress=progress)
-        finally:
-            qm.detach_diagnostics()
-        from rope_quant.experiment.longctx import deviations, protocol_record
-
-        lengths = {str(k): _ppl_entry(v) for k, v in res.items()}
-        if cfg.matched_average:
-            for entry in lengths.values():
-                entry.setdefault("average_length", int(entry.get("seqlen") or entry.get("length")))
-        unmatched = [] if cfg.matched_average or not run_cfg.position_average else ["this cell"]
-        devs = deviations(calib_corpus=run_cfg.corpus, eval_corpora=(protocol.corpus,),
-                          max_documents=cfg.eval_docs, cap=max_windows, lengths=cfg.lengths,
-                          unmatched_phi_star=unmatched, count_corpora=False)
-        return {"lengths": lengths, **diag.summary(),
-                "protocol": {**protocol_record(protocol, cfg.lengths, max_windows, run_cfg.corpus),
-                             "matched_average": cfg.matched_average, "estimator": run_cfg.estimator.value,
-                             "angle": run_cfg.angle.value, "deviations": devs},
-                "timing": {**qm.timing, "eval_s": time.perf_counter() - start}, "model_reused": reused}
+    def run(cfg: Any) -> Mapping[str, Any]:
+        return kind_of(cfg).evaluate(cfg, ctx)
 
     return run

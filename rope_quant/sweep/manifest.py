@@ -9,9 +9,6 @@ the cell's record lives (:func:`cell_relpath`), so the report and the status che
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import importlib
 import json
 import os
 import re
@@ -21,16 +18,36 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.io import atomic_write_json, to_jsonable
+from rope_quant.sweep.cellkind import (
+    CellKindName,
+    SweepError,
+    WrapsRun,
+    cell_settings,
+    config_dict,
+    config_seed,
+    identity_fields,
+    kind_for_dict,
+    kind_of,
+    run_of,
+    with_overrides,
+)
+from rope_quant.sweep.kinds.lm_eval import LmEvalConfig
+from rope_quant.sweep.kinds.long_context import LongContextConfig
+
+#: The names this module defined before the cell kinds moved to rope_quant.sweep.cellkind / sweep.kinds.
+_WrapsRun = WrapsRun
+__all__ = ["MANIFEST_FILE", "CELLS_DIR", "ARTIFACTS_DIR", "SweepError", "InvalidCellNameError", "DuplicateCellError",
+           "ManifestNotFoundError", "ManifestMismatchError", "CellKindName", "check_name", "config_seed",
+           "config_dict", "with_overrides", "cell_relpath", "run_of", "kind_of", "LongContextConfig", "LmEvalConfig",
+           "config_from_dict", "Manifest", "build_manifest", "manifest_from_dict", "read_manifest", "load_manifest",
+           "write_manifest", "cell_settings", "content_changes", "Reconciled", "study_diff", "reconcile",
+           "cell_conflict"]
 
 MANIFEST_FILE = "manifest.json"
 CELLS_DIR = "cells"
 #: Per-cell artefacts (φ angles, statistics, frequencies) under ``DIR/artifacts/<key>/``.
 ARTIFACTS_DIR = "artifacts"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
-
-
-class SweepError(ValueError):
-    """Base class for bad sweep inputs."""
 
 
 class InvalidCellNameError(SweepError):
@@ -62,187 +79,18 @@ def check_name(name: str) -> str:
     return name
 
 
-def config_seed(cfg: Any) -> int:
-    """The seed of a RunConfig (attribute ``seed``)."""
-    try:
-        return int(cfg.seed)
-    except AttributeError as exc:
-        raise SweepError(f"{type(cfg).__name__} has no 'seed' field") from exc
-
-
-def config_dict(cfg: Any) -> dict[str, Any]:
-    """A RunConfig as a JSON-able dict (``to_dict()`` if it has one, else ``dataclasses.asdict``)."""
-    if hasattr(cfg, "to_dict"):
-        return to_jsonable(cfg.to_dict())
-    if dataclasses.is_dataclass(cfg):
-        return to_jsonable(dataclasses.asdict(cfg))
-    raise SweepError(f"cannot serialise config of type {type(cfg).__name__}")
-
-
-def with_overrides(cfg: Any, **overrides: Any) -> Any:
-    """``cfg.override(**overrides)`` (flat names, ``RunConfig``) or ``dataclasses.replace`` for plain dataclasses."""
-    if hasattr(cfg, "override"):
-        return cfg.override(**overrides)
-    return dataclasses.replace(cfg, **overrides)
-
-
 def cell_relpath(name: str, cfg: Any) -> str:
     """``cells/<name>/seed<k>-<key>.json`` relative to the results directory."""
     return f"{CELLS_DIR}/{check_name(name)}/seed{config_seed(cfg)}-{cfg.key()}.json"
 
 
-class _WrapsRun:
-    """A cell that evaluates one ``RunConfig`` (``self.run``) differently: seed, model, device and the weight
-    key are the run's, so such cells share weights and calibration with the run's other cells."""
-
-    run: Any
-
-    @property
-    def seed(self) -> int:
-        return config_seed(self.run)
-
-    @property
-    def model(self) -> str:
-        return self.run.model
-
-    @property
-    def device(self) -> str:
-        return getattr(self.run, "device", "cpu")
-
-    def weight_key(self) -> str:
-        return self.run.weight_key()
-
-    def _hash(self, extra: Mapping[str, Any]) -> str:
-        blob = json.dumps({"run": self.run.key(), **extra}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def run_of(cfg: Any) -> Any:
-    """The ``RunConfig`` behind a cell config (the cell's own for a plain run)."""
-    return cfg.run if isinstance(cfg, _WrapsRun) else cfg
-
-
-@dataclass(frozen=True)
-class LongContextConfig(_WrapsRun):
-    """A long-context cell: a RunConfig evaluated at several context lengths (App. A.4).
-
-    ``key()`` adds the lengths to the run's key; ``weight_key()`` is the run's, so long-context cells
-    share weights and calibration with the short-context cells of the same seed. ``matched_average``
-    (φ* cells, ``run.angle == phi_star``) re-estimates φ* for every evaluated L with averaging length L.
-    ``eval_corpus``: the corpus scored at long context when it differs from the calibration corpus
-    ``run.corpus`` (App. A.4: calibrate on one corpus, evaluate on others); None scores ``run.corpus``.
-    ``eval_docs``: the stream is the first ``eval_docs`` documents of the evaluation split, concatenated
-    (A.4: 64; :mod:`rope_quant.experiment.longctx`); None scores the whole evaluation split (older cells).
-    """
-
-    run: Any
-    lengths: tuple[int, ...]
-    matched_average: bool = False
-    eval_corpus: str | None = None
-    eval_docs: int | None = None
-
-    def __post_init__(self) -> None:
-        lengths = tuple(int(v) for v in self.lengths)
-        if not lengths or any(v < 2 for v in lengths) or len(set(lengths)) != len(lengths):
-            raise SweepError(f"lengths must be distinct integers >= 2, got {self.lengths!r}")
-        object.__setattr__(self, "lengths", lengths)
-        if self.matched_average and not getattr(self.run, "position_average", False):
-            raise SweepError("matched_average re-estimates φ* per length: the run needs angle='phi_star'")
-        if self.eval_docs is not None and (isinstance(self.eval_docs, bool) or not isinstance(self.eval_docs, int)
-                                           or self.eval_docs < 1):
-            raise SweepError(f"eval_docs must be None or a positive integer, got {self.eval_docs!r}")
-
-    def key(self) -> str:
-        extra: dict[str, Any] = {"lengths": list(self.lengths)}
-        if self.matched_average:
-            extra["matched_average"] = True
-        if self.eval_corpus is not None:
-            extra["eval_corpus"] = self.eval_corpus
-        if self.eval_docs is not None:
-            extra["eval_docs"] = self.eval_docs
-        return self._hash(extra)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"run": config_dict(self.run), "lengths": list(self.lengths)}
-        if self.matched_average:
-            out["matched_average"] = True
-        if self.eval_corpus is not None:
-            out["eval_corpus"] = self.eval_corpus
-        if self.eval_docs is not None:
-            out["eval_docs"] = self.eval_docs
-        return out
-
-
-@dataclass(frozen=True)
-class LmEvalConfig(_WrapsRun):
-    """An lm-evaluation-harness cell: the quantised model of a RunConfig scored on lm-eval ``tasks``.
-
-    ``key()`` adds the task settings to the run's key (``batch_size`` is left out: scores do not depend on
-    it); ``weight_key()`` is the run's, so lm-eval cells share weights and calibration with the other cells
-    of the same seed. ``include_path`` is a folder of local task YAMLs; ``include_defaults=False`` indexes
-    only those (faster); ``limit`` caps the documents per task; ``max_length`` bounds lm-eval's windows.
-    """
-
-    run: Any
-    tasks: tuple[str, ...]
-    include_path: str | None = None
-    include_defaults: bool = True
-    limit: int | None = None
-    num_fewshot: int | None = None
-    batch_size: int = 1
-    max_length: int | None = None
-
-    def __post_init__(self) -> None:
-        tasks = tuple(str(t) for t in self.tasks)
-        if not tasks or any(not t for t in tasks) or len(set(tasks)) != len(tasks):
-            raise SweepError(f"tasks must be distinct non-empty names, got {self.tasks!r}")
-        object.__setattr__(self, "tasks", tasks)
-        for name in ("limit", "num_fewshot", "max_length"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise SweepError(f"{name} must be None or a non-negative integer, got {value!r}")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise SweepError(f"batch_size must be a positive integer, got {self.batch_size!r}")
-        if not self.include_defaults and not self.include_path:
-            raise SweepError("include_defaults=False needs an include_path with local task YAMLs")
-
-    def _task_fields(self) -> dict[str, Any]:
-        return {"tasks": list(self.tasks), "include_path": self.include_path,
-                "include_defaults": self.include_defaults, "limit": self.limit,
-                "num_fewshot": self.num_fewshot, "max_length": self.max_length}
-
-    def key(self) -> str:
-        return self._hash({"lm_eval": self._task_fields()})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"run": config_dict(self.run), "lm_eval": {**self._task_fields(), "batch_size": self.batch_size}}
-
-
-#: Cell kinds whose config classes live in modules that import this one, by the tag their ``to_dict()`` carries:
-#: ``"module:Class"`` with a ``from_dict`` classmethod, imported only when a manifest holds such a cell (so the
-#: dependency points from those modules to this one).
-CELL_KINDS: dict[str, str] = {"niah": "rope_quant.sweep.niah:NiahConfig",
-                              "static": "rope_quant.sweep.static:StaticConfig"}
-
-
 def config_from_dict(data: Mapping[str, Any]) -> Any:
-    """Rebuild a cell config from its manifest dict (``RunConfig``, :class:`LongContextConfig` or
-    :class:`LmEvalConfig`); the run's dict may be nested or the flat form of older results directories."""
-    from rope_quant.experiment import config  # deferred: heavy
+    """Rebuild a cell config from its manifest dict through its registered cell kind
+    (:func:`rope_quant.sweep.cellkind.kind_for_dict`); a plain run's dict may be nested or the flat form of
+    older results directories."""
+    import rope_quant.sweep.kinds.builtin  # noqa: F401  registers the built-in kinds (NIAH and static import torch)
 
-    for tag, where in CELL_KINDS.items():  # kinds defined above this module (their modules import this one)
-        if "run" in data and tag in data:
-            module, name = where.split(":")
-            return getattr(importlib.import_module(module), name).from_dict(data)
-    if "run" in data and "lm_eval" in data:
-        fields = dict(data["lm_eval"])
-        fields["tasks"] = tuple(fields["tasks"])
-        return LmEvalConfig(config.RunConfig.from_dict(dict(data["run"])), **fields)
-    if "run" in data and "lengths" in data:
-        return LongContextConfig(config.RunConfig.from_dict(dict(data["run"])), tuple(data["lengths"]),
-                                 matched_average=bool(data.get("matched_average", False)),
-                                 eval_corpus=data.get("eval_corpus"), eval_docs=data.get("eval_docs"))
-    return config.RunConfig.from_dict(dict(data))
+    return kind_for_dict(data).from_dict(data)
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -409,32 +257,12 @@ def write_manifest(out: str | os.PathLike[str], manifest: Manifest, *, merge: bo
 # ----------------------------------------------------------------------------- a changed study
 
 
-def cell_settings(cfg: Any) -> dict[str, Any]:
-    """A cell's settings by flat name, without its seed: what must agree for two cells to be one study."""
-    if isinstance(cfg, LongContextConfig):
-        out = cell_settings(cfg.run)
-        out.update(lengths=list(cfg.lengths), matched_average=cfg.matched_average)
-        return out
-    if hasattr(cfg, "static_fields"):  # a rope-quant static cell
-        return {**cell_settings(cfg.run), **cfg.static_fields()}
-    flat = cfg.flat() if hasattr(cfg, "flat") else config_dict(cfg)
-    flat = {k: to_jsonable(dataclasses.asdict(v)) if dataclasses.is_dataclass(v) else v for k, v in flat.items()}
-    for name in ("seed", *_identity_fields(cfg)):
-        flat.pop(name, None)
-    return flat
-
-
-def _identity_fields(cfg: Any) -> tuple[str, ...]:
-    run = run_of(cfg)
-    return run.identity_fields() if hasattr(run, "identity_fields") else ()
-
-
 def content_changes(old: Manifest, new: Manifest) -> list[str]:
     """Content identities (model / corpus hashes) that differ between cells of the same name: the same
     study on changed content, whose cells get new keys and are recomputed."""
     def ids(cfg: Any) -> dict[str, Any]:
         run = run_of(cfg)
-        return {f: getattr(run, f, None) for f in _identity_fields(cfg)}
+        return {f: getattr(run, f, None) for f in identity_fields(run)}
 
     old_ids = {name: ids(cfg) for name, cfg in old.cells}
     changed = {f"{field}: {old_ids[name][field]} -> {value}"

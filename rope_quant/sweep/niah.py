@@ -1,16 +1,16 @@
 """NIAH sweeps (App. G): the manifest of ``rope-quant niah``, what computes one of its cells, and its report.
 
-A cell is a :class:`NiahConfig`: one configuration at one seed answering every probe of a
-:class:`~rope_quant.experiment.niah.NiahSpec` (lengths × depths × probes). ``fp`` cells answer with the
-unquantised model (plain SDPA, no rotation); the other cells with the seed's quantised model (the
-pipeline's, reconfigured per R3 in the paired design, see :mod:`rope_quant.sweep.cells`), whose online R3
-and K/V quantisers act during generation. Cells are written, resumed and sharded by the ordinary runner;
-each record keeps every probe (key, number, needle position, output, score).
+A cell is a :class:`~rope_quant.sweep.kinds.niah.NiahConfig` (its cell kind): one configuration at one seed
+answering every probe of a :class:`~rope_quant.experiment.niah.NiahSpec` (lengths × depths × probes). ``fp`` cells
+answer with the unquantised model (plain SDPA, no rotation); the other cells with the seed's quantised model (the
+pipeline's, reconfigured per R3 in the paired design, see :mod:`rope_quant.sweep.cells`), whose online R3 and K/V
+quantisers act during generation. Cells are written, resumed and sharded by the ordinary runner; each record keeps
+every probe (key, number, needle position, output, score).
 
-The report (:func:`niah_report`): accuracy per config × length (mean over seeds, with the per-seed
-values) and per length × depth, the paired difference against the comparator per length, the
-*discriminative lengths* (FP at or above ``saturation`` while the quantised configs spread by at least
-``separation``), a markdown table, ``niah_summary.json`` and the figure ``niah_accuracy.png``.
+The report (:func:`niah_report`): accuracy per config × length (mean over seeds, with the per-seed values) and per
+length × depth, the paired difference against the comparator per length, the *discriminative lengths* (FP at or
+above ``saturation`` while the quantised configs spread by at least ``separation``), a markdown table,
+``niah_summary.json`` and the figure ``niah_accuracy.png``.
 """
 
 from __future__ import annotations
@@ -19,14 +19,19 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rope_quant.experiment.niah import NiahSpec, accuracy_table, run_probes
-from rope_quant.sweep.manifest import Manifest, _WrapsRun, config_dict, with_overrides
+from rope_quant.experiment.niah import NiahSpec
+from rope_quant.sweep.kinds.niah import NiahConfig, haystack_stream, niah_result, scored
+from rope_quant.sweep.manifest import Manifest, with_overrides
+from rope_quant.sweep.titles import Setup, describe
+
+__all__ = ["KIND", "FP", "DEFAULT_CONFIGS", "NiahConfig", "niah_manifest", "niah_result", "haystack_stream", "scored",
+           "collect", "discriminative_lengths", "paired", "niah_report", "accuracy_figure", "accuracy_axes",
+           "spec_hash"]
 
 KIND = "niah"
 FP = "fp"
@@ -38,33 +43,6 @@ SATURATION = 0.9
 SEPARATION = 0.05
 SUMMARY_FILE = "niah_summary.json"
 FIGURE_FILE = "niah_accuracy.png"
-
-
-@dataclass(frozen=True)
-class NiahConfig(_WrapsRun):
-    """A NIAH cell: the model of ``run`` (or the unquantised model when ``fp``) on every probe of ``spec``.
-
-    ``weight_key()`` is the run's, so the R3 variants of a seed share its quantised weights; ``key()`` adds
-    the NIAH settings (and ``fp``).
-    """
-
-    run: Any
-    spec: NiahSpec
-    fp: bool = False
-
-    def key(self) -> str:
-        return self._hash({"niah": self.spec.to_dict(), "fp": self.fp})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"run": config_dict(self.run), "niah": self.spec.to_dict(), "fp": self.fp}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> NiahConfig:
-        from rope_quant.experiment.config import RunConfig
-
-        spec = dict(data["niah"])
-        spec["lengths"], spec["depths"] = tuple(spec["lengths"]), tuple(spec["depths"])
-        return cls(RunConfig.from_dict(dict(data["run"])), NiahSpec(**spec), fp=bool(data.get("fp", False)))
 
 
 def niah_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], spec: NiahSpec, *,
@@ -80,33 +58,6 @@ def niah_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], spec:
     if fp:
         meta[FP] = {"r3": None, "unquantised": True}
     return Manifest(cells=cells, kind=KIND, comparator=comparator, meta=meta)
-
-
-def niah_result(cfg: NiahConfig, model: Any, tokenizer: Any, stream: Any, progress: bool = False) -> dict[str, Any]:
-    """Answer every probe of ``cfg`` with ``model``: accuracy tables and every probe record."""
-    import time
-
-    start = time.perf_counter()
-    probes = run_probes(model, tokenizer, stream, cfg.spec, cfg.seed, progress=progress)
-    return {"niah": {"accuracy": accuracy_table(probes), "contains": accuracy_table(probes, "contains"),
-                     "probes": probes, "spec": cfg.spec.to_dict(), "fp": cfg.fp,
-                     "seconds": time.perf_counter() - start}}
-
-
-def haystack_stream(cfg: NiahConfig, tokenizer: Any, corpora: dict) -> Any:
-    """The evaluation token stream of the haystack corpus (cached in ``corpora`` by name)."""
-    from rope_quant.experiment import data
-
-    if cfg.spec.corpus not in corpora:
-        corpora[cfg.spec.corpus] = data.load_corpus(cfg.spec.corpus, tokenizer)
-    return corpora[cfg.spec.corpus].eval_ids
-
-
-def scored(result: Any) -> bool:
-    """A NIAH result counts when it has an accuracy for at least one length (the records' predicate)."""
-    from rope_quant.sweep.records import scored_niah
-
-    return isinstance(result, Mapping) and scored_niah(result)
 
 
 # ----------------------------------------------------------------------------- report
@@ -205,7 +156,7 @@ def niah_report(out: str | os.PathLike[str], *, comparator: str = "hadamard", fi
     files = [atomic_write_json(out / SUMMARY_FILE, summary)]
     files.append(atomic_write_text(out / "niah_summary.md", markdown + "\n"))
     if figures and acc:
-        files.append(accuracy_figure(acc, out / FIGURE_FILE, disc))
+        files.append(accuracy_figure(acc, out / FIGURE_FILE, disc, describe(out)))
     return {"markdown": markdown, "summary": summary, "files": [str(f) for f in files]}
 
 
@@ -214,27 +165,40 @@ def _depths(data: Mapping[str, Any]) -> list[str]:
 
 
 def accuracy_figure(acc: Mapping[str, Mapping[str, Mapping[int, float]]], path: Path,
-                    disc: Sequence[Mapping[str, Any]] = ()) -> Path:
-    """Accuracy against context length, one line per config (mean over seeds, per-seed values as dots)."""
-    import matplotlib
+                    disc: Sequence[Mapping[str, Any]] = (), setup: Setup | None = None) -> Path:
+    """Write :func:`accuracy_axes`' figure."""
+    from rope_quant.sweep.figures import pyplot, save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = accuracy_axes(acc, disc, setup)
+    out = save_png(fig, path)
+    pyplot().close(fig)
+    return out
 
-    from rope_quant.io import atomic_writer
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+def accuracy_axes(acc: Mapping[str, Mapping[str, Mapping[int, float]]], disc: Sequence[Mapping[str, Any]] = (),
+                  setup: Setup | None = None) -> Any:
+    """Accuracy against context length, one line per config (mean over seeds, per-seed values as dots); grey
+    bands: the discriminative lengths. The NIAH report has no Holm family, so no marker claims significance."""
+    from rope_quant.sweep.figures import legend_outside, pyplot, suptitle
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.6, 4.2), layout="constrained")
     for n, per in acc.items():
         lengths = sorted(per, key=int)
         xs = [int(L) for L in lengths]
         means = [float(np.mean(list(per[L].values()))) for L in lengths]
         style = dict(color="black", linestyle="--") if n == FP else {}
-        (line,) = ax.plot(xs, means, marker="o", label=n, **style)
-        for x, L in zip(xs, lengths, strict=True):
-            ax.scatter([x] * len(per[L]), list(per[L].values()), s=10, alpha=0.35, color=line.get_color())
+        label = "unquantised model (fp)" if n == FP else n
+        (line,) = ax.plot(xs, means, marker="o", label=f"{label}: mean over seeds", **style)
+        for i, (x, L) in enumerate(zip(xs, lengths, strict=True)):
+            ax.scatter([x] * len(per[L]), list(per[L].values()), s=10, alpha=0.35, color=line.get_color(),
+                       label=f"{label}: per seed" if i == 0 else None)
+    shaded = False
     for r in disc:
         if r["discriminative"]:
-            ax.axvline(r["length"], color="grey", alpha=0.25, linewidth=6)
+            ax.axvline(r["length"], color="grey", alpha=0.25, linewidth=6,
+                       label=None if shaded else "discriminative length")
+            shaded = True
     ax.set_xscale("log", base=2)
     ticks = sorted({int(L) for per in acc.values() for L in per})
     ax.set_xticks(ticks)
@@ -243,13 +207,10 @@ def accuracy_figure(acc: Mapping[str, Mapping[str, Mapping[int, float]]], path: 
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("NIAH accuracy (exact match)")
     ax.set_ylim(-0.03, 1.03)
-    ax.set_title("Needle in a haystack (RULER format, App. G); grey: discriminative lengths", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_writer(path) as handle:
-        fig.savefig(handle, format="png", dpi=120)
-    plt.close(fig)
-    return path
+    ax.set_title("needle in a haystack (RULER format, App. G); grey: discriminative lengths", fontsize=9)
+    legend_outside(ax)
+    suptitle(fig, setup, "NIAH accuracy against context length")
+    return fig
 
 
 def spec_hash(spec: NiahSpec) -> str:

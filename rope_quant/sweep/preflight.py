@@ -20,7 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, run_of
+from rope_quant.sweep.cellkind import CellKindName, kind_of
+from rope_quant.sweep.manifest import Manifest, SweepError, run_of
 from rope_quant.sweep.models import ModelCache
 
 
@@ -97,9 +98,9 @@ def check_windows(corpus: Any, cells: Iterable[Any]) -> list[str]:
         seqlen, wanted = run.budget.seqlen, run.budget.eval_windows
         if n_calib < seqlen:
             errors.append(f"the calibration stream has {n_calib} tokens, fewer than one window of seqlen={seqlen}")
-        lengths = cfg.lengths if isinstance(cfg, LongContextConfig) or hasattr(cfg, "static_fields") else (seqlen,)
-        if isinstance(cfg, LongContextConfig) and (cfg.eval_docs is not None or cfg.eval_corpus not in (None,
-                                                                                                     run.corpus)):
+        lengths = kind_of(cfg).eval_lengths(cfg, (seqlen,))
+        if kind_of(cfg).name == CellKindName.LONG_CONTEXT and (
+                cfg.eval_docs is not None or cfg.eval_corpus not in (None, run.corpus)):
             lengths = ()  # scored on its own stream: check_eval_streams
         for length in lengths:
             fit = n_eval // length
@@ -125,7 +126,7 @@ def check_eval_streams(cells: Iterable[Any], tokenizer: Any) -> list[str]:
     notes: list[str] = []
     streams: dict[tuple[str, int | None], int] = {}
     for cfg in cells:
-        if not isinstance(cfg, LongContextConfig):
+        if kind_of(cfg).name != CellKindName.LONG_CONTEXT:
             continue
         run = run_of(cfg)
         corpus = cfg.eval_corpus or run.corpus

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from rope_quant.sweep.cellkind import CellKindName, kind_named, kind_of
 from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, build_manifest, with_overrides
 
 
@@ -242,7 +243,8 @@ def add_cells(manifest: Manifest, cells: Sequence[tuple[str, Any]], meta: dict[s
 
 def with_eval_docs(manifest: Manifest, eval_docs: int | None) -> Manifest:
     """Every long-context cell scores the first ``eval_docs`` evaluation documents (None: the whole split)."""
-    cells = [(n, dataclasses.replace(c, eval_docs=eval_docs) if isinstance(c, LongContextConfig) else c)
+    long_context = kind_named(CellKindName.LONG_CONTEXT)
+    cells = [(n, dataclasses.replace(c, eval_docs=eval_docs) if kind_of(c) is long_context else c)
              for n, c in manifest.cells]
     return dataclasses.replace(manifest, cells=cells)
 
@@ -261,7 +263,7 @@ def per_corpus(manifest: Manifest, corpora: Sequence[str]) -> Manifest:
     for corpus in corpora:
         tag = corpus_tag(corpus)
         for name, cfg in manifest.cells:
-            if not isinstance(cfg, LongContextConfig):
+            if kind_of(cfg) is not kind_named(CellKindName.LONG_CONTEXT):
                 raise SweepError(f"per_corpus expands long-context cells only, got {type(cfg).__name__} ({name})")
             cells.append((f"{name}+{tag}", dataclasses.replace(cfg, eval_corpus=corpus)))
         for name in dict.fromkeys(n for n, _ in manifest.cells):

@@ -5,7 +5,8 @@ App. C) and the intra-band statistics (App. A, Table A).
   corpora, N (stream tokens), the documents concatenated, the window cap, and the windows and scored tokens
   at every L, as each cell recorded them (``result["protocol"]``);
 - ``tables/intraband.csv`` (σ1, σ2, ρ per scope, layer, head and pair), ``tables/intraband-rho.{csv,md}`` (the
-  head-resolved ρ quantiles) and ``figures/intraband_rho.png`` (|ρ| against the pair index), from the
+  head-resolved ρ quantiles) and ``figures/intraband_rho.png`` (|ρ| against the pair index, with the table's
+  5–95% quantiles as its band), from the
   calibration statistics a cell saved under ``artifacts/<key>/stats.npz`` (the first in manifest order; a
   seed's R3 variants share one set of statistics).
 """
@@ -19,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.io import atomic_write_text
-from rope_quant.sweep.figures import pyplot, save_png
+from rope_quant.sweep.figures import legend_outside, pyplot, save_png, suptitle
 from rope_quant.sweep.manifest import read_manifest
 from rope_quant.sweep.records import complete_records
+from rope_quant.sweep.titles import Setup, calibration_setup
 
 #: The report's table type (``sweep.report.Table``: name, title, columns, rows, md_columns, md_rows, notes);
 #: ``write_report`` passes it in, so this module does not import the report (no import cycle).
@@ -114,31 +116,67 @@ def intraband_csv(stats: Any) -> str:
     return buf.getvalue()
 
 
-def plot_abs_rho(stats: Any, path: Path, label: str = "") -> Path:
-    """|ρ| against the pair index k (median over layers and heads, 10–90% band): the Q and K streams on the left,
-    the two poolings on the right."""
+#: What the figure calls each scope of :data:`rope_quant.calib.intraband.SCOPES` (the tables keep the keys).
+SCOPE_LABELS = {"q": "per Q head", "k": "per KV head", "pooled": "pooled per layer (rows rule)",
+                "pooled_kv_group": "pooled per KV group (per-head rule)"}
+
+
+def band_quantiles() -> tuple[float, float]:
+    """The band of the |ρ| figure: the outer quantiles of the intra-band table (5% and 95%)."""
+    from rope_quant.calib import intraband
+
+    return min(intraband.QUANTILES), max(intraband.QUANTILES)
+
+
+def abs_rho_quantiles(stats: Any, scope: str, quantiles: tuple[float, ...]) -> list[Any]:
+    """Per pair index k: the given quantiles of |ρ| over the layers and heads of ``scope``."""
     import numpy as np
 
     from rope_quant.calib import intraband
 
+    _, _, rho = intraband.sigma_rho(intraband.scope_covariances(stats)[scope])
+    flat = np.abs(rho).reshape(-1, rho.shape[-1])
+    with np.errstate(all="ignore"):
+        return [np.nanquantile(flat, q, axis=0) for q in quantiles]
+
+
+def abs_rho_figure(stats: Any, label: str = "", setup: Setup | None = None) -> Any:
+    """|ρ| against the pair index k (median over layers and heads, band between the table's outer quantiles,
+    5–95%): the Q and K streams on the left, the two poolings on the right."""
+    import numpy as np
+
+    from rope_quant.calib import intraband
+
+    lo_q, hi_q = band_quantiles()
+    band = f"{round(lo_q * 100)}–{round(hi_q * 100)}%"
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.0), sharey=True, layout="constrained")
     for ax, scopes, title in zip(axes, (intraband.SCOPES[:2], intraband.SCOPES[2:]),
-                                 ("separately: per Q head, per KV head", "pooled: rows, per KV group"), strict=True):
+                                 ("separately: per Q head, per KV head", "pooled: per layer, per KV group"),
+                                 strict=True):
         for scope in scopes:
-            med, lo, hi = intraband.abs_rho_by_pair(stats, scope)
+            med, lo, hi = abs_rho_quantiles(stats, scope, (0.5, lo_q, hi_q))
             ks = np.arange(med.size)
-            (line,) = ax.plot(ks, med, marker=".", label=scope)
-            ax.fill_between(ks, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+            (line,) = ax.plot(ks, med, marker=".", label=f"{SCOPE_LABELS.get(scope, scope)}: median")
+            ax.fill_between(ks, lo, hi, color=line.get_color(), alpha=0.15, lw=0,
+                            label=f"{SCOPE_LABELS.get(scope, scope)}: {band} band")
         ax.set_xlabel("frequency pair index k (0 = highest frequency)")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=8)
-    axes[0].set_ylabel("|ρ|: median over layers, heads (band 10–90%)")
+        legend_outside(ax)
+    axes[0].set_ylabel(f"|ρ| over layers and heads: median, {band} band")
     axes[0].set_ylim(0, 1)
-    if label:
-        fig.suptitle(f"intra-band |ρ| of the pre-RoPE pairs, {label}", fontsize=10)
+    what = "intra-band |ρ| of the pre-RoPE pairs (App. A, Table A)" + (f", calibration statistics of {label}"
+                                                                         if label else "")
+    suptitle(fig, setup, what)
+    return fig
+
+
+def plot_abs_rho(stats: Any, path: Path, label: str = "", setup: Setup | None = None) -> Path:
+    """Write :func:`abs_rho_figure`."""
+    fig = abs_rho_figure(stats, label, setup)
     out = save_png(fig, path)
-    plt.close(fig)
+    pyplot().close(fig)
     return out
 
 
@@ -164,5 +202,7 @@ def extra_report(root: Path, make_table: Any, figures: bool = True) -> tuple[lis
         tables.append(intraband_table(stats, found[1], make_table))
         files.append(atomic_write_text(root / "tables" / f"{INTRABAND_ROWS}.csv", intraband_csv(stats)))
         if figures:
-            files.append(plot_abs_rho(stats, root / "figures" / "intraband_rho.png", found[1]))
+            name, seed = found[1].rsplit(" seed ", 1)  # the label find_stats gives: "<name> seed <s>"
+            files.append(plot_abs_rho(stats, root / "figures" / "intraband_rho.png", found[1],
+                                      calibration_setup(root, name, int(seed))))
     return tables, files

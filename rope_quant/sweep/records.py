@@ -12,7 +12,6 @@ predicate, :func:`is_complete`.
 from __future__ import annotations
 
 import json
-import math
 import os
 import traceback
 from collections.abc import Mapping
@@ -21,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.io import atomic_write_json, to_jsonable
+from rope_quant.sweep.cellkind import registered
 from rope_quant.sweep.manifest import cell_relpath, config_dict, config_seed, read_manifest
+from rope_quant.sweep.scoring import scored_lengths, scored_niah, scored_ppl, scored_tasks
 
 
 def cell_path(out: str | os.PathLike[str], name: str, cfg: Any) -> Path:
@@ -110,41 +111,16 @@ def read_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- completion
 
 
-def _scored(entry: Any) -> bool:
-    """A result entry holds a score: a finite numeric ``ppl`` and no ``error``."""
-    if not isinstance(entry, Mapping) or "error" in entry:
-        return False
-    ppl = entry.get("ppl")
-    return isinstance(ppl, (int, float)) and not isinstance(ppl, bool) and math.isfinite(ppl)
-
-
-def scored_lengths(result: Mapping[str, Any]) -> list[str]:
-    """The context lengths of a long-context result that were scored (not failed)."""
-    lengths = result.get("lengths")
-    if not isinstance(lengths, Mapping):
-        return []
-    return [str(length) for length, entry in lengths.items() if _scored(entry)]
-
-
-def _scored_tasks(result: Mapping[str, Any]) -> bool:
-    """An lm-eval result: ``tasks`` maps every task to a non-empty ``{metric: value}``."""
-    tasks = result.get("tasks")
-    return isinstance(tasks, Mapping) and len(tasks) > 0 and all(isinstance(v, Mapping) and v for v in tasks.values())
+_scored = scored_ppl  # the names this module had before rope_quant.sweep.scoring
+_scored_tasks = scored_tasks
 
 
 def result_is_scored(result: Any) -> bool:
     """A result counts when it has a score: its own ``ppl``, at least one scored context length,
-    lm-eval metrics for every task, or NIAH accuracies."""
+    lm-eval metrics for every task, NIAH accuracies, or what a registered cell kind counts as scored."""
     return isinstance(result, Mapping) and (_scored(result) or bool(scored_lengths(result)) or _scored_tasks(result)
-                                            or scored_niah(result))
-
-
-def scored_niah(result: Mapping[str, Any]) -> bool:
-    """A NIAH result (App. G): a finite accuracy for at least one length."""
-    acc = result.get("niah", {}).get("accuracy", {}) if isinstance(result.get("niah"), Mapping) else {}
-    by_length = acc.get("by_length") if isinstance(acc, Mapping) else None
-    return isinstance(by_length, Mapping) and bool(by_length) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in by_length.values())
+                                            or scored_niah(result)
+                                            or any(kind.scored(result) for kind in registered().values()))
 
 
 def incomplete_reason(result: Mapping[str, Any]) -> str:

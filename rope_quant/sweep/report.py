@@ -27,9 +27,19 @@ from typing import Any
 
 from rope_quant.core import stats
 from rope_quant.io import atomic_write_json, atomic_write_text, markdown_table
-from rope_quant.sweep.figures import pyplot, save_png, write_figures
+from rope_quant.sweep.figures import (  # the table figures live with the others; re-exported here
+    legend_outside,
+    plot_beyond,
+    plot_crossover,
+    plot_support,
+    pyplot,
+    save_png,
+    suptitle,
+    write_figures,
+)
 from rope_quant.sweep.manifest import read_manifest
 from rope_quant.sweep.records import complete_records, status
+from rope_quant.sweep.titles import Setup, describe
 
 DEFAULT_COMPARATOR = "hadamard"
 DEFAULT_MARGINS: tuple[float, ...] = (0.02, 0.05, 0.10)
@@ -664,82 +674,19 @@ def summary_markdown(summary: Mapping[str, Any], tables: Sequence[Table]) -> str
 # ----------------------------------------------------------------------------- figures
 
 
-def plot_crossover(table: Table, path: str | os.PathLike[str]) -> Path:
-    """Perplexity gap against context length, one line per config, with its CI as error bars."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for name in dict.fromkeys(r["config"] for r in table.rows):
-        rows = [r for r in table.rows if r["config"] == name and r["gap"] is not None]
-        xs = [r["L"] for r in rows]
-        ys = [r["gap"] for r in rows]
-        err = [[(r["gap"] - r["ci_low"]) if r["ci_low"] is not None else 0 for r in rows],
-               [(r["ci_high"] - r["gap"]) if r["ci_high"] is not None else 0 for r in rows]]
-        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
-    ax.axhline(0.0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length L")
-    ax.set_ylabel("Δ ppl vs comparator")
-    ax.legend(fontsize=8)
-    out = save_png(fig, Path(path))
-    plt.close(fig)
-    return out
-
-
-def plot_support(table: Table, path: str | os.PathLike[str]) -> Path:
-    """Support interpolation: K range, relative K error and perplexity gap against block size b."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    bs = [r["b"] for r in table.rows]
-    for ax, key, label in zip(axes, ("k_range_mean", "k_rel_err", "gap"),
-                              ("mean K range", "relative K error", "Δ ppl vs comparator"), strict=True):
-        ys = [r[key] if r[key] is not None else math.nan for r in table.rows]
-        if key == "gap":
-            err = [[(r["gap"] - r["ci_low"]) if r["ci_low"] is not None else 0 for r in table.rows],
-                   [(r["ci_high"] - r["gap"]) if r["ci_high"] is not None else 0 for r in table.rows]]
-            ax.errorbar(bs, ys, yerr=err, marker="o", capsize=3)
-            ax.axhline(0.0, color="grey", lw=0.8)
-        else:
-            ax.plot(bs, ys, marker="o")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("block size b")
-        ax.set_ylabel(label)
-    out = save_png(fig, Path(path))
-    plt.close(fig)
-    return out
-
-
-def plot_beyond(table: Table, path: str | os.PathLike[str]) -> Path:
-    """Δ ppl vs the comparator (with its CI) against the mean K range: colour = angle rule, filled circles =
-    RoPE-commuting maps, open squares = maps that mix across pairs."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8.0, 4.2))
-    colours = {a: plt.get_cmap("tab10")(i % 10) for i, a in enumerate(dict.fromkeys(r["angles"] for r in table.rows))}
-    for row in table.rows:
-        if row["k_range_mean"] is None:
-            continue
-        gap = row["delta"] if row["delta"] is not None else 0.0
-        err = [[gap - row["ci_low"]], [row["ci_high"] - gap]] if row["ci_low"] is not None else None
-        colour = colours[row["angles"]]
-        ax.errorbar([row["k_range_mean"]], [gap], yerr=err, marker="o" if row["commutes"] else "s", capsize=3,
-                    ls="none", color=colour, mfc=colour if row["commutes"] else "white", ms=7,
-                    label=f"{row['r3']}: {row['angles']}")
-    ax.axhline(0.0, color="grey", lw=0.8)
-    ax.set_xlabel("mean K range after R3 (the dynamic quantiser's range)")
-    ax.set_ylabel("Δ ppl vs comparator (90% CI)")
-    ax.set_title("filled: commutes with RoPE; open: mixes across pairs", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    out = save_png(fig, Path(path))
-    plt.close(fig)
-    return out
-
-
 def read_csv_rows(path: str | os.PathLike[str]) -> list[dict[str, str]]:
     """Rows of a CSV file as dicts of strings."""
     with open(path, newline="") as handle:
         return list(csv.DictReader(handle))
 
 
-def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+#: What the φ* excess figure calls verify's CSV columns (``calib/verify.py``).
+EXCESS_LABELS = {"excess": "φ* (the verified angle)", "excess_identity": "identity (φ = 0)",
+                 "excess_h2": "H2 (φ = π/4)", "excess_phi_hat": "φ̂ (variance rule)"}
+
+
+def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLike[str],
+                         setup: Setup | None = None) -> Path:
     """Per-pair minimax excess of φ̂ and φ* (from verify's per-pair CSV) against the pair index k.
 
     Plots every column whose name contains ``excess``, averaged over layers/heads per pair index.
@@ -752,7 +699,7 @@ def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLi
     if pair_col is None or not excess_cols:
         raise ReportError(f"{csv_path}: need a pair column (pair/k) and excess columns, got {list(rows[0])}")
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
     for col in excess_cols:
         acc: dict[int, list[float]] = {}
         for r in rows:
@@ -761,11 +708,12 @@ def plot_phi_star_excess(csv_path: str | os.PathLike[str], path: str | os.PathLi
             except (TypeError, ValueError):
                 continue
         ks = sorted(acc)
-        ax.plot(ks, [sum(acc[k]) / len(acc[k]) for k in ks], marker=".", label=col)
+        ax.plot(ks, [sum(acc[k]) / len(acc[k]) for k in ks], marker=".", label=EXCESS_LABELS.get(col, col))
     ax.set_yscale("symlog", linthresh=1e-8)
     ax.set_xlabel("pair index k")
     ax.set_ylabel("minimax excess (mean over layers)")
-    ax.legend(fontsize=8)
+    legend_outside(ax)
+    suptitle(fig, setup, "φ̂ and φ*: per-pair minimax excess (rope-quant verify)")
     out = save_png(fig, Path(path))
     plt.close(fig)
     return out
@@ -806,16 +754,19 @@ def write_report(
     text = summary_markdown(summary, tables)
     files.append(atomic_write_text(root / "summary.md", text))
     if figures:
+        setup = describe(root)  # every title names the model, bits, weight mode and budget
         by_name = {t.name: t for t in tables}
         if "crossover" in by_name and by_name["crossover"].rows:
-            files.append(plot_crossover(by_name["crossover"], root / "figures" / "crossover.png"))
+            files.append(plot_crossover(by_name["crossover"], root / "figures" / "crossover.png", setup,
+                                        float(summary["holm"].get("alpha", alpha))))
         if "beyond" in by_name and by_name["beyond"].rows:
-            files.append(plot_beyond(by_name["beyond"], root / "figures" / "beyond.png"))
+            files.append(plot_beyond(by_name["beyond"], root / "figures" / "beyond.png", setup,
+                                     summary["holm"].get("results")))
         if "mixing-support" in by_name and by_name["mixing-support"].rows:
-            files.append(plot_support(by_name["mixing-support"], root / "figures" / "support.png"))
-        files += write_figures(summary, root / "figures")
+            files.append(plot_support(by_name["mixing-support"], root / "figures" / "support.png", setup))
+        files += write_figures(summary, root / "figures", setup)
         found = sorted(root.glob("**/*_pairs.csv"))
         csv_path = Path(phi_star_csv) if phi_star_csv else (found[0] if found else None)
         if csv_path is not None:
-            files.append(plot_phi_star_excess(csv_path, root / "figures" / "phi_star_excess.png"))
+            files.append(plot_phi_star_excess(csv_path, root / "figures" / "phi_star_excess.png", setup))
     return {"summary": summary, "markdown": text, "files": [str(f) for f in files]}

@@ -96,3 +96,128 @@ def test_report_rewrites_the_figure(tmp_path: Path, capsys) -> None:
     assert not (out / "figures" / "compare.png").exists()
     rep = report.write_report(out)
     assert str(out / "figures" / "compare.png") in rep["files"]
+
+
+# ----------------------------------------------------------------------------- what a reader sees (issue 22, item 6)
+
+
+def _legends_clear_of_axes(fig) -> None:
+    """Every legend's box lies outside every axes' box (so it cannot hide data)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.get_window_extent(renderer) for ax in fig.axes]
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert legends
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        assert not any(box.overlaps(ax_box) for ax_box in boxes), "a legend sits on an axes"
+
+
+def _compare_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", "--out", str(out), "--seeds", "0,1,2", "--quiet", "--no-figures",
+                     "--configs", "hadamard,pairwise_only,pairwise_plus_hadamard"], cell_fn=fake_cell) == 0
+    return out
+
+
+def _mean_markers(ax) -> dict[int, str]:
+    """Row (y) of each mean-Δ errorbar → its marker face colour."""
+    from matplotlib.colors import to_hex
+
+    return {round(c.lines[0].get_ydata()[0]): to_hex(c.lines[0].get_markerfacecolor()) for c in ax.containers}
+
+
+def test_compare_figure_names_the_run_marks_holm_and_keeps_legends_clear(tmp_path: Path) -> None:
+    from rope_quant.sweep.titles import describe
+
+    out = _compare_dir(tmp_path)
+    summary = report.summarize(out, write=False)
+    setup = describe(out)
+    assert setup.title() == "smollm2-135m · W4A4KV4 · RTN weights · 3 seeds × 4 windows × L=512"
+    summary["holm"]["results"]["pairwise_plus_hadamard"]["reject"] = False  # one of each verdict
+    assert summary["holm"]["results"]["pairwise_only"]["reject"] is True
+    fig = figures.compare_figure(summary, setup)
+    try:
+        assert fig._suptitle.get_text().splitlines()[0] == setup.title()
+        right = fig.axes[1]
+        faces = _mean_markers(right)  # rows: 0 hadamard (comparator), 1 pairwise_only, 2 pairwise_plus_hadamard
+        assert faces[2] == "#ffffff" and faces[1] != "#ffffff"  # open: not significant after Holm; filled: is
+        texts = [t.get_text() for t in right.texts]
+        stars = summary["holm"]["results"]["pairwise_only"]["stars"]
+        assert stars and any(t.startswith("+") and stars in t for t in texts)
+        labels = right.get_legend_handles_labels()[1]
+        assert "significant after Holm (α=0.05)" in labels and "not significant after Holm" in labels
+        _legends_clear_of_axes(fig)
+    finally:
+        figures.pyplot().close(fig)
+
+
+def test_long_context_figure_fills_only_the_holm_significant_gaps(tmp_path: Path) -> None:
+    from rope_quant.sweep.titles import describe
+
+    out = tmp_path / "lc"
+    assert cli.main(["long-context", "--out", str(out), "--seeds", "0,1,2", "--lengths", "256,1024", "--no-figures",
+                     "--configs", "hadamard,pairwise_only", "--quiet"], cell_fn=fake_cell) == 0
+    summary = report.summarize(out, write=False)
+    paired = summary["long_context"]["paired"]
+    name = next(iter(paired["256"]))
+    paired["1024"][name]["reject"] = False
+    assert paired["256"][name]["reject"] is True
+    setup = describe(out)
+    assert setup.lengths == "{256,1024}" and "RTN weights" in setup.title()
+    fig = figures.long_context_figure(summary, setup)
+    try:
+        assert setup.title() in fig._suptitle.get_text()
+        right = fig.axes[1]
+        from matplotlib.colors import to_hex
+
+        points = {round(line.get_xdata()[0]): to_hex(line.get_markerfacecolor())
+                  for line in right.lines if len(line.get_xdata()) == 1}
+        assert points[1024] == "#ffffff" and points[256] != "#ffffff"
+        _legends_clear_of_axes(fig)
+    finally:
+        figures.pyplot().close(fig)
+
+
+def test_lm_eval_figure_claims_no_holm_family(tmp_path: Path) -> None:
+    out = tmp_path / "lm"
+    assert cli.main(["lm-eval", "--out", str(out), "--seeds", "0,1", "--tasks", "piqa", "--limit", "5", "--quiet",
+                     "--no-figures"], cell_fn=fake_cell) == 0
+    from rope_quant.sweep.titles import describe
+
+    fig = figures.lm_eval_figure(report.summarize(out, write=False), describe(out))
+    try:
+        assert "W4A4KV4" in fig._suptitle.get_text() and "(no Holm family)" in fig.axes[1].get_title()
+        assert not any("Holm" in label for label in fig.axes[1].get_legend_handles_labels()[1])
+        _legends_clear_of_axes(fig)
+    finally:
+        figures.pyplot().close(fig)
+
+
+def test_titles_read_nested_flat_and_unquantised_settings() -> None:
+    from rope_quant.sweep.titles import setup_from
+
+    nested = {"seed": 0, "config": {"run": {"model": "m", "quant": {"w": {"bits": 16, "mode": "rtn"},
+                                                                    "a": {"bits": 8}, "k": {"bits": 4},
+                                                                    "v": {"bits": 8}},
+                                            "budget": {"seqlen": 256, "eval_windows": None}},
+                                    "lengths": [256, 1024]}}
+    flat = {"seed": 1, "config": {"model": "m", "w_bits": 4, "a_bits": 4, "k_bits": 4, "v_bits": 4,
+                                  "weights": "gptq", "seqlen": 2048, "eval_windows": 8}}
+    assert setup_from([nested]).title() == "m · W16A8K4V8 · unquantised weights · 1 seed × all windows × " \
+                                           "L={256,1024}"
+    assert setup_from([flat]).title() == "m · W4A4KV4 · GPTQ weights · 1 seed × 8 windows × L=2048"
+    records = [{"seed": 1, "result": {"ppl": 3.0, "n_windows": 6}}, {"seed": 2, "result": {"ppl": 3.0,
+                                                                                            "n_windows": 7}}]
+    assert setup_from([flat], records).budget() == "2 seeds × 6–7 windows × L=2048"  # what the cells scored
+
+
+def test_the_legend_check_can_fail() -> None:
+    fig, ax = figures.pyplot().subplots()
+    try:
+        ax.plot([0, 1], [0, 1], label="data")
+        ax.legend(loc="upper left")
+        with pytest.raises(AssertionError, match="a legend sits on an axes"):
+            _legends_clear_of_axes(fig)
+    finally:
+        figures.pyplot().close(fig)

@@ -125,3 +125,36 @@ def test_report_writes_the_csv_and_the_figure(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="intra-band"):
         report.write_report(out, figures=False)  # a damaged artefact costs the table, not the report
     assert json.loads((out / "summary.json").read_text())["configs"]
+
+
+def test_abs_rho_figure_uses_the_tables_quantiles_and_user_facing_names() -> None:
+    """The band is the table's outer quantiles (5/95%), computed from the same |ρ| values; no internal scope
+    key appears in the figure; the title names the run."""
+    from matplotlib.collections import PolyCollection
+
+    from rope_quant.sweep import protocol_report
+    from rope_quant.sweep.figures import pyplot
+    from rope_quant.sweep.titles import Setup
+
+    stats, raw = _sample(3)
+    assert protocol_report.band_quantiles() == (0.05, 0.95) == (min(intraband.QUANTILES), max(intraband.QUANTILES))
+    setup = Setup(model="m", bits="W4A4KV4", weights="GPTQ weights", seeds=1, windows="128",
+                  unit="calibration windows", lengths="2048")
+    fig = protocol_report.abs_rho_figure(stats, "x seed 0", setup)
+    try:
+        texts = [fig._suptitle.get_text()] + [t.get_text() for ax in fig.axes for t in
+                                              (ax.title, ax.xaxis.label, ax.yaxis.label)]
+        texts += [label for ax in fig.axes for label in ax.get_legend_handles_labels()[1]]
+        assert setup.title() in texts[0] and "5–95%" in fig.axes[0].get_ylabel()
+        assert not any(key in text for key in ("pooled_kv_group", "10–90") for text in texts)
+        assert "per KV head: 5–95% band" in texts
+        rho_k = np.abs(np.stack([_direct(raw["k"][layer])[2] for layer in range(L_)]))  # (L, n?, HK, K)
+        flat = rho_k.reshape(-1, K)
+        band = [c for c in fig.axes[0].collections if isinstance(c, PolyCollection)][1]  # the K stream's band
+        verts = band.get_paths()[0].vertices
+        for k in range(K):
+            ys = verts[np.isclose(verts[:, 0], k), 1]
+            assert ys.min() == pytest.approx(np.quantile(flat[:, k], 0.05), rel=1e-9)
+            assert ys.max() == pytest.approx(np.quantile(flat[:, k], 0.95), rel=1e-9)
+    finally:
+        pyplot().close(fig)

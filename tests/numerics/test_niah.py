@@ -172,3 +172,33 @@ def test_real_niah_cli_on_the_embedded_model(tmp_path, embedded_model):
     assert recs["fp"]["result"]["niah"]["accuracy"]["by_length"]["96"] == 1.0  # the plain model finds it
     assert "hadamard − pairwise_only" not in (out / "niah_summary.md").read_text()
     assert "| hadamard | 96 |" in (out / "niah_summary.md").read_text()
+
+
+def test_niah_figure_names_the_run_and_keeps_the_legend_clear(tmp_path):
+    from rope_quant.sweep.figures import pyplot
+    from rope_quant.sweep.titles import describe
+
+    out = tmp_path / "niah"
+    argv = ["niah", "--lengths", "256,512", "--seeds", "0,1,2", "--probes", "3", "--depths", "0,1", "--out", str(out),
+            *TINY, "--quiet"]
+    assert cli.main(argv, cell_fn=FakeNiah()) == 0
+    setup = describe(out)
+    assert setup.budget() == "3 seeds × 3 probes per depth × L={256,512}" and setup.bits == "W4A4KV4"
+    from rope_quant.sweep.kind_reports import write_kind_reports
+
+    (out / sweep_niah.SUMMARY_FILE).unlink()
+    (part,) = write_kind_reports(out)  # `rope-quant report` finds the NIAH report through the kind registry
+    assert part.kind == "niah" and str(out / sweep_niah.SUMMARY_FILE) in part.files
+    assert part.markdown.startswith("NIAH accuracy") and (out / sweep_niah.FIGURE_FILE).is_file()
+    data = sweep_niah.collect(out)
+    fig = sweep_niah.accuracy_axes(data["accuracy"], sweep_niah.discriminative_lengths(data["accuracy"]), setup)
+    try:
+        ax = fig.axes[0]
+        assert fig._suptitle.get_text().splitlines()[0] == setup.title()
+        labels = ax.get_legend_handles_labels()[1]
+        assert "unquantised model (fp): mean over seeds" in labels and "fp" not in labels
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        assert not ax.get_legend().get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    finally:
+        pyplot().close(fig)
