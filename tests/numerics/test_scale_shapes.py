@@ -1,0 +1,54 @@
+"""Paper-scale shapes (issue 21): the configs match the published model cards, built with transformers' classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rope_quant.model import arch, shapes
+
+#: Parameter counts published on the model cards, in billions (Llama-2-7B 6.74B ... Llama-3-70B 70.6B).
+PUBLISHED = {"llama-2-7b": 6.74, "llama-3-8b": 8.03, "mistral-7b": 7.24, "qwen2.5-7b": 7.62, "llama-3-70b": 70.6}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_count_matches_the_model_card(name):
+    n = shapes.param_count(name) / 1e9
+    assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.01, (name, n)
+
+
+def test_published_values():
+    l3 = shapes.shape("llama-3-8b")
+    assert (l3.heads, l3.kv_heads, l3.vocab, l3.rope_theta, l3.head_dim) == (32, 8, 128256, 5e5, 128)
+    l70 = shapes.shape("Llama-3-70B")
+    assert (l70.layers, l70.heads, l70.kv_heads, l70.hidden) == (80, 64, 8, 8192)
+    assert shapes.shape("qwen2.5-7b").qkv_bias and shapes.shape("llama-2-7b").kv_heads == 32
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_meta_model_is_understood_by_the_adapter(name):
+    s = shapes.shape(name)
+    m = shapes.build_meta(name, layers=2)
+    d = arch.dims(m)
+    assert (d.hidden, d.n_heads, d.n_kv_heads, d.head_dim, d.intermediate, d.n_layers) == (
+        s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, 2)
+    assert m.model.embed_tokens.weight.device.type == "meta"
+    q = arch.attention(m, 0).q
+    assert (q.bias is not None) == s.qkv_bias
+    assert m.config.rope_parameters["rope_theta"] == s.rope_theta
+
+
+def test_build_truncates_depth_keeps_width_and_dtype():
+    m = shapes.build("mistral-7b", layers=1, dtype=torch.bfloat16, vocab=256)
+    assert len(m.model.layers) == 1 and m.config.hidden_size == 4096
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
+    out = m(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert out.shape == (1, 3, 256) and torch.isfinite(out).all()
+
+
+def test_bad_names_and_truncations():
+    with pytest.raises(shapes.ShapeError, match="unknown shape 'llama-9b'.*llama-2-7b"):
+        shapes.shape("llama-9b")
+    with pytest.raises(shapes.ShapeError, match="layers must be a positive integer"):
+        shapes.hf_config("llama-2-7b", layers=0)
