@@ -40,7 +40,7 @@ class Shape:
     model_type: str
     hidden: int
     intermediate: int
-    layers: int
+    depth: int
     heads: int
     kv_heads: int
     vocab: int
@@ -59,19 +59,19 @@ class Shape:
 
 
 SHAPES: dict[ShapeName, Shape] = {s.name: s for s in (
-    Shape(ShapeName.LLAMA2_7B, "llama", hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32,
+    Shape(ShapeName.LLAMA2_7B, "llama", hidden=4096, intermediate=11008, depth=32, heads=32, kv_heads=32,
           vocab=32000, rope_theta=10000.0, max_positions=4096, rms_eps=1e-5, published_params=6.74,
           card="https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json"),
-    Shape(ShapeName.LLAMA3_8B, "llama", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+    Shape(ShapeName.LLAMA3_8B, "llama", hidden=4096, intermediate=14336, depth=32, heads=32, kv_heads=8,
           vocab=128256, rope_theta=500000.0, max_positions=8192, rms_eps=1e-5, published_params=8.03,
           card="https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json"),
-    Shape(ShapeName.MISTRAL_7B, "mistral", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+    Shape(ShapeName.MISTRAL_7B, "mistral", hidden=4096, intermediate=14336, depth=32, heads=32, kv_heads=8,
           vocab=32000, rope_theta=10000.0, max_positions=32768, rms_eps=1e-5, sliding_window=4096,
           published_params=7.24, card="https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json"),
-    Shape(ShapeName.QWEN25_7B, "qwen2", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
+    Shape(ShapeName.QWEN25_7B, "qwen2", hidden=3584, intermediate=18944, depth=28, heads=28, kv_heads=4,
           vocab=152064, rope_theta=1000000.0, max_positions=131072, rms_eps=1e-6, qkv_bias=True,
           published_params=7.62, card="https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json"),
-    Shape(ShapeName.LLAMA3_70B, "llama", hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8,
+    Shape(ShapeName.LLAMA3_70B, "llama", hidden=8192, intermediate=28672, depth=80, heads=64, kv_heads=8,
           vocab=128256, rope_theta=500000.0, max_positions=8192, rms_eps=1e-5, published_params=70.6,
           card="https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json"),
 )}
@@ -91,7 +91,7 @@ def _truncated(s: Shape, layers: int | None, vocab: int | None) -> Shape:
     for what, v in (("layers", layers), ("vocab", vocab)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ShapeError(f"{what} must be a positive integer, got {v!r}")
-    return replace(s, layers=layers or s.layers, vocab=vocab or s.vocab)
+    return replace(s, depth=layers or s.depth, vocab=vocab or s.vocab)
 
 
 def hf_config(name: str | ShapeName | Shape, layers: int | None = None, vocab: int | None = None) -> Any:
@@ -99,7 +99,7 @@ def hf_config(name: str | ShapeName | Shape, layers: int | None = None, vocab: i
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     s = _truncated(shape(name), layers, vocab)
-    common = dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
+    common = dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.depth,
                   num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, vocab_size=s.vocab,
                   max_position_embeddings=s.max_positions, rms_norm_eps=s.rms_eps, rope_theta=s.rope_theta,
                   tie_word_embeddings=s.tied, hidden_act="silu")

@@ -21,7 +21,7 @@ def test_published_values():
     l3 = shapes.shape("llama-3-8b")
     assert (l3.heads, l3.kv_heads, l3.vocab, l3.rope_theta, l3.head_dim) == (32, 8, 128256, 5e5, 128)
     l70 = shapes.shape("Llama-3-70B")
-    assert (l70.layers, l70.heads, l70.kv_heads, l70.hidden) == (80, 64, 8, 8192)
+    assert (l70.depth, l70.heads, l70.kv_heads, l70.hidden) == (80, 64, 8, 8192)
     assert shapes.shape("qwen2.5-7b").qkv_bias and shapes.shape("llama-2-7b").kv_heads == 32
 
 
