@@ -52,3 +52,27 @@ def test_bad_names_and_truncations():
         shapes.shape("llama-9b")
     with pytest.raises(shapes.ShapeError, match="layers must be a positive integer"):
         shapes.hf_config("llama-2-7b", layers=0)
+
+
+def test_whip_loss_in_chunks_equals_the_one_piece_loss(monkeypatch):
+    """Above LOSS_CHUNK_BYTES the float64 whip loss is scored chunk by chunk; the value is the same."""
+    from rope_quant.rotations import whip
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 5, 1, 16)
+    r = whip.qr_orthogonal(torch.randn(1, 16, 16, dtype=torch.float64))
+    whole = whip._loss_float64(x, r, torch.device("cpu"))
+    monkeypatch.setattr(whip, "LOSS_CHUNK_BYTES", 8 * 5 * 16 * 4)  # 4 samples per chunk, 10 chunks
+    chunked = whip._loss_float64(x, r, torch.device("cpu"))
+    assert chunked == pytest.approx(whole, rel=1e-12) and whole == whip._loss_heads(x.double(), r).item()
+
+
+def test_whip_fit_shows_progress(capsys):
+    from rope_quant.rotations import whip
+
+    torch.manual_seed(0)
+    whip.fit_rotation(torch.randn(8, 4, 16), steps=3, batch_size=2, progress=True)
+    err = capsys.readouterr().err
+    assert "whip fit (n=16)" in err and "/3 [" in err  # a bar over the 3 planned steps
+    whip.fit_rotation(torch.randn(8, 4, 16), steps=3, batch_size=2)
+    assert "whip fit" not in capsys.readouterr().err
