@@ -15,7 +15,7 @@ import rope_quant
 
 ROOT = Path(rope_quant.__file__).parent
 # Bottom-up. A module may import its own layer or any layer below it.
-LAYERS = ("defaults", "io", "core", "model", "quant", "calib", "rotations", "experiment", "sweep", "cli")
+LAYERS = ("defaults", "io", "core", "model", "quant", "calib", "rotations", "experiment", "sweep", "cli", "cli_plan")
 # The pytest plugin stands beside the layers: it may import only the bottom ones (stdlib-only modules).
 PLUGIN_MAY_IMPORT = {"defaults", "io"}
 
