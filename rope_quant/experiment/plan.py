@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rope_quant.core import hadamard
 from rope_quant.experiment import plan_costs as pc
 from rope_quant.model import arch, shapes
 
@@ -201,7 +202,9 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
         dev.flops["float32"])
     add("whip R1", act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
         p.seeds)
-    block = min(mc.largest_rows, 16384) * mc.hidden * 8 * 2  # float64 block in and out
+    block = min(mc.largest_rows, 16384) * mc.hidden * (8 + 8 + 4)  # float64 block in and out, cast back
+    k_r4 = hadamard.hadamard_order(mc.intermediate)[0] if mc.intermediate > 4096 else mc.intermediate
+    block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
     rot_flops = 2 * mc.hidden * (2 * mc.vocab * mc.hidden + mc.n_layers * mc.layer_params)
     add("offline rotation", block + mc.hidden ** 2 * 8, 0 if gpu else block + mc.hidden ** 2 * 8, 0,
         rot_flops / rate64, p.seeds)

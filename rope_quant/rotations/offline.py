@@ -81,6 +81,7 @@ __all__ = [
     "apply_r2",
     "fold_right",
     "fold_left",
+    "hadamard_signs",
     "r4_matrix",
     "online_r4",
     "apply_r4",
@@ -118,6 +119,9 @@ _FUSE_ROWS = 16384
 #: Above this order R4 is folded with the fast transform, row block by row block, instead of the dense
 #: float64 matrix (14336² float64 is 1.6 GB); at or below it the dense product is kept (today's bits).
 R4_DENSE_MAX = 4096
+#: Above this power-of-two width a (random) Hadamard R1 is folded by the fast transform, not the dense product
+#: (the embedded models, hidden 576 and 640, keep the dense product and today's bits).
+R1_DENSE_MAX = 1024
 
 
 class RotationError(ValueError):
@@ -344,22 +348,57 @@ def apply_r1(model: nn.Module, q: torch.Tensor) -> None:
     _fold_r1(model, qm)
 
 
+def hadamard_signs(mat: torch.Tensor) -> torch.Tensor | None:
+    """``s`` when ``mat`` is a (random) Hadamard ``diag(s)·H/√n`` of power-of-two order n > :data:`R1_DENSE_MAX`
+    (then ``x @ mat`` is the fast transform of ``x ⊙ s``, O(n log n) instead of O(n²) per row), else None.
+
+    Decided from the matrix itself, so a weight built and a weight rebuilt from a cached R1 take the same path.
+    """
+    n = mat.shape[-1]
+    if mat.ndim != 2 or n <= R1_DENSE_MAX or n & (n - 1):
+        return None
+    key = (mat.data_ptr(), mat._version, tuple(mat.stride()), str(mat.device), mat.dtype)
+    if key not in _SIGNS_MEMO:  # one check per matrix, not one per folded weight
+        _SIGNS_MEMO.clear()
+        _SIGNS_MEMO[key] = _check_hadamard_signs(mat, n)
+    return _SIGNS_MEMO[key]
+
+
+_SIGNS_MEMO: dict[tuple, torch.Tensor | None] = {}
+
+
+def _check_hadamard_signs(mat: torch.Tensor, n: int) -> torch.Tensor | None:
+    m = mat.detach().to("cpu", torch.float64)
+    if not bool(((m.abs() - n ** -0.5).abs() < 1e-12).all()):
+        return None
+    signs = torch.sign(m[:, 0])  # the Sylvester H has a first column of ones
+    if (m - signs[:, None] * online_r4(torch.eye(n, dtype=torch.float64))).abs().max().item() > 1e-12:
+        return None
+    return signs
+
+
 @torch.no_grad()
 def fold_right(w: torch.Tensor, mat: torch.Tensor) -> None:
-    """``W ← W M`` in place, in float64 on W's device, :data:`_FUSE_ROWS` rows at a time."""
-    m = mat.to(device=w.device, dtype=torch.float64)
+    """``W ← W M`` in place, in float64 on W's device, :data:`_FUSE_ROWS` rows at a time (a power-of-two
+    random Hadamard above :data:`R1_DENSE_MAX` by the fast transform, :func:`hadamard_signs`)."""
+    signs = hadamard_signs(mat)
+    m = mat.to(device=w.device, dtype=torch.float64) if signs is None else signs.to(w.device)
     for start in range(0, w.shape[0], _FUSE_ROWS):
         rows = w.data[start:start + _FUSE_ROWS]
-        rows.copy_((rows.to(torch.float64) @ m).to(w.dtype))
+        x = rows.to(torch.float64)
+        rows.copy_((x @ m if signs is None else online_r4(x * m)).to(w.dtype))
 
 
 @torch.no_grad()
 def fold_left(mat: torch.Tensor, w: torch.Tensor) -> None:
-    """``W ← M W`` in place, in float64 on W's device, :data:`_FUSE_ROWS` columns at a time."""
-    m = mat.to(device=w.device, dtype=torch.float64)
+    """``W ← M W`` in place, in float64 on W's device, :data:`_FUSE_ROWS` columns at a time (``M = Qᵀ`` of a
+    power-of-two random Hadamard Q above :data:`R1_DENSE_MAX` by the fast transform)."""
+    signs = hadamard_signs(mat.T)
+    m = mat.to(device=w.device, dtype=torch.float64) if signs is None else signs.to(w.device)
     for start in range(0, w.shape[1], _FUSE_ROWS):
         cols = w.data[:, start:start + _FUSE_ROWS]
-        cols.copy_((m @ cols.to(torch.float64)).to(w.dtype))
+        x = cols.to(torch.float64)
+        cols.copy_((m @ x if signs is None else online_r4(x.T * m).T).to(w.dtype))
 
 
 def _fold_r1_ends(model: nn.Module, qm: torch.Tensor) -> None:
@@ -489,6 +528,23 @@ def online_r4(x: torch.Tensor) -> torch.Tensor:
     return hadamard.hadamard_transform(x)
 
 
+def _r4_rows(x: torch.Tensor) -> torch.Tensor:
+    """:func:`online_r4` of a (rows, n) block as the Kronecker form ``(H_K/√K) · fwht(X)`` with the K-axis
+    product as ONE matrix multiply (``hadamard_transform`` broadcasts a K × K factor over every row: slow when
+    K is in the thousands, e.g. n = 11008 = 5504 · 2)."""
+    rows, n = x.shape
+    k, m = hadamard.hadamard_order(n)
+    p = 1 << m
+    y = x.reshape(rows, k, p)
+    if p > 1:
+        y = hadamard.fwht(y)
+    if k == 1:
+        return y.reshape(rows, n)
+    hk = hadamard.hadamard_matrix(k, dtype=x.dtype, device=x.device) / k ** 0.5
+    y = hk @ y.transpose(0, 1).reshape(k, rows * p)  # (k, rows·p)
+    return y.reshape(k, rows, p).transpose(0, 1).reshape(rows, n)
+
+
 def _r4_pre_hook(module: nn.Module, args: tuple) -> tuple:
     return (online_r4(args[0]),) + tuple(args[1:])
 
@@ -532,10 +588,10 @@ def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.
     for down in downs:
         if a is not None:
             fold_right(down.weight, a)
-        else:  # W A = online_r4(W) row by row: the transform in float64, no n × n matrix
+        else:  # W A = online_r4(W) row block by row block, in float64, no n × n matrix
             for start in range(0, down.weight.shape[0], _FUSE_ROWS):
                 rows = down.weight.data[start:start + _FUSE_ROWS]
-                rows.copy_(online_r4(rows.to(torch.float64)).to(rows.dtype))
+                rows.copy_(_r4_rows(rows.to(torch.float64)).to(rows.dtype))
         setattr(down, _R4_FLAG, "external")
     if not register_hooks:
         return []
