@@ -76,3 +76,26 @@ def test_whip_fit_shows_progress(capsys):
     assert "whip fit (n=16)" in err and "/3 [" in err  # a bar over the 3 planned steps
     whip.fit_rotation(torch.randn(8, 4, 16), steps=3, batch_size=2)
     assert "whip fit" not in capsys.readouterr().err
+
+
+def test_analytic_qr_gradient_equals_autograd_and_the_fit_follows():
+    """qr_grad="analytic" (the cheaper whip step at width 4096) gives autograd's gradient to rounding."""
+    from rope_quant.rotations import whip
+
+    torch.manual_seed(0)
+    n = 24
+    a0 = torch.linalg.qr(torch.randn(2, n, n, dtype=torch.float64))[0] + 0.01 * torch.randn(2, n, n,
+                                                                                            dtype=torch.float64)
+    x = torch.randn(4, 8, 2, n, dtype=torch.float64)
+    grads = []
+    for qr in (whip.qr_orthogonal, whip._QRAnalytic.apply):
+        a = a0.clone().requires_grad_()
+        whip._loss_heads(x, qr(a)).backward()
+        grads.append(a.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-12)
+    samples = torch.randn(16, 8, n)
+    fits = [whip.fit_rotation(samples, steps=5, batch_size=4, lr=0.05, qr_grad=g) for g in whip.QR_GRADS]
+    torch.testing.assert_close(fits[1].rotation, fits[0].rotation, rtol=0, atol=1e-5)
+    assert fits[0].final_loss < fits[0].initial_loss
+    with pytest.raises(whip.WhipError, match="qr_grad must be one of"):
+        whip.WhipConfig(qr_grad="fast")
