@@ -1,4 +1,4 @@
-"""Measured cost constants of the plan's cost model (:mod:`rope_quant.experiment.plan`), and device specs.
+"""Cost constants of the plan's cost model (:mod:`rope_quant.experiment.plan`), and device specs.
 
 CPU constants were measured on this project's 2-core CPU machine at 1 thread (torch 2.13 CPU, 2026-11-25):
 a 2048³ matmul's best-of-3 rate, and one whip step at width 4096 (CholeskyQR2 forward + backward + the
@@ -22,11 +22,13 @@ CPU_FP32_FLOPS = 79e9
 CPU_FP64_FLOPS = 43e9
 #: One whip step at width n costs this many dense n³ float32 matmuls (2 n³ FLOP each), measured at n = 4096.
 WHIP_STEP_MATMULS = 26.0
-#: GPTQ's wall time over its FLOP count (Python column loop, Cholesky), measured on the embedded model.
+#: GPTQ's wall time over its FLOP count (Python column loop, Cholesky): ASSUMED, not measured yet (the GPTQ
+#: stage was not run at paper width in this session); the scale bench is where it gets checked.
 GPTQ_OVERHEAD = 3.0
 #: W4A4KV4 fake-quant forward over the plain forward, at 2 threads (README: 1.229×).
 FAKEQUANT_OVERHEAD = 1.23
-#: Host memory of the Python process before any model: torch + transformers imported (measured, ~0.55 GB).
+#: Host memory of the process besides the model and the stage's work (torch + transformers, allocator slack): an
+#: estimate; with it the 1-layer Llama-2-7B probe came out at 4.31 GiB peak RSS against the plan's 4.33 GiB.
 HOST_BASELINE_BYTES = int(0.55 * GIB)
 
 
