@@ -99,7 +99,7 @@ def hf_config(name: str | ShapeName | Shape, layers: int | None = None, vocab: i
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     s = _truncated(shape(name), layers, vocab)
-    common = dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.depth,
+    common: dict[str, Any] = dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.depth,
                   num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, vocab_size=s.vocab,
                   max_position_embeddings=s.max_positions, rms_norm_eps=s.rms_eps, rope_theta=s.rope_theta,
                   tie_word_embeddings=s.tied, hidden_act="silu")
