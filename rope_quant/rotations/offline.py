@@ -360,11 +360,12 @@ def hadamard_signs(mat: torch.Tensor) -> torch.Tensor | None:
     key = (mat.data_ptr(), mat._version, tuple(mat.stride()), str(mat.device), mat.dtype)
     if key not in _SIGNS_MEMO:  # one check per matrix, not one per folded weight
         _SIGNS_MEMO.clear()
-        _SIGNS_MEMO[key] = _check_hadamard_signs(mat, n)
-    return _SIGNS_MEMO[key]
+        # the memo holds the matrix itself, so its storage (and address) cannot be reused while it is the key
+        _SIGNS_MEMO[key] = (mat, _check_hadamard_signs(mat, n))
+    return _SIGNS_MEMO[key][1]
 
 
-_SIGNS_MEMO: dict[tuple, torch.Tensor | None] = {}
+_SIGNS_MEMO: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
 def _check_hadamard_signs(mat: torch.Tensor, n: int) -> torch.Tensor | None:

@@ -59,3 +59,20 @@ def test_fast_hadamard_folds_equal_the_dense_product(monkeypatch):
     for width in (96, 3072, 5120):
         x = torch.randn(8, width, dtype=torch.float64)
         torch.testing.assert_close(offline._r4_rows(x), x @ offline.r4_matrix(width), rtol=0, atol=1e-12)
+
+
+def test_hadamard_detection_is_not_fooled_by_a_reused_address():
+    """The per-matrix memo must not hand a Hadamard's signs to a later matrix (freed and reallocated, or edited)."""
+    from rope_quant.core import hadamard
+
+    n = 2048
+    for _ in range(3):
+        q = hadamard.random_hadamard(n, 1, torch.float64)
+        assert offline.hadamard_signs(q) is not None
+        del q
+        dense = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64))[0]
+        assert offline.hadamard_signs(dense) is None
+    q = hadamard.random_hadamard(n, 2, torch.float64)
+    assert offline.hadamard_signs(q) is not None
+    q[0, 0] = 0.5  # edited in place: its version changes
+    assert offline.hadamard_signs(q) is None
