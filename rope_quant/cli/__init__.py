@@ -15,6 +15,7 @@ Subcommands::
     rope-quant verify        φ* artefacts of a results directory (App. A.5)
     rope-quant report        tables and figures from a results directory (--check: completion only)
     rope-quant models        embedded models and the model cache (--clear-cache empties it)
+    rope-quant plan          predicted memory, disk and time per stage, before any weight is read
     rope-quant export        one cell as a deployable checkpoint (hf or compressed-tensors; docs/export.md)
 
 Defaults run on CPU in minutes on the embedded SmolLM2-135M and the ``pydoc`` corpus, with RTN weights (the
@@ -106,6 +107,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("models", "rope_quant.cli.models"),
     Command("report", "rope_quant.cli.report"),
     Command("export", "rope_quant.cli.export"),
+    Command("plan", "rope_quant.cli.plan"),
 )
 
 

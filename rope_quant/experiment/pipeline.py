@@ -309,7 +309,8 @@ def _read_r1_cache(path: Path | None) -> tuple[torch.Tensor, dict] | None:
         return None
 
 
-def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path | None) -> tuple[torch.Tensor, dict]:
+def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path | None,
+             progress: bool = False) -> tuple[torch.Tensor, dict]:
     """R1 fitted with the whip loss on the unrotated model (App. A.1), or read from its cache file.
 
     Returns the (hidden, hidden) float64 rotation and its fit log: the settings, the whip loss of the
@@ -325,7 +326,7 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
     spec = cfg.rotation.whip
     fitted = whip.calibrate_model_rotations(model, calib, fit_r1=True, fit_r2=False, seed=cfg.seed,
                                             r1=spec.whip_config(), tokens_per_sample=spec.tokens_per_sample,
-                                            device=next(model.parameters()).device)
+                                            device=next(model.parameters()).device, progress=progress)
     res = fitted.r1_result
     fit_log = {"kind": "whip", "settings": dataclasses.asdict(spec), "loss_init": res.initial_loss,
                "loss_fit": res.final_loss, "steps": res.n_steps, "fit_s": time.perf_counter() - t,
@@ -336,7 +337,8 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
     return fitted.r1, fit_log
 
 
-def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, r1_cache: Path | None) -> tuple[Any, dict]:
+def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, r1_cache: Path | None,
+            progress: bool = False) -> tuple[Any, dict]:
     """Offline R1/R2 (+ R4 weights and its online pre-hook) with :func:`rotation.rotate_model`; returns the
     rotation result and the R1 fit log (empty unless R1 is whip)."""
     from rope_quant.rotations.offline import rotate_model
@@ -344,7 +346,7 @@ def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, r1_cache: Pat
     kwargs: dict[str, Any] = {}
     fit_log: dict = {}
     if cfg.rotation.r1 == RotationKind.WHIP:
-        kwargs["r1_matrix"], fit_log = _whip_r1(model, cfg, calib, r1_cache)
+        kwargs["r1_matrix"], fit_log = _whip_r1(model, cfg, calib, r1_cache, progress)
     if cfg.rotation.r2 == RotationKind.WHIP:  # a documented deviation from A.8
         kwargs.update(calib_ids=calib, whip_options=cfg.rotation.whip_options())
     return rotate_model(model, cfg.rotation.config(cfg.seed), **kwargs), fit_log
@@ -735,7 +737,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
         if cfg.rotation.r1 == RotationKind.WHIP:  # the fit log only: the weights already hold R1
             rotation_fit = (_read_r1_cache(r1_cache) or (None, {}))[1]
     else:
-        rotation, rotation_fit = _rotate(model, cfg, calib, r1_cache)
+        rotation, rotation_fit = _rotate(model, cfg, calib, r1_cache, progress)
     timing["rotate_s"] = time.perf_counter() - t
 
     # 3. activation quantisers (static ranges come from the rotated fp model, before the weights change)

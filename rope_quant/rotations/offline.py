@@ -23,7 +23,11 @@ Steps, all function-preserving, in the order :func:`rotate_model` runs them (1�
    (as applied by :func:`rope_quant.core.hadamard.hadamard_transform`), plus an online forward pre-hook that
    applies the same transform to down_proj's input.
 
-All weight algebra is done in float64 and cast back to the parameter's dtype.
+All weight algebra is done in float64 on the parameter's own device, one matrix (and, for matrices larger
+than :data:`_FUSE_ROWS` rows or columns, one block) at a time, and cast back to the parameter's dtype: the
+model never has a float64 copy (issue 21: a 128256 × 4096 embedding alone is 4.2 GB in float64). A block's
+arithmetic is the whole matrix's (each output row / column depends on its own input row / column only), so
+the blocked results equal the unblocked ones bit for bit.
 
 **Ordering with activation quantisers (R4).** The online Hadamard must run *before* the input quantiser of
 down_proj: the quantiser has to see the rotated activation, which is what the fused weight expects.
@@ -75,6 +79,9 @@ __all__ = [
     "r2_hadamard",
     "apply_r1",
     "apply_r2",
+    "fold_right",
+    "fold_left",
+    "hadamard_signs",
     "r4_matrix",
     "online_r4",
     "apply_r4",
@@ -107,8 +114,14 @@ R2_CHOICES = R1_CHOICES
 #: Largest tolerated max |RᵀR − I| (float64) for a matrix passed in as a rotation.
 ORTHO_ATOL = 1e-4
 _R4_FLAG = "rq_online_r4"
-#: Rows per block when a norm scale is fused into a linear (bounds the float64 temporary).
+#: Rows (or columns) per block of the float64 weight algebra (bounds the float64 temporary).
 _FUSE_ROWS = 16384
+#: Above this order R4 is folded with the fast transform, row block by row block, instead of the dense
+#: float64 matrix (14336² float64 is 1.6 GB); at or below it the dense product is kept (today's bits).
+R4_DENSE_MAX = 4096
+#: Above this power-of-two width a (random) Hadamard R1 is folded by the fast transform, not the dense product
+#: (the embedded models, hidden 576 and 640, keep the dense product and today's bits).
+R1_DENSE_MAX = 1024
 
 
 class RotationError(ValueError):
@@ -281,9 +294,10 @@ def fuse_norms(model: nn.Module) -> None:
 
 def _scale_columns(lin: nn.Linear, g: torch.Tensor) -> None:
     """``W ← W diag(g)`` in float64, in row blocks (no float64 copy of a 262k-row lm_head, Gemma 3)."""
-    for rows in torch.split(torch.arange(lin.weight.shape[0]), _FUSE_ROWS):
-        block = lin.weight.detach()[rows].to("cpu", torch.float64) * g[None, :]
-        lin.weight.data[rows] = block.to(device=lin.weight.device, dtype=lin.weight.dtype)
+    g = g.to(lin.weight.device)
+    for start in range(0, lin.weight.shape[0], _FUSE_ROWS):
+        rows = lin.weight.data[start:start + _FUSE_ROWS]
+        rows.copy_((rows.to(torch.float64) * g[None, :]).to(rows.dtype))
 
 
 def norms_fused(model: nn.Module) -> bool:
@@ -334,27 +348,77 @@ def apply_r1(model: nn.Module, q: torch.Tensor) -> None:
     _fold_r1(model, qm)
 
 
+def hadamard_signs(mat: torch.Tensor) -> torch.Tensor | None:
+    """``s`` when ``mat`` is a (random) Hadamard ``diag(s)·H/√n`` of power-of-two order n > :data:`R1_DENSE_MAX`
+    (then ``x @ mat`` is the fast transform of ``x ⊙ s``, O(n log n) instead of O(n²) per row), else None.
+
+    Decided from the matrix itself, so a weight built and a weight rebuilt from a cached R1 take the same path.
+    """
+    n = mat.shape[-1]
+    if mat.ndim != 2 or n <= R1_DENSE_MAX or n & (n - 1):
+        return None
+    key = (mat.data_ptr(), mat._version, tuple(mat.stride()), str(mat.device), mat.dtype)
+    if key not in _SIGNS_MEMO:  # one check per matrix, not one per folded weight
+        _SIGNS_MEMO.clear()
+        # the memo holds the matrix itself, so its storage (and address) cannot be reused while it is the key
+        _SIGNS_MEMO[key] = (mat, _check_hadamard_signs(mat, n))
+    return _SIGNS_MEMO[key][1]
+
+
+_SIGNS_MEMO: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def _check_hadamard_signs(mat: torch.Tensor, n: int) -> torch.Tensor | None:
+    m = mat.detach().to("cpu", torch.float64)
+    if not bool(((m.abs() - n ** -0.5).abs() < 1e-12).all()):
+        return None
+    signs = torch.sign(m[:, 0])  # the Sylvester H has a first column of ones
+    if (m - signs[:, None] * online_r4(torch.eye(n, dtype=torch.float64))).abs().max().item() > 1e-12:
+        return None
+    return signs
+
+
+@torch.no_grad()
+def fold_right(w: torch.Tensor, mat: torch.Tensor) -> None:
+    """``W ← W M`` in place, in float64 on W's device, :data:`_FUSE_ROWS` rows at a time (a power-of-two
+    random Hadamard above :data:`R1_DENSE_MAX` by the fast transform, :func:`hadamard_signs`)."""
+    signs = hadamard_signs(mat)
+    m = mat.to(device=w.device, dtype=torch.float64) if signs is None else signs.to(w.device)
+    for start in range(0, w.shape[0], _FUSE_ROWS):
+        rows = w.data[start:start + _FUSE_ROWS]
+        x = rows.to(torch.float64)
+        rows.copy_((x @ m if signs is None else online_r4(x * m)).to(w.dtype))
+
+
+@torch.no_grad()
+def fold_left(mat: torch.Tensor, w: torch.Tensor) -> None:
+    """``W ← M W`` in place, in float64 on W's device, :data:`_FUSE_ROWS` columns at a time (``M = Qᵀ`` of a
+    power-of-two random Hadamard Q above :data:`R1_DENSE_MAX` by the fast transform)."""
+    signs = hadamard_signs(mat.T)
+    m = mat.to(device=w.device, dtype=torch.float64) if signs is None else signs.to(w.device)
+    for start in range(0, w.shape[1], _FUSE_ROWS):
+        cols = w.data[:, start:start + _FUSE_ROWS]
+        x = cols.to(torch.float64)
+        cols.copy_((m @ x if signs is None else online_r4(x.T * m).T).to(w.dtype))
+
+
 def _fold_r1_ends(model: nn.Module, qm: torch.Tensor) -> None:
     """R1 on the two ends of the residual stream: ``E ← E Q`` and ``W_head ← W_head Q``."""
     for w in (arch.embeddings(model).weight, _lm_head(model).weight):
-        _set(w, w.detach().to("cpu", torch.float64) @ qm)
+        fold_right(w, qm)
 
 
 def _fold_r1(model: nn.Module, qm: torch.Tensor) -> None:
     """The R1 weight algebra without the checks (tests use it to show why a refusal is needed)."""
     _fold_r1_ends(model, qm)
-    readers: list[nn.Linear] = []
-    writers: list[nn.Linear] = []
     for i in range(len(decoder_layers(model))):
         a, m = arch.attention(model, i), arch.mlp_parts(model, i)
-        readers += [a.q, a.k, a.v, m.gate, m.up]
-        writers += [a.o, m.down]
-    for lin in readers:
-        _set(lin.weight, lin.weight.detach().to("cpu", torch.float64) @ qm)
-    for lin in writers:
-        _set(lin.weight, qm.T @ lin.weight.detach().to("cpu", torch.float64))
-        if lin.bias is not None:
-            _set(lin.bias, lin.bias.detach().to("cpu", torch.float64) @ qm)
+        for lin in (a.q, a.k, a.v, m.gate, m.up):  # residual readers
+            fold_right(lin.weight, qm)
+        for lin in (a.o, m.down):  # residual writers
+            fold_left(qm.T, lin.weight)
+            if lin.bias is not None:
+                _set(lin.bias, lin.bias.detach().to(torch.float64) @ qm.to(lin.bias.device))
 
 
 @torch.no_grad()
@@ -440,13 +504,14 @@ def apply_r2(model: nn.Module, mats: int | torch.Tensor | list) -> torch.Tensor:
         r = stack[li]  # (k, d, d)
         attn = arch.attention(model, li)
         v, o = attn.v, attn.o
-        wv = v.weight.detach().to("cpu", torch.float64).view(k, d, -1)
+        r = r.to(v.weight.device)
+        wv = v.weight.detach().to(torch.float64).view(k, d, -1)
         _set(v.weight, torch.einsum("kij,kil->kjl", r, wv).reshape(k * d, -1))
         if v.bias is not None:
-            bv = v.bias.detach().to("cpu", torch.float64).view(k, d)
+            bv = v.bias.detach().to(torch.float64).view(k, d)
             _set(v.bias, torch.einsum("ki,kij->kj", bv, r).reshape(-1))
-        r_q = r.repeat_interleave(g, dim=0)  # Q head h uses KV head h // g
-        wo = o.weight.detach().to("cpu", torch.float64).view(o.weight.shape[0], dims.n_heads, d)
+        r_q = r.to(o.weight.device).repeat_interleave(g, dim=0)  # Q head h uses KV head h // g
+        wo = o.weight.detach().to(torch.float64).view(o.weight.shape[0], dims.n_heads, d)
         _set(o.weight, torch.einsum("ohi,hij->ohj", wo, r_q).reshape(o.weight.shape[0], -1))
     return stack
 
@@ -462,6 +527,23 @@ def r4_matrix(n: int) -> torch.Tensor:
 def online_r4(x: torch.Tensor) -> torch.Tensor:
     """The online half of R4: normalised Hadamard on the last dim (down_proj input), same dtype."""
     return hadamard.hadamard_transform(x)
+
+
+def _r4_rows(x: torch.Tensor) -> torch.Tensor:
+    """:func:`online_r4` of a (rows, n) block as the Kronecker form ``(H_K/√K) · fwht(X)`` with the K-axis
+    product as ONE matrix multiply (``hadamard_transform`` broadcasts a K × K factor over every row: slow when
+    K is in the thousands, e.g. n = 11008 = 5504 · 2)."""
+    rows, n = x.shape
+    k, m = hadamard.hadamard_order(n)
+    p = 1 << m
+    y = x.reshape(rows, k, p)
+    if p > 1:
+        y = hadamard.fwht(y)
+    if k == 1:
+        return y.reshape(rows, n)
+    hk = hadamard.hadamard_matrix(k, dtype=x.dtype, device=x.device) / k ** 0.5
+    y = hk @ y.transpose(0, 1).reshape(k, rows * p)  # (k, rows·p)
+    return y.reshape(k, rows, p).transpose(0, 1).reshape(rows, n)
 
 
 def _r4_pre_hook(module: nn.Module, args: tuple) -> tuple:
@@ -503,9 +585,14 @@ def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.
     downs = _down_projs(model)
     if any(getattr(down, _R4_FLAG, False) for down in downs):
         raise AlreadyRotatedError("R4 is already applied to this model's down_proj")
-    a = r4_matrix(dims.intermediate)
+    a = r4_matrix(dims.intermediate) if dims.intermediate <= R4_DENSE_MAX else None
     for down in downs:
-        _set(down.weight, down.weight.detach().to("cpu", torch.float64) @ a)
+        if a is not None:
+            fold_right(down.weight, a)
+        else:  # W A = online_r4(W) row block by row block, in float64, no n × n matrix
+            for start in range(0, down.weight.shape[0], _FUSE_ROWS):
+                rows = down.weight.data[start:start + _FUSE_ROWS]
+                rows.copy_(_r4_rows(rows.to(torch.float64)).to(rows.dtype))
         setattr(down, _R4_FLAG, "external")
     if not register_hooks:
         return []

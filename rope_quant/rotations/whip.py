@@ -47,11 +47,16 @@ __all__ = [
     "whip_loss",
     "qr_orthogonal",
     "QR_METHODS",
+    "QR_GRADS",
     "fit_rotation",
     "collect_r1_samples",
     "collect_r2_samples",
     "calibrate_model_rotations",
 ]
+
+
+#: How the whip step differentiates the QR factor (:attr:`WhipConfig.qr_grad`).
+QR_GRADS = ("autograd", "analytic")
 
 
 class WhipError(ValueError):
@@ -65,6 +70,9 @@ class WhipConfig:
     ``nsamples``: use the first ``nsamples`` samples (None: all); ``subset``: fraction of them drawn per
     epoch (released R1: 0.1); ``max_steps``: stop after this many optimiser steps (None: run all epochs);
     ``cosine``: anneal the learning rate to 0 over the planned steps (``CosineAnnealingLR``).
+    ``qr_grad``: ``"autograd"`` (default: today's results) differentiates through CholeskyQR2;
+    ``"analytic"`` uses the closed-form QR gradient (:class:`_QRAnalytic`): the same gradient up to rounding,
+    ~2–3.5× cheaper per step at width 4096 on a CPU (7.0 s against 15.6–26 s at 1 thread), not bit-identical.
     Defaults are small so a fit runs in seconds on CPU; raise ``epochs`` for real calibrations.
     """
 
@@ -79,6 +87,7 @@ class WhipConfig:
     released_schedule: bool = False
     init: str = "hadamard"
     cosine: bool = False
+    qr_grad: str = "autograd"
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -97,6 +106,8 @@ class WhipConfig:
             raise WhipError(f"max_steps must be a non-negative integer or None, got {self.max_steps!r}")
         if self.init not in ("hadamard", "identity"):
             raise WhipError(f"init must be 'hadamard' or 'identity', got {self.init!r}")
+        if self.qr_grad not in QR_GRADS:
+            raise WhipError(f"qr_grad must be one of {QR_GRADS}, got {self.qr_grad!r}")
 
 
 #: The released r2_base_qr.py defaults: nsamples 128, bsz 128, accumulation 2, 5 epochs, lr 1e-3, SGD 0.9.
@@ -194,6 +205,25 @@ def qr_orthogonal(a: torch.Tensor, method: str = "cholesky") -> torch.Tensor:
     return q
 
 
+class _QRAnalytic(torch.autograd.Function):
+    """Q of ``A = QR`` (diag R > 0) with the closed-form backward for a loss of Q alone:
+    ``Ā = (Q̄ + Q copyltu(M)) R⁻ᵀ``, ``M = −Q̄ᵀQ``, ``copyltu(M) = tril(M) + tril(M, −1)ᵀ`` (the QR
+    adjoint of Walter & Lehmann / Seeger et al. with R̄ = 0): three n³ products instead of CholeskyQR2's graph."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        q = qr_orthogonal(a)
+        ctx.save_for_backward(q, torch.triu(q.transpose(-1, -2) @ a))
+        return q
+
+    @staticmethod
+    def backward(ctx, gq: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        q, r = ctx.saved_tensors
+        m = -(gq.transpose(-1, -2) @ q)
+        b = gq + q @ (torch.tril(m) + torch.tril(m, -1).transpose(-1, -2))
+        return torch.linalg.solve_triangular(r.transpose(-1, -2), b, upper=False, left=False)
+
+
 # ------------------------------------------------------------------------------------------ fitting
 
 
@@ -232,6 +262,24 @@ def _loss_heads(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return torch.exp(-y.abs()).sum(dim=(-2, -1)).mean()
 
 
+#: Samples up to this many float64 bytes are scored in one piece on the CPU (today's arithmetic, bit for bit);
+#: larger ones in chunks of this size on the fit device (an 8B model's 128 windows are ~9 GB in float64).
+LOSS_CHUNK_BYTES = 1 << 28
+
+
+def _loss_float64(x: torch.Tensor, r: torch.Tensor, device: torch.device) -> float:
+    """The whip loss of rotation ``r`` on all samples ``x`` (N, T, H, d), in float64, memory-bounded."""
+    if x.numel() * 8 <= LOSS_CHUNK_BYTES:
+        return _loss_heads(x.to("cpu", torch.float64), r).item()
+    per = max(1, LOSS_CHUNK_BYTES // (8 * x[0].numel()))
+    rd = r.to(device)
+    total = 0.0
+    for start in range(0, x.shape[0], per):
+        chunk = x[start:start + per].to(device=device, dtype=torch.float64)
+        total += _loss_heads(chunk, rd).item() * chunk.shape[0]
+    return total / x.shape[0]
+
+
 def _init_matrix(d: int, groups: int, seed: int, init: str, dtype: torch.dtype) -> torch.Tensor:
     if init == "identity":
         base = torch.eye(d, dtype=torch.float64)
@@ -250,6 +298,7 @@ def fit_rotation(
     groups: int = 1,
     init: torch.Tensor | None = None,
     device: torch.device | str | None = None,
+    progress: bool = False,
     **overrides,
 ) -> WhipResult:
     """Fit a whip-optimal rotation by QR-Orth SGD (DartQuant Sec. 3.3).
@@ -259,8 +308,11 @@ def fit_rotation(
     ``steps`` / ``lr`` override ``cfg.max_steps`` / ``cfg.lr``; other ``WhipConfig`` fields can be given as
     keyword overrides. ``init``: a (d, d) or (groups, d, d) starting matrix instead of ``cfg.init``.
     ``device``: where the optimisation runs (default: the samples' device); batches are moved there.
+    ``progress``: a tqdm bar over the optimiser steps (a step at width 4096 takes seconds on a CPU).
     Returns float64 rotations on the CPU, acting on rows (``x @ R``).
     """
+    from tqdm.auto import tqdm
+
     cfg = cfg or WhipConfig()
     if steps is not None:
         overrides["max_steps"] = steps
@@ -296,6 +348,8 @@ def fit_rotation(
         planned = max(1, min(planned, cfg.max_steps))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=planned) if cfg.cosine else None
 
+    qr = qr_orthogonal if cfg.qr_grad == "autograd" else _QRAnalytic.apply
+    bar = tqdm(total=planned, desc=f"whip fit (n={d})", disable=not progress, leave=False)
     n_steps = 0
     micro = 0  # micro-batches across epochs (working schedule)
     pending = False
@@ -308,7 +362,7 @@ def fit_rotation(
         losses = []
         for batch_idx, start in enumerate(range(0, n_draw, cfg.batch_size)):
             xb = x_all[order[start : start + cfg.batch_size]].to(dev, non_blocking=True)
-            loss = _loss_heads(xb, qr_orthogonal(a)) / cfg.accumulation
+            loss = _loss_heads(xb, qr(a)) / cfg.accumulation
             loss.backward()
             pending = True
             losses.append(loss.item() * cfg.accumulation)
@@ -321,6 +375,8 @@ def fit_rotation(
                     sched.step()
                 pending = False
                 n_steps += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.4g}", refresh=False)
                 if cfg.max_steps is not None and n_steps >= cfg.max_steps:
                     done = True
                     break
@@ -329,13 +385,14 @@ def fit_rotation(
         opt.step()  # flush the last partial accumulation (working schedule only)
         opt.zero_grad()
         n_steps += 1
+        bar.update(1)
+    bar.close()
 
     with torch.no_grad():
         r_init = qr_orthogonal(a0.to(torch.float64))
         r_fit = qr_orthogonal(a.detach().to("cpu", torch.float64))
-        x64 = x_all.to("cpu", torch.float64)
-        init_loss = _loss_heads(x64, r_init).item()
-        final_loss = _loss_heads(x64, r_fit).item()
+        init_loss = _loss_float64(x_all, r_init, dev)
+        final_loss = _loss_float64(x_all, r_fit, dev)
     if samples.ndim < 4 and groups == 1:
         r_init, r_fit = r_init[0], r_fit[0]
     return WhipResult(r_fit, r_init, n_steps, micro, epoch_losses, init_loss, final_loss)
@@ -458,6 +515,7 @@ def calibrate_model_rotations(
     r2_source: str = "v_proj",
     r1_normalize: bool = True,
     device: torch.device | str | None = None,
+    progress: bool = False,
 ) -> CalibratedRotations:
     """Fit DartQuant R1 (pooled over layers) and per-layer R2 on calibration windows ``ids``.
 
@@ -471,7 +529,8 @@ def calibrate_model_rotations(
     if fit_r1:
         samples = collect_r1_samples(model, ids, tokens_per_sample=tokens_per_sample, seed=seed,
                                      normalize=r1_normalize)
-        res = fit_rotation(samples, n=dims.hidden, seed=seed, cfg=r1 or WhipConfig(), device=device)
+        res = fit_rotation(samples, n=dims.hidden, seed=seed, cfg=r1 or WhipConfig(), device=device,
+                           progress=progress)
         out.r1, out.r1_result = res.rotation, res
     if fit_r2:
         per_layer = collect_r2_samples(model, ids, source=r2_source)

@@ -128,7 +128,7 @@ def evaluate(cfg: LongContextConfig, ctx: CellContext) -> dict[str, Any]:
     lengths = {str(k): _ppl_entry(v) for k, v in res.items()}
     if cfg.matched_average:
         for entry in lengths.values():
-            entry.setdefault("average_length", int(entry.get("seqlen") or entry.get("length")))
+            entry.setdefault("average_length", int(entry.get("seqlen") or entry["length"]))
     unmatched = [] if cfg.matched_average or not run_cfg.position_average else ["this cell"]
     devs = deviations(calib_corpus=run_cfg.corpus, eval_corpora=(protocol.corpus,), max_documents=cfg.eval_docs,
                       cap=max_windows, lengths=cfg.lengths, unmatched_phi_star=unmatched, count_corpora=False)

@@ -1,0 +1,278 @@
+"""The cost plan of a run (issue 21): predicted peak GPU memory, host RAM, disk and wall time per stage.
+
+The model is read on the meta device (no weights). Memory is counted from the shapes: the stored model, the
+largest float64 block of the rotation algebra (:mod:`rope_quant.rotations.offline` folds one block at a time),
+the whip samples and fit matrices, GPTQ's layer inputs and Hessians, the activations of one window. Time is
+FLOP count over the device's effective rate (:mod:`rope_quant.experiment.plan_costs`: measured on the CPU,
+extrapolated for GPUs). :func:`check_fits` raises :class:`PlanDoesNotFit` with the remedy before any expensive
+step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rope_quant.core import hadamard
+from rope_quant.experiment import plan_costs as pc
+from rope_quant.model import arch, shapes
+
+__all__ = ["PlanError", "PlanDoesNotFit", "Protocol", "PAPER", "ModelCost", "Stage", "Plan", "read_model",
+           "model_cost", "make_plan", "check_fits", "format_plan"]
+
+GIB = pc.GIB
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class PlanError(ValueError):
+    """A model or setting the plan cannot read."""
+
+
+class PlanDoesNotFit(PlanError):
+    """The run does not fit the device; the message names the stage and the remedy."""
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """What a run does: calibration / evaluation budgets, whip schedule, sweep size, long-context lengths."""
+
+    calib_windows: int = 128
+    seqlen: int = 2048
+    eval_windows: int = 140
+    whip_epochs: int = 10
+    whip_batch: int = 64
+    whip_subset: float = 0.1
+    tokens_per_sample: int = 64
+    configs: int = 4
+    seeds: int = 3
+    gptq: bool = True
+    long_context: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("calib_windows", "seqlen", "whip_epochs", "whip_batch", "tokens_per_sample", "configs",
+                     "seeds", "eval_windows"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"{name} must be a positive integer, got {v!r}")
+
+
+#: The paper's protocol (App. A.1): 128 × 2048 calibration, whip 10 epochs, GPTQ, 4 R3 configs × 3 seeds,
+#: evaluation over 140 windows of 2048.
+PAPER = Protocol()
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """The shape facts the plan needs, read from a config on the meta device."""
+
+    name: str
+    params: int
+    layer_params: int  # one decoder layer's linear weights
+    hidden: int
+    intermediate: int
+    n_layers: int
+    vocab: int
+    kv_dim: int
+    largest_rows: int  # rows of the largest matrix the rotation algebra folds (embedding / lm_head)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Predicted peaks and time of one stage (bytes, seconds)."""
+
+    name: str
+    gpu_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    seconds: float
+    repeats: int = 1  # how often the sweep runs it
+
+
+@dataclass
+class Plan:
+    model: ModelCost
+    device: pc.Device
+    dtype: str
+    protocol: Protocol
+    offload: bool
+    stages: list[Stage] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(s.seconds * s.repeats for s in self.stages)
+
+    @property
+    def peak_gpu(self) -> int:
+        return max(s.gpu_bytes for s in self.stages)
+
+    @property
+    def peak_host(self) -> int:
+        return max(s.host_bytes for s in self.stages)
+
+
+def _meta_model(config: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    arch.spec_for(config.model_type)  # an unknown architecture: the adapter's error, before anything else
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def read_model(model: str) -> Any:
+    """The meta-device model of a shape name, a checkpoint directory or a ``config.json`` (no weights read)."""
+    from transformers import AutoConfig
+
+    try:
+        return shapes.build_meta(model)
+    except shapes.ShapeError:
+        pass
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise PlanError(f"{model!r} is neither a shape ({', '.join(shapes.ShapeName)}), a checkpoint directory "
+                        "with config.json, nor a config.json file")
+    try:
+        data = json.loads(path.read_text())
+        config = AutoConfig.for_model(**data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PlanError(f"cannot read the config {path}: {exc}") from exc
+    return _meta_model(config)
+
+
+def model_cost(model: Any, name: str = "") -> ModelCost:
+    """Parameter and shape counts of a (meta) model."""
+    d = arch.dims(model)
+    a, m = arch.attention(model, 0), arch.mlp_parts(model, 0)
+    linears: tuple[Any, ...] = (a.q, a.k, a.v, a.o, m.gate, m.up, m.down)
+    layer = int(sum(lin.weight.numel() for lin in linears))
+    params = sum({id(p): p.numel() for p in model.parameters()}.values())
+    embed: Any = arch.embeddings(model)
+    vocab = int(embed.weight.shape[0])
+    return ModelCost(name or getattr(model.config, "model_type", "model"), params, layer, d.hidden, d.intermediate,
+                     d.n_layers, vocab, d.n_kv_heads * d.head_dim, max(vocab, d.intermediate))
+
+
+def _stage_gpu(on_gpu: bool, model_bytes: int, layer_bytes: int, work: int, offload: bool) -> int:
+    if not on_gpu:
+        return 0
+    return (layer_bytes if offload else model_bytes) + work
+
+
+def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, protocol: Protocol = PAPER,
+              offload: bool = False) -> Plan:
+    """Per-stage predictions for ``protocol`` on ``device`` (``dtype`` default: float32 on CPU, bfloat16 else)."""
+    try:
+        dev = pc.DEVICES[pc.DeviceName(device)]
+    except ValueError:
+        raise PlanError(f"unknown device {device!r}; known: {', '.join(pc.DeviceName)}") from None
+    gpu = dev.name != pc.DeviceName.CPU
+    dtype = dtype or ("bfloat16" if gpu else "float32")
+    if dtype not in _BYTES:
+        raise PlanError(f"dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
+    p = protocol
+    b = _BYTES[dtype]
+    rate, rate64 = dev.flops[dtype], dev.fp64_flops
+    model_b = mc.params * b
+    layer_b = mc.layer_params * b
+    emb_b = mc.vocab * mc.hidden * b
+    host0 = pc.HOST_BASELINE_BYTES
+    host_model = host0 + model_b  # on the CPU the model lives in host RAM; on a GPU the loader maps it once
+    host_run = host_model if (not gpu or offload) else host0 + layer_b
+    calib_tok = p.calib_windows * p.seqlen
+    act_window = p.seqlen * (4 * mc.hidden + 2 * mc.intermediate) * 4  # one window's live activations, fp32
+    fwd_tok = 2 * (mc.layer_params * mc.n_layers)  # decoder FLOP per token
+    attn_tok = 2 * mc.n_layers * p.seqlen * mc.hidden  # causal attention FLOP per token (QKᵀ and AV, averaged)
+    head_tok = 2 * mc.vocab * mc.hidden
+    stages: list[Stage] = []
+
+    def add(name: str, work_gpu: int, work_host: int, disk: int, seconds: float, repeats: int = 1) -> None:
+        stages.append(Stage(name, _stage_gpu(gpu, model_b, layer_b + emb_b * 2, work_gpu, offload),
+                            host_run + work_host, disk, seconds, repeats))
+
+    add("load", 0, 0, model_b, model_b / 1.0e9)  # ~1 GB/s from a local disk
+    n_samples = p.calib_windows * 2 * mc.n_layers
+    steps = p.whip_epochs * math.ceil(max(1, int(n_samples * p.whip_subset)) / p.whip_batch)
+    samples_b = n_samples * p.tokens_per_sample * mc.hidden * 4
+    fit_b = 12 * mc.hidden ** 2 * 4  # A, grad, momentum, two CholeskyQR passes and their autograd buffers
+    whip_s = (calib_tok * (fwd_tok + attn_tok)) / rate + steps * pc.WHIP_STEP_MATMULS * 2 * mc.hidden ** 3 / (
+        dev.flops["float32"])
+    add("whip R1", act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
+        p.seeds)
+    block = min(mc.largest_rows, 16384) * mc.hidden * (8 + 8 + 4)  # float64 block in and out, cast back
+    k_r4 = hadamard.hadamard_order(mc.intermediate)[0] if mc.intermediate > 4096 else mc.intermediate
+    block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
+    rot_flops = 2 * mc.hidden * (2 * mc.vocab * mc.hidden + mc.n_layers * mc.layer_params)
+    add("offline rotation", block + mc.hidden ** 2 * 8, 0 if gpu else block + mc.hidden ** 2 * 8, 0,
+        rot_flops / rate64, p.seeds)
+    if p.gptq:
+        inputs_b = 2 * calib_tok * mc.hidden * b + act_window  # a layer's inputs and outputs, storage dtype
+        hess_b = (3 * mc.hidden ** 2 + mc.intermediate ** 2) * 4 + 4 * mc.intermediate ** 2 * 4  # + W, Hinv (fp32)
+        gptq_flops = calib_tok * (fwd_tok + attn_tok) * 2 + mc.n_layers * (
+            2 * calib_tok * (mc.hidden ** 2 * 3 + mc.intermediate ** 2) + 2 * mc.layer_params * mc.hidden)
+        add("GPTQ", inputs_b + hess_b, inputs_b + hess_b if not gpu else inputs_b, model_b,
+            gptq_flops * pc.GPTQ_OVERHEAD / rate, p.seeds)
+    add("calibration", act_window, 0 if gpu else act_window, 0, calib_tok * (fwd_tok + attn_tok) / rate, p.seeds)
+    logits_b = p.seqlen * mc.vocab * 4
+    eval_tok = p.eval_windows * p.seqlen
+    eval_s = eval_tok * (fwd_tok + attn_tok + head_tok) * pc.FAKEQUANT_OVERHEAD / rate
+    add("evaluation (per config)", act_window + logits_b, 0 if gpu else act_window + logits_b, 0, eval_s,
+        p.seeds * p.configs)
+    for length in p.long_context:
+        n_win = max(1, eval_tok // length)
+        attn_l = 2 * mc.n_layers * length * mc.hidden
+        add(f"long context L={length}", length * (4 * mc.hidden + 2 * mc.intermediate) * 4 + length * 4 * 1024,
+            0, 0, n_win * length * (fwd_tok + attn_l + head_tok) * pc.FAKEQUANT_OVERHEAD / rate, p.seeds * p.configs)
+    return Plan(mc, dev, dtype, p, offload, stages)
+
+
+def check_fits(plan: Plan, gpu_bytes: int | None = None, host_bytes: int | None = None) -> None:
+    """Raise :class:`PlanDoesNotFit` (stage, need, budget, remedy) when a stage exceeds a memory budget.
+
+    ``gpu_bytes`` defaults to the device's memory; ``host_bytes`` to no limit. Call before any expensive step.
+    """
+    gpu_budget = plan.device.memory_bytes if gpu_bytes is None else gpu_bytes
+    for s in plan.stages:
+        if plan.device.name != pc.DeviceName.CPU and s.gpu_bytes > gpu_budget:
+            remedy = ("more GPU memory (a larger device)" if plan.offload else "--offload cpu (stream one "
+                      "decoder layer at a time)") + ", or a smaller --calib-windows"
+            remedy += ", or --dtype bfloat16" if plan.dtype == "float32" else ""
+            raise PlanDoesNotFit(f"stage {s.name!r} needs {s.gpu_bytes / GIB:.1f} GiB of GPU memory, "
+                                 f"{gpu_budget / GIB:.1f} GiB available: use {remedy}")
+        if host_bytes is not None and s.host_bytes > host_bytes:
+            raise PlanDoesNotFit(f"stage {s.name!r} needs {s.host_bytes / GIB:.1f} GiB of host RAM, "
+                                 f"{host_bytes / GIB:.1f} GiB available: use a smaller --calib-windows"
+                                 + (", --dtype bfloat16" if plan.dtype == "float32" else "") + ", or more memory")
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a Markdown table plus the totals and the time basis."""
+    mc, p = plan.model, plan.protocol
+    lines = [f"plan: {mc.name} ({mc.params / 1e9:.2f}B parameters, {mc.n_layers} layers, hidden {mc.hidden}, "
+             f"vocab {mc.vocab}) on {plan.device.name}, storage {plan.dtype}"
+             + (", offload cpu" if plan.offload else ""),
+             f"protocol: {p.calib_windows}x{p.seqlen} calibration, whip {p.whip_epochs} epochs, "
+             f"{'GPTQ' if p.gptq else 'RTN'}, {p.configs} configs x {p.seeds} seeds, {p.eval_windows} eval windows",
+             "",
+             "| stage | GPU peak GiB | host RAM GiB | disk GiB | time per run | runs |", "|---|---|---|---|---|---|"]
+    for s in plan.stages:
+        lines.append(f"| {s.name} | {s.gpu_bytes / GIB:.1f} | {s.host_bytes / GIB:.1f} | {s.disk_bytes / GIB:.1f} | "
+                     f"{_duration(s.seconds)} | {s.repeats} |")
+    hours = plan.total_seconds / 3600
+    unit = "GPU-hours" if plan.device.name != pc.DeviceName.CPU else "CPU-thread-hours"
+    lines += ["", f"total: {hours:.2f} {unit}; peak GPU {plan.peak_gpu / GIB:.1f} GiB, "
+              f"peak host {plan.peak_host / GIB:.1f} GiB", f"time basis: {plan.device.basis}"]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
