@@ -8,14 +8,26 @@ Everything here runs on stub cell functions or a tiny random Llama (no embedded 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rope_quant.experiment.config import RunConfig
 from rope_quant.quant.gptq import GPTQError, _rtn, rtn_quantize
 from rope_quant.quant.quantizers import StaticChannelQuantizer, fake_quant_per_token
+from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, read_manifest, reconcile
+from rope_quant.sweep.records import status
+
+REPO = Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------- quantisers never overflow
 
@@ -135,3 +147,142 @@ def test_normal_range_rows_are_untouched_by_the_overflow_repair():
         keep = [i for i in range(16) if i != 5]
         assert torch.equal(a[keep].view(torch.int32), b[keep].view(torch.int32))
         assert math.isfinite(float(b[5].abs().max()))
+
+
+# ----------------------------------------------------------------------------- one study per directory, claims
+
+RUN_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from rope_quant.experiment.config import RunConfig
+    from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest
+    from rope_quant.sweep.runner import run_cells
+
+    out, k_bits, slow_at, resume = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+    go = out.parent / "go"
+    manifest = build_manifest(RunConfig().override(k_bits=k_bits),
+                              {{"hadamard": {{"r3": "hadamard"}}, "pairwise_only": {{"r3": "pairwise_only"}}}},
+                              range(4))
+    marks = out.parent / "computed"
+    marks.mkdir(exist_ok=True)
+
+    def cell(cfg):
+        (marks / f"{{cfg.r3.name if hasattr(cfg.r3, 'name') else cfg.r3}}-{{cfg.seed}}-{{os.getpid()}}").write_text("")
+        time.sleep(600 if cfg.seed == slow_at else {cell_s})
+        return {{"ppl": 10.0 + cfg.seed + k_bits / 100}}
+
+    (out.parent / f"ready-{{os.getpid()}}").write_text("")
+    while not go.exists():  # a start barrier: both runs reach run_cells together
+        time.sleep(0.01)
+    try:
+        report = run_cells(manifest, out, cell_fn=cell, resume=resume, log=None)
+    except ManifestMismatchError as exc:
+        print("error: " + str(exc), file=sys.stderr)
+        sys.exit(2)
+    print(report.summary())
+""")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _start_runs(tmp_path: Path, specs: list[tuple[int, int, bool]], cell_s: float = 0.4) -> list[subprocess.Popen]:
+    """Start one process per (k_bits, slow_at, resume) on ``tmp_path/out`` and release them together."""
+    script = tmp_path / "run_script.py"
+    script.write_text(RUN_SCRIPT.format(cell_s=cell_s))
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "out"), str(k), str(slow), str(int(res))],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, slow, res in specs]
+    deadline = time.monotonic() + 180
+    while len(list(tmp_path.glob("ready-*"))) < len(procs):
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        assert time.monotonic() < deadline, "the runs did not start"
+        time.sleep(0.05)
+    (tmp_path / "go").write_text("")
+    return procs
+
+
+def _computed(tmp_path: Path) -> dict[str, list[int]]:
+    """cell (r3-seed) -> pids of the processes that computed it."""
+    out: dict[str, list[int]] = {}
+    for p in (tmp_path / "computed").iterdir():
+        r3, seed, pid = p.name.rsplit("-", 2)
+        out.setdefault(f"{r3}-{seed}", []).append(int(pid))
+    return out
+
+
+def test_two_identical_concurrent_runs_split_the_cells_and_compute_each_once(tmp_path):
+    procs = _start_runs(tmp_path, [(4, -1, True), (4, -1, True)])
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+    computed = _computed(tmp_path)
+    assert len(computed) == 8 and all(len(pids) == 1 for pids in computed.values()), computed
+    assert {pid for pids in computed.values() for pid in pids} == {p.pid for p in procs}  # the work was split
+    st = status(tmp_path / "out")
+    assert st.done and len(st.complete) == 8
+
+
+def test_two_identical_no_resume_runs_also_compute_each_cell_once(tmp_path):
+    first = _start_runs(tmp_path, [(4, -1, True)], cell_s=0.0)[0]
+    assert first.wait(timeout=300) == 0
+    for p in (tmp_path / "computed").iterdir():
+        p.unlink()
+    (tmp_path / "go").unlink()
+    for p in tmp_path.glob("ready-*"):
+        p.unlink()
+    procs = _start_runs(tmp_path, [(4, -1, False), (4, -1, False)])
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.communicate()[1]
+    computed = _computed(tmp_path)
+    assert len(computed) == 8 and all(len(pids) == 1 for pids in computed.values()), computed
+
+
+def test_concurrent_run_of_another_study_is_refused_with_the_sequential_diff(tmp_path):
+    """Issue 26 wrong case 1: `--k-bits 3` started together with the K4 study; both exited 0."""
+    procs = _start_runs(tmp_path, [(4, -1, True), (3, -1, True)])
+    codes, errs = [], []
+    for p in procs:
+        _, stderr = p.communicate(timeout=300)
+        codes.append(p.returncode)
+        errs.append(stderr)
+    assert sorted(codes) == [0, 2], errs
+    winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
+    k_win, k_lose = (4, 3) if winner == 0 else (3, 4)
+    def study(k: int):
+        return build_manifest(RunConfig().override(k_bits=k),
+                              {"hadamard": {"r3": "hadamard"}, "pairwise_only": {"r3": "pairwise_only"}}, range(4))
+
+    assert {c["key"] for c in read_manifest(tmp_path / "out")["cells"]} == {c.key() for _, c in study(k_win)}
+    loser_pid = procs[loser].pid
+    assert all(loser_pid not in pids for pids in _computed(tmp_path).values())  # it computed nothing
+    st = status(tmp_path / "out")
+    assert st.done and len(st.complete) == 8
+    # the same refusal as a run started after the first one
+    with pytest.raises(ManifestMismatchError) as sequential:
+        reconcile(tmp_path / "out", study(k_lose))
+    assert errs[loser].strip() == "error: " + str(sequential.value)
+    assert f"k_bits: {k_win} -> {k_lose}" in errs[loser]
+
+
+def test_a_claim_left_by_a_killed_run_is_taken_over(tmp_path):
+    """Run A dies (kill -9) inside a cell it claimed; run B, which skipped it, takes it over at the end."""
+    a, b = _start_runs(tmp_path, [(4, 1, True), (4, -1, True)], cell_s=0.2)
+    deadline = time.monotonic() + 120
+    while not any(p.name.endswith(f"-{a.pid}") and "-1-" in p.name for p in (tmp_path / "computed").iterdir()):
+        assert time.monotonic() < deadline and a.poll() is None
+        time.sleep(0.05)
+    time.sleep(1.0)  # B meets the claimed cell and moves on
+    assert b.poll() is None  # B waits for the claim held by A
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait()
+    assert b.wait(timeout=120) == 0, b.communicate()[1]
+    computed = _computed(tmp_path)
+    assert len(computed) == 8
+    taken_over = [c for c, pids in computed.items() if len(pids) == 2]
+    assert all(c.endswith("-1") for c in taken_over) and taken_over, computed
+    assert all(len(pids) == 1 for c, pids in computed.items() if c not in taken_over)
+    st = status(tmp_path / "out")
+    assert st.done and len(st.complete) == 8
