@@ -7,6 +7,8 @@ Everything here runs on stub cell functions or a tiny random Llama (no embedded 
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import signal
@@ -20,11 +22,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_reliability import TINY, corpus_text, only_record, save_tiny_model
 
+from rope_quant import cli
 from rope_quant.experiment.config import RunConfig
+from rope_quant.model.loading import CheckpointError, ModelNotFoundError, check_checkpoint, load_model
 from rope_quant.quant.gptq import GPTQError, _rtn, rtn_quantize
 from rope_quant.quant.quantizers import StaticChannelQuantizer, fake_quant_per_token
 from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, read_manifest, reconcile
+from rope_quant.sweep.models import ModelCache
 from rope_quant.sweep.records import status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +160,9 @@ def test_normal_range_rows_are_untouched_by_the_overflow_repair():
 RUN_SCRIPT = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from rope_quant.experiment.config import RunConfig
+    from rope_quant import cli
+from rope_quant.experiment.config import RunConfig
+from rope_quant.model.loading import CheckpointError, ModelNotFoundError, check_checkpoint, load_model
     from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest
     from rope_quant.sweep.runner import run_cells
 
@@ -286,3 +294,244 @@ def test_a_claim_left_by_a_killed_run_is_taken_over(tmp_path):
     assert all(len(pids) == 1 for c, pids in computed.items() if c not in taken_over)
     st = status(tmp_path / "out")
     assert st.done and len(st.complete) == 8
+
+
+# ----------------------------------------------------------------------------- every cache heals
+
+_VOLATILE = {"timing", "weight_cache_hit", "model_reused"}  # what may differ between a fresh and a cached build
+
+
+def _comparable(record: dict) -> dict:
+    """A record's result without its timings and cache-hit flags (every other field must survive a damaged
+    cache unchanged, ``rotation_fit`` included)."""
+    result = {k: v for k, v in record["result"].items() if k not in _VOLATILE}
+    fit = dict(result.get("rotation_fit") or {})
+    fit.pop("cache_hit", None)
+    result["rotation_fit"] = fit
+    return {"status": record["status"], "key": record.get("key"), "keys": sorted(record), "result": result}
+
+
+@pytest.fixture()
+def healing_study(tmp_path, monkeypatch):
+    """A finished one-cell study on the tiny random Llama with a whip R1 (the default), RTN weights."""
+    token_cache = tmp_path / "token-cache"
+    monkeypatch.setenv("ROPE_QUANT_CACHE_DIR", str(token_cache))
+    model = save_tiny_model(tmp_path / "tiny")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_text(1))
+    out = tmp_path / "out"
+    argv = ["compare", "--model", str(model), "--corpus", str(corpus), "--configs", "pairwise_only",
+            "--comparator", "pairwise_only", "--out", str(out), "--keep-cache", *TINY, "--whip-epochs", "1"]
+    assert cli.main(argv, models=ModelCache()) == 0
+    good = only_record(out)
+    assert good["result"]["rotation_fit"]["kind"] == "whip" and good["result"]["rotation_fit"]["steps"] > 0
+    return argv, out, token_cache, good
+
+
+def _cache_files(out: Path, token_cache: Path) -> dict[str, Path]:
+    (r1,) = (out / "cache").glob("r1-whip-*.pt")
+    (weights,) = (out / "cache").glob("weights-*.pt")
+    (stats,) = (out / "cache").glob("stats-*.npz")
+    tokens = [p for p in token_cache.rglob("*") if p.is_file()]
+    assert len(tokens) == 1, tokens
+    return {"r1": r1, "weights": weights, "stats": stats, "tokens": tokens[0]}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
+def test_every_cache_damaged_in_turn_heals_and_the_record_keeps_every_field(healing_study, damage, caplog):
+    """Issue 26 wrong case 2 (the R1 file damaged while the weight cache is intact) and the other caches:
+    each is damaged in turn, the rerun (--no-resume) rewrites it, and the record is the same field by field."""
+    argv, out, token_cache, good = healing_study
+    files = _cache_files(out, token_cache)
+    for name in ("r1", "weights", "stats", "tokens"):
+        path = files[name]
+        intact = path.read_bytes()
+        if damage == "truncate":
+            path.write_bytes(intact[: len(intact) // 3])
+        elif damage == "garbage":
+            path.write_bytes(b"not a cache file at all")
+        else:
+            path.unlink()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert cli.main([*argv, "--no-resume"], models=ModelCache()) == 0, name
+        again = only_record(out)
+        assert _comparable(again) == _comparable(good), name
+        healed = _cache_files(out, token_cache)[name]
+        assert healed.is_file() and healed.stat().st_size > 0, name
+        if name == "r1":  # rebuilt from the weight cache: the same R1 and log as the original fit
+            new, old = (torch.load(b, weights_only=True) for b in (healed, _bytes_io(intact)))
+            assert torch.equal(new["r1"], old["r1"]) and new["log"] == old["log"]
+            assert again["result"]["weight_cache_hit"]
+        if damage != "delete" and name != "tokens":
+            assert any(healed.name in r.getMessage() for r in caplog.records), (name, caplog.records)
+
+
+def test_damaged_r1_file_with_an_older_weight_cache_refits_r1(healing_study, caplog):
+    """A weight cache written before it kept the fit log cannot rebuild the R1 file: R1 is refitted (and the
+    weights recomputed), the R1 file rewritten, and the record keeps rotation_fit."""
+    argv, out, token_cache, good = healing_study
+    files = _cache_files(out, token_cache)
+    payload = torch.load(files["weights"], weights_only=True)
+    assert payload.pop("rotation_fit")["steps"] == good["result"]["rotation_fit"]["steps"]
+    torch.save(payload, files["weights"])
+    original = torch.load(files["r1"], weights_only=True)
+    files["r1"].write_bytes(b"damaged")
+    with caplog.at_level(logging.WARNING):
+        assert cli.main([*argv, "--no-resume"], models=ModelCache()) == 0
+    assert any("refitting R1" in r.getMessage() for r in caplog.records)
+    again = only_record(out)
+    fit = dict(again["result"]["rotation_fit"])
+    assert fit.pop("cache_hit") is False and not again["result"]["weight_cache_hit"]
+    want = {k: v for k, v in good["result"]["rotation_fit"].items() if k not in ("cache_hit", "fit_s")}
+    assert {k: v for k, v in fit.items() if k != "fit_s"} == want
+    assert again["result"]["ppl"] == good["result"]["ppl"]
+    refit = torch.load(files["r1"], weights_only=True)
+    assert torch.equal(refit["r1"], original["r1"])
+    assert torch.load(files["weights"], weights_only=True)["rotation_fit"]["steps"] == want["steps"]
+
+
+def _bytes_io(data: bytes):
+    import io
+
+    return io.BytesIO(data)
+
+
+# ----------------------------------------------------------------------------- checkpoint errors name the culprit
+
+
+def _tiny_gguf(path: Path, hidden: int = 64, heads: int = 4) -> Path:
+    """A GGUF with llama metadata and two float32 tensors (no tokenizer: enough for the header checks)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_embedding_length(hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((32, hidden), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.ones((hidden, hidden), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_cut_inside_its_tensor_data_is_named_before_and_at_load(tmp_path):
+    """Issue 26: a GGUF cut inside its tensor data was reported as "cannot read the tokenizer"."""
+    good = _tiny_gguf(tmp_path / "m.gguf")
+    check_checkpoint(str(good))  # intact: no error
+    cut = tmp_path / "cut.gguf"
+    data = good.read_bytes()
+    cut.write_bytes(data[: len(data) - 1000])
+    want = r"checkpoint .*cut\.gguf: the GGUF file is cut inside its tensor data: tensor 'blk\.0\.attn_q\.weight'"
+    with pytest.raises(CheckpointError, match=want + rf".*the file ends at {len(data) - 1000}"):
+        check_checkpoint(str(cut))
+    with pytest.raises(CheckpointError, match=want):
+        load_model(str(cut))
+    header_cut = tmp_path / "header.gguf"
+    header_cut.write_bytes(data[:40])
+    with pytest.raises(CheckpointError, match="ends inside its GGUF header"):
+        check_checkpoint(str(header_cut))
+
+
+def test_odd_head_dim_gguf_is_named(tmp_path):
+    path = _tiny_gguf(tmp_path / "odd.gguf", hidden=60, heads=4)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*odd\.gguf: head_dim 15 is odd"):
+        check_checkpoint(str(path))
+    with pytest.raises(CheckpointError, match="head_dim 15 is odd"):  # not "cannot read the tokenizer"
+        load_model(str(path))
+
+
+def test_odd_head_dim_hf_checkpoint_is_named_from_its_config(tmp_path):
+    import json
+
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 60, "num_attention_heads": 4,
+         "head_dim": 15, "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 64}))
+    with pytest.raises(CheckpointError, match=r"checkpoint .*odd: head_dim 15 is odd"):
+        check_checkpoint(str(tmp_path / "odd"))
+    with pytest.raises(CheckpointError, match="head_dim 15 is odd"):  # not "cannot read the tokenizer"
+        load_model(str(tmp_path / "odd"))
+
+
+def test_safetensors_cut_inside_its_tensor_data_is_named(tmp_path):
+    model = save_tiny_model(tmp_path / "tiny")
+    check_checkpoint(str(model))  # intact
+    (weights,) = model.glob("*.safetensors")
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 4096])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: the safetensors file is cut inside its tensor "
+                                              r"data: tensor '.+' ends at byte \d+, the file ends at"):
+        check_checkpoint(str(model))
+    with pytest.raises(ModelNotFoundError):
+        check_checkpoint(str(tmp_path / "absent"))
+
+
+# ----------------------------------------------------------------------------- what held keeps holding
+
+
+def _compare_argv(model: Path, corpus: Path, out: Path) -> list[str]:
+    flags = [f for f in TINY if f not in ("--seeds", "0")]
+    return ["compare", "--model", str(model), "--corpus", str(corpus), "--configs", "hadamard,pairwise_only,identity",
+            "--seeds", "0,1", "--out", str(out), *flags, "--whip-epochs", "1"]
+
+
+def _results(out: Path) -> dict[str, dict]:
+    """Every record's result by relative path, without timings and cache-hit flags."""
+    found = {}
+    for entry in read_manifest(out)["cells"]:
+        record = _comparable(json.loads((out / entry["path"]).read_text()))
+        record["result"]["rotation_fit"].pop("fit_s", None)  # wall time of the fit (another run's cache)
+        found[entry["path"]] = record
+    return found
+
+
+def _diff(got: dict, want: dict) -> list[str]:
+    """The differing result fields, by record."""
+    return [f"{path}: {k}: {got[path]['result'].get(k)!r} != {want[path]['result'].get(k)!r}"
+            for path in want if path in got for k in want[path]["result"]
+            if got[path]["result"].get(k) != want[path]["result"][k]] or [str(set(got) ^ set(want))]
+
+
+def test_kill_9_mid_sweep_then_resume_is_bit_identical_and_damaged_records_rerun(tmp_path, monkeypatch):
+    """The real pipeline on the tiny Llama, killed (SIGKILL) after its first record: the resumed sweep's records
+    equal an uninterrupted sweep's field by field (perplexities to the bit); then damaged records (truncated,
+    garbage) are recomputed, and only they."""
+    monkeypatch.setenv("ROPE_QUANT_CACHE_DIR", str(tmp_path / "token-cache"))
+    model = save_tiny_model(tmp_path / "tiny")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_text(1))
+    reference = tmp_path / "reference"
+    assert cli.main(_compare_argv(model, corpus, reference), models=ModelCache()) == 0
+    want = _results(reference)
+    assert len(want) == 6
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "rope_quant.cli", *_compare_argv(model, corpus, out)],
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not list((out / "cells").rglob("*.json")) if (out / "cells").exists() else True:
+        assert proc.poll() is None, "the sweep ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(list((out / "cells").rglob("*.json")))
+    assert 1 <= done_before < 6
+    assert cli.main(_compare_argv(model, corpus, out), models=ModelCache()) == 0
+    got = _results(out)
+    assert got == want, _diff(got, want)  # the cell paths carry the keys: same cells, same results
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+    paths = sorted(got)
+    (out / paths[0]).write_text((out / paths[0]).read_text()[:40])
+    (out / paths[1]).write_bytes(b"\x00garbage")
+    intact = {p: (out / p).read_bytes() for p in paths[2:]}
+    assert cli.main(_compare_argv(model, corpus, out), models=ModelCache()) == 0
+    again = _results(out)
+    assert again == want, _diff(again, want)
+    assert all((out / p).read_bytes() == b for p, b in intact.items())  # the intact records were not rewritten
