@@ -535,3 +535,10 @@ def test_kill_9_mid_sweep_then_resume_is_bit_identical_and_damaged_records_rerun
     again = _results(out)
     assert again == want, _diff(again, want)
     assert all((out / p).read_bytes() == b for p, b in intact.items())  # the intact records were not rewritten
+
+
+def test_empty_token_batches_still_quantise():
+    for symmetric in (False, True):
+        assert fake_quant_per_token(torch.zeros(0, 8), 4, symmetric=symmetric).shape == (0, 8)
+        empty = torch.zeros(2, 0, 8, dtype=torch.float16)
+        assert fake_quant_per_token(empty, 4, symmetric=symmetric).shape == (2, 0, 8)
