@@ -29,7 +29,7 @@ from rope_quant.experiment.config import RunConfig
 from rope_quant.model.loading import CheckpointError, ModelNotFoundError, check_checkpoint, load_model
 from rope_quant.quant.gptq import GPTQError, _rtn, rtn_quantize
 from rope_quant.quant.quantizers import StaticChannelQuantizer, fake_quant_per_token
-from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, read_manifest, reconcile
+from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, claim_study, read_manifest, reconcile
 from rope_quant.sweep.models import ModelCache
 from rope_quant.sweep.records import status
 
@@ -542,3 +542,32 @@ def test_empty_token_batches_still_quantise():
         assert fake_quant_per_token(torch.zeros(0, 8), 4, symmetric=symmetric).shape == (0, 8)
         empty = torch.zeros(2, 0, 8, dtype=torch.float16)
         assert fake_quant_per_token(empty, 4, symmetric=symmetric).shape == (2, 0, 8)
+
+
+def test_claim_study_checks_and_writes_in_one_step(tmp_path):
+    """The CLI's pre-load check: a different study is refused before anything is written; the same study
+    (more seeds) is merged and written."""
+    out = tmp_path / "out"
+    variants = {"hadamard": {"r3": "hadamard"}, "pairwise_only": {"r3": "pairwise_only"}}
+    first = claim_study(out, build_manifest(RunConfig(), variants, [0]))
+    assert len(first.manifest) == 2 and len(read_manifest(out)["cells"]) == 2
+    before = (out / "manifest.json").read_bytes()
+    with pytest.raises(ManifestMismatchError, match=f"k_bits: {RunConfig().k_bits} -> 3 "):
+        claim_study(out, build_manifest(RunConfig().override(k_bits=3), variants, [0]))
+    assert (out / "manifest.json").read_bytes() == before
+    more = claim_study(out, build_manifest(RunConfig(), variants, [0, 1]))
+    assert len(more.manifest) == 4 and len(read_manifest(out)["cells"]) == 4
+
+
+def test_a_held_study_lock_times_out_with_a_clear_error(tmp_path):
+    from filelock import FileLock
+
+    from rope_quant.sweep.lock import STUDY_LOCK, StudyLockTimeout, lock_dir, study_lock
+
+    holder = FileLock(str(lock_dir(tmp_path) / STUDY_LOCK))
+    with holder:
+        with pytest.raises(StudyLockTimeout, match=r"another run has held .*study\.lock"):
+            with study_lock(tmp_path, timeout=0.2):
+                pass
+    with study_lock(tmp_path, timeout=0.2):  # released: free again
+        pass
