@@ -160,9 +160,7 @@ def test_normal_range_rows_are_untouched_by_the_overflow_repair():
 RUN_SCRIPT = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from rope_quant import cli
-from rope_quant.experiment.config import RunConfig
-from rope_quant.model.loading import CheckpointError, ModelNotFoundError, check_checkpoint, load_model
+    from rope_quant.experiment.config import RunConfig
     from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest
     from rope_quant.sweep.runner import run_cells
 
@@ -337,6 +335,7 @@ def _cache_files(out: Path, token_cache: Path) -> dict[str, Path]:
     return {"r1": r1, "weights": weights, "stats": stats, "tokens": tokens[0]}
 
 
+@pytest.mark.filterwarnings("ignore:ignoring unreadable corpus cache:UserWarning")  # the token cache's warning
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
 def test_every_cache_damaged_in_turn_heals_and_the_record_keeps_every_field(healing_study, damage, caplog):
     """Issue 26 wrong case 2 (the R1 file damaged while the weight cache is intact) and the other caches:
