@@ -25,7 +25,7 @@ _MAX_COUNT = 1 << 40  # a larger count can only come from a damaged header
 
 
 class GGUFHeaderError(ValueError):
-    """A GGUF header that cannot be read (cut short or malformed); the message says where."""
+    """A GGUF header that cannot be read (cut short or malformed); the caller names the file."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class _Reader:
     def take(self, n: int) -> bytes:
         data = self.handle.read(n)
         if len(data) != n:
-            raise GGUFHeaderError(f"{self.path}: the file ends inside its GGUF header (at byte {self.handle.tell()})")
+            raise GGUFHeaderError(f"the GGUF header is truncated (the file ends at byte {self.handle.tell()})")
         return data
 
     def scalar(self, fmt: str) -> Any:
@@ -74,7 +74,7 @@ class _Reader:
     def count(self) -> int:
         n = self.scalar("<Q")
         if n > _MAX_COUNT:
-            raise GGUFHeaderError(f"{self.path}: implausible count {n} in the GGUF header (damaged file?)")
+            raise GGUFHeaderError(f"implausible count {n} in the GGUF header (damaged file?)")
         return n
 
     def string(self) -> str:
@@ -93,7 +93,7 @@ class _Reader:
                 return list(struct.unpack(f"<{n}{fmt[1]}", raw)) if n <= 64 else None
             items = [self.value(etype) for _ in range(n)]
             return items if n <= 64 else None
-        raise GGUFHeaderError(f"{self.path}: unknown GGUF value type {vtype} (damaged file?)")
+        raise GGUFHeaderError(f"unknown GGUF value type {vtype} in the header (damaged file?)")
 
 
 def _tensor_bytes(shape: tuple[int, ...], ggml_type: int, path: Path, name: str) -> int:
@@ -102,7 +102,7 @@ def _tensor_bytes(shape: tuple[int, ...], ggml_type: int, path: Path, name: str)
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError) as exc:
-        raise GGUFHeaderError(f"{path}: tensor {name!r} has unknown ggml type {ggml_type}") from exc
+        raise GGUFHeaderError(f"tensor {name!r} has unknown ggml type {ggml_type} (damaged file?)") from exc
     n = 1
     for d in shape:
         n *= d
@@ -114,7 +114,7 @@ def _read_cached(path: Path, stamp: tuple[int, int]) -> GGUFHeader:
     with path.open("rb") as handle:
         r = _Reader(handle, path)
         if r.take(4) != b"GGUF":
-            raise GGUFHeaderError(f"{path} is not a GGUF file (no GGUF magic)")
+            raise GGUFHeaderError("not a GGUF file (no GGUF magic)")
         version = r.scalar("<I")
         n_tensors, n_kv = r.count(), r.count()
         metadata = {}
