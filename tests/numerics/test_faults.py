@@ -570,3 +570,27 @@ def test_a_held_study_lock_times_out_with_a_clear_error(tmp_path):
                 pass
     with study_lock(tmp_path, timeout=0.2):  # released: free again
         pass
+
+
+def test_issue26_two_cli_runs_of_different_studies_started_together(tmp_path, monkeypatch):
+    """The reported command pair: `compare … --out D` and the same plus `--k-bits 3`, started together. One
+    exits 0, the other 2 with the diff; the manifest holds the winner's study and its records only."""
+    monkeypatch.setenv("ROPE_QUANT_CACHE_DIR", str(tmp_path / "token-cache"))
+    model = save_tiny_model(tmp_path / "tiny")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_text(1))
+    out = tmp_path / "out"
+    base = [sys.executable, "-m", "rope_quant.cli", *_compare_argv(model, corpus, out)]
+    procs = [subprocess.Popen(argv, env={**_env(), "ROPE_QUANT_CACHE_DIR": str(tmp_path / "token-cache")},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv in (base, [*base, "--k-bits", "3"])]
+    results = [(p.wait(timeout=400), *p.communicate()) for p in procs]
+    codes = [r[0] for r in results]
+    assert sorted(codes) == [0, 2], [r[2][-2000:] for r in results]
+    loser = codes.index(2)
+    assert "holds a different study" in results[loser][2] and "k_bits: " in results[loser][2]
+    k_win = 3 if loser == 0 else RunConfig().k_bits
+    cells = read_manifest(out)["cells"]
+    assert len(cells) == 6 and {c["config"]["quant"]["k"]["bits"] for c in cells} == {k_win}
+    on_disk = sorted(str(p.relative_to(out)) for p in (out / "cells").rglob("*.json"))
+    assert on_disk == sorted(c["path"] for c in cells)  # no record of the refused study
