@@ -27,14 +27,14 @@ def check_corpus(name: str) -> str:
 
 def check_model(name: str) -> str:
     """An embedded model name or an existing local checkpoint / .gguf file (else the closest names)."""
-    from rope_quant.model.loading import EMBEDDED_MODELS, ModelNotFoundError, resolve_model
+    from rope_quant.model.loading import EMBEDDED_MODELS, ModelLoadError, ModelNotFoundError, check_checkpoint
 
     looks_like_path = "/" in name or "\\" in name or name.endswith(".gguf")
     if name.lower() not in EMBEDDED_MODELS and not looks_like_path and not Path(name).expanduser().exists():
         raise unknown_name("model", name, list(EMBEDDED_MODELS))
     try:
-        resolve_model(name)
-    except ModelNotFoundError as exc:
+        check_checkpoint(name)  # resolves it; a cut file or an odd head_dim is named here, before any weight loads
+    except (ModelNotFoundError, ModelLoadError) as exc:
         raise CLIError(str(exc)) from None
     return name
 

@@ -304,9 +304,26 @@ def _read_r1_cache(path: Path | None) -> tuple[torch.Tensor, dict] | None:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         return saved["r1"], {**saved["log"], "cache_hit": True}
-    except Exception as exc:  # noqa: BLE001 - unreadable cache: refit
-        log.warning("ignoring unreadable R1 cache %s (%s); refitting", path, exc)
+    except Exception as exc:  # noqa: BLE001 - unreadable cache: rebuilt from the weight cache, or refitted
+        log.warning("ignoring unreadable R1 cache %s (%s); rebuilding it", path, exc)
         return None
+
+
+def _hit_fit_log(path: Path | None, payload: dict) -> dict | None:
+    """A weight-cache hit's R1 fit log (issue 26: a damaged R1 file must not cost the record its fit log).
+
+    The R1 file's log when it is readable; else the weight cache's copy of R1 and its log, written back to the
+    R1 file; None when the weight cache predates that copy (the caller then refits R1 and recomputes)."""
+    saved = _read_r1_cache(path)
+    if saved is not None:
+        return saved[1]
+    fit, r1 = payload.get("rotation_fit"), payload.get("r1")
+    if not fit or r1 is None or path is None:
+        return None
+    with atomic_writer(path) as handle:
+        torch.save({"r1": r1, "log": fit}, handle)
+    log.warning("rebuilt R1 cache %s from the weight cache's R1 and fit log", path)
+    return {**fit, "cache_hit": True}
 
 
 def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path | None,
@@ -431,7 +448,7 @@ def _weight_cache_path(cache_dir: Path | None, cfg: RunConfig, fingerprint: str,
 
 
 def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, errors: dict,
-                  static_act: dict | None) -> None:
+                  static_act: dict | None, rotation_fit: dict | None = None) -> None:
     """Write the rotated, quantised state (every parameter and buffer) atomically (:mod:`rope_quant.io`).
 
     A quantised linear's weight is stored as its integer codes and scales (:mod:`rope_quant.quant.packing`)
@@ -447,6 +464,7 @@ def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, e
         "untied": bool(getattr(rotation, "untied", False)), "errors": errors,
         "static_act": None if static_act is None else {
             n: (q.lo.cpu(), q.hi.cpu()) for n, q in static_act.items()},
+        "rotation_fit": {**rotation_fit, "cache_hit": False} if rotation_fit else None,  # heals the R1 file
     }
     with atomic_writer(path) as handle:
         torch.save(payload, handle)
@@ -733,10 +751,16 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
             log.warning("ignoring weight cache %s (%s); recomputing it", wpath, exc)
             cached = None
             model, tokenizer = _load(cfg, base)
-    if cached is not None:
-        if cfg.rotation.r1 == RotationKind.WHIP:  # the fit log only: the weights already hold R1
-            rotation_fit = (_read_r1_cache(r1_cache) or (None, {}))[1]
-    else:
+    if cached is not None and cfg.rotation.r1 == RotationKind.WHIP:  # the fit log only: the weights hold R1
+        hit_log = _hit_fit_log(r1_cache, cached)
+        if hit_log is None:  # R1 file damaged or gone, and a weight cache without the fit log: refit, recompute
+            log.warning("R1 cache %s cannot be rebuilt from weight cache %s; refitting R1 and recomputing the "
+                        "weights", r1_cache, wpath)
+            cached = None
+            model, tokenizer = _load(cfg, base)
+        else:
+            rotation_fit = hit_log
+    if cached is None:
         rotation, rotation_fit = _rotate(model, cfg, calib, r1_cache, progress)
     timing["rotate_s"] = time.perf_counter() - t
 
@@ -764,7 +788,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
             gptq.quantize_model_rtn(model, w.bits, w.gptq.group_size, w.gptq.mse, w.clip)
             counters.weight_quantizations += 1
         if wpath is not None:
-            _save_weights(wpath, cfg, model, rotation, errors, static_act)
+            _save_weights(wpath, cfg, model, rotation, errors, static_act, rotation_fit)
     timing["weights_s"] = time.perf_counter() - t
 
     # 5. calibration statistics (pre-RoPE q/k) on the same windows

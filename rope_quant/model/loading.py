@@ -52,6 +52,11 @@ class ModelLoadError(ValueError):
     """
 
 
+class CheckpointError(ModelLoadError):
+    """A checkpoint that is damaged or that the pipeline cannot use, named with its culprit: a GGUF or
+    safetensors file cut inside its tensor data, an odd head_dim (issue 26)."""
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model's weights live: a directory (HF checkpoint or GGUF folder) and an optional GGUF file."""
@@ -122,6 +127,7 @@ def _reading(src: ModelSource, what: str, read: Callable[[], T]) -> T:
     except ModelLoadError:
         raise
     except Exception as exc:  # transformers / gguf raise struct.error, ValueError, OSError, KeyError ...
+        _diagnose(src, exc)  # a specific culprit (cut file, odd head_dim) replaces the generic message
         hint = " (truncated or corrupt GGUF file?)" if src.gguf_file else ""
         raise ModelLoadError(f"cannot read the {what} of {path}{hint}: {type(exc).__name__}: {exc}") from exc
 
@@ -194,3 +200,109 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torc
     model.to(device).eval()
     model.rq_source = src  # provenance for env.json and caches
     return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- checkpoint checks (issue 26)
+
+
+def check_checkpoint(name_or_path: str) -> None:
+    """Check a checkpoint before its weights load (the CLI preflight); raises a specific error or returns.
+
+    :class:`ModelNotFoundError` when it cannot be resolved; :class:`CheckpointError` naming the culprit for a
+    GGUF or safetensors file cut inside its tensor data (the first tensor that does not fit) or an odd
+    head_dim (RoPE rotates pairs of dimensions). Reads only headers and the config. Embedded models are
+    resolved but not re-read (their files are checked by their own installers).
+    """
+    src = resolve_model(name_or_path)
+    if src.name in EMBEDDED_MODELS:
+        return
+    _check_source(src)
+
+
+def _diagnose(src: ModelSource, exc: Exception) -> None:
+    """Raise :class:`CheckpointError` from ``exc`` when :func:`_check_source` finds a culprit; else return."""
+    try:
+        _check_source(src)
+    except CheckpointError as found:
+        raise found from exc
+    except Exception:  # noqa: BLE001 - the diagnosis is best effort; the caller reports the original error
+        return
+
+
+def _check_source(src: ModelSource) -> None:
+    path = model_path(src)
+    if src.gguf_file:
+        check_gguf_file(path)
+        head_dim = _check_gguf(path)
+    else:
+        for weights in sorted(src.directory.glob("*.safetensors")):
+            _check_safetensors(weights)
+        head_dim = _config_head_dim(src.directory / "config.json")
+    if head_dim is not None and head_dim % 2:
+        raise CheckpointError(f"checkpoint {path}: head_dim {head_dim} is odd (RoPE rotates pairs of dimensions, "
+                              "so the rotations need an even head_dim)")
+
+
+def _check_gguf(path: Path) -> int | None:
+    """A GGUF's header read and checked against the file size; returns its head_dim (None: unknown)."""
+    from rope_quant.model.gguf_header import GGUFHeaderError, read_gguf_header
+
+    try:
+        header = read_gguf_header(path)
+    except GGUFHeaderError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from exc
+    cut = header.first_cut_tensor()
+    if cut is not None:
+        start = header.data_start + cut.offset
+        raise CheckpointError(
+            f"checkpoint {path}: the GGUF file is cut inside its tensor data: tensor {cut.name!r} needs bytes "
+            f"{start}..{start + cut.n_bytes}, the file ends at {header.file_size} (re-download or re-export it)")
+    meta = header.metadata
+    arch_name = meta.get("general.architecture")
+    first = lambda v: v[0] if isinstance(v, list) and v else v  # noqa: E731 - per-layer arrays
+    key_length = first(meta.get(f"{arch_name}.attention.key_length"))
+    if isinstance(key_length, int):
+        return key_length
+    hidden = first(meta.get(f"{arch_name}.embedding_length"))
+    heads = first(meta.get(f"{arch_name}.attention.head_count"))
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+
+
+def _check_safetensors(path: Path) -> None:
+    """A safetensors file's JSON header read and its tensors' byte ranges checked against the file size."""
+    import json
+    import struct
+
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        raw = handle.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else None
+        if n is None or 8 + n > size:
+            raise CheckpointError(f"checkpoint {path}: the safetensors file is cut inside its header")
+        try:
+            header = json.loads(handle.read(n))
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {path}: unreadable safetensors header ({exc})") from exc
+    tensors = [(k, v["data_offsets"]) for k, v in header.items() if isinstance(v, dict) and "data_offsets" in v]
+    for name, (_, end) in sorted(tensors, key=lambda kv: kv[1][0]):
+        if 8 + n + end > size:
+            raise CheckpointError(
+                f"checkpoint {path}: the safetensors file is cut inside its tensor data: tensor {name!r} ends at "
+                f"byte {8 + n + end}, the file ends at {size} (re-download or re-save it)")
+
+
+def _config_head_dim(config_json: Path) -> int | None:
+    """head_dim from a checkpoint's config.json (its text config for multimodal ones), None if unknown."""
+    import json
+
+    try:
+        cfg = json.loads(config_json.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {config_json}: unreadable config ({exc})") from exc
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    head_dim = cfg.get("head_dim")
+    if isinstance(head_dim, int):
+        return head_dim
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None

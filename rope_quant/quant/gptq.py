@@ -131,25 +131,30 @@ def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor, bits: int) -> tor
     return _int_codes(w, scale, bits) * scale
 
 
-def _int_codes(w: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """The integer codes ``clamp(round(w / s), -2^(b-1), 2^(b-1) - 1)`` (as floats) of :func:`quantize_with_scales`."""
+def _int_codes(w: torch.Tensor, scale: torch.Tensor, bits: int, qlow: int | None = None) -> torch.Tensor:
+    """The integer codes ``clamp(round(w / s), -2^(b-1), 2^(b-1) - 1)`` (as floats) of :func:`quantize_with_scales`
+    (``qlow``: another lowest code, ``-qmax`` for the symmetric grid of rows near the dtype's maximum)."""
     qmax = _qmax(bits)
-    return torch.clamp(torch.round(w / scale), -qmax - 1, qmax)
+    return torch.clamp(torch.round(w / scale), -qmax - 1 if qlow is None else qlow, qmax)
 
 
 def weight_scales(w: torch.Tensor, bits: int, mse: bool = True, clip_ratio: float = 1.0,
                   grid: int = 100, max_shrink: float = 0.8, norm: float = 2.0,
-                  chunk_rows: int = 4096) -> torch.Tensor:
+                  chunk_rows: int = 4096, qlow: int | None = None) -> torch.Tensor:
     """Per-row symmetric scales (rows, 1) for ``w`` (rows = output channels, or channel x group).
 
     Without ``mse``: ``s = clip_ratio * max|w| / (2^(b-1) - 1)``. With ``mse``: for each row, the ratio
     ``r`` in ``{1, 1 - 1/grid, ..., 1 - max_shrink}`` (times ``clip_ratio``) minimising
     ``sum |w - q_r(w)|^norm``. The search runs on ``x = w / max|w|`` (the error of a row scales by a
     per-row constant, so the argmin is unchanged) with in-place scalar ops, ``chunk_rows`` rows at a time.
+    ``qlow`` (default ``-2^(b-1)``) is the lowest code the search may use.
     """
     _check_bits(bits)
+    if w.dim() != 2 or w.shape[1] == 0:
+        raise GPTQError(f"weight_scales needs a 2-D weight with at least one column, got shape {tuple(w.shape)}")
     w = w.float()
     qmax = _qmax(bits)
+    qmin = -qmax - 1 if qlow is None else qlow
     amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) * clip_ratio
     if not mse:
         return amax / qmax
@@ -163,7 +168,7 @@ def weight_scales(w: torch.Tensor, bits: int, mse: bool = True, clip_ratio: floa
         for r in ratios:
             step = r / qmax
             torch.mul(x, 1.0 / step, out=buf)
-            buf.round_().clamp_(-qmax - 1, qmax).mul_(step).sub_(x)
+            buf.round_().clamp_(qmin, qmax).mul_(step).sub_(x)
             err = torch.linalg.vector_norm(buf, ord=norm, dim=1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
@@ -172,7 +177,7 @@ def weight_scales(w: torch.Tensor, bits: int, mse: bool = True, clip_ratio: floa
 
 
 def _group_scales(w: torch.Tensor, bits: int, group_size: int, mse: bool, clip_ratio: float,
-                  grid: int, max_shrink: float) -> torch.Tensor:
+                  grid: int, max_shrink: float, qlow: int | None = None) -> torch.Tensor:
     """Scales of shape (out, n_groups) for contiguous column groups (``group_size=-1``: one group)."""
     out_f, in_f = w.shape
     gs = in_f if group_size == -1 else group_size
@@ -180,7 +185,7 @@ def _group_scales(w: torch.Tensor, bits: int, group_size: int, mse: bool, clip_r
     scales = torch.empty(out_f, n_groups, dtype=torch.float32, device=w.device)
     for g in range(n_groups):
         cols = w[:, g * gs:(g + 1) * gs]
-        scales[:, g] = weight_scales(cols, bits, mse, clip_ratio, grid, max_shrink)[:, 0]
+        scales[:, g] = weight_scales(cols, bits, mse, clip_ratio, grid, max_shrink, qlow=qlow)[:, 0]
     return scales
 
 
@@ -190,6 +195,9 @@ def rtn_quantize(w: torch.Tensor, bits: int, group_size: int = -1, mse: bool = T
 
     Non-finite entries follow the quantisers' one policy (:mod:`rope_quant.quant.quantizers`): they pass
     through unchanged and the scales come from the finite entries; finite weights take the plain path.
+    Finite weights never overflow: a row whose codes times scale leave the weight dtype's finite range (code
+    −2^(b−1) reaches 2^(b−1)/(2^(b−1)−1)·max|w|) is requantised on the symmetric grid ±(2^(b−1)−1), with
+    the MSE search over that grid; every other row keeps its bits. A weight with no columns is refused.
     """
     return _rtn(w, bits, group_size, mse, clip_ratio, grid, max_shrink)[0]
 
@@ -198,6 +206,9 @@ def _rtn(w: torch.Tensor, bits: int, group_size: int, mse: bool, clip_ratio: flo
          max_shrink: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`rtn_quantize` with its integer codes and scales: (weight, codes, scales (out, n_groups))."""
     _check_bits(bits)
+    if w.dim() != 2 or w.shape[1] == 0 or not torch.is_floating_point(w):
+        raise GPTQError(f"RTN needs a 2-D floating-point weight with at least one column, got shape "
+                        f"{tuple(w.shape)} ({w.dtype})")
     w32 = w.float()
     finite = bool(torch.isfinite(w32).all())
     src = w32 if finite else torch.where(torch.isfinite(w32), w32, torch.zeros_like(w32))
@@ -207,9 +218,37 @@ def _rtn(w: torch.Tensor, bits: int, group_size: int, mse: bool, clip_ratio: flo
     col_scale = scales.repeat_interleave(gs, dim=1)[:, :in_f]
     codes = _int_codes(src, col_scale, bits)
     out = codes * col_scale
+    lim = torch.finfo(w.dtype).max
+    if scales.numel() and float(scales.amax()) * (_qmax(bits) + 1) > lim / 2:
+        bad = (~torch.isfinite(out.to(w.dtype)) & torch.isfinite(w32)).any(dim=1)
+        if bool(bad.any()):
+            _symmetric_grid_rows(src, bad, scales, codes, out, bits, group_size, mse, clip_ratio, grid,
+                                 max_shrink, w.dtype)
     if not finite:
         out = torch.where(torch.isfinite(w32), out, w32)
     return out.to(w.dtype), codes, scales
+
+
+def _symmetric_grid_rows(src: torch.Tensor, bad: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor,
+                         out: torch.Tensor, bits: int, group_size: int, mse: bool, clip_ratio: float, grid: int,
+                         max_shrink: float, dtype: torch.dtype) -> None:
+    """Requantise the rows ``bad`` (their codes times scale overflow ``dtype``) on the symmetric grid
+    ±qmax, in place: |code·s| ≤ qmax·s ≤ max|w|; a scale whose product still rounds past the dtype's maximum
+    is stepped down one ulp. Codes and scales stay consistent (the packed weights reproduce ``out``)."""
+    qmax = _qmax(bits)
+    lim = torch.finfo(dtype).max
+    sub = src[bad]
+    s = _group_scales(sub, bits, group_size, mse, clip_ratio, grid, max_shrink, qlow=-qmax)
+    for _ in range(4):
+        over = (s.double() * qmax).to(dtype).isinf() | (s * qmax).isinf()
+        if not bool(over.any()):
+            break
+        s = torch.where(over, torch.nextafter(s, torch.zeros_like(s)), s)
+    in_f = src.shape[1]
+    gs = in_f if group_size == -1 else group_size
+    col = s.repeat_interleave(gs, dim=1)[:, :in_f]
+    c = _int_codes(sub, col, bits, qlow=-qmax)
+    scales[bad], codes[bad], out[bad] = s, c, (c * col).clamp(-lim, lim)
 
 
 # ----------------------------------------------------------------------------- Hessian

@@ -13,6 +13,11 @@ Conventions follow the rotation-PTQ baselines the paper builds on (QuaRot/SpinQu
   neighbours; calibration (``StaticChannelQuantizer.observe``) raises :class:`NonFiniteInputError`, since a
   non-finite range would poison a channel for every later input. Ranges near the float32 limit (±3e38)
   are computed without overflow. The fast path for finite inputs is bit-identical to the plain formulas.
+* Overflow policy: finite input gives finite output in every input dtype (float16, bfloat16, float32). The
+  reconstruction can exceed the group's range by up to Δ/2 (the zero point is rounded), which overflows the
+  dtype near its maximum. Only groups whose range exceeds a quarter of the dtype's maximum can do so (a cheap
+  test on the per-group range); when one does, the groups that came out ±inf are recomputed in float64 and
+  saturated at the dtype's largest finite value. Every other output is the fast path's, bit for bit.
 
 Computation runs in float32 for half-precision inputs and the result is cast back to the input dtype.
 """
@@ -190,6 +195,40 @@ def _sym_amax(g: torch.Tensor, clip_ratio: float) -> tuple[torch.Tensor, bool]:
     return amax * clip_ratio, finite
 
 
+def _overflow_risk(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Can x̂ leave ``dtype``'s finite range? |x̂| ≤ max(|lo|, |hi|) + Δ/2 ≤ 2·max(|lo|, |hi|) for every
+    bit width, so a range inside ±max/4 is safe (the test reads only the per-group bounds)."""
+    if hi.numel() == 0:
+        return False
+    lim = _QUARTER_MAX.get(dtype)
+    if lim is None:
+        lim = _QUARTER_MAX.setdefault(dtype, torch.finfo(dtype).max / 4)
+    return float(hi.amax()) > lim or (lo is not hi and float(lo.amin()) < -lim)
+
+
+_QUARTER_MAX: dict[torch.dtype, float] = {}
+
+
+def _saturate64(out64: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 result clamped to ``dtype``'s finite range where the input was finite, input elsewhere."""
+    lim = torch.finfo(dtype).max
+    return torch.where(torch.isfinite(src), out64.clamp(-lim, lim), src).to(dtype)
+
+
+def _repair_overflow(res: torch.Tensor, x: torch.Tensor, group_size: int, fq64) -> torch.Tensor:
+    """Recompute in float64 (``fq64``: grouped float64 rows → x̂) the groups whose finite inputs came out
+    ±inf in ``res``, saturated at the dtype's maximum; every other group keeps its bits."""
+    rg = _grouped(res, group_size)
+    xg = _grouped(x, group_size)
+    bad = (torch.isinf(rg) & torch.isfinite(xg)).any(dim=-1)
+    if not bool(bad.any()):
+        return res
+    rg = rg.clone()
+    sub = xg[bad].double()
+    rg[bad] = _saturate64(fq64(sub), sub, x.dtype)
+    return rg.reshape(x.shape)
+
+
 def _clamp_between(q: torch.Tensor, low: torch.Tensor, high: torch.Tensor, zero_sign_free: bool) -> torch.Tensor:
     """q.clamp_(low, high) in place, bit for bit.
 
@@ -248,12 +287,25 @@ def fake_quant_per_token(
     if symmetric:
         amax, finite = _sym_amax(g, clip_ratio)
         out = _fq_sym(g, amax, bits)
+        risky = _overflow_risk(amax, amax, x.dtype)  # amax ≥ 0: one bound suffices
     else:
         lo, hi, finite = _asym_range(g, clip_ratio)
         out = _fq_asym(g, lo, hi, bits)
+        risky = _overflow_risk(lo, hi, x.dtype)
     if not finite:
         out = _passthrough_nonfinite(out, g)
-    return out.reshape(x.shape).to(x.dtype)
+    res = out.reshape(x.shape).to(x.dtype)
+    if risky:
+        res = _repair_overflow(res, x, group_size, lambda s: _fq_group64(s, bits, clip_ratio, symmetric))
+    return res
+
+
+def _fq_group64(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool) -> torch.Tensor:
+    """The dynamic quantiser on float64 groups (range, Δ and z in float64: no overflow at any input dtype)."""
+    if symmetric:
+        return _fq_sym(g, _sym_amax(g, clip_ratio)[0], bits)
+    lo, hi, _ = _asym_range(g, clip_ratio)
+    return _fq_asym(g, lo, hi, bits)
 
 
 def fake_quant(x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
@@ -401,6 +453,20 @@ class StaticChannelQuantizer:
         out = _fq_sym(w, a, self.bits) if self.symmetric else _fq_asym(w, a, b, self.bits)
         if not _all_finite(w):
             out = _passthrough_nonfinite(out, w)
-        return out.to(x.dtype)
+        res = out.to(x.dtype)
+        if _overflow_risk(a if not self.symmetric else -a, b, x.dtype):
+            res = self._repair_overflow(res, x)
+        return res
+
+    def _repair_overflow(self, res: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Elements whose finite input came out ±inf, recomputed in float64 with the same frozen ranges and
+        saturated at the dtype's maximum (the ranges are per channel, so elements are independent)."""
+        bad = torch.isinf(res) & torch.isfinite(x)
+        if not bool(bad.any()):
+            return res
+        a, b = (t.to(device=x.device, dtype=torch.float64) for t in self._params)  # type: ignore[union-attr]
+        x64 = x.double()
+        out64 = _fq_sym(x64, a, self.bits) if self.symmetric else _fq_asym(x64, a, b, self.bits)
+        return torch.where(bad, _saturate64(out64, x64, x.dtype), res)
 
     quantize = __call__

@@ -62,6 +62,10 @@ class ManifestNotFoundError(SweepError, FileNotFoundError):
     """A results directory without ``manifest.json``."""
 
 
+class StudyBusyError(SweepError):
+    """Another run held the results directory's study lock for too long (``DIR/.locks/study.lock``)."""
+
+
 class ManifestMismatchError(SweepError):
     """A results directory already holds the manifest of a different study (the message lists the diff)."""
 
@@ -219,7 +223,9 @@ def read_manifest(out: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(out) / MANIFEST_FILE
     if not path.is_file():
         raise ManifestNotFoundError(f"{path} does not exist: is {out} a results directory of a sweep?")
-    return json.loads(path.read_text())
+    data = json.loads(path.read_text())
+    _SEEN[_seen_key(path)] = data
+    return data
 
 
 def load_manifest(out: str | os.PathLike[str]) -> Manifest:
@@ -233,7 +239,17 @@ def write_manifest(out: str | os.PathLike[str], manifest: Manifest, *, merge: bo
     ``merge=True`` (used by single ``run`` cells) keeps the existing cells and adds or replaces the
     new ones by (name, seed); otherwise the new manifest replaces the old one.
     """
-    path = Path(out) / MANIFEST_FILE
+    from rope_quant.sweep.lock import StudyLockTimeout, study_lock
+
+    try:
+        with study_lock(out):
+            return _write_manifest_locked(Path(out) / MANIFEST_FILE, manifest, merge=merge)
+    except StudyLockTimeout as exc:
+        raise StudyBusyError(str(exc)) from exc
+
+
+def _write_manifest_locked(path: Path, manifest: Manifest, *, merge: bool = False) -> Path:
+    """:func:`write_manifest`'s body; the caller holds the study lock."""
     data = manifest.to_dict()
     old = None
     if path.is_file():
@@ -249,9 +265,75 @@ def write_manifest(out: str | os.PathLike[str], manifest: Manifest, *, merge: bo
             c["index"] = i
         meta = {**(old.get("meta") or {}), **data["meta"]}
         data = {**old, "meta": meta, "cells": cells}  # the existing kind, comparator and family stay
-    if old == data:
-        return path
-    return atomic_write_json(path, data)
+    if old != data:
+        atomic_write_json(path, data)
+    _SEEN[_seen_key(path)] = _as_json(data)
+    return path
+
+
+def _as_json(data: Any) -> Any:
+    """``data`` as it reads back from its JSON file."""
+    return json.loads(json.dumps(to_jsonable(data)))
+
+
+# ----------------------------------------------------------------------------- one study per directory
+
+_SEEN: dict[str, Any] = {}  # per manifest path: the content this process last read or wrote (None: absent)
+
+
+def _seen_key(path: Path) -> str:
+    return str(path.resolve())
+
+
+def _current(path: Path) -> Any:
+    """The manifest's parsed content, None when absent, or a sentinel string when unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return "<unreadable>"
+
+
+def commit_manifest(out: str | os.PathLike[str], manifest: Manifest) -> Manifest:
+    """Write ``manifest`` into ``out`` under the study lock, checking first that no other run changed the
+    directory's study since this process read it (issue 26: two runs started together).
+
+    If ``manifest.json`` is absent, equal to ``manifest``, or what this process last read (:func:`reconcile`,
+    :func:`read_manifest`) or wrote, ``manifest`` replaces it as before (so ``--force-new-manifest`` still
+    replaces). Otherwise another run wrote it meanwhile (or this process never looked): the same study is
+    merged (:func:`reconcile`), a different one raises :class:`ManifestMismatchError` with the same diff as
+    for runs one after the other.
+    Returns the manifest written (``manifest``, or the union).
+    """
+    from rope_quant.sweep.lock import StudyLockTimeout, study_lock
+
+    path = Path(out) / MANIFEST_FILE
+    try:
+        with study_lock(out):
+            current = _current(path)
+            key = _seen_key(path)
+            unchanged = current is None or (key in _SEEN and _SEEN[key] == current)
+            if not unchanged and current != _as_json(manifest.to_dict()):
+                manifest = reconcile(out, manifest).manifest
+            _write_manifest_locked(path, manifest)
+    except StudyLockTimeout as exc:
+        raise StudyBusyError(str(exc)) from exc
+    return manifest
+
+
+def claim_study(out: str | os.PathLike[str], new: Manifest, *, force: bool = False) -> Reconciled:
+    """:func:`reconcile` and the manifest write in one step under the study lock: the check a run makes
+    before its first cell (preferred over ``reconcile`` + a later write, which leaves a window)."""
+    from rope_quant.sweep.lock import StudyLockTimeout, study_lock
+
+    try:
+        with study_lock(out):
+            merged = reconcile(out, new, force=force)
+            _write_manifest_locked(Path(out) / MANIFEST_FILE, merged.manifest)
+    except StudyLockTimeout as exc:
+        raise StudyBusyError(str(exc)) from exc
+    return merged
 
 
 # ----------------------------------------------------------------------------- a changed study
@@ -340,6 +422,7 @@ def reconcile(out: str | os.PathLike[str], new: Manifest, *, force: bool = False
     """
     path = Path(out) / MANIFEST_FILE
     identity = Reconciled(new, list(range(len(new))))
+    _SEEN[_seen_key(path)] = _current(path)
     if force or not path.is_file():
         return identity
     try:

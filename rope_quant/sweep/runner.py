@@ -27,7 +27,8 @@ from typing import Any
 from rope_quant.experiment.envinfo import env_info, write_env
 from rope_quant.sweep import records
 from rope_quant.sweep.cells import CellFn, pipeline_cell_fn
-from rope_quant.sweep.manifest import Manifest, SweepError, config_seed, load_manifest, run_of, write_manifest
+from rope_quant.sweep.lock import CellClaim
+from rope_quant.sweep.manifest import Manifest, SweepError, commit_manifest, config_seed, load_manifest, run_of
 from rope_quant.sweep.models import ModelCache
 
 CACHE_DIR = "cache"
@@ -184,11 +185,18 @@ def run_cells(
     A failing cell is recorded and the others continue; a complete record is never removed before its
     replacement is complete, also with ``resume=False``. ``after_cell(i)`` runs after each cell that ran
     (the CLI's cache pruning, :mod:`rope_quant.sweep.cache_policy`).
+
+    Concurrency (issue 26, :mod:`rope_quant.sweep.lock`): the manifest is checked and written under the
+    study lock (:func:`~rope_quant.sweep.manifest.commit_manifest`: a different study written by another run
+    meanwhile raises ``ManifestMismatchError``); each cell is computed under its claim. A cell claimed by
+    another live run is skipped and revisited at the end: complete by then, it counts as skipped (without
+    ``resume``: if written since this run started); otherwise (its holder failed or died) it is taken over.
     """
     start = time.perf_counter()
+    started_at = time.time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, manifest)
+    commit_manifest(out, manifest)  # under the study lock: a different study written meanwhile is refused
     protocol = _protocol(manifest)
     env = env_info(device, protocol)
     write_env(out, device, protocol)
@@ -197,16 +205,24 @@ def run_cells(
                                    models=models)
     report = SweepReport()
     chosen = _grouped_by_weights(manifest, select(manifest, selection))
-    for count, i in enumerate(chosen, 1):
+
+    def done_elsewhere(path: Path, key: str) -> bool:
+        """Complete, and (without resume) written since this run started: another run computed it."""
+        if not records.is_complete(path, key):
+            return False
+        return resume or path.stat().st_mtime >= started_at
+
+    def run_one(count: int, i: int, claim: CellClaim) -> None:
         name, cfg = manifest.cells[i]
         path = records.cell_path(out, name, cfg)
-        if resume and records.is_complete(path, cfg.key()):  # looked up at call time: the shared predicate
-            report.skipped.append(i)
-            continue
-        if log:
-            log(f"[{count}/{len(chosen)}] {name} seed {config_seed(cfg)} ...")
-        t0 = time.perf_counter()
-        written, ok = run_cell_record(name, cfg, out, cell_fn, env)
+        with claim:
+            if done_elsewhere(path, cfg.key()):  # completed by another run before our claim
+                report.skipped.append(i)
+                return
+            if log:
+                log(f"[{count}/{len(chosen)}] {name} seed {config_seed(cfg)} ...")
+            t0 = time.perf_counter()
+            written, ok = run_cell_record(name, cfg, out, cell_fn, env)
         (report.ran if ok else report.failed).append(i)
         if log:
             kept = "; the previous complete record is kept" if written != path else ""
@@ -215,6 +231,24 @@ def run_cells(
             log(f"[{count}/{len(chosen)}] {name} seed {config_seed(cfg)} {state} in {elapsed:.1f}s")
         if after_cell is not None:
             after_cell(i)
+
+    deferred: list[tuple[int, int, CellClaim]] = []
+    for count, i in enumerate(chosen, 1):
+        name, cfg = manifest.cells[i]
+        path = records.cell_path(out, name, cfg)
+        if resume and records.is_complete(path, cfg.key()):  # looked up at call time: the shared predicate
+            report.skipped.append(i)
+            continue
+        claim = CellClaim(out, path.relative_to(out))
+        if not claim.try_claim():  # another run computes it now: come back to it at the end
+            if log:
+                log(f"[{count}/{len(chosen)}] {name} seed {config_seed(cfg)} is being computed by another run")
+            deferred.append((count, i, claim))
+            continue
+        run_one(count, i, claim)
+    for count, i, claim in deferred:  # wait for the holder; take over if it left no complete record
+        claim.wait_claim()
+        run_one(count, i, claim)
     report.seconds = time.perf_counter() - start
     return report
 

@@ -93,7 +93,22 @@ def ref_fake_quant(x: torch.Tensor, bits: int, group: int = -1, clip: float = 1.
         out = ref_fq_asym(g, lo, hi, bits)
     if not finite:
         out = torch.where(torch.isfinite(g), out, g)
-    return out.reshape(x.shape).to(x.dtype)
+    return _ref_saturate(out.reshape(x.shape).to(x.dtype), x, gs, bits, clip, symmetric)
+
+
+def _ref_saturate(out: torch.Tensor, x: torch.Tensor, gs: int, bits: int, clip: float,
+                  symmetric: bool) -> torch.Tensor:
+    """Issue 26's overflow rule: a group whose finite inputs came out ±inf is the float64 result, saturated
+    at the dtype's largest finite value (float64 itself never overflows here)."""
+    shape = (*x.shape[:-1], x.shape[-1] // gs, gs)
+    bad = (torch.isinf(out) & torch.isfinite(x)).reshape(shape).any(dim=-1, keepdim=True)
+    if not bool(bad.any()):
+        return out
+    x64 = x.double()
+    lim = torch.finfo(x.dtype).max
+    fix = torch.where(torch.isfinite(x64), ref_fake_quant(x64, bits, gs, clip, symmetric=symmetric)
+                      .clamp(-lim, lim), x64).to(x.dtype)
+    return torch.where(bad, fix.reshape(shape), out.reshape(shape)).reshape(x.shape)
 
 
 # ----------------------------------------------------------------------------- helpers
