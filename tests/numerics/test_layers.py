@@ -15,9 +15,9 @@ import rope_quant
 
 ROOT = Path(rope_quant.__file__).parent
 # Bottom-up. A module may import its own layer or any layer below it.
-LAYERS = ("defaults", "io", "core", "model", "quant", "calib", "rotations", "experiment", "sweep", "cli")
+LAYERS = ("defaults", "io", "seeds", "core", "model", "quant", "calib", "rotations", "experiment", "sweep", "cli")
 # The pytest plugin stands beside the layers: it may import only the bottom ones (stdlib-only modules).
-PLUGIN_MAY_IMPORT = {"defaults", "io"}
+PLUGIN_MAY_IMPORT = {"defaults", "io", "seeds"}
 
 
 def _module_name(path: Path) -> str:
