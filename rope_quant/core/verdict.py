@@ -280,3 +280,22 @@ def equivalence_margin(ppl: float) -> Margin:
     value = PAPER_MARGIN * ppl / PAPER_PPL_REFERENCE
     return Margin(value, f"±{PAPER_MARGIN} PPL scaled by the ppl ratio {ppl:.2f}/{PAPER_PPL_REFERENCE:.2f} "
                          f"= ±{value:.3f}")
+
+
+def paired_claim(form: Form, treatment: Sequence[float], control: Sequence[float], *,
+                 replicate: tuple[float, float] | None, replicate_index: int = 0, margin: float = 0.0,
+                 tokens: int | None = None) -> Verdict:
+    """The rule on a seed-paired comparison with its numerical replicate.
+
+    ``replicate``: (treatment, control) of seed ``treatment[replicate_index]`` rebuilt under another valid
+    floating-point order; the spread is how far that seed's paired difference moved. ``None`` only where no
+    replicate can exist (noise taken as 0, and the note says so).
+    """
+    if len(treatment) != len(control):
+        raise ValueError(f"treatment has {len(treatment)} values but control has {len(control)}")
+    diffs = [float(t) - float(c) for t, c in zip(treatment, control, strict=True)]
+    noise = 0.0
+    if replicate is not None and diffs:
+        noise = numerical_spread(diffs[replicate_index], float(replicate[0]) - float(replicate[1]))
+    v = decide(form, diffs, margin=margin, noise=noise, tokens=tokens)
+    return v if replicate is not None or v.note else replace(v, note="no numerical replicate: spread taken as 0")

@@ -166,3 +166,14 @@ def test_verdict_serialises() -> None:
     assert d["outcome"] == "inconclusive" and d["form"] == "equivalent" and d["budget"]["seeds"] == v.budget.seeds
     assert "seeds at today's tokens" in d["text"] and "tokens/cell at today's seeds" in d["text"]
     assert Budget(None, None, None, "x").text() == "no budget decides: x"
+
+
+def test_paired_claim_takes_its_spread_from_the_replicate() -> None:
+    from rope_quant.core.verdict import paired_claim
+
+    t, c = [11.0, 11.1, 10.9], [10.0, 10.0, 10.0]  # diffs 1.0, 1.1, 0.9
+    tight = paired_claim(Form.GREATER, t, c, replicate=(11.05, 10.0))
+    assert tight.outcome is Outcome.HOLDS and tight.noise == pytest.approx(0.05)
+    moved = paired_claim(Form.GREATER, t, c, replicate=(10.1, 10.0))  # seed 0's diff moved 1.0 -> 0.1
+    assert moved.outcome is Outcome.INCONCLUSIVE and moved.noise == pytest.approx(0.9)
+    assert "no numerical replicate" in paired_claim(Form.GREATER, t, c, replicate=None).text()
