@@ -105,3 +105,17 @@ def test_add_against_argument() -> None:
     parser = add_against_argument(argparse.ArgumentParser())
     assert parser.parse_args(["--against", "OTHER"]).against == "OTHER"
     assert parser.parse_args([]).against is None
+
+
+def test_compare_report_carries_the_budget_to_decide_the_sign(tmp_path: Path) -> None:
+    from rope_quant.sweep import report
+
+    out = _results(tmp_path, {"pairwise_only": [0.2, 0.1, 0.3], "open": [0.3, -0.2, 0.1]})
+    md = report.write_report(out, figures=False)["markdown"]
+    assert "budget to decide the sign" in md
+    open_line = next(line for line in md.splitlines() if line.startswith("| open |") and "seeds" in line)
+    pw_line = next(line for line in md.splitlines() if line.startswith("| pairwise_only |") and "≡" not in line
+                   and "yes" not in line and "no" in line)
+    assert "seeds" not in pw_line  # decided: CI (+0.031, +0.369) clear of 0
+    seeds = int(open_line.split("seeds")[0].split("|")[-1].strip())
+    assert seeds > 3
