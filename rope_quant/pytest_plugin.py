@@ -175,7 +175,8 @@ def rq_claim(request: pytest.FixtureRequest):
     ``rq_claim(claim, expected, measured, holds=None, model=None, verdict=None, **numbers)``. ``verdict``: a
     :class:`rope_quant.core.verdict.Verdict` (or its ``to_dict()``), the one decision rule's outcome (holds,
     fails, inconclusive with the budget to decide, refuted); when given, ``holds`` follows from it. Without
-    it, ``holds`` True / False / None reads holds / fails / "inconclusive at this budget". The verdict column
+    it, ``holds`` True / False reads holds / fails, and None a measurement recorded without a claim ("recorded
+    (no claim)"; an undecided claim passes its ``verdict``, which carries the budget). The verdict column
     combines it with the test outcome (a failed test whose claim was not decided against reads FAILED).
     ``model``: the model the claim was measured on (default the embedded model).
     """
@@ -255,7 +256,7 @@ def verdict(claim: dict[str, Any]) -> str:
     if decision:
         return decision["text"] + xfail
     if claim["holds"] is None and not xfail:
-        return "inconclusive at this budget"
+        return "recorded (no claim)"
     return ("holds" if claim["holds"] and not xfail else "fails") + xfail
 
 

@@ -240,20 +240,21 @@ def test_claims_table_survives_xdist(pytester: pytest.Pytester, monkeypatch) -> 
     assert sorted(p.name for p in xdist_out.iterdir()) == ["claims.json", "claims.md"]
 
 
-def test_inconclusive_claims_have_their_own_verdict(pytester: pytest.Pytester) -> None:
-    """holds=None: a claim the test could not decide at its budget (the test itself passes)."""
+def test_measurements_without_a_claim_have_their_own_verdict(pytester: pytest.Pytester) -> None:
+    """holds=None without a decision: a measurement recorded without a claim (the test itself passes); an
+    undecided claim passes its Verdict instead (test_claims_table_carries_the_decision_rule_and_budget)."""
     from rope_quant.pytest_plugin import verdict
 
     pytester.makepyfile(test_rqplugin_inconclusive='''
 def test_undecided(rq_claim):
-    rq_claim("C6 (demo)", "no gain", "CI straddles the boundary within the spread", None, low=-1.0, high=0.5)
+    rq_claim("M1 (demo)", "recorded", "whip vs random R1", None, low=-1.0, high=0.5)
 ''')
     out = pytester.path / "claims"
     result = pytester.runpytest(f"--rq-claims-out={out}")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*C6 (demo)*inconclusive at this budget*"])
+    result.stdout.fnmatch_lines(["*M1 (demo)*recorded (no claim)*"])
     payload = json.loads((out / "claims.json").read_text())
-    assert [c["verdict"] for c in payload["claims"]] == ["inconclusive at this budget"]
+    assert [c["verdict"] for c in payload["claims"]] == ["recorded (no claim)"]
     assert payload["claims"][0]["holds"] is None
     base = {"claim": "c", "holds": None}
     assert verdict({**base, "outcome": "failed"}) == "FAILED"  # a failed test is never "inconclusive"
