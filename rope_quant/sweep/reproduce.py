@@ -22,8 +22,13 @@ from typing import Any, TextIO
 from rope_quant.core.verdict import Form, decide_interval
 from rope_quant.io import markdown_table
 
-#: Config fields a reproduction may change without changing the protocol.
-FREE_FIELDS = frozenset({"seed", "device", "gptq.float64"})
+#: Config fields a reproduction may change without changing the protocol (matched as dotted-path suffixes:
+#: ``seed``, ``runtime.device``, ``quant.w.gptq.float64``).
+FREE_FIELDS = ("seed", "device", "gptq.float64")
+
+
+def _free(key: str) -> bool:
+    return any(key == f or key.endswith("." + f) for f in FREE_FIELDS)
 
 
 class ReproduceError(ValueError):
@@ -65,7 +70,7 @@ def protocol(directory: Path) -> dict[str, set[str]]:
     for cell in manifest.get("cells", []):
         for key, value in _flatten(cell.get("config", {})).items():
             fields.setdefault(key, set()).add(value)
-    return {k: v for k, v in fields.items() if k not in FREE_FIELDS}
+    return {k: v for k, v in fields.items() if not _free(k)}
 
 
 def _protocol_differences(a: dict[str, set[str]], b: dict[str, set[str]]) -> list[str]:

@@ -119,3 +119,13 @@ def test_compare_report_carries_the_budget_to_decide_the_sign(tmp_path: Path) ->
     assert "seeds" not in pw_line  # decided: CI (+0.031, +0.369) clear of 0
     seeds = int(open_line.split("seeds")[0].split("|")[-1].strip())
     assert seeds > 3
+
+
+def test_the_free_fields_of_a_real_run_config() -> None:
+    from rope_quant.experiment.pipeline import RunConfig
+    from rope_quant.sweep.reproduce import _flatten, _free
+
+    fields = _flatten(RunConfig.from_flat(model="smollm2-135m", seed=3, device="cpu").to_dict())
+    free = sorted(k for k in fields if _free(k))
+    assert free == ["quant.w.gptq.float64", "runtime.device", "seed"]
+    assert "model" in fields and not _free("model") and not _free("budget.seqlen")
