@@ -2,8 +2,9 @@
 
 A ``pytest11`` plugin is loaded by every pytest run in the environment, in every project, so this
 one changes nothing that a project did not ask for: it registers the suite's marker names, the
-``--rq-*`` options, the ``rq_options`` / ``rq_claim`` / ``rq_record`` fixtures and the claims table,
-and skips tests that carry its own ``gpu_e2e`` marker where CUDA is unavailable. What only the
+``--rq-*`` options, the ``rq_options`` / ``rq_claim`` / ``rq_record`` / ``rq_machine`` fixtures and the
+claims table, and skips this suite's ``gpu_e2e`` tests (under this repository's ``tests/`` or using this
+plugin's fixtures) where CUDA is unavailable; another project's ``gpu_e2e`` marker is left alone. What only the
 rope_quant suite wants (marking tests by their ``tests/<layer>/`` directory, the hypothesis
 profiles) lives in the repository's root ``conftest.py``. Like hypothesis' own plugin, this module
 imports nothing heavy at import time: torch is only imported when a ``gpu_e2e`` test has been
@@ -25,6 +26,7 @@ import pytest
 
 from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
 from rope_quant.io import atomic_write_text, markdown_table  # stdlib only: keeps the plugin light
+from rope_quant.seeds import SeedSpecError, parse_seeds  # stdlib only
 
 MARKERS = {
     "theory": "CPU, seconds: sympy/hypothesis checks of the paper's lemma, theorem and propositions",
@@ -36,6 +38,7 @@ MARKERS = {
 EMBEDDED_MODEL = DEFAULT_MODEL
 _CLAIMS_KEY = "rq_claim"
 _TABLE_KEY = "rq_table"
+_MACHINE_KEY = "rq_machine"
 _STORE = pytest.StashKey["_Collector"]()
 _OPTIONS = pytest.StashKey["RQOptions"]()
 
@@ -71,8 +74,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="corpus: pydoc (default), shakespeare, debian-reference, kjv, or a local WikiText-2/PG19 path",
     )
     group.addoption(
-        "--rq-seeds", default=None, metavar="0,1,2",
-        help="comma-separated seeds for paired experiments (default: each test's own budgeted set)",
+        "--rq-seeds", default=None, metavar="0,1,2|0-9",
+        help="seeds for paired experiments: comma-separated integers and inclusive ranges, e.g. 0,1,2 or 0-9 "
+        "or 0-4,7 (default: each test's own budgeted set)",
     )
     group.addoption(
         "--rq-device", default="auto", metavar="cpu|cuda|auto", help="device for model tests (default auto)"
@@ -84,15 +88,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _parse_seeds(text: str | None) -> tuple[int, ...] | None:
+    """``--rq-seeds`` through :func:`rope_quant.seeds.parse_seeds` (ranges such as ``0-9``); a usage error
+    naming the accepted forms otherwise."""
     if text is None:
         return None
     try:
-        seeds = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError as exc:
-        raise pytest.UsageError(f"--rq-seeds expects comma-separated integers, got {text!r}") from exc
-    if not seeds:
-        raise pytest.UsageError("--rq-seeds is empty")
-    return seeds
+        return parse_seeds(text)
+    except SeedSpecError as exc:
+        raise pytest.UsageError(f"--rq-seeds: {exc}") from exc
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -115,9 +118,26 @@ def options(config: pytest.Config) -> RQOptions:
     return config.stash[_OPTIONS]
 
 
+#: The fixtures this plugin provides: a test that uses one belongs to this suite wherever it lives.
+PLUGIN_FIXTURES = frozenset({"rq_options", "rq_claim", "rq_record"})
+#: This repository's test tree (absent when the package is installed from a wheel).
+SUITE_TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+
+def _ours(item: pytest.Item) -> bool:
+    """True for this suite's tests: under this repository's ``tests/``, or using this plugin's fixtures."""
+    if PLUGIN_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    try:
+        return Path(str(item.path)).resolve().is_relative_to(SUITE_TESTS)
+    except (OSError, ValueError):
+        return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked ``gpu_e2e`` (this plugin's marker) cleanly where they cannot run; nothing else."""
-    gpu_items = [it for it in items if it.get_closest_marker("gpu_e2e")]
+    """Skip this suite's ``gpu_e2e`` tests cleanly where they cannot run; another project's tests that carry a
+    marker of the same name are left alone (issue 22 item 4)."""
+    gpu_items = [it for it in items if it.get_closest_marker("gpu_e2e") and _ours(it)]
     if not gpu_items:
         return
     reason = _gpu_skip_reason(config)
@@ -152,21 +172,37 @@ def rq_options(pytestconfig: pytest.Config) -> RQOptions:
 def rq_claim(request: pytest.FixtureRequest):
     """Record one claim's outcome on the test report.
 
-    ``rq_claim(claim, expected, measured, holds, model=None, **numbers)``; the verdict column combines
-    ``holds`` with the test outcome (a claim recorded by an xfail test shows as not holding). ``model``: the
-    model the claim was measured on (the table's model column; default the embedded model).
-    ``holds=None`` records a claim the test could not decide at its budget (its estimate lies within the
-    measured cross-machine spread of the decision boundary): the verdict reads "inconclusive at this budget".
+    ``rq_claim(claim, expected, measured, holds=None, model=None, verdict=None, **numbers)``. ``verdict``: a
+    :class:`rope_quant.core.verdict.Verdict` (or its ``to_dict()``), the one decision rule's outcome (holds,
+    fails, inconclusive with the budget to decide, refuted); when given, ``holds`` follows from it. Without
+    it, ``holds`` True / False reads holds / fails, and None a measurement recorded without a claim ("recorded
+    (no claim)"; an undecided claim passes its ``verdict``, which carries the budget). The verdict column
+    combines it with the test outcome (a failed test whose claim was not decided against reads FAILED).
+    ``model``: the model the claim was measured on (default the embedded model).
     """
 
-    def record(claim: str, expected: str, measured: str, holds: bool | None, model: str | None = None,
-               **numbers: Any) -> None:
+    def record(claim: str, expected: str, measured: str, holds: bool | None = None, model: str | None = None,
+               verdict: Any = None, **numbers: Any) -> None:
+        decided = None
+        if verdict is not None:
+            decided = _jsonable(verdict.to_dict() if hasattr(verdict, "to_dict") else verdict)
+            holds = {"holds": True, "fails": False, "refuted": False}.get(decided["outcome"])
         request.node.user_properties.append(
             (_CLAIMS_KEY, {"claim": claim, "model": model or EMBEDDED_MODEL, "expected": expected,
-                           "measured": measured,
-                           "holds": None if holds is None else bool(holds), "numbers": _jsonable(numbers),
-                           "test": request.node.nodeid})
+                           "measured": measured, "holds": None if holds is None else bool(holds),
+                           "decision": decided, "numbers": _jsonable(numbers), "test": request.node.nodeid})
         )
+
+    return record
+
+
+@pytest.fixture
+def rq_machine(request: pytest.FixtureRequest):
+    """Attach the machine a measurement ran on (CPU, threads, BLAS, versions, float mode); the claims JSON
+    records it under ``machine`` (the last one reported)."""
+
+    def record(machine: dict[str, Any]) -> None:
+        request.node.user_properties.append((_MACHINE_KEY, _jsonable(machine)))
 
     return record
 
@@ -194,6 +230,7 @@ class _Collector:
     def __init__(self) -> None:
         self.claims: list[dict[str, Any]] = []
         self.tables: dict[str, list[dict[str, Any]]] = {}
+        self.machine: dict[str, Any] | None = None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call" and not (report.when == "setup" and report.skipped):
@@ -204,22 +241,41 @@ class _Collector:
                 self.claims.append({**value, "outcome": outcome})
             elif key == _TABLE_KEY:
                 self.tables.setdefault(value["table"], []).append(value["row"])
+            elif key == _MACHINE_KEY:
+                self.machine = value
 
 
 def verdict(claim: dict[str, Any]) -> str:
-    """Combine what the test measured with its outcome."""
+    """The verdict column: the decision rule's text (rope_quant.core.verdict) combined with the test outcome."""
+    decision = claim.get("decision")
+    xfail = " (xfail)" if claim["outcome"] == "xfailed" else ""
     if claim["outcome"] == "failed":
+        if decision and decision["outcome"] in ("fails", "refuted"):
+            return decision["text"]
         return "FAILED"
-    if claim["holds"] is None and claim["outcome"] != "xfailed":
-        return "inconclusive at this budget"
-    if claim["outcome"] == "xfailed" or not claim["holds"]:
-        return "does not hold (xfail)" if claim["outcome"] == "xfailed" else "does not hold"
-    return "holds"
+    if decision:
+        return decision["text"] + xfail
+    if claim["holds"] is None and not xfail:
+        return "recorded (no claim)"
+    return ("holds" if claim["holds"] and not xfail else "fails") + xfail
+
+
+def budget(claim: dict[str, Any]) -> str:
+    """The budget column: what would decide an inconclusive claim at 80% power (empty when decided)."""
+    decision = claim.get("decision") or {}
+    if decision.get("outcome") != "inconclusive":
+        return ""
+    if decision.get("budget"):
+        return decision["budget"]["text"]
+    return decision.get("note", "")
 
 
 def claims_markdown(claims: list[dict[str, Any]]) -> str:
-    rows = [{**c, "verdict": verdict(c)} for c in claims]
-    return markdown_table(rows, ["claim", "model", "expected", "measured", "verdict"])
+    rows = [{**c, "verdict": verdict(c), "budget to decide": budget(c)} for c in claims]
+    columns = ["claim", "model", "expected", "measured", "verdict"]
+    if any(r["budget to decide"] for r in rows):
+        columns.append("budget to decide")
+    return markdown_table(rows, columns)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -238,7 +294,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if out and (claims or tables):
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)
-        payload = {"claims": [{**c, "verdict": verdict(c)} for c in claims], "tables": tables}
+        payload = {"claims": [{**c, "verdict": verdict(c), "budget": budget(c)} for c in claims],
+                   "tables": tables, "machine": store.machine}
         atomic_write_text(directory / "claims.json", json.dumps(payload, indent=2))
         atomic_write_text(directory / "claims.md", claims_markdown(claims) + "\n")
         terminalreporter.write_line(f"claims written to {directory}/claims.json and claims.md")

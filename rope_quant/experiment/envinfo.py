@@ -80,6 +80,57 @@ def device_description(device: str | None = None) -> dict[str, Any]:
     return info
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else :func:`platform.processor`)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")) and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def blas_info() -> str:
+    """The BLAS torch was built with (``BLAS_INFO`` of ``torch.__config__.show()``), else numpy's."""
+    try:
+        import torch  # deferred: heavy
+
+        for part in torch.__config__.show().replace("\n", ",").split(","):
+            if "BLAS_INFO=" in part:
+                return "torch: " + part.split("=", 1)[1].strip()
+    except (ImportError, AttributeError):
+        pass
+    try:
+        import numpy as np
+
+        blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+        return f"numpy: {blas.get('name', 'unknown')} {blas.get('version', '')}".strip()
+    except (ImportError, TypeError, AttributeError):
+        return "unknown"
+
+
+def machine_info(float_mode: str | None = None) -> dict[str, Any]:
+    """What moves the digits of a result between machines (issue 23): CPU model, threads, BLAS, torch and
+    transformers versions, and the float mode (``float_mode``: the run's own, e.g. ``"gptq float32"``, plus
+    torch's matmul precision and default dtype)."""
+    info: dict[str, Any] = {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
+                            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "blas": blas_info()}
+    versions = package_versions()
+    info.update(torch=versions["torch"], transformers=versions["transformers"], numpy=versions["numpy"])
+    mode: dict[str, Any] = {"run": float_mode}
+    try:
+        import torch  # deferred: heavy
+
+        info["threads"] = torch.get_num_threads()
+        mode.update(matmul_precision=torch.get_float32_matmul_precision(), default_dtype=str(torch.get_default_dtype()),
+                    deterministic=torch.are_deterministic_algorithms_enabled())
+    except ImportError:
+        info["threads"] = None
+    info["float_mode"] = mode
+    return info
+
+
 def env_info(device: str | None = None, protocol: dict[str, Any] | None = None) -> dict[str, Any]:
     """The content of ``env.json``: what produced a result, on what, and when (UTC, ISO 8601); ``protocol``:
     the offline rotations of the run (R1/R2/R4, the whip settings, the deviations from the paper's)."""

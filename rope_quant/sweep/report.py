@@ -441,13 +441,27 @@ def multiseed_table(summary: Mapping[str, Any]) -> Table:
                         "(* ≤ 0.05, ** < 0.01, *** < 0.001)."])
 
 
+def sign_budget(block: Mapping[str, Any]) -> tuple[int | None, str]:
+    """(seeds, text): the budget that decides the sign of Δ at 80% power where its 90% CI straddles 0
+    (:mod:`rope_quant.core.verdict`, GREATER form, no numerical spread); (None, "") when decided or n < 2."""
+    from rope_quant.core.verdict import Form, decide_interval
+
+    if block.get("sd") is None or block.get("low") is None:
+        return None, ""
+    v = decide_interval(Form.GREATER, int(block["n"]), float(block["mean"]), float(block["sd"]),
+                        float(block["low"]), float(block["high"]))
+    if v.decided or v.budget is None:
+        return None, ""
+    return v.budget.seeds, (f"{v.budget.seeds} seeds" if v.budget.seeds else v.budget.text())
+
+
 def corrected_star_table(summary: Mapping[str, Any]) -> Table:
     """Holm-corrected significance and TOST equivalence of each config against the comparator."""
     comp = summary["comparator"]
     margins = summary["margins"]
     holm = summary["holm"]
     columns = ["config", "n", "delta", "sd", "ci_low", "ci_high", "p", "p_holm", "reject", "stars",
-               *[f"tost_{m}" for m in margins]]
+               "budget_sign_seeds", *[f"tost_{m}" for m in margins]]
     rows, md_rows = [], []
     for name, block in summary["paired"].items():
         h = holm["results"].get(name, {})
@@ -455,15 +469,17 @@ def corrected_star_table(summary: Mapping[str, Any]) -> Table:
         row = {"config": name, "n": block["n"], "delta": block["mean"], "sd": block["sd"],
                "ci_low": block["low"], "ci_high": block["high"], "p": block["p"],
                "p_holm": h.get("p_holm"), "reject": h.get("reject"), "stars": h.get("stars", ""),
-               **{f"tost_{m}": eq.get(m) for m in margins}}
+               "budget_sign_seeds": sign_budget(block)[0], **{f"tost_{m}": eq.get(m) for m in margins}}
         rows.append(row)
         md_rows.append({
             "config": name, "n": str(block["n"]), "Δ [CI]": _delta_ci(block), "p": _fmt_p(block["p"]),
             "p (Holm)": _fmt_p(h.get("p_holm")) + ("" if name in holm["results"] else " (not in family)"),
             "sig": h.get("stars", "") or ("n.s." if name in holm["results"] else "–"),
             **{f"≡ ±{m}": ("yes" if eq.get(m) else "no") for m in margins},
+            "budget to decide the sign": sign_budget(block)[1],
         })
-    md_cols = ["config", "n", "Δ [CI]", "p", "p (Holm)", "sig", *[f"≡ ±{m}" for m in margins]]
+    md_cols = ["config", "n", "Δ [CI]", "p", "p (Holm)", "sig", *[f"≡ ±{m}" for m in margins],
+               "budget to decide the sign"]
     fam = ", ".join(holm["family"]) or "(empty)"
     return Table("corrected-star", f"Holm-corrected comparisons against {comp}", columns, rows, md_cols,
                  md_rows, notes=[f"Holm family (alpha {holm['alpha']}): {fam}. ≡ ±m: TOST equivalence "

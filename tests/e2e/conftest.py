@@ -27,8 +27,12 @@ class E2EBudget:
     interpolation (C4) scores ``support_windows`` windows per cell: its claims are about K range and error,
     means over every key of every window. ``long_lengths`` are scored with ``long_windows`` windows each on
     the long-form corpus (Gutenberg plays); the ``slow`` subset adds ``slow_long_lengths``.
-    ``gptq_float64``: GPTQ's Hessians and column loop in float64 (the cross-machine spread probe of issue 11
-    §0; ``ROPE_QUANT_E2E_GPTQ_FLOAT64=1``).
+    ``gptq_float64``: GPTQ's Hessians and column loop in float64 (``ROPE_QUANT_E2E_GPTQ_FLOAT64=1``).
+
+    The numerical replicate (issue 23): the first seed rebuilt with GPTQ in the other float mode (float64
+    when the run is float32, and back), one GPTQ build per model shared by every claim family; how far a
+    claim's paired difference moves between the seed and its replicate is the numerical spread that the
+    decision rule (:mod:`rope_quant.core.verdict`) adds to every threshold.
     """
 
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -64,6 +68,33 @@ class Experiment:
         fields.update(overrides)
         return RunConfig.from_flat(**fields)
 
+    @property
+    def replicate_seed(self) -> int:
+        return self.budget.seeds[0]
+
+    def tokens(self, windows: int | None = None, **overrides: Any) -> int | None:
+        """Scored tokens per cell (short context) at ``windows`` (default the budget's evaluation windows); with
+        every window scored, the first seed's cell (``overrides``) says how many tokens that was."""
+        w = self.budget.eval_windows if windows is None else windows
+        if w is None:
+            return int(self.cell(self.budget.seeds[0], **overrides).get("n_tokens") or 0) or None
+        return w * self.budget.seqlen
+
+    def _replicate_overrides(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        from rope_quant.quant.gptq import GPTQConfig
+
+        return {**overrides, "gptq": GPTQConfig(float64=not self.budget.gptq_float64)}
+
+    def replicate(self, metric: str = "ppl", **overrides: Any) -> float:
+        """``metric`` of the numerical replicate: the first seed with GPTQ in the other float mode."""
+        return float(self.cell(self.replicate_seed, **self._replicate_overrides(overrides))[metric])
+
+    def replicate_cell(self, **overrides: Any) -> dict[str, Any]:
+        return self.cell(self.replicate_seed, **self._replicate_overrides(overrides))
+
+    def replicate_long_context(self, lengths: tuple[int, ...] | None = None, **overrides: Any) -> dict[int, Any]:
+        return self.long_context(self.replicate_seed, lengths, **self._replicate_overrides(overrides))
+
     def cell(self, seed: int = 0, **overrides: Any) -> dict[str, Any]:
         from rope_quant.experiment.pipeline import run_cell
 
@@ -93,6 +124,20 @@ class Experiment:
             self._cells[key] = evaluate.long_context(qm.model, stream.ids, list(lengths),
                                                      max_windows=b.long_windows)
         return self._cells[key]
+
+
+_MACHINE: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _record_machine(rq_machine) -> None:
+    """Every e2e report carries the machine; the claims JSON records it (issue 23 item 4)."""
+    if not _MACHINE:
+        from rope_quant.experiment.envinfo import machine_info
+
+        float64 = os.environ.get("ROPE_QUANT_E2E_GPTQ_FLOAT64", "") not in ("", "0")
+        _MACHINE.update(machine_info("GPTQ float64" if float64 else "GPTQ float32"))
+    rq_machine(dict(_MACHINE))
 
 
 @pytest.fixture(scope="session")

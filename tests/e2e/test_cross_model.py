@@ -18,10 +18,10 @@ claims take about 10 minutes per model at 1 thread and would not fit the default
 embedded models run by default; ``pytest -m e2e --run-slow --rq-model gemma3-270m`` runs these claims on the
 named models only (the W4A4KV4 pipeline claims of test_claims.py skip there).
 
-**Verdicts.** Without GPTQ the cross-machine spread of issue 11 does not apply; what remains is float-order
-noise that 4-bit K rounding amplifies, measured at 0.49% of the perplexity at most between eight
-implementations of the same matrix (test_claims.C4_ENDPOINT_PPL_TOL). A perplexity claim is decided only
-beyond :data:`KV_SPREAD` (relative), otherwise "inconclusive at this budget".
+**Verdicts** (the one rule of :mod:`rope_quant.core.verdict`). C1, C4 and C8 are every-seed criteria (holds
+or fails). C3 is the rule's LESS form. Its numerical spread on 4-bit keys alone (no GPTQ, so no float64-GPTQ
+replicate) is measured on the replicate seed as how far the hadamard cell moves when rebuilt as the block
+Hadamard at b = d_h (exactly H·P in exact arithmetic: another float order, which 4-bit K rounding amplifies).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from rope_quant.core import stats
+from rope_quant.core.verdict import Form, combine_all, decide, deterministic, numerical_spread
 from rope_quant.defaults import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
@@ -42,13 +43,6 @@ MODELS = (DEFAULT_MODEL, "gemma3-270m")
 KV_ONLY = dict(w_bits=16, a_bits=16, k_bits=4, v_bits=16, weights="none", r1="identity", r2="identity", r4=False)
 #: W4A16KV4: GPTQ weights without R1 (App. I), R2 random Hadamard and R4 online (valid on both families).
 W4A16KV4 = dict(w_bits=4, a_bits=16, k_bits=4, v_bits=16, r1="identity")
-#: Relative perplexity spread inside which a KV-only claim is inconclusive (2x the 0.49% measured float-order
-#: spread on 4-bit keys, issue 11 §4).
-KV_SPREAD = 0.01
-#: The same for W4A16KV4, whose GPTQ weights carry the cross-machine float-order spread: up to ~7% of a W4A4KV4
-#: cell's perplexity across thread counts and float64 GPTQ (issue 11 §0; test_lower_bits_claims.REL_SPREAD).
-GPTQ_SPREAD = 0.07
-
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "xmodel" in metafunc.fixturenames:
@@ -97,18 +91,9 @@ def _fmt(values) -> str:
     return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
 
 
-def three_way_rel(stat: float, spread: float = KV_SPREAD) -> bool | None:
-    """Decided beyond ``spread`` from zero (``stat`` relative to the perplexity), else inconclusive."""
-    return True if stat > spread else False if stat < -spread else None
-
-
-def _verdict(v: bool | None, spread: float = KV_SPREAD) -> str:
-    return {True: "decided", False: "decided against", None: f"inconclusive (within ±{spread:.0%})"}[v]
-
-
 def test_c1_kv_only_pairwise_only_worse(xexp, rq_claim, rq_record) -> None:
-    """C1 on 4-bit keys alone: ppl(pairwise_only) > ppl(hadamard) in every seed (relative gap beyond the
-    spread); the pairwise+Hadamard row is recorded for the table."""
+    """C1 on 4-bit keys alone: ppl(pairwise_only) > ppl(hadamard) in every seed (holds or fails); the
+    pairwise+Hadamard row is recorded for the table."""
     had = xexp.per_seed(r3="hadamard", **KV_ONLY)
     pw = xexp.per_seed(r3="pairwise_only", **KV_ONLY)
     pph = xexp.per_seed(r3="pairwise_plus_hadamard", **KV_ONLY)
@@ -116,13 +101,12 @@ def test_c1_kv_only_pairwise_only_worse(xexp, rq_claim, rq_record) -> None:
         rq_record("Cross-model, W16A16KV4", model=_name(xexp), seed=seed, hadamard=h, pairwise_only=p,
                   pairwise_plus_hadamard=q)
     rel = min((p - h) / h for p, h in zip(pw, had, strict=True))
-    verdict = three_way_rel(rel)
-    ci = stats.paired_ci(pw, had)
+    verdict = deterministic(rel > 0)
+    ci = f"; diff {_ci(pw, had)}" if len(had) > 1 else ""
     rq_claim("C1 (App. I) pairwise_only vs hadamard, W16A16KV4", "ppl(pairwise_only) > ppl(hadamard) every seed",
-             f"pw {_fmt(pw)} vs had {_fmt(had)}; diff {ci.mean:+.3f} (90% CI {ci.low:+.3f}, {ci.high:+.3f}); "
-             f"smallest relative gap {rel:+.2%}; pw+H {_fmt(pph)}; {_verdict(verdict)}", verdict,
-             model=_name(xexp), pairwise_only=pw, hadamard=had, pairwise_plus_hadamard=pph, stat=rel)
-    assert verdict is not False, f"pairwise_only below hadamard beyond the spread: {pw} vs {had}"
+             f"pw {_fmt(pw)} vs had {_fmt(had)}{ci}; smallest relative gap {rel:+.2%}; pw+H {_fmt(pph)}",
+             verdict=verdict, model=_name(xexp), pairwise_only=pw, hadamard=had, pairwise_plus_hadamard=pph, stat=rel)
+    assert not verdict.failed, f"pairwise_only not above hadamard in every seed: {pw} vs {had}"
 
 
 def test_c8_kv_only_k_diagnostics_favour_hadamard(xexp, rq_claim) -> None:
@@ -132,25 +116,29 @@ def test_c8_kv_only_k_diagnostics_favour_hadamard(xexp, rq_claim) -> None:
                for m in ("k_range_mean", "k_rel_err")}
     holds = all(h < p for had, pw in metrics.values() for h, p in zip(had, pw, strict=True))
     rq_claim("C8 (Table E) K range / K error, W16A16KV4", "hadamard < pairwise_only every seed",
-             "; ".join(f"{m} {_fmt(h)} vs {_fmt(p)}" for m, (h, p) in metrics.items()), holds,
+             "; ".join(f"{m} {_fmt(h)} vs {_fmt(p)}" for m, (h, p) in metrics.items()), verdict=deterministic(holds),
              model=_name(xexp), **{m: {"hadamard": h, "pairwise_only": p} for m, (h, p) in metrics.items()})
     assert holds, metrics
 
 
 def test_c3_kv_only_k_only_beats_rows(xexp, rq_claim, request) -> None:
-    """C3 on 4-bit keys alone: the paired 90% interval of ppl(k_only) − ppl(rows) lies below zero (decided
-    beyond the relative spread). A strict xfail on Gemma 3 (:data:`DISAGREEMENTS`)."""
+    """C3 on 4-bit keys alone: the paired 90% interval of ppl(k_only) − ppl(rows) lies below zero (the rule's
+    LESS form, spread from the b = d_h rebuild). A strict xfail on Gemma 3 (:data:`DISAGREEMENTS`)."""
     _expect(request, "C3", xexp)
     rows = xexp.per_seed(r3="pairwise_only", estimator="rows", **KV_ONLY)
     k_only = xexp.per_seed(r3="pairwise_only", estimator="k_only", **KV_ONLY)
-    ci = stats.paired_ci(k_only, rows)
-    stat = -ci.high / float(np.mean(rows))
-    verdict = three_way_rel(stat)
+    seed = xexp.replicate_seed
+    d_h = _blocks(xexp)[-1]
+    noise = numerical_spread(xexp.cell(seed, r3="hadamard", **KV_ONLY)["ppl"],
+                             xexp.cell(seed, r3="block_hadamard", r3_block=d_h, **KV_ONLY)["ppl"])
+    verdict = decide(Form.LESS, [k - r for k, r in zip(k_only, rows, strict=True)], noise=noise,
+                     tokens=xexp.tokens())
+    ci = f"{verdict.mean:+.3f}" + (f" (90% CI {verdict.low:+.3f}, {verdict.high:+.3f})" if verdict.low is not None
+                                   else "")
     rq_claim("C3 (App. L) k_only vs rows, W16A16KV4", "90% CI of ppl(k_only) − ppl(rows) below 0",
-             f"k_only {_fmt(k_only)} vs rows {_fmt(rows)}; diff {ci.mean:+.3f} (90% CI {ci.low:+.3f}, "
-             f"{ci.high:+.3f}); {_verdict(verdict)}", verdict, model=_name(xexp), k_only=k_only, rows=rows,
-             stat=stat)
-    assert verdict is not False, f"k_only worse than rows beyond the spread: {ci}"
+             f"k_only {_fmt(k_only)} vs rows {_fmt(rows)}; diff {ci}; numerical spread {noise:.3f} "
+             f"(hadamard vs b={d_h})", verdict=verdict, model=_name(xexp), k_only=k_only, rows=rows, noise=noise)
+    assert not verdict.failed, f"k_only vs rows: {verdict.text()}"
 
 
 def _blocks(exp) -> tuple[int, ...]:
@@ -176,13 +164,14 @@ def test_c4_kv_only_k_metrics_non_increasing_in_block_size(xexp, rq_claim, rq_re
     holds = all(all(s[i + 1] <= s[i] for i in range(len(s) - 1)) for per in series.values() for s in per)
     mean = {m: np.mean(np.asarray(v), axis=0) for m, v in series.items()}
     rq_claim(f"C4 (Table M) K range / K error vs b=2…{blocks[-1]}, W16A16KV4", "non-increasing in b, every seed",
-             f"seed-mean range {_fmt(mean['k_range_mean'])}; err {_fmt(100 * mean['k_rel_err'])}%", holds,
+             f"seed-mean range {_fmt(mean['k_range_mean'])}; err {_fmt(100 * mean['k_rel_err'])}%",
+             verdict=deterministic(holds),
              model=_name(xexp), blocks=list(blocks), **series)
     assert holds, series
 
 
 def test_c1_c8_w4a16kv4(xexp, rq_claim, rq_record) -> None:
-    """App. I's W4A16KV4 (GPTQ per seed): C1 decided beyond the relative spread, C8 every seed."""
+    """App. I's W4A16KV4 (GPTQ per seed): C1 and C8 every seed (holds or fails)."""
     had = xexp.per_seed(r3="hadamard", **W4A16KV4)
     pw = xexp.per_seed(r3="pairwise_only", **W4A16KV4)
     pph = xexp.per_seed(r3="pairwise_plus_hadamard", **W4A16KV4)
@@ -191,12 +180,16 @@ def test_c1_c8_w4a16kv4(xexp, rq_claim, rq_record) -> None:
         rq_record("Cross-model, W4A16KV4", model=_name(xexp), seed=seed, hadamard=h, pairwise_only=p,
                   pairwise_plus_hadamard=q)
     rel = min((p - h) / h for p, h in zip(pw, had, strict=True))
-    verdict = three_way_rel(rel, GPTQ_SPREAD)
     c8 = all(h < p for h, p in zip(*rng, strict=True))
+    verdict = combine_all([deterministic(rel > 0, "C1 every seed"), deterministic(c8, "C8 every seed")])
     rq_claim("C1 + C8 (App. I) W4A16KV4", "pw > had every seed; K range lower under hadamard",
-             f"pw {_fmt(pw)} vs had {_fmt(had)} (smallest relative gap {rel:+.2%}, "
-             f"{_verdict(verdict, GPTQ_SPREAD)}); "
-             f"pw+H {_fmt(pph)}; K range {_fmt(rng[0])} vs {_fmt(rng[1])}", verdict if c8 else False,
+             f"pw {_fmt(pw)} vs had {_fmt(had)} (smallest relative gap {rel:+.2%}); "
+             f"pw+H {_fmt(pph)}; K range {_fmt(rng[0])} vs {_fmt(rng[1])}", verdict=verdict,
              model=_name(xexp), hadamard=had, pairwise_only=pw, pairwise_plus_hadamard=pph, stat=rel)
     assert c8, rng
-    assert verdict is not False, (pw, had)
+    assert not verdict.failed, (pw, had)
+
+
+def _ci(treatment: list[float], control: list[float]) -> str:
+    ci = stats.paired_ci(treatment, control)
+    return f"{ci.mean:+.3f} (90% CI {ci.low:+.3f}, {ci.high:+.3f})"

@@ -3,25 +3,31 @@
 Run on a CUDA node with local checkpoints (nothing is downloaded)::
 
     pytest -m gpu_e2e --rq-model /ckpt/Llama-3.2-1B --rq-model /ckpt/Mistral-7B-v0.3 \
-           --rq-corpus /data/wikitext-2-raw --rq-seeds 0,1,2
+           --rq-corpus /data/wikitext-2-raw --rq-seeds 0-2
 
 Protocol: 128 x 2048 calibration tokens, seqlen 2048, every evaluation window, W4A4KV4 with GPTQ weights, the
 paper's rotations (R1 fitted with whip, R2 random Hadamard, R4 online Hadamard). Without ``--rq-model`` the
-embedded SmolLM2-135M runs at these full sizes. The plugin skips every test here, with
-its reason, where CUDA is unavailable.
+embedded SmolLM2-135M runs at these full sizes. The plugin skips the ``gpu_e2e`` tests here, with its reason,
+where CUDA is unavailable.
+
+Verdicts: the same rule as the CPU claims (:mod:`rope_quant.core.verdict`). The equivalence margin is the
+paper's ±0.05 PPL where the Hadamard perplexity is on the paper's scale and is scaled by the ppl ratio
+otherwise (:func:`~rope_quant.core.verdict.equivalence_margin`; the table names which). A TOST that cannot
+decide is inconclusive with the budget that would decide it, never a failure for lack of power. The numerical
+spread comes from the first seed rebuilt with GPTQ in float64 (one extra GPTQ build per model).
+The claim logic (:func:`table1_sign`, :func:`table1_tost`) is tested on CPU with a stub experiment below.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 import pytest
 
-from rope_quant.core import stats
+from rope_quant.core.verdict import Form, Margin, Outcome, Verdict, deterministic, equivalence_margin, paired_claim
 from rope_quant.pytest_plugin import options
-
-pytestmark = pytest.mark.gpu_e2e
-
-#: The paper's equivalence margin for pairwise_plus_hadamard against hadamard (Table 1), in PPL points.
-PAPER_MARGIN = 0.05
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -47,26 +53,92 @@ def gpu_experiment(gpu_model, rq_options, tmp_path_factory, experiment_factory):
     return Experiment(base, str(cache), budget, rq_options.corpus, model=gpu_model, device=device)
 
 
+def table1_sign(exp: Any) -> tuple[Verdict, str]:
+    """Table 1 sign: ppl(pairwise_only) > ppl(hadamard) in every seed (holds or fails)."""
+    had = exp.per_seed(r3="hadamard")
+    pw = exp.per_seed(r3="pairwise_only")
+    verdict = deterministic(all(p > h for p, h in zip(pw, had, strict=True)))
+    return verdict, f"pw {[round(v, 4) for v in pw]} vs had {[round(v, 4) for v in had]}"
+
+
+def table1_tost(exp: Any) -> tuple[Verdict, Margin, str]:
+    """Table 1 TOST: the paired 90% CI of pairwise_plus_hadamard − hadamard inside the margin."""
+    had = exp.per_seed(r3="hadamard")
+    pph = exp.per_seed(r3="pairwise_plus_hadamard")
+    margin = equivalence_margin(float(np.mean(had)))
+    verdict = paired_claim(Form.EQUIVALENT, pph, had, margin=margin.value, tokens=exp.tokens(r3="hadamard"),
+                           replicate=(exp.replicate(r3="pairwise_plus_hadamard"), exp.replicate(r3="hadamard")))
+    ci = "" if verdict.low is None else f" (CI {verdict.low:+.4f}, {verdict.high:+.4f})"
+    measured = f"diff {verdict.mean:+.4f}{ci}; n={verdict.n}; numerical spread {verdict.noise:.4f}"
+    return verdict, margin, measured
+
+
+@pytest.mark.gpu_e2e
 def test_table1_pairwise_only_worse_than_hadamard(gpu_experiment, rq_claim) -> None:
-    """Table 1 sign: ppl(pairwise_only) > ppl(hadamard) in every seed."""
-    had = gpu_experiment.per_seed(r3="hadamard")
-    pw = gpu_experiment.per_seed(r3="pairwise_only")
-    ci = stats.paired_ci(pw, had) if len(had) > 1 else None
-    holds = all(p > h for p, h in zip(pw, had, strict=True))
-    rq_claim(f"Table 1 sign ({gpu_experiment.model})", "ppl(pairwise_only) > ppl(hadamard) every seed",
-             f"pw {pw} vs had {had}" + (f"; CI ({ci.low:+.3f}, {ci.high:+.3f})" if ci else ""), holds,
-             model=gpu_experiment.model)
-    assert holds
+    verdict, measured = table1_sign(gpu_experiment)
+    rq_claim(f"Table 1 sign ({gpu_experiment.model})", "ppl(pairwise_only) > ppl(hadamard) every seed", measured,
+             verdict=verdict, model=gpu_experiment.model)
+    assert not verdict.failed, measured
 
 
+@pytest.mark.gpu_e2e
 def test_table1_pairwise_plus_hadamard_equivalent(gpu_experiment, rq_claim) -> None:
-    """Table 1 TOST: the paired 90% CI of pairwise_plus_hadamard − hadamard lies inside ±0.05 PPL."""
-    had = gpu_experiment.per_seed(r3="hadamard")
-    pph = gpu_experiment.per_seed(r3="pairwise_plus_hadamard")
-    if len(had) < 2:
-        pytest.skip("gpu_e2e: the equivalence test needs at least two seeds (--rq-seeds)")
-    ci = stats.paired_ci(pph, had)
-    holds = stats.equivalent(ci, PAPER_MARGIN)
-    rq_claim(f"Table 1 TOST ({gpu_experiment.model})", f"90% CI within ±{PAPER_MARGIN}",
-             f"diff {ci.mean:+.4f} (CI {ci.low:+.4f}, {ci.high:+.4f}; n={ci.n})", holds, model=gpu_experiment.model)
-    assert holds
+    verdict, margin, measured = table1_tost(gpu_experiment)
+    rq_claim(f"Table 1 TOST ({gpu_experiment.model})", f"90% CI within ±{margin.value:.4f} PPL ({margin.basis})",
+             measured, verdict=verdict, model=gpu_experiment.model, margin=margin.value, margin_basis=margin.basis)
+    assert not verdict.failed, f"{verdict.text()}: {measured}"
+
+
+# ----------------------------------------------------------------------------- the same logic on CPU, stub numbers
+
+
+@dataclass
+class StubExperiment:
+    """Canned per-seed perplexities in place of a CUDA run (the claim functions' only interface)."""
+
+    ppl: dict[str, list[float]]
+    rep: dict[str, float] = field(default_factory=dict)
+    model: str = "stub-llama"
+
+    def per_seed(self, metric: str = "ppl", **overrides: Any) -> list[float]:
+        return list(self.ppl[overrides["r3"]])
+
+    def replicate(self, metric: str = "ppl", **overrides: Any) -> float:
+        return self.rep.get(overrides["r3"], self.ppl[overrides["r3"]][0])
+
+    def tokens(self, windows: int | None = None, **overrides: Any) -> int:
+        return 140 * 2048
+
+
+def test_stub_tost_without_power_is_inconclusive_with_a_budget() -> None:
+    exp = StubExperiment({"hadamard": [7.10, 7.20, 7.00], "pairwise_plus_hadamard": [7.14, 7.12, 7.09]})
+    verdict, margin, _ = table1_tost(exp)
+    assert margin.value == 0.05 and "paper's ±0.05" in margin.basis  # 7.1 PPL: the paper's scale
+    assert verdict.outcome is Outcome.INCONCLUSIVE and not verdict.failed
+    assert verdict.budget is not None and verdict.budget.towards is Outcome.HOLDS
+    assert verdict.budget.seeds is not None and verdict.budget.seeds > 3 and verdict.budget.tokens is not None
+
+
+def test_stub_tost_decides_both_ways_and_scales_its_margin() -> None:
+    had, jitter = [23.0, 23.4, 22.8], (0.01, -0.01, 0.0)
+    tight = StubExperiment({"hadamard": had,
+                            "pairwise_plus_hadamard": [h + d for h, d in zip(had, jitter, strict=True)]})
+    verdict, margin, _ = table1_tost(tight)
+    assert "scaled by the ppl ratio" in margin.basis and margin.value == pytest.approx(0.006 * np.mean(had))
+    assert verdict.outcome is Outcome.HOLDS
+    far = StubExperiment({"hadamard": had,
+                          "pairwise_plus_hadamard": [h + 1.0 + d for h, d in zip(had, jitter, strict=True)]})
+    assert table1_tost(far)[0].outcome is Outcome.REFUTED and table1_tost(far)[0].failed
+    moved = StubExperiment(tight.ppl, rep={"pairwise_plus_hadamard": 23.2})  # the replicate moved seed 0 by 0.2
+    assert table1_tost(moved)[0].outcome is Outcome.INCONCLUSIVE
+
+
+def test_stub_one_seed_needs_two() -> None:
+    verdict, _, _ = table1_tost(StubExperiment({"hadamard": [7.1], "pairwise_plus_hadamard": [7.1]}))
+    assert verdict.outcome is Outcome.INCONCLUSIVE and "needs ≥ 2 seeds" in verdict.text() and not verdict.failed
+
+
+def test_stub_sign() -> None:
+    assert table1_sign(StubExperiment({"hadamard": [7.0, 7.1], "pairwise_only": [7.5, 7.6]}))[0].outcome is \
+        Outcome.HOLDS
+    assert table1_sign(StubExperiment({"hadamard": [7.0, 7.1], "pairwise_only": [7.5, 7.0]}))[0].failed

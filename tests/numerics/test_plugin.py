@@ -33,7 +33,7 @@ def test_markers_are_registered(pytester: pytest.Pytester) -> None:
 def test_gpu_e2e_skips_with_reason_without_cuda(pytester: pytest.Pytester) -> None:
     torch = pytest.importorskip("torch")
     pytester.makepyfile(
-        test_rqplugin_gpu="import pytest\n@pytest.mark.gpu_e2e\ndef test_needs_gpu():\n    assert False\n")
+        test_rqplugin_gpu="import pytest\n@pytest.mark.gpu_e2e\ndef test_needs_gpu(rq_options):\n    assert False\n")
     result = pytester.runpytest("-rs", "--rq-device=cpu")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*gpu_e2e: --rq-device=cpu is not a CUDA device*"])
@@ -52,20 +52,26 @@ def test_claims_table_printed_and_written(pytester: pytest.Pytester) -> None:
         "*rope_quant: demo table*",
         "*rope_quant claims table*",
         "*C0 (demo)*a < b*1.0 < 2.0*holds*",
-        "*C9 (demo)*does not hold (xfail)*",
+        "*C9 (demo)*fails (xfail)*",
     ])
     payload = json.loads((out / "claims.json").read_text())
     verdicts = {c["claim"]: c["verdict"] for c in payload["claims"]}
-    assert verdicts == {"C0 (demo)": "holds", "C9 (demo)": "does not hold (xfail)"}
+    assert verdicts == {"C0 (demo)": "holds", "C9 (demo)": "fails (xfail)"}
     assert payload["tables"]["demo table"] == [{"name": "x", "value": 3.5}]
     assert "| C0 (demo) |" in (out / "claims.md").read_text()
 
 
 def test_bad_seeds_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_rqplugin_x="def test_x():\n    pass\n")
-    result = pytester.runpytest("--rq-seeds=0,x")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--rq-seeds expects comma-separated integers*"])
+    for bad in ("0,x", "", "3-1", "0,0"):
+        result = pytester.runpytest(f"--rq-seeds={bad}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, bad
+        result.stderr.fnmatch_lines(["*--rq-seeds: *expected comma-separated integers and inclusive ranges*"])
+
+
+def test_seed_ranges_are_accepted(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_rqplugin_seeds="def test_x(rq_options):\n    assert rq_options.seeds == (0, 1, 2, 5)\n")
+    pytester.runpytest("--rq-seeds=0-2,5").assert_outcomes(passed=1)
 
 
 def test_plugin_module_imports_nothing_heavy() -> None:
@@ -73,7 +79,8 @@ def test_plugin_module_imports_nothing_heavy() -> None:
     import sys
 
     heavy = "('torch', 'transformers', 'numpy', 'scipy', 'sympy')"
-    code = f"import sys, rope_quant.pytest_plugin; print(sorted(m for m in {heavy} if m in sys.modules))"
+    code = (f"import sys, rope_quant.pytest_plugin, rope_quant.core.verdict; "
+            f"print(sorted(m for m in {heavy} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -224,7 +231,7 @@ def test_claims_table_survives_xdist(pytester: pytest.Pytester, monkeypatch) -> 
 
     serial.assert_outcomes(passed=7, failed=1, xfailed=1)
     parallel.assert_outcomes(passed=7, failed=1, xfailed=1)
-    parallel.stdout.fnmatch_lines(["*2 workers*", "*rope_quant claims table*", "*C9 (demo)*does not hold (xfail)*"])
+    parallel.stdout.fnmatch_lines(["*2 workers*", "*rope_quant claims table*", "*C9 (demo)*fails (xfail)*"])
     table = _claims_table(xdist_out)
     assert table == _claims_table(serial_out)
     assert len(table["claims"]) == 9
@@ -233,22 +240,86 @@ def test_claims_table_survives_xdist(pytester: pytest.Pytester, monkeypatch) -> 
     assert sorted(p.name for p in xdist_out.iterdir()) == ["claims.json", "claims.md"]
 
 
-def test_inconclusive_claims_have_their_own_verdict(pytester: pytest.Pytester) -> None:
-    """holds=None: a claim the test could not decide at its budget (the test itself passes)."""
+def test_measurements_without_a_claim_have_their_own_verdict(pytester: pytest.Pytester) -> None:
+    """holds=None without a decision: a measurement recorded without a claim (the test itself passes); an
+    undecided claim passes its Verdict instead (test_claims_table_carries_the_decision_rule_and_budget)."""
     from rope_quant.pytest_plugin import verdict
 
     pytester.makepyfile(test_rqplugin_inconclusive='''
 def test_undecided(rq_claim):
-    rq_claim("C6 (demo)", "no gain", "CI straddles the boundary within the spread", None, low=-1.0, high=0.5)
+    rq_claim("M1 (demo)", "recorded", "whip vs random R1", None, low=-1.0, high=0.5)
 ''')
     out = pytester.path / "claims"
     result = pytester.runpytest(f"--rq-claims-out={out}")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*C6 (demo)*inconclusive at this budget*"])
+    result.stdout.fnmatch_lines(["*M1 (demo)*recorded (no claim)*"])
     payload = json.loads((out / "claims.json").read_text())
-    assert [c["verdict"] for c in payload["claims"]] == ["inconclusive at this budget"]
+    assert [c["verdict"] for c in payload["claims"]] == ["recorded (no claim)"]
     assert payload["claims"][0]["holds"] is None
     base = {"claim": "c", "holds": None}
     assert verdict({**base, "outcome": "failed"}) == "FAILED"  # a failed test is never "inconclusive"
-    assert verdict({**base, "holds": False, "outcome": "passed"}) == "does not hold"
+    assert verdict({**base, "holds": False, "outcome": "passed"}) == "fails"
     assert verdict({**base, "holds": True, "outcome": "passed"}) == "holds"
+
+
+# ----------------------------------------------------------------------------- issue 22/23: scope and verdicts
+
+FOREIGN_GPU_TESTS = """
+import pytest
+
+@pytest.mark.gpu_e2e
+def test_foreign_gpu_marker():
+    assert True
+
+@pytest.mark.gpu_e2e
+def test_uses_our_fixture(rq_options):
+    assert False
+"""
+
+
+def test_skip_hook_leaves_a_foreign_gpu_e2e_test_alone(pytester: pytest.Pytester) -> None:
+    """A foreign project's ``gpu_e2e``-marked test runs; one that uses this plugin's fixtures is skipped."""
+    pytester.makepyfile(test_rqforeign_gpu=FOREIGN_GPU_TESTS)
+    result = pytester.runpytest("-rs", "-v", "--rq-device=cpu")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*test_foreign_gpu_marker PASSED*", "*not a CUDA device*"])
+
+
+def test_this_suites_gpu_tests_are_ours() -> None:
+    from rope_quant.pytest_plugin import SUITE_TESTS
+
+    assert Path(__file__).resolve().is_relative_to(SUITE_TESTS)
+    assert (SUITE_TESTS / "e2e" / "test_gpu_claims.py").is_file()
+
+
+VERDICT_TESTS = """
+from rope_quant.core.verdict import Form, decide
+
+def test_open(rq_claim, rq_machine):
+    rq_machine({"cpu_model": "demo cpu", "threads": 2})
+    v = decide(Form.EQUIVALENT, [-1.0, 1.0, 0.2], margin=0.5, noise=0.1, tokens=6144)
+    rq_claim("C2 (demo)", "equivalent", "wide", verdict=v)
+
+def test_refuted(rq_claim):
+    v = decide(Form.GREATER, [-3.0, -3.1, -2.9])
+    rq_claim("C1 (demo)", "greater", "below", verdict=v)
+    assert not v.failed
+
+def test_one_seed(rq_claim):
+    rq_claim("C3 (demo)", "less", "one seed", verdict=decide(Form.LESS, [-1.0]))
+"""
+
+
+def test_claims_table_carries_the_decision_rule_and_budget(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_rqplugin_verdicts=VERDICT_TESTS)
+    out = pytester.path / "claims"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--rq-claims-out={out}")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*budget to decide*", "*C2 (demo)*inconclusive*seeds at today's tokens*"])
+    payload = json.loads((out / "claims.json").read_text())
+    by = {c["claim"]: c for c in payload["claims"]}
+    assert by["C1 (demo)"]["verdict"] == "refuted" and by["C1 (demo)"]["holds"] is False
+    assert by["C2 (demo)"]["decision"]["budget"]["seeds"] > 3 and by["C2 (demo)"]["holds"] is None
+    assert "tokens/cell at today's seeds" in by["C2 (demo)"]["budget"]
+    assert by["C3 (demo)"]["verdict"] == "inconclusive: needs ≥ 2 seeds for an interval"
+    assert payload["machine"] == {"cpu_model": "demo cpu", "threads": 2}

@@ -1,0 +1,217 @@
+"""The reproducibility report (issue 23 item 4): this run's numbers beside another run's.
+
+``compare_against(this, other)`` takes two results directories (``rope-quant compare`` / ``run`` output) or two
+claims JSONs (``pytest --rq-claims-out DIR``: ``DIR/claims.json``). Each paired number (mean difference with its
+90% interval) is printed beside the other run's, with the difference in units of this run's CI half-width;
+every verdict that flipped is flagged. For directories, a number's verdict is the decision rule's GREATER form
+(:mod:`rope_quant.core.verdict`; no numerical spread) on ``config − comparator``: worse / better / undecided.
+Directories from another protocol or model are refused with the fields that differ (seeds, device and the
+GPTQ float mode may differ: they are what a reproduction varies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from rope_quant.core.verdict import Form, decide_interval
+from rope_quant.io import markdown_table
+
+#: Config fields a reproduction may change without changing the protocol (matched as dotted-path suffixes:
+#: ``seed``, ``runtime.device``, ``quant.w.gptq.float64``).
+FREE_FIELDS = ("seed", "device", "gptq.float64")
+
+
+def _free(key: str) -> bool:
+    return any(key == f or key.endswith("." + f) for f in FREE_FIELDS)
+
+
+class ReproduceError(ValueError):
+    """Two runs that cannot be compared (missing, unreadable, different kinds or protocols)."""
+
+
+@dataclass(frozen=True)
+class Number:
+    """One paired number of a run: its mean difference, interval and verdict."""
+
+    label: str
+    mean: float | None
+    low: float | None
+    high: float | None
+    n: int | None
+    verdict: str
+
+    @property
+    def half_width(self) -> float | None:
+        if self.low is None or self.high is None:
+            return None
+        return (self.high - self.low) / 2.0
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: json.dumps(obj, sort_keys=True)}
+
+
+def protocol(directory: Path) -> dict[str, set[str]]:
+    """Per config field (dotted), the set of values over the manifest's cells, plus the manifest's kind."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    fields: dict[str, set[str]] = {"kind": {json.dumps(manifest.get("kind"))},
+                                   "comparator": {json.dumps(manifest.get("comparator"))}}
+    for cell in manifest.get("cells", []):
+        for key, value in _flatten(cell.get("config", {})).items():
+            fields.setdefault(key, set()).add(value)
+    return {k: v for k, v in fields.items() if not _free(k)}
+
+
+def _protocol_differences(a: dict[str, set[str]], b: dict[str, set[str]]) -> list[str]:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            out.append(f"{key}: {sorted(a.get(key, {'(absent)'}))} vs {sorted(b.get(key, {'(absent)'}))}")
+    return out
+
+
+def _dir_verdict(block: Mapping[str, Any]) -> str:
+    if block.get("low") is None or block.get("sd") is None:
+        return f"n={block.get('n')}: no interval"
+    v = decide_interval(Form.GREATER, int(block["n"]), float(block["mean"]), float(block["sd"]), float(block["low"]),
+                        float(block["high"]))
+    return {"holds": "worse (CI > 0)", "refuted": "better (CI < 0)"}.get(v.outcome.value, "undecided")
+
+
+def _dir_numbers(directory: Path) -> tuple[dict[str, Number], dict[str, Any]]:
+    from rope_quant.sweep.report import summarize  # deferred: the report stack
+
+    summary = summarize(directory, write=False)
+    numbers: dict[str, Number] = {}
+    for name, block in summary.get("paired", {}).items():
+        label = f"{name} − {block['comparator']}"
+        numbers[label] = Number(label, block.get("mean"), block.get("low"), block.get("high"), block.get("n"),
+                                _dir_verdict(block))
+    for length, per in (summary.get("long_context") or {}).get("paired", {}).items():
+        for name, block in per.items():
+            label = f"{name} − {block['comparator']} @ L={length}"
+            numbers[label] = Number(label, block.get("mean"), block.get("low"), block.get("high"), block.get("n"),
+                                    _dir_verdict(block))
+    env_path = directory / "env.json"
+    env = json.loads(env_path.read_text()) if env_path.is_file() else {}
+    return numbers, env
+
+
+def _claims_numbers(path: Path) -> tuple[dict[str, Number], dict[str, Any]]:
+    payload = json.loads(path.read_text())
+    if not isinstance(payload, Mapping) or "claims" not in payload:
+        raise ReproduceError(f"{path} is not a claims JSON (no 'claims' key)")
+    numbers: dict[str, Number] = {}
+    for claim in payload["claims"]:
+        label = f"{claim['claim']} [{claim.get('model', '?')}]"
+        d = claim.get("decision") or {}
+        numbers[label] = Number(label, d.get("mean"), d.get("low"), d.get("high"), d.get("n"),
+                                str(claim.get("verdict", "")))
+    return numbers, payload.get("machine") or {}
+
+
+def _load(path: Path) -> tuple[str, dict[str, Number], dict[str, Any]]:
+    if path.is_dir():
+        if (path / "manifest.json").is_file():
+            return "directory", *_dir_numbers(path)
+        if (path / "claims.json").is_file():
+            return "claims", *_claims_numbers(path / "claims.json")
+        raise ReproduceError(f"{path} holds neither a manifest.json (results directory) nor a claims.json")
+    if path.is_file():
+        try:
+            return "claims", *_claims_numbers(path)
+        except json.JSONDecodeError as exc:
+            raise ReproduceError(f"{path} is not valid JSON: {exc}") from exc
+    raise ReproduceError(f"{path} does not exist")
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:+.{digits}f}"
+
+
+def _ci(n: Number) -> str:
+    if n.mean is None:
+        return "–"
+    if n.low is None or n.high is None:
+        return _fmt(n.mean)
+    return f"{n.mean:+.3f} ({n.low:+.3f}, {n.high:+.3f})"
+
+
+def _machine_line(machine: Mapping[str, Any]) -> str:
+    if not machine:
+        return "machine not recorded"
+    if "cpu_model" in machine:
+        mode = (machine.get("float_mode") or {}).get("run")
+        return (f"{machine.get('cpu_model')}, {machine.get('threads')} threads, BLAS {machine.get('blas')}, torch "
+                f"{machine.get('torch')}, transformers {machine.get('transformers')}" + (f", {mode}" if mode else ""))
+    pk = machine.get("packages") or {}
+    dev = machine.get("device") or {}
+    return (f"{machine.get('platform', '?')}, {machine.get('cpu_count', '?')} CPUs, "
+            f"{dev.get('torch_threads', '?')} threads, torch {pk.get('torch', '?')}, "
+            f"transformers {pk.get('transformers', '?')}")
+
+
+def compare_against(this: str | Path, other: str | Path) -> str:
+    """Markdown: each number of ``this`` beside ``other``'s, Δ in units of this run's CI half-width, flipped
+    verdicts flagged. Raises :class:`ReproduceError` for runs that cannot be compared."""
+    a_path, b_path = Path(this), Path(other)
+    a_kind, a, a_env = _load(a_path)
+    b_kind, b, b_env = _load(b_path)
+    if a_kind != b_kind:
+        raise ReproduceError(f"cannot compare a {a_kind} ({a_path}) with a {b_kind} ({b_path}): give two results "
+                             "directories or two claims JSONs")
+    if a_kind == "directory":
+        diff = _protocol_differences(protocol(a_path), protocol(b_path))
+        if diff:
+            raise ReproduceError(f"{b_path} is from another protocol or model; fields that differ: " + "; ".join(diff))
+    rows: list[dict[str, str]] = []
+    flipped = 0
+    for label in [*a, *(k for k in b if k not in a)]:
+        x, y = a.get(label), b.get(label)
+        row = {"number": label, "this": _ci(x) if x else "(absent)", "other": _ci(y) if y else "(absent)",
+               "Δ": "–", "Δ / half-width": "–", "verdict (this → other)": ""}
+        if x and y:
+            if x.mean is not None and y.mean is not None:
+                delta = y.mean - x.mean
+                row["Δ"] = _fmt(delta)
+                hw = x.half_width
+                row["Δ / half-width"] = f"{delta / hw:+.2f}" if hw else "–"
+            flip = x.verdict != y.verdict
+            flipped += flip
+            row["verdict (this → other)"] = (f"**FLIPPED** {x.verdict} → {y.verdict}" if flip else x.verdict)
+        rows.append(row)
+    head = [f"# Reproducibility: {a_path} against {b_path}", "",
+            f"- this: {_machine_line(a_env)}", f"- other: {_machine_line(b_env)}",
+            f"- {len(rows)} numbers, {flipped} verdict(s) flipped; Δ = other − this, in units of this run's 90% CI "
+            "half-width", ""]
+    return "\n".join(head) + markdown_table(rows, list(rows[0]) if rows else ["number"]) + "\n"
+
+
+def add_against_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--against OTHER`` for ``rope-quant report DIR``."""
+    parser.add_argument("--against", default=None, metavar="OTHER",
+                        help="print DIR's numbers beside OTHER's (a results directory or a claims JSON), with "
+                             "each difference in CI half-widths and every flipped verdict flagged")
+    return parser
+
+
+def run_against(this: str, other: str, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """The ``report DIR --against OTHER`` action: 0 and the report on ``out``; 2 and ``error: ...`` otherwise."""
+    try:
+        text = compare_against(this, other)
+    except ReproduceError as exc:
+        print(f"error: {exc}", file=err or sys.stderr)
+        return 2
+    print(text, file=out or sys.stdout, end="")
+    return 0

@@ -1,0 +1,131 @@
+"""``report DIR --against OTHER`` (rope_quant.sweep.reproduce): numbers side by side, Δ in CI half-widths,
+flipped verdicts flagged, another protocol refused with the fields that differ."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from rope_quant.sweep.manifest import build_manifest
+from rope_quant.sweep.reproduce import ReproduceError, add_against_argument, compare_against, run_against
+from rope_quant.sweep.runner import run_cells
+
+HADAMARD = [10.0, 10.5, 11.0]
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeConfig:
+    model: str = "fake-model"
+    seed: int = 0
+    r3: str = "hadamard"
+    seqlen: int = 512
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    def weight_key(self) -> str:
+        return f"{self.model}-s{self.seed}"
+
+
+def _results(tmp: Path, diffs: dict[str, list[float]], **base) -> Path:
+    def cell(cfg: FakeConfig) -> dict:
+        ppl = HADAMARD[cfg.seed] + (0.0 if cfg.r3 == "hadamard" else diffs[cfg.r3][cfg.seed])
+        return {"ppl": ppl, "n_windows": 4, "n_tokens": 512}
+
+    variants = {"hadamard": {"r3": "hadamard"}, **{n: {"r3": n} for n in diffs}}
+    run_cells(build_manifest(FakeConfig(**base), variants, (0, 1, 2), kind="compare"), tmp, cell_fn=cell, log=None)
+    return tmp
+
+
+def test_two_directories_side_by_side_with_a_flip(tmp_path: Path) -> None:
+    a = _results(tmp_path / "a", {"pairwise_only": [0.2, 0.1, 0.3], "near": [0.05, 0.06, 0.04]})
+    b = _results(tmp_path / "b", {"pairwise_only": [0.25, 0.15, 0.3], "near": [0.05, -0.06, 0.04]})
+    text = compare_against(a, b)
+    lines = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    po = lines["pairwise_only − hadamard"]
+    # a: mean 0.2, 90% CI half-width 2.92 * 0.1 / sqrt(3) = 0.1686; b: mean 0.2333 -> Δ +0.033 = +0.20 half-widths
+    assert "+0.200 (+0.031, +0.369)" in po and "+0.033" in po and "+0.20" in po and "FLIPPED" not in po
+    assert "**FLIPPED** worse (CI > 0) → undecided" in lines["near − hadamard"]
+    assert "1 verdict(s) flipped" in text
+
+
+def test_another_protocol_is_refused_with_the_fields(tmp_path: Path) -> None:
+    a = _results(tmp_path / "a", {"pairwise_only": [0.2, 0.1, 0.3]})
+    b = _results(tmp_path / "b", {"pairwise_only": [0.2, 0.1, 0.3]}, model="other-model", seqlen=2048)
+    with pytest.raises(ReproduceError, match=r"another protocol or model.*model: .*fake-model.*other-model") as exc:
+        compare_against(a, b)
+    assert "seqlen" in str(exc.value)
+    err = io.StringIO()
+    assert run_against(str(a), str(b), out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith("error: ") and err.getvalue().count("\n") == 1
+
+
+def _claims(path: Path, verdict: str, mean: float, low: float, high: float, machine: dict) -> Path:
+    decision = {"outcome": verdict.split(":")[0], "mean": mean, "low": low, "high": high, "n": 3}
+    payload = {"claims": [{"claim": "C3", "model": "m", "verdict": verdict, "decision": decision}],
+               "tables": {}, "machine": machine}
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def test_two_claims_jsons(tmp_path: Path) -> None:
+    m1 = {"cpu_model": "AMD EPYC", "threads": 1, "blas": "mkl", "torch": "2.13", "transformers": "5.24",
+          "float_mode": {"run": "GPTQ float32"}}
+    a = _claims(tmp_path / "a.json", "holds", -1.0, -1.5, -0.5, m1)
+    b = _claims(tmp_path / "b.json", "inconclusive: 9 seeds", -0.6, -1.2, 0.0, {**m1, "threads": 2})
+    out = io.StringIO()
+    assert run_against(str(a), str(b), out=out) == 0
+    text = out.getvalue()
+    assert "AMD EPYC, 1 threads" in text and "AMD EPYC, 2 threads" in text and "GPTQ float32" in text
+    assert "+0.400" in text and "+0.80" in text and "**FLIPPED** holds → inconclusive: 9 seeds" in text
+
+
+def test_bad_inputs(tmp_path: Path) -> None:
+    a = _results(tmp_path / "a", {"pairwise_only": [0.2, 0.1, 0.3]})
+    with pytest.raises(ReproduceError, match="does not exist"):
+        compare_against(a, tmp_path / "missing")
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(ReproduceError, match="not valid JSON"):
+        compare_against(tmp_path / "x.json", tmp_path / "x.json")
+    c = _claims(tmp_path / "c.json", "holds", 1.0, 0.5, 1.5, {})
+    with pytest.raises(ReproduceError, match="cannot compare a directory"):
+        compare_against(a, c)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReproduceError, match="neither a manifest.json"):
+        compare_against(tmp_path / "empty", a)
+
+
+def test_add_against_argument() -> None:
+    parser = add_against_argument(argparse.ArgumentParser())
+    assert parser.parse_args(["--against", "OTHER"]).against == "OTHER"
+    assert parser.parse_args([]).against is None
+
+
+def test_compare_report_carries_the_budget_to_decide_the_sign(tmp_path: Path) -> None:
+    from rope_quant.sweep import report
+
+    out = _results(tmp_path, {"pairwise_only": [0.2, 0.1, 0.3], "open": [0.3, -0.2, 0.1]})
+    md = report.write_report(out, figures=False)["markdown"]
+    assert "budget to decide the sign" in md
+    open_line = next(line for line in md.splitlines() if line.startswith("| open |") and "seeds" in line)
+    pw_line = next(line for line in md.splitlines() if line.startswith("| pairwise_only |") and "≡" not in line
+                   and "yes" not in line and "no" in line)
+    assert "seeds" not in pw_line  # decided: CI (+0.031, +0.369) clear of 0
+    seeds = int(open_line.split("seeds")[0].split("|")[-1].strip())
+    assert seeds > 3
+
+
+def test_the_free_fields_of_a_real_run_config() -> None:
+    from rope_quant.experiment.pipeline import RunConfig
+    from rope_quant.sweep.reproduce import _flatten, _free
+
+    fields = _flatten(RunConfig.from_flat(model="smollm2-135m", seed=3, device="cpu").to_dict())
+    free = sorted(k for k in fields if _free(k))
+    assert free == ["quant.w.gptq.float64", "runtime.device", "seed"]
+    assert "model" in fields and not _free("model") and not _free("budget.seqlen")
