@@ -22,6 +22,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--family", default=None, metavar="A,B,...", help="Holm family (default: manifest's)")
     p.add_argument("--level", type=float, default=0.90, help="paired CI level (default 0.90)")
     p.add_argument("--no-figures", dest="figures", action="store_false", help="skip the PNG figures")
+    from rope_quant.sweep.reproduce import add_against_argument
+
+    add_against_argument(p)  # --against OTHER: the reproducibility report (DIR may then be a claims JSON too)
     return p
 
 
@@ -56,6 +59,10 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.sweep import report
     from rope_quant.sweep.records import status
 
+    if args.against is not None:
+        from rope_quant.sweep.reproduce import run_against
+
+        return run_against(args.dir, args.against)
     out = Path(args.dir)
     if not 0 < args.level < 1:
         raise CLIError(f"--level must lie in (0, 1), got {args.level}")
