@@ -100,8 +100,8 @@ class PairwiseScaled(Pairwise):
         return self.apply(x)
 
     def apply_query(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().apply(x)  # G(φ), then S^{-1}
-        return y * self._scale(x, inverse=True)
+        self.apply(x[..., :0, :])  # the input checks of apply(), on an empty slice
+        return Pairwise._apply(self, x) * self._scale(x, inverse=True)  # G(φ), then S^{-1}
 
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         return super()._apply(x) * self._scale(x, inverse=False)
