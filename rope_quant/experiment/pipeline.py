@@ -19,7 +19,8 @@
 6. R3 angles (:func:`rope_quant.calib.objectives.estimate_angles`; the angle rule φ̂, branch-matched φ̂ or
    φ* with the live ``inv_freq``, or the
    ``range`` objective's coordinate descent on the K sample) and the
-   per-layer R3 from the registry (:mod:`rope_quant.core.transforms`);
+   per-layer R3 from the registry (:mod:`rope_quant.core.transforms`); a fitted R3 (``needs_fit``, issue 24)
+   gets its per-layer parameters from :func:`rope_quant.calib.foldable.fit_for` on the K sample;
 7. the quantise-mode attention (:mod:`rope_quant.rotations.attention`): R3 on post-RoPE q/k, K/V quantisers.
 
 Nothing in steps 1–5 depends on the R3 fields of the configuration: within a seed every R3 variant shares
@@ -206,7 +207,7 @@ class QuantizedModel:
             raise PipelineError("reconfigure() cannot switch the static activation control")
         t = time.perf_counter()
         angles = _estimate_angles(cfg, self.stats, self.model)
-        transforms_ = _build_transforms(cfg, self.geometry, angles)
+        transforms_ = _build_transforms(cfg, self.geometry, angles, self.stats, self.model)
         self.timing["angles_s"] = time.perf_counter() - t
         t = time.perf_counter()
         attention.install_attention(self.model, transforms_, k=cfg.quant.k, v=cfg.quant.v)
@@ -628,10 +629,12 @@ class _HeadsQuantizer:
         return self.q.step()
 
 
-def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray) -> list[Any]:
+def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray,
+                      stats: Any = None, model: nn.Module | None = None) -> list[Any]:
     from rope_quant.core import transforms
 
     r3 = cfg.online
+    fitted = _fit_transform_params(cfg, geom, angles, stats, model) if transforms.needs_fit(r3.transform) else None
     out = []
     for layer in range(geom.n_layers):
         params: dict[str, Any] = {"layout": "rotate_half"}
@@ -639,8 +642,32 @@ def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles:
             params["angles"] = angles[layer]
         if r3.block is not None:
             params["block"] = r3.block
-        out.append(transforms.build(r3.transform, geom.head_dim, **params))
+        if fitted is not None:
+            params.update(fitted[layer])
+        try:
+            out.append(transforms.build(r3.transform, geom.head_dim, **params))
+        except transforms.TransformError as exc:
+            if fitted is None:
+                raise
+            raise transforms.FitError(f"{r3.transform}: the fit of layer {layer} is unusable: {exc}") from exc
     return out
+
+
+def _fit_transform_params(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray, stats: Any,
+                          model: nn.Module | None) -> list[dict[str, Any]]:
+    """Step 8 for a fitted R3 (issue 24): per-layer parameters from the K sample (:mod:`rope_quant.calib.foldable`)."""
+    from rope_quant.calib.foldable import fit_for
+    from rope_quant.calib.objectives import resolve_layer_inv_freq
+    from rope_quant.core import transforms
+
+    if stats is None or model is None:
+        raise PipelineError(f"R3 {cfg.online.transform!r} is fitted: it needs the calibration statistics")
+    inv_freq, _ = resolve_layer_inv_freq(model, geom.n_layers, head_dim=geom.head_dim)
+    ctx = transforms.FitContext(stats=stats, inv_freq=np.asarray(inv_freq), n_layers=geom.n_layers,
+                                n_kv_heads=geom.n_kv_heads, head_dim=geom.head_dim, layout="rotate_half",
+                                angles=angles if transforms.needs_angles(cfg.online.transform) else None,
+                                k_bits=cfg.quant.k.bits, seed=cfg.seed)
+    return fit_for(cfg.online.transform, ctx)
 
 
 def _estimate_angles(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray:

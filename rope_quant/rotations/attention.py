@@ -10,9 +10,10 @@ The function receives the post-RoPE ``query`` (b, H_q, L, d) and ``key`` (b, H_k
 repeat, once per layer. It reads the layer's :class:`AttentionState` from ``module.rq_attention`` (state
 lives on the model, never in globals), then
 
-1. applies the layer's R3 transform to q and k (``x -> M_h x`` per head; q heads of a GQA group use
-   their KV head's matrix, which the transform derives from the tensor's head count): since
-   ``(M q)^T (M k) = q^T k`` for orthogonal ``M``, the logits are unchanged in exact arithmetic;
+1. applies the layer's R3 transform to q and k (``apply_query`` / ``apply_key`` when the transform has them,
+   else ``apply`` to both; ``x -> M_h x`` per head; q heads of a GQA group use their KV head's matrix, which
+   the transform derives from the tensor's head count): since ``(M_q q)^T (M_k k) = q^T k`` for
+   ``M_q = M_k^{-T}`` (orthogonal ``M``: the same matrix), the logits are unchanged in exact arithmetic;
 2. streams K diagnostics on the post-R3 keys of the new tokens (before quantisation);
 3. fake-quantises K and V per token per head (asymmetric dynamic INT-b, group = head_dim by default),
    or with the static per-channel control (App. A.6, D) when one is installed;
@@ -151,9 +152,10 @@ def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     """Attention function: R3 on post-RoPE q/k, K diagnostics, K/V fake-quant, then the library's SDPA."""
     state: AttentionState | None = getattr(module, STATE_ATTR, None)
     if state is not None and state.enabled:
-        if state.transform is not None:
-            query = state.transform.apply(query)
-            key = state.transform.apply(key)
+        if state.transform is not None:  # q and k may get different maps (M_q = M_k^{-T}); default: both apply()
+            tr = state.transform
+            query = getattr(tr, "apply_query", tr.apply)(query)
+            key = getattr(tr, "apply_key", tr.apply)(key)
         n_new = query.shape[-2]
         if state.diagnostics is not None or state.observers:
             k_new, v_new = key[..., -n_new:, :], value[..., -n_new:, :]

@@ -131,6 +131,40 @@ def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Seque
                     meta={n: {"lengths": list(lengths)} for n in names})
 
 
+#: ``compare --configs beyond2`` (issue 24): can a FOLDABLE R3 match the online Hadamard? name -> overrides.
+#: ``pairwise_only`` (the paper's φ̂) is the baseline whose gap to the comparator the others are scored on
+#: (:mod:`rope_quant.sweep.gap_share`); ``learned_orthogonal`` does not commute: the upper reference.
+BEYOND2 = "beyond2"
+BEYOND2_BASELINE = "pairwise_only"
+BEYOND2_VARIANTS: dict[str, dict[str, Any]] = {
+    "pairwise_only": {"r3": "pairwise_only"},
+    "pairwise_only-range_per_head": {"r3": "pairwise_only", "estimator": "per_head", "objective": "range"},
+    "pairwise_scaled-range_per_head": {"r3": "pairwise_scaled", "estimator": "per_head", "objective": "range"},
+    "pairwise_scaled-variance_per_head": {"r3": "pairwise_scaled", "estimator": "per_head"},
+    "prerope_channel_scale": {"r3": "prerope_channel_scale"},
+    "learned_orthogonal": {"r3": "learned_orthogonal"},
+}
+
+
+def beyond2_variants(comparator: str = "hadamard") -> dict[str, dict[str, Any]]:
+    """``{name: overrides}``: the comparator, then :data:`BEYOND2_VARIANTS` (angle fields reset, as in beyond)."""
+    reset = {"r3_block": None, "estimator": "rows", "objective": "variance", "angle": "phi_hat",
+             "average_length": None}
+    out: dict[str, dict[str, Any]] = {comparator: {**reset, "r3": comparator}}
+    out.update({name: {**reset, **ov} for name, ov in BEYOND2_VARIANTS.items() if name != comparator})
+    return out
+
+
+def beyond2_manifest(base: Any, seeds: Sequence[int], comparator: str = "hadamard") -> Manifest:
+    """``compare --configs beyond2``: the foldable R3 family against the comparator, paired over seeds, one Holm
+    family; reported by the beyond table plus the gap-share table (:mod:`rope_quant.sweep.gap_share`)."""
+    variants = beyond2_variants(comparator)
+    meta = {name: {**{k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "angle")},
+                   "preset": BEYOND2} for name, ov in variants.items()}
+    return build_manifest(base, variants, seeds, kind="beyond", comparator=comparator,
+                          family=[n for n in variants if n != comparator], meta=meta)
+
+
 #: App. J's long-context family: φ* (averaging length matched to each L) against its branch-matched φ̂ control.
 APPJ = "appj"
 

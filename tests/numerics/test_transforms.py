@@ -76,7 +76,11 @@ def test_registry_names() -> None:
         "block_hadamard_contiguous",
         "pair_h2_raw",
         "block_hadamard_raw",
+        "pairwise_scaled",
+        "prerope_channel_scale",
+        "learned_orthogonal",
     }
+    assert T.needs_fit("pairwise_scaled") and not T.needs_fit("pairwise_only")
     assert T.needs_angles("pairwise_only") and T.needs_angles("pairwise_plus_hadamard")
     assert not T.needs_angles("hadamard") and T.needs_block("block_hadamard_raw")
 

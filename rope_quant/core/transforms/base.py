@@ -1,4 +1,4 @@
-"""The R3 registry: online rotations applied to post-RoPE queries and keys (paper §3–4, App. A.1, A.7).
+"""The built-in R3 transforms: online rotations applied to post-RoPE queries and keys (paper §3–4, App. A.1, A.7).
 
 Every entry is an orthogonal d×d matrix M applied to Q and K alike,
 ``apply(x)[..., h, s, :] = M_h x[..., h, s, :]``
@@ -7,25 +7,7 @@ Every entry is an orthogonal d×d matrix M applied to Q and K alike,
 RoPE are exactly the per-pair blocks ``αI + βJ`` (rotation-scalings), so an orthogonal M commutes iff it acts
 on each RoPE pair by an SO(2) rotation G(φ_k).
 
-Registry (``names()``):
-
-* ``identity``: M = I (commutes).
-* ``hadamard``: the full-head normalised Hadamard H_d/√d in native channel order (does not commute).
-* ``pairwise_only``: G(φ_k) inside each RoPE pair, ``angles`` (K,) or per KV head (H_kv, K) (commutes).
-* ``pairwise_plus_hadamard``: pairwise first, then the full-head Hadamard: M = H·P(φ) (does not commute).
-* ``pair_h2``: G(π/4) in every pair, the 2×2 Hadamard in SO(2) orientation (commutes).
-* ``block_hadamard`` (``block`` = b): in the pair-interleaved order (slot 2k+s holds pair k's channel s;
-  for rotate_half that is the permutation 2k+s ↦ k + s·d/2), blocks of b consecutive slots get
-  H_{b/2}/√(b/2) ⊗ G(π/4), then the permutation is undone. b = 2 spans exactly one pair and equals
-  ``pair_h2`` (commutes); b > 2 mixes pairs of different frequencies (does not commute). b = d equals the
-  full-head Hadamard up to a fixed output-side permutation (the swap inside every pair).
-* ``block_hadamard_contiguous`` (b): the same blocks on the native channel order, without the pair
-  interleave: a layout control. In rotate_half, b = 2 mixes channels of different pairs (does not commute);
-  in the interleaved layout it coincides with ``block_hadamard``.
-* ``pair_h2_raw`` / ``block_hadamard_raw`` (b): raw-orientation controls with base factor
-  H2 = [[1, 1], [1, −1]]/√2 = G(π/4)·diag(1, −1), a reflection inside each pair. By Lemma (b) a reflection
-  maps R(θ) to R(−θ), so these do NOT commute with RoPE for any b. (The paper's Table M marks the raw
-  per-pair H2 as commuting; the algebra, and our numeric tests, say otherwise.)
+The registry of names lives in :mod:`rope_quant.core.transforms` (the package docstring lists it).
 
 ``layout`` ("rotate_half", the HF default, or "interleaved") says which channels form a RoPE pair.
 Hadamard parts run through :func:`rope_quant.core.hadamard.hadamard_transform`; pair rotations act on the two
@@ -35,8 +17,6 @@ channel halves of every pair with broadcast cos/sin (no dense matmul).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,11 +33,11 @@ __all__ = [
     "AngleShapeError",
     "HeadMismatchError",
     "R3Transform",
-    "names",
-    "build",
-    "needs_angles",
-    "needs_block",
-    "commutes_with_rope",
+    "Identity",
+    "FullHadamard",
+    "Pairwise",
+    "PairwisePlusHadamard",
+    "BlockHadamard",
     "interleave_permutation",
 ]
 
@@ -179,6 +159,18 @@ class R3Transform:
         return self._apply(x)
 
     __call__ = apply
+
+    def apply_key(self, x: torch.Tensor) -> torch.Tensor:
+        """The key map x -> M_k x (the same as :meth:`apply` for orthogonal transforms)."""
+        return self.apply(x)
+
+    def apply_query(self, x: torch.Tensor) -> torch.Tensor:
+        """The query map x -> M_q x with M_q = M_k^{-T}, so (M_q q)·(M_k k) = q·k (orthogonal: M_q = M_k)."""
+        return self.apply(x)
+
+    def query_matrix(self, head: int = 0, n_heads: int | None = None) -> np.ndarray:
+        """Dense float64 M_q = M_k^{-T} of head ``head`` (equal to :meth:`matrix` for orthogonal transforms)."""
+        return self.matrix(head, n_heads)
 
     def matrix(self, head: int = 0, n_heads: int | None = None) -> np.ndarray:
         """Dense float64 M (d×d) acting on column vectors of head ``head``.
@@ -384,95 +376,3 @@ class BlockHadamard(R3Transform):
         pi = np.zeros((d, d))
         pi[np.arange(d), perm] = 1.0  # x_int = Π x
         return pi.T @ inner @ pi
-
-
-# ------------------------------------------------------------------------------------------------ registry
-
-
-@dataclass(frozen=True)
-class _Entry:
-    factory: Callable[..., R3Transform]
-    params: tuple[str, ...]  # accepted parameters besides layout
-    required: tuple[str, ...]
-    doc: str
-
-
-def _block_factory(raw: bool, contiguous: bool) -> Callable[..., R3Transform]:
-    def make(head_dim: int, block: int, layout: str = "rotate_half") -> R3Transform:
-        return BlockHadamard(head_dim, block, layout, raw=raw, contiguous=contiguous)
-
-    return make
-
-
-_REGISTRY: dict[str, _Entry] = {
-    "identity": _Entry(lambda d, layout="rotate_half": Identity(d, layout), (), (), "no R3"),
-    "hadamard": _Entry(lambda d, layout="rotate_half": FullHadamard(d, layout), (), (), "full-head Hadamard"),
-    "pairwise_only": _Entry(
-        lambda d, angles, layout="rotate_half": Pairwise(d, angles, layout),
-        ("angles",),
-        ("angles",),
-        "Givens G(φ_k) per RoPE pair",
-    ),
-    "pairwise_plus_hadamard": _Entry(
-        lambda d, angles, layout="rotate_half": PairwisePlusHadamard(d, angles, layout),
-        ("angles",),
-        ("angles",),
-        "pairwise, then full-head Hadamard",
-    ),
-    "pair_h2": _Entry(
-        lambda d, layout="rotate_half": BlockHadamard(d, 2, layout), (), (), "G(π/4) per RoPE pair"
-    ),
-    "block_hadamard": _Entry(
-        _block_factory(False, False), ("block",), ("block",), "H_{b/2} ⊗ G(π/4), interleaved"
-    ),
-    "block_hadamard_contiguous": _Entry(
-        _block_factory(False, True), ("block",), ("block",), "H_{b/2} ⊗ G(π/4) on native channel order"
-    ),
-    "pair_h2_raw": _Entry(
-        lambda d, layout="rotate_half": BlockHadamard(d, 2, layout, raw=True),
-        (),
-        (),
-        "raw H2 per pair (reflection)",
-    ),
-    "block_hadamard_raw": _Entry(_block_factory(True, False), ("block",), ("block",), "H_{b/2} ⊗ raw H2"),
-}
-
-
-def names() -> list[str]:
-    """Registry names, in declaration order."""
-    return list(_REGISTRY)
-
-
-def _entry(name: str) -> _Entry:
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise UnknownTransformError(f"unknown R3 transform {name!r}; expected one of {names()}") from None
-
-
-def needs_angles(name: str) -> bool:
-    """True when ``build(name, ...)`` requires ``angles``."""
-    return "angles" in _entry(name).required
-
-
-def needs_block(name: str) -> bool:
-    """True when ``build(name, ...)`` requires ``block``."""
-    return "block" in _entry(name).required
-
-
-def build(name: str, head_dim: int, **params: Any) -> R3Transform:
-    """Build a registry transform; params ``angles`` (K,) or (H_kv, K), ``block`` b, ``layout``."""
-    entry = _entry(name)
-    allowed = set(entry.params) | {"layout"}
-    extra = sorted(set(params) - allowed)
-    if extra:
-        raise TransformParamError(f"{name}: unexpected parameter(s) {extra}; accepted: {sorted(allowed)}")
-    missing = [p for p in entry.required if params.get(p) is None]
-    if missing:
-        raise TransformParamError(f"{name}: missing required parameter(s) {missing}")
-    return entry.factory(head_dim, **params)
-
-
-def commutes_with_rope(name: str, head_dim: int = 64, **params: Any) -> bool:
-    """The declared flag of a registry entry (built with the given params)."""
-    return build(name, head_dim, **params).commutes_with_rope

@@ -1,0 +1,123 @@
+"""The share of a baseline's gap that each R3 closes (issue 24, ``compare --configs beyond2``).
+
+With paired perplexities per seed s, the baseline B (``pairwise_only``) and the comparator C (``hadamard``),
+the share of B's gap that transform X closes is
+
+    share(X) = mean_s (B_s − X_s) / mean_s (B_s − C_s)
+
+(1 = X matches C, 0 = no better than B, > 1 = better than C). Its CI is the seeded percentile bootstrap over
+seeds (resampling whole seeds keeps the pairing); with fewer than 3 common seeds, or a non-positive baseline gap
+in the data, the CI is left empty. ``foldable``: the transform commutes with RoPE (folds into W_Q/W_K).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rope_quant.sweep.report import Table, _fmt
+
+__all__ = ["BOOTSTRAP", "gap_share", "gap_share_table", "plot_gap_share"]
+
+#: Bootstrap resamples and seed of the share's CI.
+BOOTSTRAP, BOOTSTRAP_SEED = 4000, 0
+
+
+def gap_share(x: Any, base: Any, comp: Any, level: float = 0.90) -> dict[str, float | None]:
+    """share, CI (percentile bootstrap over seeds) and n for aligned per-seed ppl lists ``x``, ``base``, ``comp``."""
+    x, b, c = (np.asarray(v, dtype=np.float64) for v in (x, base, comp))
+    n = x.size
+    gap = (b - c).mean() if n else np.nan
+    out: dict[str, float | None] = {"share": None, "low": None, "high": None, "n": float(n),
+                                    "baseline_gap": float(gap) if n else None}
+    if n == 0 or not np.isfinite(gap) or gap <= 0:
+        return out
+    out["share"] = float((b - x).mean() / gap)
+    if n >= 3:
+        rng = np.random.default_rng(BOOTSTRAP_SEED)
+        idx = rng.integers(0, n, size=(BOOTSTRAP, n))
+        num, den = (b - x)[idx].mean(axis=1), (b - c)[idx].mean(axis=1)
+        ok = den > 0
+        shares = num[ok] / den[ok]
+        if shares.size >= BOOTSTRAP // 2:
+            tail = (1 - level) / 2 * 100
+            out["low"], out["high"] = (float(v) for v in np.percentile(shares, [tail, 100 - tail]))
+    return out
+
+
+def _commutes(r3: str) -> bool | None:
+    from rope_quant.core import transforms
+
+    try:
+        return transforms.spec(r3).commutes_with_rope
+    except transforms.TransformError:
+        return None
+
+
+def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
+                    level: float = 0.90) -> Table | None:
+    """Per config (not the comparator or the baseline): K range, K error, ppl and the share of the baseline's
+    gap it closes, with its CI. None when the summary lacks the baseline or the comparator."""
+    configs, comp = summary.get("configs") or {}, summary.get("comparator")
+    if baseline not in configs or comp not in configs:
+        return None
+    meta = summary.get("meta") or {}
+    by_seed = {name: dict(zip(cfg["seeds"], cfg["ppl"], strict=True)) for name, cfg in configs.items()}
+    columns = ["config", "r3", "foldable", "ppl", "k_range_mean", "k_rel_err", "share", "share_low", "share_high",
+               "n"]
+    rows, md_rows = [], []
+    for name, cfg in configs.items():
+        if name == comp:
+            continue
+        seeds = [s for s in cfg["seeds"] if s in by_seed[baseline] and s in by_seed[comp]]
+        g = gap_share([by_seed[name][s] for s in seeds], [by_seed[baseline][s] for s in seeds],
+                      [by_seed[comp][s] for s in seeds], level)
+        r3 = (meta.get(name) or {}).get("r3", name)
+        k_range = [v for v in cfg.get("k_range_mean", []) if v is not None]
+        k_err = [v for v in cfg.get("k_rel_err", []) if v is not None]
+        row = {"config": name, "r3": r3, "foldable": _commutes(r3), "ppl": cfg["mean"],
+               "k_range_mean": float(np.mean(k_range)) if k_range else None,
+               "k_rel_err": float(np.mean(k_err)) if k_err else None, "share": g["share"],
+               "share_low": g["low"], "share_high": g["high"], "n": len(seeds)}
+        rows.append(row)
+        low, high = g["low"], g["high"]
+        ci = f" [{100 * low:.0f}%, {100 * high:.0f}%]" if low is not None and high is not None else ""
+        md_rows.append({"config": name, "foldable": _fmt(row["foldable"]), "ppl": _fmt(row["ppl"]),
+                        "K range": _fmt(row["k_range_mean"]), "K rel. err": _fmt(row["k_rel_err"], 4),
+                        f"share of {baseline}'s gap [CI]": ("–" if g["share"] is None else
+                                                            f"{100 * g['share']:.0f}%") + ci,
+                        "n": str(len(seeds))})
+    return Table("gap-share", f"Share of {baseline}'s gap to {comp} that each R3 closes", columns, rows,
+                 ["config", "foldable", "ppl", "K range", "K rel. err", f"share of {baseline}'s gap [CI]", "n"],
+                 md_rows, notes=[f"share = mean(ppl {baseline} − ppl config) / mean(ppl {baseline} − ppl {comp}) "
+                                 f"over paired seeds; {int(level * 100)}% percentile bootstrap over seeds "
+                                 f"({BOOTSTRAP} resamples, seed {BOOTSTRAP_SEED}); foldable = commutes with "
+                                 "RoPE, so it folds into W_Q/W_K."])
+
+
+def plot_gap_share(table: Table, path: str | os.PathLike[str], title: str = "") -> Path:
+    """Horizontal bars: the share of the baseline's gap each config closes, with its CI; foldable bars filled,
+    non-foldable hatched; 0% and 100% marked."""
+    from rope_quant.sweep.figures import pyplot, save_png
+
+    plt = pyplot()
+    rows = [r for r in table.rows if r["share"] is not None]
+    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(rows) + 1.6))
+    for i, r in enumerate(rows):
+        err = None
+        if r["share_low"] is not None:
+            err = [[100 * (r["share"] - r["share_low"])], [100 * (r["share_high"] - r["share"])]]
+        ax.barh(i, 100 * r["share"], xerr=err, capsize=3, color="tab:blue" if r["foldable"] else "white",
+                edgecolor="tab:blue", hatch=None if r["foldable"] else "//")
+    ax.set_yticks(range(len(rows)), [r["config"] for r in rows], fontsize=8)
+    for x in (0, 100):
+        ax.axvline(x, color="grey", lw=0.8, ls="--" if x else "-")
+    ax.set_xlabel("share of the baseline's gap closed (%), 90% CI")
+    ax.set_title(title or table.title + " (filled: foldable; hatched: online only)", fontsize=9)
+    out = save_png(fig, Path(path))
+    plt.close(fig)
+    return out

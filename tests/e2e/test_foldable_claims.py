@@ -1,0 +1,67 @@
+"""Issue 24 on the embedded model: how much of pairwise_only's gap to the Hadamard can a FOLDABLE R3 close?
+
+KV-only (W16A16K4V16: only the keys and values are quantised, so R1/R2 are identities, which changes no key),
+through the shared paired ``experiment`` (3 seeds, the e2e budget). The foldable family: the range-objective
+pairwise, pairwise_scaled (range and variance angles) and the pair-tied pre-RoPE scales; learned_orthogonal
+(not foldable) is the upper reference. ``rope-quant compare --configs beyond2`` runs the same family
+(docs/foldable_r3.md has the measured study).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rope_quant.sweep.gap_share import gap_share
+
+#: The foldable family and the references: the ``slow`` subset (two range fits and a learned fit per seed).
+pytestmark = pytest.mark.slow
+
+KV_ONLY = dict(w_bits=16, a_bits=16, k_bits=4, v_bits=16, r1="identity", r2="identity")
+HADAMARD = dict(r3="hadamard", **KV_ONLY)
+BASELINE = dict(r3="pairwise_only", **KV_ONLY)
+FOLDABLE = {
+    "pairwise_only-range_per_head": dict(r3="pairwise_only", estimator="per_head", objective="range", **KV_ONLY),
+    "pairwise_scaled-range_per_head": dict(r3="pairwise_scaled", estimator="per_head", objective="range",
+                                           **KV_ONLY),
+    "pairwise_scaled-variance_per_head": dict(r3="pairwise_scaled", estimator="per_head", **KV_ONLY),
+    "prerope_channel_scale": dict(r3="prerope_channel_scale", **KV_ONLY),
+}
+LEARNED = dict(r3="learned_orthogonal", **KV_ONLY)
+#: X of the claim: the share (in %) that the best foldable R3 closes, set from the measured study (SmolLM2,
+#: pydoc, KV-only, 3 seeds x 4 x 512 tokens; docs/foldable_r3.md), rounded down to the 10% below it.
+CLAIMED_SHARE = 0.7
+
+
+def _fmt(values) -> str:
+    return "[" + ", ".join(f"{v:.4g}" for v in values) + "]"
+
+
+def test_best_foldable_r3_closes_a_share_of_pairwise_onlys_gap(experiment, rq_claim) -> None:
+    """Holds when the best foldable R3's bootstrap CI of the share lies at or above X; does not hold when it
+    lies below; otherwise inconclusive at this budget (the suite's verdict semantics)."""
+    had, base = experiment.per_seed(**HADAMARD), experiment.per_seed(**BASELINE)
+    shares = {name: gap_share(experiment.per_seed(**ov), base, had) for name, ov in FOLDABLE.items()}
+    best = max(shares, key=lambda n: -1e9 if shares[n]["share"] is None else shares[n]["share"])
+    s = shares[best]
+    if s["share"] is None or s["low"] is None:
+        holds = None
+    else:
+        holds = True if s["low"] >= CLAIMED_SHARE else (False if s["high"] < CLAIMED_SHARE else None)
+    measured = (f"best {best}: {100 * (s['share'] or 0):.0f}% (90% CI {100 * (s['low'] or 0):.0f}%, "
+                f"{100 * (s['high'] or 0):.0f}%); hadamard {_fmt(had)}, pairwise_only {_fmt(base)}; "
+                + "; ".join(f"{n} {100 * (v['share'] or 0):.0f}%" for n, v in shares.items()))
+    rq_claim("Foldable R3: share of pairwise_only's gap closed, KV4", f"best foldable ≥ {100 * CLAIMED_SHARE:.0f}%",
+             measured, holds, hadamard=had, pairwise_only=base, **{n: v["share"] for n, v in shares.items()})
+    assert holds is not False, measured
+
+
+def test_learned_orthogonal_is_at_least_as_good_as_hadamard_in_k_error(experiment, rq_claim) -> None:
+    """The learned orthogonal R3 starts at the Hadamard and keeps its best iterate on the calibration sample;
+    on the evaluation keys its relative K error is at most the Hadamard's in every seed."""
+    had = experiment.per_seed("k_rel_err", **HADAMARD)
+    learned = experiment.per_seed("k_rel_err", **LEARNED)
+    holds = all(a <= b for a, b in zip(learned, had, strict=True))
+    measured = f"K rel. err learned_orthogonal {_fmt(learned)} vs hadamard {_fmt(had)}"
+    rq_claim("learned_orthogonal K error vs hadamard, KV4", "≤ hadamard's every seed", measured, holds,
+             learned=learned, hadamard=had)
+    assert holds, measured
