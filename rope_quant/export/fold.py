@@ -181,7 +181,7 @@ def _plan(model: nn.Module, transforms_: list[Any]) -> list[tuple[Any, list[np.n
         if p.name == "identity":
             continue
         parts = arch.attention(model, i)
-        q_mats = [p.matrix(h, dims.n_heads) for h in range(dims.n_heads)]
+        q_mats = [p.query_matrix(h, dims.n_heads) for h in range(dims.n_heads)]  # M_q = M_k^{-T}
         k_mats = [p.matrix(h, dims.n_kv_heads) for h in range(dims.n_kv_heads)]
         _check_norm(parts.q_norm, q_mats, offset, f"layers.{i} q_norm")
         _check_norm(parts.k_norm, k_mats, offset, f"layers.{i} k_norm")

@@ -199,3 +199,38 @@ def test_layout_refused_before_the_cell_is_built(monkeypatch) -> None:
     with pytest.raises(fold.LayoutError) as info:
         ebuild.build_export_model(cell(r1="identity"), None, base=(model, CharTokenizer()))
     assert "layers.0 q_norm" in str(info.value) and calls == []
+
+
+def test_fold_of_a_scaled_r3_keeps_every_q_dot_k_head_by_head() -> None:
+    """pairwise_scaled is not orthogonal: the queries must get M_q = M_k^{-T}, or q·k changes (issue 24 × 25).
+
+    Pre-RoPE check per (Q head, its KV head): the R3 commutes with RoPE, so preserving q·k before RoPE preserves
+    it after. With ``matrix()`` on the queries (the orthogonal-only rule) this fails by the scales' spread."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    from rope_quant.core import transforms
+    from rope_quant.export.fold import fold_r3
+    from tests._support.models import tiny_llama
+
+    model = tiny_llama(attention_bias=True)
+    d, n_heads, n_kv = 16, 4, 2
+    rng = np.random.default_rng(0)
+    tr = transforms.build("pairwise_scaled", d, angles=rng.uniform(-1, 1, d // 2),
+                          scales=np.exp(rng.uniform(-1, 1, d // 2)))
+    folded = copy.deepcopy(model)
+    fold_r3(folded, [tr] * 2)
+    x = torch.randn(5, 64, dtype=torch.float64)
+    for before, after in zip(model.model.layers, folded.model.layers, strict=True):
+        def qk(layer):
+            a = layer.self_attn
+            q = torch.nn.functional.linear(x, a.q_proj.weight.double(), a.q_proj.bias.double()).view(5, n_heads, d)
+            k = torch.nn.functional.linear(x, a.k_proj.weight.double(), a.k_proj.bias.double()).view(5, n_kv, d)
+            k = k.repeat_interleave(n_heads // n_kv, dim=1)
+            return torch.einsum("thd,shd->hts", q, k)
+        ref, got = qk(before), qk(after)
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        a0, a1 = before.self_attn.k_proj.weight, after.self_attn.k_proj.weight
+        assert not torch.allclose(a0, a1)  # the fold did change W_K
