@@ -19,9 +19,11 @@ ESTIMATOR_TRANSFORMS = ("pairwise_only", "pairwise_plus_hadamard")
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help=HELP["compare"])
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="A,B,...|beyond|lower-bits",
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), metavar="A,B,...|beyond|beyond2|lower-bits",
                    help=f"R3 configs (default {','.join(DEFAULT_CONFIGS)}); 'beyond': the preset of "
-                        "head-dependent, range-objective and K-only φ* angles against hadamard; 'lower-bits': "
+                        "head-dependent, range-objective and K-only φ* angles against hadamard; 'beyond2': the "
+                        "foldable R3s (pairwise_scaled, prerope_channel_scale) and learned_orthogonal against "
+                        "hadamard, with the share of pairwise_only's gap each closes; 'lower-bits': "
                         "App. F, hadamard, pairwise_plus_hadamard and pairwise_only at W4A4KV4, W4A3KV4 and "
                         "W3A3KV3, each paired against hadamard at the same bits")
     return add_sweep(p)
@@ -66,10 +68,17 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     def build(args: argparse.Namespace, seeds: tuple[int, ...], used: list[str]) -> Any:
         if preset == presets.BEYOND:
             return presets.beyond_manifest(base_config(args), seeds, comparator=args.comparator)
+        if preset == presets.BEYOND2:
+            return presets.beyond2_manifest(base_config(args), seeds, comparator=args.comparator)
         if preset == presets.LOWER_BITS:
             return presets.lower_bits_manifest(base_config(args), seeds, comparator=args.comparator)
         return presets.compare_manifest(base_config(args), configs, seeds, comparator=args.comparator)
 
+    if preset == presets.BEYOND2:
+        from rope_quant.sweep.gap_share import write_gap_share_report
+
+        return sweep(args, cells, build, lambda out: write_gap_share_report(out, comparator=args.comparator,
+                                                                            figures=args.figures))
     return sweep(args, cells, build)
 
 

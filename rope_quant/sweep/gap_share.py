@@ -114,10 +114,40 @@ def plot_gap_share(table: Table, path: str | os.PathLike[str], title: str = "") 
         ax.barh(i, 100 * r["share"], xerr=err, capsize=3, color="tab:blue" if r["foldable"] else "white",
                 edgecolor="tab:blue", hatch=None if r["foldable"] else "//")
     ax.set_yticks(range(len(rows)), [r["config"] for r in rows], fontsize=8)
+    undefined = [r["config"] for r in table.rows if r["share"] is None]
+    if undefined:  # the baseline is not worse than the comparator here, so no share is defined: say so
+        ax.text(0.5, 0.5 if not rows else 0.02, "no share defined (the baseline's gap is not positive) for:\n"
+                + ", ".join(undefined), transform=ax.transAxes, ha="center", va="center" if not rows else "bottom",
+                fontsize=8, color="dimgrey", wrap=True)
     for x in (0, 100):
         ax.axvline(x, color="grey", lw=0.8, ls="--" if x else "-")
     ax.set_xlabel("share of the baseline's gap closed (%), 90% CI")
-    ax.set_title(title or table.title + " (filled: foldable; hatched: online only)", fontsize=9)
+    ax.set_title((title or table.title) + "\nfilled: foldable into W_Q/W_K; hatched: online only", fontsize=9)
     out = save_png(fig, Path(path))
     plt.close(fig)
     return out
+
+
+def write_gap_share_report(results_dir: str | os.PathLike[str], *, comparator: str | None = None,
+                           figures: bool = True) -> dict[str, Any]:
+    """``compare --configs beyond2``'s report: :func:`~rope_quant.sweep.report.write_report`, then the gap-share
+    table (``tables/gap-share.{csv,md}``) and, with ``figures``, ``figures/gap_share.png`` (issue 24)."""
+    from rope_quant.io import atomic_write_text
+    from rope_quant.sweep.report import write_report
+    from rope_quant.sweep.titles import describe
+
+    root = Path(results_dir)
+    rep = write_report(root, comparator=comparator, figures=figures)
+    table = gap_share_table(rep["summary"])
+    if table is None:
+        return rep
+    files = list(rep["files"])
+    for suffix, text in (("csv", table.csv()), ("md", table.markdown())):
+        path = root / "tables" / f"gap-share.{suffix}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+        files.append(str(path))
+    if figures:
+        title = describe(root).title() + "\nshare of pairwise_only's gap to the comparator that each R3 closes"
+        files.append(str(plot_gap_share(table, root / "figures" / "gap_share.png", title=title)))
+    return {**rep, "markdown": rep["markdown"].rstrip("\n") + "\n\n" + table.markdown(), "files": files}

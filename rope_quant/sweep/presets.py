@@ -318,7 +318,7 @@ def per_corpus(manifest: Manifest, corpora: Sequence[str]) -> Manifest:
 BEYOND = "beyond"
 #: The ``--configs`` presets each sweep command accepts besides R3 registry names (the single source of the
 #: names the CLI lists and suggests).
-COMMAND_PRESETS: dict[str, tuple[str, ...]] = {"compare": (BEYOND, LOWER_BITS), "long-context": (BEYOND, APPJ)}
+COMMAND_PRESETS: dict[str, tuple[str, ...]] = {"compare": (BEYOND, BEYOND2, LOWER_BITS), "long-context": (BEYOND, APPJ)}
 #: Defaults per device: window length, calibration / evaluation windows (None = every window), the weight
 #: quantiser and its MSE clipping search. The CPU budget keeps the default ``compare`` (4 configs x 3 seeds)
 #: within about 15 minutes on 2 cores: GPTQ with the MSE search took about 27 minutes for ONE seed at

@@ -67,18 +67,22 @@ def tiny_model(tmp_path: Path) -> Path:
 
 
 def test_beyond2_runs_end_to_end_on_a_tiny_llama(tiny_model: Path, tmp_path: Path, monkeypatch, capsys) -> None:
-    """Until the CLI names ``beyond2``, the beyond preset's slot runs it (the coordinator wires the name)."""
+    """``compare --configs beyond2`` runs the family and writes the gap-share table and figure."""
     from rope_quant import cli
     from rope_quant.sweep.models import ModelCache
 
     monkeypatch.setenv("ROPE_QUANT_CACHE_DIR", str(tmp_path / "corpus-cache"))
-    monkeypatch.setattr(presets, "beyond_manifest", presets.beyond2_manifest)
     out = tmp_path / "out"
-    code = cli.main(["compare", "--configs", "beyond", "--model", str(tiny_model), "--out", str(out), "--seeds",
+    code = cli.main(["compare", "--configs", "beyond2", "--model", str(tiny_model), "--out", str(out), "--seeds",
                      "0,1,2", "--seqlen", "64", "--calib-windows", "2", "--eval-windows", "2", "--weights", "rtn",
                      "--no-w-mse", "--w-bits", "16", "--a-bits", "16", "--k-bits", "4", "--v-bits", "16",
-                     "--no-figures", "--quiet"], models=ModelCache())
-    assert code == 0, capsys.readouterr()
+                     "--quiet"], models=ModelCache())
+    printed = capsys.readouterr()
+    assert code == 0, printed
+    assert "Share of pairwise_only's gap" in printed.out
+    written = read_csv_rows(out / "tables" / "gap-share.csv")
+    assert {r["config"] for r in written} == set(presets.BEYOND2_VARIANTS)
+    assert (out / "figures" / "gap_share.png").stat().st_size > 1000
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["configs"]) == {"hadamard", *presets.BEYOND2_VARIANTS}
     assert set(summary["holm"]["family"]) == set(presets.BEYOND2_VARIANTS)
