@@ -138,11 +138,11 @@ def transform_config(cfg: Any, dims: Any) -> dict[str, Any] | None:
     groups: dict[str, Any] = {}
     if cfg.rotation.r4:
         kind = "hadamard" if _pow2(dims.intermediate) else "random-hadamard"
-        groups[R4_SCHEME] = TransformScheme(type=kind, apply=[TransformArgs(targets=["re:.*mlp.down_proj$"],
+        groups[R4_SCHEME] = TransformScheme(type=kind, apply=[TransformArgs(targets=[arch.CT_TARGETS["down_proj"]],
                                                                             location="input")])
     _, rest = r3_split(cfg.online.transform, dims.head_dim, cfg.online.block)
     if rest == "hadamard":
-        targets = ["re:.*self_attn$"]
+        targets = [arch.CT_TARGETS["attention"]]
         groups[R3_SCHEME] = TransformScheme(type="hadamard", head_dim=dims.head_dim, apply=[
             TransformArgs(targets=targets, location="q_attn"), TransformArgs(targets=targets, location="k_cache")])
     if not groups:

@@ -156,8 +156,7 @@ def check_fold_layout(model: nn.Module, name: str, block: int | None = None) -> 
     """
     from rope_quant.core import transforms
 
-    if name == "identity" or not any(p.q_norm is not None or p.k_norm is not None
-                                     for p in arch.attention_modules(model)):
+    if name == "identity" or not any(n is not None for p in arch.attention_modules(model) for n in p.qk_norms):
         return
     head_dim = arch.dims(model).head_dim
     params: dict[str, Any] = {}
@@ -183,8 +182,9 @@ def _plan(model: nn.Module, transforms_: list[Any]) -> list[tuple[Any, list[np.n
         parts = arch.attention(model, i)
         q_mats = [p.query_matrix(h, dims.n_heads) for h in range(dims.n_heads)]  # M_q = M_k^{-T}
         k_mats = [p.matrix(h, dims.n_kv_heads) for h in range(dims.n_kv_heads)]
-        _check_norm(parts.q_norm, q_mats, offset, f"layers.{i} q_norm")
-        _check_norm(parts.k_norm, k_mats, offset, f"layers.{i} k_norm")
+        q_norm, k_norm = parts.qk_norms
+        _check_norm(q_norm, q_mats, offset, f"layers.{i} q_norm")
+        _check_norm(k_norm, k_mats, offset, f"layers.{i} k_norm")
         plan.append((parts, q_mats, k_mats))
     return plan
 

@@ -250,6 +250,11 @@ class AttentionParts:
     norm_heads_first: bool = False
 
     @property
+    def qk_norms(self) -> tuple[nn.Module | None, nn.Module | None]:
+        """(q norm, k norm): the per-head norms before RoPE, None where the architecture has none."""
+        return self.q_norm, self.k_norm
+
+    @property
     def head_dim(self) -> int | None:
         """head_dim as the module itself uses it (None when it does not say)."""
         value = getattr(self.module, "head_dim", None)
@@ -534,3 +539,8 @@ def choose_r1(model: str, reason: str | None, requested: str | None, a_bits: int
     what = f"--r1 {requested}" if requested else f"the default R1 (whip) with --a-bits {a_bits}"
     raise ValueError(f"{what} is refused for {model}: R1 would change the model's function, since {reason}. "
                      f"Alternatives: {R1_ALTERNATIVES}")
+
+
+#: compressed-tensors target patterns of the modules an online transform attaches to, for the Llama-style
+#: layouts this adapter registers (rope_quant.export.compressed): R4's down-projection input, R3's attention.
+CT_TARGETS = {"down_proj": r"re:.*mlp\.down_proj$", "attention": r"re:.*self_attn$"}

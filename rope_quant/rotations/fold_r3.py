@@ -118,7 +118,8 @@ def fold_r3(model: nn.Module, transforms: Sequence[Any], layout: str = "rotate_h
         n_q, n_kv = p.q.out_features // d, p.k.out_features // d
         mk = [tr.matrix(h, n_kv) for h in range(n_kv)]
         mq = [tr.query_matrix(h, n_q) for h in range(n_q)]
-        for what, linear, norm, mats in (("k", p.k, p.k_norm, mk), ("q", p.q, p.q_norm, mq)):
+        q_norm, k_norm = p.qk_norms
+        for what, linear, norm, mats in (("k", p.k, k_norm, mk), ("q", p.q, q_norm, mq)):
             if norm is None:
                 _fold_rows(linear, mats, d)
             else:

@@ -156,8 +156,10 @@ def test_long_context_figure_fills_only_the_holm_significant_gaps(tmp_path: Path
     from rope_quant.sweep.titles import describe
 
     out = tmp_path / "lc"
+    # one evaluation corpus, named: the default list depends on which optional corpora are installed (kjv)
     assert cli.main(["long-context", "--out", str(out), "--seeds", "0,1,2", "--lengths", "256,1024", "--no-figures",
-                     "--configs", "hadamard,pairwise_only", "--quiet"], cell_fn=fake_cell) == 0
+                     "--configs", "hadamard,pairwise_only", "--eval-corpora", "shakespeare", "--quiet"],
+                    cell_fn=fake_cell) == 0
     summary = report.summarize(out, write=False)
     paired = summary["long_context"]["paired"]
     name = next(iter(paired["256"]))
