@@ -22,7 +22,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_reliability import TINY, corpus_text, only_record, save_tiny_model
 
 from rope_quant import cli
 from rope_quant.experiment.config import RunConfig
@@ -32,6 +31,7 @@ from rope_quant.quant.quantizers import StaticChannelQuantizer, fake_quant_per_t
 from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, claim_study, read_manifest, reconcile
 from rope_quant.sweep.models import ModelCache
 from rope_quant.sweep.records import status
+from tests._support.reliability import TINY, corpus_text, only_record, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 
