@@ -146,7 +146,7 @@ def test_a_long_enough_local_corpus_passes_the_text_check(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(("argv", "needles"), [
     (["compare", "--configs", "hadamrd,identity"], ["unknown config 'hadamrd'", "did you mean 'hadamard'"]),
-    (["compare", "--configs", "beyon"], ["did you mean 'beyond'", "presets: beyond, lower-bits"]),
+    (["compare", "--configs", "beyon"], ["did you mean 'beyond'", "presets: beyond, beyond2, lower-bits"]),
     (["compare", "--configs", "lowerbits"], ["did you mean 'lower-bits'"]),
     (["long-context", "--configs", "apj"], ["did you mean 'appj'", "presets: beyond, appj"]),
     (["compare", "--comparator", "hadamrd"], ["unknown --comparator 'hadamrd'", "did you mean 'hadamard'"]),
@@ -170,9 +170,9 @@ def test_bad_names_and_numbers(tmp_path: Path, model: str, capsys, argv: list[st
 
 
 def test_the_preset_list_comes_from_the_registry() -> None:
-    from rope_quant.sweep.presets import APPJ, BEYOND, COMMAND_PRESETS, LOWER_BITS
+    from rope_quant.sweep.presets import APPJ, BEYOND, BEYOND2, COMMAND_PRESETS, LOWER_BITS
 
-    assert COMMAND_PRESETS["compare"] == (BEYOND, LOWER_BITS)
+    assert COMMAND_PRESETS["compare"] == (BEYOND, BEYOND2, LOWER_BITS)
     assert COMMAND_PRESETS["long-context"] == (BEYOND, APPJ)
 
 
