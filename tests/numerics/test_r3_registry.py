@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from rope_quant.core import transforms as T
+from tests._support.reliability import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,28 +127,6 @@ def test_entry_points_load_once_skip_clashes_and_broken_plugins(tmp_path: Path, 
 # ----------------------------------------------------------------------------- end to end through the CLI
 
 
-def save_tiny_model(directory: Path) -> Path:
-    """A 2-layer random Llama (head_dim 16, GQA 4/2) with a byte-level BPE tokenizer trained on pydoc text."""
-    from pydoc_data.topics import topics
-
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([topics[k] for k in sorted(topics)[:40]], trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).eval().save_pretrained(directory)
-    fast.save_pretrained(directory)
-    return directory
 
 
 def test_a_foreign_fitted_transform_runs_compare_and_the_report(tmp_path: Path) -> None:
