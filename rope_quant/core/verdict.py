@@ -174,6 +174,7 @@ def budget_to_decide(form: Form, n: int, mean: float, sd: float, *, margin: floa
     from rope_quant.core import power  # deferred: scipy
 
     side, b = _bounds(form, margin)
+    shown_mean, shown_b = mean, b  # the reason names the claim's own orientation, not the mirror
     if side == "upper":  # mirror: θ < b  <=>  −θ > −b
         side, b, mean = "lower", -b, -mean
     if side == "lower":
@@ -183,8 +184,8 @@ def budget_to_decide(form: Form, n: int, mean: float, sd: float, *, margin: floa
         if mean < b - noise:
             seeds, toks = power.one_sided_budget(b - noise - mean, sd, n, tokens)
             return Budget(seeds, toks, Outcome.REFUTED, "" if seeds else "beyond the search range")
-        return Budget(None, None, None, f"the mean {mean:+.4g} lies within the numerical spread {noise:.3g} of "
-                                        f"the boundary {b:+.4g}")
+        return Budget(None, None, None, f"the mean {shown_mean:+.4g} lies within the numerical spread {noise:.3g} "
+                                        f"of the boundary {shown_b:+.4g}")
     if abs(mean) < b - noise:
         seeds, toks = power.tost_budget(mean, sd, b - noise, n, tokens)
         return Budget(seeds, toks, Outcome.HOLDS, "" if seeds else "beyond the search range")

@@ -119,6 +119,17 @@ def test_mean_within_noise_has_no_budget_but_says_why() -> None:
     assert e.budget is not None and "not wider" in e.budget.reason
 
 
+def test_upper_bound_reason_keeps_the_claims_orientation() -> None:
+    """An upper-bound claim (θ < +margin) is decided on its mirror image; the reason it prints must still name
+    the measured mean and the boundary as the claim states them (C4's step −1.31 against +0.158), not the
+    mirror's (+1.31 against −0.158)."""
+    v = decide(Form.NON_SUPERIOR, [-1.0, -1.3, -1.64], margin=0.158, noise=2.0)
+    assert v.outcome is Outcome.INCONCLUSIVE and v.budget is not None and v.budget.seeds is None
+    assert "-1.313" in v.budget.reason and "+0.158" in v.budget.reason, v.budget.reason
+    w = decide(Form.LESS, [0.2, 0.1, 0.3], noise=0.5)
+    assert w.budget is not None and "+0.2 " in w.budget.reason + " " and "+0 " in w.budget.reason + " "
+
+
 @pytest.mark.parametrize("diffs", [[], [1.5]])
 def test_fewer_than_two_seeds_is_never_a_verdict(diffs: list[float]) -> None:
     v = decide(Form.GREATER, diffs)
