@@ -225,10 +225,13 @@ def summarize(
     ppl: dict[str, dict[int, float]] = {}
     metrics: dict[str, dict[str, dict[int, Any]]] = {m: {} for m in METRICS}
     lengths: dict[str, dict[int, dict[int, float | None]]] = {}
+    tokens: dict[str, int] = {}  # scored tokens per cell (the fewest over a config's seeds): the budget's unit
     for rec in records:
         name, seed, result = rec["name"], int(rec["seed"]), rec["result"]
         if _finite(result.get("ppl")):
             ppl.setdefault(name, {})[seed] = float(result["ppl"])
+            if isinstance(result.get("n_tokens"), int):
+                tokens[name] = min(tokens.get(name, result["n_tokens"]), result["n_tokens"])
             for m in METRICS:
                 metrics[m].setdefault(name, {})[seed] = result.get(m)
         if isinstance(result.get("lengths"), Mapping):
@@ -265,6 +268,8 @@ def summarize(
             continue
         block = paired_block(ppl[name], ppl[ref], ref, level, margins)
         if block is not None:
+            if name in tokens and ref in tokens:
+                block["tokens"] = min(tokens[name], tokens[ref])
             paired[name] = block
     equivalence = {name: block.pop("equivalence") for name, block in paired.items()}
     holm = holm_family(paired, family, alpha)
@@ -443,16 +448,22 @@ def multiseed_table(summary: Mapping[str, Any]) -> Table:
 
 def sign_budget(block: Mapping[str, Any]) -> tuple[int | None, str]:
     """(seeds, text): the budget that decides the sign of Δ at 80% power where its 90% CI straddles 0
-    (:mod:`rope_quant.core.verdict`, GREATER form, no numerical spread); (None, "") when decided or n < 2."""
+    (:mod:`rope_quant.core.verdict`, GREATER form, no numerical spread), as seeds at today's tokens per cell
+    or tokens per cell at today's seeds (the block's ``tokens``); (None, "") when decided or n < 2."""
     from rope_quant.core.verdict import Form, decide_interval
 
     if block.get("sd") is None or block.get("low") is None:
         return None, ""
+    tokens = block.get("tokens")
     v = decide_interval(Form.GREATER, int(block["n"]), float(block["mean"]), float(block["sd"]),
-                        float(block["low"]), float(block["high"]))
+                        float(block["low"]), float(block["high"]), tokens=int(tokens) if tokens else None)
     if v.decided or v.budget is None:
         return None, ""
-    return v.budget.seeds, (f"{v.budget.seeds} seeds" if v.budget.seeds else v.budget.text())
+    b = v.budget
+    if b.seeds is None and b.tokens is None:
+        return None, b.text()
+    parts = ([f"{b.seeds} seeds"] if b.seeds else []) + ([f"{b.tokens} tokens/cell"] if b.tokens else [])
+    return b.seeds, " or ".join(parts)
 
 
 def corrected_star_table(summary: Mapping[str, Any]) -> Table:

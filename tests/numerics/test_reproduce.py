@@ -119,6 +119,10 @@ def test_compare_report_carries_the_budget_to_decide_the_sign(tmp_path: Path) ->
     assert "seeds" not in pw_line  # decided: CI (+0.031, +0.369) clear of 0
     seeds = int(open_line.split("seeds")[0].split("|")[-1].strip())
     assert seeds > 3
+    # and as tokens per cell at today's 3 seeds (each cell scored 512 tokens)
+    tokens = int(open_line.split(" tokens/cell")[0].split(" or ")[-1].strip())
+    assert tokens > 512
+    assert report.summarize(out, write=False)["paired"]["open"]["tokens"] == 512
 
 
 def test_the_free_fields_of_a_real_run_config() -> None:
