@@ -68,7 +68,8 @@ def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
     meta = summary.get("meta") or {}
     by_seed = {name: dict(zip(cfg["seeds"], cfg["ppl"], strict=True)) for name, cfg in configs.items()}
     columns = ["config", "r3", "foldable", "ppl", "k_range_mean", "k_rel_err", "share", "share_low", "share_high",
-               "n"]
+               "n", "equivalent", "equivalence_budget_seeds", "equivalence_budget_tokens"]
+    margin = _margin(configs[comp]["mean"])
     rows, md_rows = [], []
     for name, cfg in configs.items():
         if name == comp:
@@ -83,6 +84,10 @@ def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
                "k_range_mean": float(np.mean(k_range)) if k_range else None,
                "k_rel_err": float(np.mean(k_err)) if k_err else None, "share": g["share"],
                "share_low": g["low"], "share_high": g["high"], "n": len(seeds)}
+        eq = _equivalence([by_seed[name][s] - by_seed[comp][s] for s in seeds], margin,
+                          (summary.get("paired", {}).get(name) or {}).get("tokens"))
+        row.update({"equivalent": eq.outcome.value, "equivalence_budget_seeds": eq.budget.seeds if eq.budget else None,
+                    "equivalence_budget_tokens": eq.budget.tokens if eq.budget else None})
         rows.append(row)
         low, high = g["low"], g["high"]
         ci = f" [{100 * low:.0f}%, {100 * high:.0f}%]" if low is not None and high is not None else ""
@@ -90,13 +95,32 @@ def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
                         "K range": _fmt(row["k_range_mean"]), "K rel. err": _fmt(row["k_rel_err"], 4),
                         f"share of {baseline}'s gap [CI]": ("–" if g["share"] is None else
                                                             f"{100 * g['share']:.0f}%") + ci,
-                        "n": str(len(seeds))})
+                        "n": str(len(seeds)), f"≡ {comp} (±{margin.value:.3f})": eq.text()})
     return Table("gap-share", f"Share of {baseline}'s gap to {comp} that each R3 closes", columns, rows,
-                 ["config", "foldable", "ppl", "K range", "K rel. err", f"share of {baseline}'s gap [CI]", "n"],
+                 ["config", "foldable", "ppl", "K range", "K rel. err", f"share of {baseline}'s gap [CI]", "n",
+                  f"≡ {comp} (±{margin.value:.3f})"],
                  md_rows, notes=[f"share = mean(ppl {baseline} − ppl config) / mean(ppl {baseline} − ppl {comp}) "
                                  f"over paired seeds; {int(level * 100)}% percentile bootstrap over seeds "
                                  f"({BOOTSTRAP} resamples, seed {BOOTSTRAP_SEED}); foldable = commutes with "
-                                 "RoPE, so it folds into W_Q/W_K."])
+                                 "RoPE, so it folds into W_Q/W_K.",
+                                 f"≡ {comp}: the suite's rule (rope_quant.core.verdict, TOST form, no numerical "
+                                 f"replicate in a compare run) on ppl(config) − ppl({comp}) with the margin "
+                                 f"{margin.basis}; an inconclusive row carries the budget that decides it at 80% "
+                                 "power."])
+
+
+def _margin(comparator_ppl: float):
+    from rope_quant.core.verdict import equivalence_margin
+
+    return equivalence_margin(float(comparator_ppl))
+
+
+def _equivalence(diffs: list[float], margin: Any, tokens: Any):
+    """The TOST verdict (issue 24's goal: the paired CI against the comparator inside the margin), with its
+    budget; tokens per cell make the budget also read in tokens."""
+    from rope_quant.core.verdict import Form, decide
+
+    return decide(Form.EQUIVALENT, diffs, margin=margin.value, tokens=int(tokens) if tokens else None)
 
 
 def plot_gap_share(table: Table, path: str | os.PathLike[str], title: str = "") -> Path:

@@ -43,6 +43,30 @@ def test_gap_share_matches_its_definition_and_bootstraps_over_seeds() -> None:
     assert G.gap_share(x, comp, base)["share"] is None  # no gap to close
 
 
+def test_gap_share_table_decides_equivalence_to_the_comparator_with_a_budget() -> None:
+    """Issue 24's goal, per row: is the config's paired CI against hadamard inside the margin (the paper's ±0.05
+    scaled by ppl 15/8.33 = ±0.090)? Holds, refuted, or inconclusive with the budget in seeds and tokens."""
+    had = [15.0, 15.2, 14.9, 15.1]
+    diffs = {"pairwise_only": [1.6, 1.5, 1.7, 1.4], "close": [0.001, -0.002, 0.0015, -0.001],
+             "far": [0.30, 0.35, 0.32, 0.31], "open": [0.05, -0.10, 0.20, 0.0]}
+    seeds = [0, 1, 2, 3]
+    configs = {"hadamard": {"seeds": seeds, "ppl": had, "mean": float(np.mean(had))}}
+    for name, d in diffs.items():
+        ppl = [h + x for h, x in zip(had, d, strict=True)]
+        configs[name] = {"seeds": seeds, "ppl": ppl, "mean": float(np.mean(ppl))}
+    summary = {"configs": configs, "comparator": "hadamard", "meta": {},
+               "paired": {n: {"tokens": 2048} for n in diffs}}
+    table = G.gap_share_table(summary)
+    assert table is not None
+    row = {r["config"]: r for r in table.rows}
+    assert row["close"]["equivalent"] == "holds"
+    assert row["far"]["equivalent"] == "refuted"
+    assert row["open"]["equivalent"] == "inconclusive"
+    assert row["open"]["equivalence_budget_seeds"] > 4 and row["open"]["equivalence_budget_tokens"] > 2048
+    md = table.markdown()
+    assert "≡ hadamard (±0.090)" in md and "80% power to hold" in md
+
+
 @pytest.fixture
 def tiny_model(tmp_path: Path) -> Path:
     from pydoc_data.topics import topics
