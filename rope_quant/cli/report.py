@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     out = Path(args.dir)
     if not 0 < args.level < 1:
         raise CLIError(f"--level must lie in (0, 1), got {args.level}")
-    read_manifest(out)
+    manifest = read_manifest(out)
     st = status(out)
     print(st.summary())
     if args.check:
@@ -74,8 +74,10 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     family = None
     if args.family is not None:
         family = [s.strip() for s in args.family.split(",") if s.strip()]
-    rep = report.write_report(out, comparator=args.comparator, family=family, level=args.level,
-                              figures=args.figures)
+    from rope_quant.sweep.gap_share import is_gap_share_run, write_gap_share_report
+
+    write = write_gap_share_report if is_gap_share_run(manifest) else report.write_report  # beyond2: + gap share
+    rep = write(out, comparator=args.comparator, family=family, level=args.level, figures=args.figures)
     print(rep["markdown"])
     print("wrote " + ", ".join(str(Path(f).relative_to(out)) for f in rep["files"]))
     from rope_quant.sweep.kind_reports import ReportOptions, write_kind_reports

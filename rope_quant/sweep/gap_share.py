@@ -21,7 +21,7 @@ import numpy as np
 
 from rope_quant.sweep.report import Table, _fmt
 
-__all__ = ["BOOTSTRAP", "gap_share", "gap_share_table", "plot_gap_share"]
+__all__ = ["BOOTSTRAP", "gap_share", "gap_share_table", "is_gap_share_run", "plot_gap_share", "write_gap_share_report"]
 
 #: Bootstrap resamples and seed of the share's CI.
 BOOTSTRAP, BOOTSTRAP_SEED = 4000, 0
@@ -95,7 +95,7 @@ def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
                         "K range": _fmt(row["k_range_mean"]), "K rel. err": _fmt(row["k_rel_err"], 4),
                         f"share of {baseline}'s gap [CI]": ("–" if g["share"] is None else
                                                             f"{100 * g['share']:.0f}%") + ci,
-                        "n": str(len(seeds)), f"≡ {comp} (±{margin.value:.3f})": eq.text()})
+                        "n": str(len(seeds)), f"≡ {comp} (±{margin.value:.3f})": _equivalence_text(eq)})
     return Table("gap-share", f"Share of {baseline}'s gap to {comp} that each R3 closes", columns, rows,
                  ["config", "foldable", "ppl", "K range", "K rel. err", f"share of {baseline}'s gap [CI]", "n",
                   f"≡ {comp} (±{margin.value:.3f})"],
@@ -113,6 +113,13 @@ def _margin(comparator_ppl: float):
     from rope_quant.core.verdict import equivalence_margin
 
     return equivalence_margin(float(comparator_ppl))
+
+
+def _equivalence_text(v: Any) -> str:
+    """The verdict column; a refuted equivalence says on which side of the comparator the config lies."""
+    if v.outcome.value == "refuted":
+        return f"refuted ({'worse' if v.mean > 0 else 'better'}: {v.mean:+.3f} [{v.low:+.3f}, {v.high:+.3f}])"
+    return v.text()
 
 
 def _equivalence(diffs: list[float], margin: Any, tokens: Any):
@@ -152,8 +159,13 @@ def plot_gap_share(table: Table, path: str | os.PathLike[str], title: str = "") 
     return out
 
 
+def is_gap_share_run(manifest: Mapping[str, Any]) -> bool:
+    """A results directory written by ``compare --configs beyond2`` (its cells name the preset)."""
+    return any((m or {}).get("preset") == "beyond2" for m in (manifest.get("meta") or {}).values())
+
+
 def write_gap_share_report(results_dir: str | os.PathLike[str], *, comparator: str | None = None,
-                           figures: bool = True) -> dict[str, Any]:
+                           figures: bool = True, **report_options: Any) -> dict[str, Any]:
     """``compare --configs beyond2``'s report: :func:`~rope_quant.sweep.report.write_report`, then the gap-share
     table (``tables/gap-share.{csv,md}``) and, with ``figures``, ``figures/gap_share.png`` (issue 24)."""
     from rope_quant.io import atomic_write_text
@@ -161,7 +173,7 @@ def write_gap_share_report(results_dir: str | os.PathLike[str], *, comparator: s
     from rope_quant.sweep.titles import describe
 
     root = Path(results_dir)
-    rep = write_report(root, comparator=comparator, figures=figures)
+    rep = write_report(root, comparator=comparator, figures=figures, **report_options)
     table = gap_share_table(rep["summary"])
     if table is None:
         return rep

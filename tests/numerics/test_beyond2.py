@@ -64,7 +64,7 @@ def test_gap_share_table_decides_equivalence_to_the_comparator_with_a_budget() -
     assert row["open"]["equivalent"] == "inconclusive"
     assert row["open"]["equivalence_budget_seeds"] > 4 and row["open"]["equivalence_budget_tokens"] > 2048
     md = table.markdown()
-    assert "≡ hadamard (±0.090)" in md and "80% power to hold" in md
+    assert "≡ hadamard (±0.090)" in md and "80% power to hold" in md and "refuted (worse: +0.320" in md
 
 
 @pytest.fixture
@@ -106,6 +106,9 @@ def test_beyond2_runs_end_to_end_on_a_tiny_llama(tiny_model: Path, tmp_path: Pat
     assert "Share of pairwise_only's gap" in printed.out
     written = read_csv_rows(out / "tables" / "gap-share.csv")
     assert {r["config"] for r in written} == set(presets.BEYOND2_VARIANTS)
+    (out / "tables" / "gap-share.csv").unlink()  # `rope-quant report` on a beyond2 directory rewrites it
+    assert cli.main(["report", str(out), "--no-figures"], models=ModelCache()) == 0
+    assert read_csv_rows(out / "tables" / "gap-share.csv") == written
     assert (out / "figures" / "gap_share.png").stat().st_size > 1000
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["configs"]) == {"hadamard", *presets.BEYOND2_VARIANTS}
