@@ -842,6 +842,16 @@ def angles_summary(angles: np.ndarray) -> dict[str, Any]:
             "frac_below_0.01": float((a < 0.01).mean())}
 
 
+def _fold_status(qm: QuantizedModel) -> dict[str, Any]:
+    """Whether this cell's R3 folds into this model's W_Q/W_K (or q/k norms), and why not (issue 24)."""
+    from rope_quant.rotations.fold_r3 import fold_refusal
+
+    if not qm.transforms:
+        return {"r3_folds": None, "r3_fold_refusal": None}
+    reason = fold_refusal(qm.model, qm.transforms)
+    return {"r3_folds": reason is None, "r3_fold_refusal": reason}
+
+
 def run_cell(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
              base: tuple[nn.Module, Any] | None = None, progress: bool = False,
              qm: QuantizedModel | None = None, corpus: Any = None) -> dict[str, Any]:
@@ -868,6 +878,6 @@ def run_cell(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
         "diag_bits": diag.bits,
         "angles": angles_summary(qm.angles), "inv_freq_source": qm.inv_freq_source,
         "weight_cache_hit": qm.weight_cache_hit, "rotation_fit": qm.rotation_fit,
-        "timing": {**qm.timing, "eval_s": eval_s},
+        "timing": {**qm.timing, "eval_s": eval_s}, **_fold_status(qm),
     }
     return json.loads(json.dumps(out, default=float))

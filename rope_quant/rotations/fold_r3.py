@@ -26,7 +26,7 @@ from torch import nn
 from rope_quant.core.rope import pair_indices
 from rope_quant.model import arch
 
-__all__ = ["FoldError", "fold_r3", "pair_blocks"]
+__all__ = ["FoldError", "fold_r3", "fold_refusal", "pair_blocks"]
 
 #: Tolerance for "this pair block is a rotation-scaling" and "this norm weight is tied on a pair".
 TOL = 1e-9
@@ -74,8 +74,11 @@ def _rotation(phi: np.ndarray, d: int, layout: str) -> np.ndarray:
     return g
 
 
-def _fold_with_norm(what: str, layer: int, linear: Any, norm: Any, mats: list[np.ndarray], d: int,
-                    offset: float, layout: str) -> None:
+def _check_with_norm(what: str, layer: int, norm: Any, mats: list[np.ndarray], d: int, offset: float,
+                     layout: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
+    """The pair blocks, the shared scales and the norm's effective weight, or :class:`FoldError` when the map
+    cannot pass through a q/k norm shared by the heads (scales that differ between heads, or a rotation on a
+    pair whose norm weight is not tied)."""
     parts = [pair_blocks(m, layout) for m in mats]
     scales = np.stack([s for s, _ in parts])
     if np.abs(scales - scales[0]).max() > TOL * max(1.0, float(scales.max())):
@@ -91,29 +94,59 @@ def _fold_with_norm(what: str, layer: int, linear: Any, norm: Any, mats: list[np
         raise FoldError(f"layer {layer}: {what}_norm's weight is not tied within RoPE pair(s) "
                         f"{np.flatnonzero(untied)[:5].tolist()}, so the rotation G(φ) cannot pass through the "
                         "norm; only pair-tied scales fold exactly here")
+    return parts, scales, g
+
+
+def _fold_with_norm(what: str, layer: int, linear: Any, norm: Any, mats: list[np.ndarray], d: int,
+                    offset: float, layout: str) -> None:
+    parts, scales, g = _check_with_norm(what, layer, norm, mats, d, offset, layout)
+    ia, ib = pair_indices(d, layout)
     _fold_rows(linear, [_rotation(phi, d, layout) for _, phi in parts], d)
     full = np.empty(d)
     full[ia], full[ib] = scales[0], scales[0]
     norm.weight.data.copy_(torch.as_tensor(full * g - offset, dtype=norm.weight.dtype))
 
 
+def fold_refusal(model: nn.Module, transforms: Sequence[Any], layout: str = "rotate_half") -> str | None:
+    """Why :func:`fold_r3` would refuse these transforms on this model (the first layer's reason), or None when
+    every layer folds. Reads the model only: a cell records it, so a report can say "folds here" per
+    architecture (Gemma 3's untied k_norm lets only pair-tied scales through)."""
+    parts: list[Any] = list(arch.attention_modules(model))
+    if len(transforms) != len(parts):
+        return f"expected {len(parts)} transforms (one per layer), got {len(transforms)}"
+    offset = arch.norm_weight_offset(model)
+    try:
+        for layer, (p, tr) in enumerate(zip(parts, transforms, strict=True)):
+            if tr is None:
+                continue
+            if not getattr(tr, "commutes_with_rope", False):
+                return f"layer {layer}: R3 {getattr(tr, 'name', tr)!r} does not commute with RoPE; it must stay online"
+            d = int(tr.head_dim)
+            n_q, n_kv = p.q.out_features // d, p.k.out_features // d
+            q_norm, k_norm = p.qk_norms
+            for what, norm, mats in (("k", k_norm, [tr.matrix(h, n_kv) for h in range(n_kv)]),
+                                     ("q", q_norm, [tr.query_matrix(h, n_q) for h in range(n_q)])):
+                if norm is None:
+                    continue
+                _check_with_norm(what, layer, norm, mats, d, offset, layout)
+    except FoldError as exc:
+        return str(exc)
+    return None
+
+
 def fold_r3(model: nn.Module, transforms: Sequence[Any], layout: str = "rotate_half") -> None:
     """Fold one commuting R3 transform per layer into the q/k projections (or q/k norms), in place.
 
     The model must then run WITHOUT the online R3: its logits equal those of the online R3 up to rounding.
-    Raises :class:`FoldError` (naming the layer) before changing a layer it cannot fold; layers folded
-    before the failing one stay folded, so fold a copy.
+    Raises :class:`FoldError` (naming the layer, :func:`fold_refusal`) before changing any layer.
     """
-    parts: list[Any] = list(arch.attention_modules(model))
-    if len(transforms) != len(parts):
-        raise FoldError(f"expected {len(parts)} transforms (one per layer), got {len(transforms)}")
+    reason = fold_refusal(model, transforms, layout)
+    if reason is not None:
+        raise FoldError(reason)
     offset = arch.norm_weight_offset(model)
-    for layer, (p, tr) in enumerate(zip(parts, transforms, strict=True)):
+    for layer, (p, tr) in enumerate(zip(arch.attention_modules(model), transforms, strict=True)):
         if tr is None:
             continue
-        if not getattr(tr, "commutes_with_rope", False):
-            raise FoldError(f"layer {layer}: R3 {getattr(tr, 'name', tr)!r} does not commute with RoPE; it must "
-                            "stay online")
         d = int(tr.head_dim)
         n_q, n_kv = p.q.out_features // d, p.k.out_features // d
         mk = [tr.matrix(h, n_kv) for h in range(n_kv)]

@@ -49,6 +49,13 @@ def gap_share(x: Any, base: Any, comp: Any, level: float = 0.90) -> dict[str, fl
     return out
 
 
+def _folds(per_seed: Any, commutes: bool | None) -> bool | None:
+    """Folds into this model: every seed's cell says so (any refusal: False); records without the check fall
+    back to the registry's ``commutes``."""
+    known = [v for v in (per_seed or []) if v is not None]
+    return all(known) if known else commutes
+
+
 def _commutes(r3: str) -> bool | None:
     from rope_quant.core import transforms
 
@@ -67,8 +74,8 @@ def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
         return None
     meta = summary.get("meta") or {}
     by_seed = {name: dict(zip(cfg["seeds"], cfg["ppl"], strict=True)) for name, cfg in configs.items()}
-    columns = ["config", "r3", "foldable", "ppl", "k_range_mean", "k_rel_err", "share", "share_low", "share_high",
-               "n", "equivalent", "equivalence_budget_seeds", "equivalence_budget_tokens"]
+    columns = ["config", "r3", "commutes", "foldable", "ppl", "k_range_mean", "k_rel_err", "share", "share_low",
+               "share_high", "n", "equivalent", "equivalence_budget_seeds", "equivalence_budget_tokens"]
     margin = _margin(configs[comp]["mean"])
     rows, md_rows = [], []
     for name, cfg in configs.items():
@@ -80,7 +87,9 @@ def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
         r3 = (meta.get(name) or {}).get("r3", name)
         k_range = [v for v in cfg.get("k_range_mean", []) if v is not None]
         k_err = [v for v in cfg.get("k_rel_err", []) if v is not None]
-        row = {"config": name, "r3": r3, "foldable": _commutes(r3), "ppl": cfg["mean"],
+        commutes = _commutes(r3)
+        row = {"config": name, "r3": r3, "commutes": commutes, "foldable": _folds(cfg.get("r3_folds"), commutes),
+               "ppl": cfg["mean"],
                "k_range_mean": float(np.mean(k_range)) if k_range else None,
                "k_rel_err": float(np.mean(k_err)) if k_err else None, "share": g["share"],
                "share_low": g["low"], "share_high": g["high"], "n": len(seeds)}
@@ -91,18 +100,22 @@ def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
         rows.append(row)
         low, high = g["low"], g["high"]
         ci = f" [{100 * low:.0f}%, {100 * high:.0f}%]" if low is not None and high is not None else ""
-        md_rows.append({"config": name, "foldable": _fmt(row["foldable"]), "ppl": _fmt(row["ppl"]),
+        md_rows.append({"config": name, "commutes": _fmt(commutes), "folds here": _fmt(row["foldable"]),
+                        "ppl": _fmt(row["ppl"]),
                         "K range": _fmt(row["k_range_mean"]), "K rel. err": _fmt(row["k_rel_err"], 4),
                         f"share of {baseline}'s gap [CI]": ("–" if g["share"] is None else
                                                             f"{100 * g['share']:.0f}%") + ci,
                         "n": str(len(seeds)), f"≡ {comp} (±{margin.value:.3f})": _equivalence_text(eq)})
     return Table("gap-share", f"Share of {baseline}'s gap to {comp} that each R3 closes", columns, rows,
-                 ["config", "foldable", "ppl", "K range", "K rel. err", f"share of {baseline}'s gap [CI]", "n",
-                  f"≡ {comp} (±{margin.value:.3f})"],
+                 ["config", "commutes", "folds here", "ppl", "K range", "K rel. err",
+                  f"share of {baseline}'s gap [CI]", "n", f"≡ {comp} (±{margin.value:.3f})"],
                  md_rows, notes=[f"share = mean(ppl {baseline} − ppl config) / mean(ppl {baseline} − ppl {comp}) "
                                  f"over paired seeds; {int(level * 100)}% percentile bootstrap over seeds "
-                                 f"({BOOTSTRAP} resamples, seed {BOOTSTRAP_SEED}); foldable = commutes with "
-                                 "RoPE, so it folds into W_Q/W_K.",
+                                 f"({BOOTSTRAP} resamples, seed {BOOTSTRAP_SEED}); commutes: with RoPE (the "
+                                 "registry's declaration); folds here: the cells' fold check on this model "
+                                 "(rotations.fold_r3.fold_refusal: a q/k norm between the projection and RoPE "
+                                 "lets a rotation through only where its weight is tied within each pair), "
+                                 "the registry's 'commutes' for records that predate the check.",
                                  f"≡ {comp}: the suite's rule (rope_quant.core.verdict, TOST form, no numerical "
                                  f"replicate in a compare run) on ppl(config) − ppl({comp}) with the margin "
                                  f"{margin.basis}; an inconclusive row carries the budget that decides it at 80% "
@@ -153,7 +166,8 @@ def plot_gap_share(table: Table, path: str | os.PathLike[str], title: str = "") 
     for x in (0, 100):
         ax.axvline(x, color="grey", lw=0.8, ls="--" if x else "-")
     ax.set_xlabel("share of the baseline's gap closed (%), 90% CI")
-    ax.set_title((title or table.title) + "\nfilled: foldable into W_Q/W_K; hatched: online only", fontsize=9)
+    ax.set_title((title or table.title) + "\nfilled: folds into this model's W_Q/W_K (or q/k norms); hatched: online "
+                 "only", fontsize=9)
     out = save_png(fig, Path(path))
     plt.close(fig)
     return out

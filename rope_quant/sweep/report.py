@@ -45,7 +45,8 @@ DEFAULT_COMPARATOR = "hadamard"
 DEFAULT_MARGINS: tuple[float, ...] = (0.02, 0.05, 0.10)
 DEFAULT_LEVEL = 0.90
 DEFAULT_ALPHA = 0.05
-METRICS = ("k_range_mean", "k_range_max", "delta_mean", "k_rel_err")
+#: Per-seed record fields carried into the summary (``r3_folds``: the R3 folds into this model, issue 24).
+METRICS = ("k_range_mean", "k_range_max", "delta_mean", "k_rel_err", "r3_folds")
 
 
 class ReportError(ValueError):

@@ -54,6 +54,7 @@ def test_gap_share_table_decides_equivalence_to_the_comparator_with_a_budget() -
     for name, d in diffs.items():
         ppl = [h + x for h, x in zip(had, d, strict=True)]
         configs[name] = {"seeds": seeds, "ppl": ppl, "mean": float(np.mean(ppl))}
+    configs["open"]["r3_folds"] = [True, False, True, True]  # one seed's cell refused to fold: not foldable here
     summary = {"configs": configs, "comparator": "hadamard", "meta": {},
                "paired": {n: {"tokens": 2048} for n in diffs}}
     table = G.gap_share_table(summary)
@@ -62,6 +63,7 @@ def test_gap_share_table_decides_equivalence_to_the_comparator_with_a_budget() -
     assert row["close"]["equivalent"] == "holds"
     assert row["far"]["equivalent"] == "refuted"
     assert row["open"]["equivalent"] == "inconclusive"
+    assert row["open"]["foldable"] is False and row["close"]["foldable"] is None  # no record, unknown r3
     assert row["open"]["equivalence_budget_seeds"] > 4 and row["open"]["equivalence_budget_tokens"] > 2048
     md = table.markdown()
     assert "≡ hadamard (±0.090)" in md and "80% power to hold" in md and "refuted (worse: +0.320" in md
@@ -125,6 +127,9 @@ def test_beyond2_runs_end_to_end_on_a_tiny_llama(tiny_model: Path, tmp_path: Pat
     row = {r["config"]: r for r in table.rows}
     assert row["pairwise_only"]["share"] in (0.0, None)
     assert row["learned_orthogonal"]["foldable"] is False and row["prerope_channel_scale"]["foldable"] is True
+    # each cell recorded whether its R3 folds into this (norm-free) Llama: the commuting ones do
+    assert summary["configs"]["pairwise_scaled-range_per_head"]["r3_folds"] == [True] * 3
+    assert summary["configs"]["learned_orthogonal"]["r3_folds"] == [False] * 3
     png = G.plot_gap_share(table, tmp_path / "gap.png")
     assert png.stat().st_size > 1000
     (tmp_path / "gap.csv").write_text(table.csv())

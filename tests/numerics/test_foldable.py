@@ -15,7 +15,7 @@ from rope_quant.calib.moments import CalibrationStats
 from rope_quant.core import transforms as T
 from rope_quant.core.rope import OddHeadDimError, rope_matrix
 from rope_quant.rotations import attention
-from rope_quant.rotations.fold_r3 import FoldError, fold_r3
+from rope_quant.rotations.fold_r3 import FoldError, fold_r3, fold_refusal
 
 D, K, H_Q, H_KV = 16, 8, 6, 2
 LAYOUTS = ("rotate_half", "interleaved")
@@ -157,8 +157,14 @@ def test_fold_equals_online_on_the_tiny_llama(index: int) -> None:
 
 
 def test_fold_refuses_a_non_commuting_map() -> None:
-    with pytest.raises(FoldError, match="layer 0: R3 'learned_orthogonal' does not commute"):
-        fold_r3(tiny_llama(), [_examples("rotate_half")[2]] * 2)
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FoldError, match="layer 1: R3 'learned_orthogonal' does not commute"):
+        fold_r3(model, [_examples("rotate_half")[0], _examples("rotate_half")[2]])
+    # refused before any layer changed (layer 0's map commutes; layer 1's does not)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert fold_refusal(model, [_examples("rotate_half")[0]] * 2) is None
+    assert "does not commute" in (fold_refusal(model, [_examples("rotate_half")[2]] * 2) or "")
 
 
 # ----------------------------------------------------------------------------- fits on a K sample

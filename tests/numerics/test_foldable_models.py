@@ -21,7 +21,7 @@ from rope_quant.core import transforms as T
 from rope_quant.model import arch
 from rope_quant.rotations import attention
 from rope_quant.rotations import offline as rotation
-from rope_quant.rotations.fold_r3 import FoldError, fold_r3
+from rope_quant.rotations.fold_r3 import FoldError, fold_r3, fold_refusal
 
 
 def _text_ids(tok, n: int) -> torch.Tensor:
@@ -95,6 +95,11 @@ def test_gemma3_pair_tied_scales_fold_into_the_qk_norms_and_rotations_are_refuse
     rot = _random_scaled("pairwise_scaled", dims.n_layers, dims.n_kv_heads, dims.head_dim)
     with pytest.raises(FoldError, match="layer 0: k_norm's weight is not tied within RoPE pair"):
         fold_r3(copy.deepcopy(base), rot)
+    # the dry check a cell records says the same, without touching the model
+    before = arch.attention(base, 0).k_norm.weight.clone()
+    assert fold_refusal(base, trs) is None
+    assert "k_norm's weight is not tied within RoPE pair" in (fold_refusal(base, rot) or "")
+    assert torch.equal(arch.attention(base, 0).k_norm.weight, before)
 
 
 def test_gemma3_fits_run_kv_only_and_the_refusal_names_r1_only(gemma) -> None:
