@@ -52,6 +52,17 @@ def check_device(device: str) -> str:
     raise CLIError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
 
 
+def resolve_dtype(device: str, dtype: str) -> str:
+    """``--dtype auto`` -> bfloat16 on CUDA, float32 on the CPU (issue 21: CPU numbers and keys do not move);
+    an explicit dtype is kept."""
+    from rope_quant.cli.options import AUTO_DTYPE
+    from rope_quant.experiment.config import DType
+
+    if dtype != AUTO_DTYPE:
+        return dtype
+    return (DType.BFLOAT16 if device.startswith("cuda") else DType.FLOAT32).value
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """``--out`` and ``--cache-dir`` are writable directories (or can be created): before the model loads."""
     from rope_quant.sweep.preflight import PreflightError, check_output_dir
@@ -81,6 +92,7 @@ def validate_common(args: argparse.Namespace) -> None:
     from rope_quant.quant.quantizers import OFF_BITS, check_bits
 
     check_device(args.device)
+    args.dtype = resolve_dtype(args.device, args.dtype)
     check_model(args.model)
     check_corpus(args.corpus)
     for q in ("w", "a", "k", "v"):
