@@ -63,6 +63,32 @@ def resolve_dtype(device: str, dtype: str) -> str:
     return (DType.BFLOAT16 if device.startswith("cuda") else DType.FLOAT32).value
 
 
+def check_memory(args: argparse.Namespace, configs: int = 1, seeds: int = 1) -> str:
+    """The plan for this run's settings against this machine (:func:`rope_quant.experiment.memory_check.decide`),
+    before any model loads: the offload mode to run with (announced when streamed), else a :class:`CLIError`
+    (exit 2) naming the stage and the plan's remedy. A model whose config cannot be read is left to the
+    pipeline's own checks."""
+    from rope_quant.cli.common import resolve_budget
+    from rope_quant.experiment import memory_check, plan
+    from rope_quant.model import arch
+    from rope_quant.model.loading import ModelLoadError, ModelNotFoundError
+
+    budget, _ = resolve_budget(args)
+    try:
+        protocol = memory_check.protocol_for(budget["calib_windows"], budget["seqlen"], budget.get("eval_windows"),
+                                             args.whip_epochs, configs, seeds, str(budget.get("weights")) == "gptq")
+        decision = memory_check.decide(args.model, args.device, args.dtype, protocol, args.offload)
+    except plan.PlanDoesNotFit as exc:
+        raise CLIError(f"the plan for this run does not fit: {exc}") from None
+    except plan.PlanError as exc:
+        raise CLIError(str(exc)) from None
+    except (ModelLoadError, ModelNotFoundError, arch.ArchitectureError):
+        return "none"
+    if decision.note:
+        print(decision.note, flush=True)
+    return decision.offload.value
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """``--out`` and ``--cache-dir`` are writable directories (or can be created): before the model loads."""
     from rope_quant.sweep.preflight import PreflightError, check_output_dir

@@ -1,0 +1,217 @@
+"""Layer streaming (``--offload cpu``, issue 21): the weights live on the host, each streamed unit is moved to the
+compute device only for its own forward.
+
+The streamed units are the token embedding, every decoder layer and the lm_head (the big tensors); the rest
+(final norm, rotary embedding: a few kB) stays on the compute device. A forward pre-hook (registered first)
+evicts whichever unit is resident, brings its own unit in and moves the call's tensor arguments to the compute
+device; a forward post-hook (registered last) evicts it again. At most one unit's weights are on the device at
+any time, plus the activations, which stay there. Eviction copies the weights back, so a change made while a
+unit was resident (GPTQ, :func:`resident`) is kept. :func:`resident` pins one unit for a stretch of work (GPTQ
+runs every Hessian forward and the column loop of one layer on the device).
+
+Every forward path of the pipeline goes through these hooks: whip sample collection, GPTQ's input capture,
+calibration, evaluation. The function is unchanged (the same modules, the same arithmetic on the same device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import nn
+
+from rope_quant.model import arch
+
+__all__ = ["OffloadMode", "OffloadError", "Streamer", "enable", "disable", "streamer", "compute_device", "resident",
+           "default_mode", "set_default_mode"]
+
+_ATTR = "rq_offload"
+
+
+class OffloadMode(StrEnum):
+    """``--offload``: none, cpu (stream layers from host RAM), auto (cpu when the plan says it must)."""
+
+    NONE = "none"
+    CPU = "cpu"
+    AUTO = "auto"
+
+
+class OffloadError(ValueError):
+    """Streaming cannot be set up on this model (already streamed, or no decoder layers the adapter knows)."""
+
+
+_DEFAULT: dict[str, OffloadMode] = {"mode": OffloadMode.NONE}
+
+
+def default_mode() -> OffloadMode:
+    """The process's resolved offload mode (set by the CLI after its plan check; none by default)."""
+    return _DEFAULT["mode"]
+
+
+@contextlib.contextmanager
+def set_default_mode(mode: OffloadMode | str) -> Iterator[None]:
+    """Within the block, :func:`default_mode` is ``mode`` (never auto: resolve it first)."""
+    mode = OffloadMode(mode)
+    if mode == OffloadMode.AUTO:
+        raise OffloadError("resolve --offload auto against the plan before running")
+    saved = _DEFAULT["mode"]
+    _DEFAULT["mode"] = mode
+    try:
+        yield
+    finally:
+        _DEFAULT["mode"] = saved
+
+
+def _move(module: nn.Module, device: torch.device) -> None:
+    """Parameters (in place: ``.data``, so hooks, attributes and tying keep pointing at them) and buffers."""
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None and p.device != device:
+                p.data = p.data.to(device)
+        for k, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[k] = b.to(device)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class Streamer:
+    """The streaming state of one model: its units, which are resident, and a log for tests and benchmarks.
+
+    ``events`` records ``("in" | "out", unit name)`` in order; ``max_resident`` is the most units ever resident
+    at once (1 when streaming works).
+    """
+
+    device: torch.device
+    host: torch.device
+    units: dict[str, nn.Module]
+    resident_units: list[str] = field(default_factory=list)
+    pinned: set[str] = field(default_factory=set)
+    events: list[tuple[str, str]] = field(default_factory=list)
+    max_resident: int = 0
+    handles: list[Any] = field(default_factory=list)
+
+    def name_of(self, module: nn.Module) -> str | None:
+        return next((n for n, m in self.units.items() if m is module), None)
+
+    def bring_in(self, name: str) -> None:
+        for other in list(self.resident_units):
+            if other != name and other not in self.pinned:
+                self.evict(other)
+        if name not in self.resident_units:
+            _move(self.units[name], self.device)
+            self.resident_units.append(name)
+            self.events.append(("in", name))
+        self.max_resident = max(self.max_resident, len(self.resident_units))
+
+    def evict(self, name: str) -> None:
+        if name in self.resident_units and name not in self.pinned:
+            _move(self.units[name], self.host)
+            self.resident_units.remove(name)
+            self.events.append(("out", name))
+
+    def evict_all(self) -> None:
+        for name in list(self.resident_units):
+            self.evict(name)
+
+
+def _units(model: nn.Module) -> dict[str, nn.Module]:
+    try:
+        layers = arch.decoder_layers(model)
+        units = {"embeddings": arch.embeddings(model)}
+        units.update({f"layers.{i}": layer for i, layer in enumerate(layers)})
+        units["lm_head"] = arch.lm_head(model)
+    except arch.ArchitectureError as exc:
+        raise OffloadError(f"cannot stream {type(model).__name__}: {exc}") from exc
+    return units
+
+
+def enable(model: nn.Module, device: torch.device | str, host: torch.device | str = "cpu") -> Streamer:
+    """Stream ``model`` (its weights go to ``host``) through ``device``; returns the :class:`Streamer`."""
+    if streamer(model) is not None:
+        raise OffloadError("this model is already streamed")
+    device, host = torch.device(device), torch.device(host)
+    units = _units(model)
+    st = Streamer(device, host, units)
+    streamed = {id(t) for m in units.values() for t in [*m.parameters(), *m.buffers()]}
+    for unit in units.values():
+        _move(unit, host)
+    for m in model.modules():  # the small rest (norms, rotary frequencies) lives on the compute device
+        for p in m._parameters.values():
+            if p is not None and id(p) not in streamed and p.device != device:
+                p.data = p.data.to(device)
+        for k, b in m._buffers.items():
+            if b is not None and id(b) not in streamed and b.device != device:
+                m._buffers[k] = b.to(device)
+    for name, unit in units.items():
+        def pre(_mod: nn.Module, args: tuple, kwargs: dict, _name: str = name) -> tuple[tuple, dict]:
+            st.bring_in(_name)
+            return _to_device(args, st.device), _to_device(kwargs, st.device)
+
+        def post(_mod: nn.Module, _args: tuple, _out: Any, _name: str = name) -> None:
+            st.evict(_name)
+
+        st.handles.append(unit.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+        st.handles.append(unit.register_forward_hook(post))
+    setattr(model, _ATTR, st)
+    return st
+
+
+def disable(model: nn.Module) -> None:
+    """Stop streaming: remove the hooks and move every unit back to the host."""
+    st = streamer(model)
+    if st is None:
+        return
+    for h in st.handles:
+        h.remove()
+    st.pinned.clear()
+    st.evict_all()
+    delattr(model, _ATTR)
+
+
+def streamer(model: nn.Module) -> Streamer | None:
+    """The model's :class:`Streamer`, or None when it is not streamed."""
+    return getattr(model, _ATTR, None)
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where the model computes: the streaming device, else the device of its first parameter."""
+    st = streamer(model)
+    if st is not None:
+        return st.device
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def resident(model: nn.Module, unit: nn.Module) -> Iterator[None]:
+    """Keep ``unit`` (a streamed module of ``model``) on the compute device for the block, then evict it
+    (writing back any change). A no-op when ``model`` is not streamed or ``unit`` is not one of its units."""
+    st = streamer(model)
+    name = None if st is None else st.name_of(unit)
+    if st is None or name is None:
+        yield
+        return
+    st.bring_in(name)
+    st.pinned.add(name)
+    try:
+        yield
+    finally:
+        st.pinned.discard(name)
+        st.evict(name)
