@@ -1,8 +1,9 @@
 """Layer streaming (``--offload cpu``, issue 21): the weights live on the host, each streamed unit is moved to the
 compute device only for its own forward.
 
-The streamed units are the token embedding, every decoder layer and the lm_head (the big tensors); the rest
-(final norm, rotary embedding: a few kB) stays on the compute device. A forward pre-hook (registered first)
+The streamed units are the token embedding, every decoder layer, the lm_head and every other module that owns
+tensors (final norm, rotary embedding: a few kB), so between forwards every tensor is in host RAM and the
+offline algebra (rotation folds, cache restores) sees a plain host model. A forward pre-hook (registered first)
 evicts whichever unit is resident, brings its own unit in and moves the call's tensor arguments to the compute
 device; a forward post-hook (registered last) evicts it again. At most one unit's weights are on the device at
 any time, plus the activations, which stay there. Eviction copies the weights back, so a change made while a
@@ -130,7 +131,13 @@ class Streamer:
             self.evict(name)
 
 
+def _owns_tensors(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+
+
 def _units(model: nn.Module) -> dict[str, nn.Module]:
+    """Embeddings, each decoder layer, lm_head, then every other module that owns tensors outside them (the
+    final norm, the rotary embedding: tiny), by qualified name. Between forwards every tensor is on the host."""
     try:
         layers = arch.decoder_layers(model)
         units = {"embeddings": arch.embeddings(model)}
@@ -138,6 +145,11 @@ def _units(model: nn.Module) -> dict[str, nn.Module]:
         units["lm_head"] = arch.lm_head(model)
     except arch.ArchitectureError as exc:
         raise OffloadError(f"cannot stream {type(model).__name__}: {exc}") from exc
+    covered = {id(m) for u in units.values() for m in u.modules()}
+    for name, m in model.named_modules():
+        if id(m) not in covered and _owns_tensors(m):
+            units[name] = m
+            covered |= {id(x) for x in m.modules()}
     return units
 
 
@@ -148,16 +160,7 @@ def enable(model: nn.Module, device: torch.device | str, host: torch.device | st
     device, host = torch.device(device), torch.device(host)
     units = _units(model)
     st = Streamer(device, host, units)
-    streamed = {id(t) for m in units.values() for t in [*m.parameters(), *m.buffers()]}
-    for unit in units.values():
-        _move(unit, host)
-    for m in model.modules():  # the small rest (norms, rotary frequencies) lives on the compute device
-        for p in m._parameters.values():
-            if p is not None and id(p) not in streamed and p.device != device:
-                p.data = p.data.to(device)
-        for k, b in m._buffers.items():
-            if b is not None and id(b) not in streamed and b.device != device:
-                m._buffers[k] = b.to(device)
+    _move(model, host)
     for name, unit in units.items():
         def pre(_mod: nn.Module, args: tuple, kwargs: dict, _name: str = name) -> tuple[tuple, dict]:
             st.bring_in(_name)

@@ -26,8 +26,9 @@ def test_one_unit_resident_at_a_time_in_order_and_the_function_is_unchanged():
     st = offload.enable(model, "cpu")  # the CPU stands in for the compute device: the bookkeeping is the same
     out = _logits(model, ids)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    units = ["embeddings", "layers.0", "layers.1", "layers.2", "lm_head"]
+    units = ["embeddings", "model.rotary_emb", "layers.0", "layers.1", "layers.2", "model.norm", "lm_head"]
     assert st.events == [(what, u) for u in units for what in ("in", "out")]
+    assert sorted(st.units) == sorted(units)  # every tensor of the model belongs to one unit
     assert st.max_resident == 1 and st.resident_units == []
     with pytest.raises(offload.OffloadError, match="already streamed"):
         offload.enable(model, "cpu")
