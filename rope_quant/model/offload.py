@@ -17,6 +17,7 @@ calibration, evaluation. The function is unchanged (the same modules, the same a
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -28,7 +29,7 @@ from torch import nn
 from rope_quant.model import arch
 
 __all__ = ["OffloadMode", "OffloadError", "Streamer", "enable", "disable", "streamer", "compute_device", "resident",
-           "default_mode", "set_default_mode"]
+           "default_mode", "set_default_mode", "ENV_OFFLOAD"]
 
 _ATTR = "rq_offload"
 
@@ -45,26 +46,40 @@ class OffloadError(ValueError):
     """Streaming cannot be set up on this model (already streamed, or no decoder layers the adapter knows)."""
 
 
-_DEFAULT: dict[str, OffloadMode] = {"mode": OffloadMode.NONE}
+#: The resolved mode, for processes that did not resolve it themselves (Slurm array tasks, submitit workers):
+#: :func:`set_default_mode` exports it, :func:`default_mode` reads it.
+ENV_OFFLOAD = "ROPE_QUANT_OFFLOAD"
 
 
 def default_mode() -> OffloadMode:
-    """The process's resolved offload mode (set by the CLI after its plan check; none by default)."""
-    return _DEFAULT["mode"]
+    """The process's resolved offload mode: :data:`ENV_OFFLOAD` (set by the CLI after its plan check, inherited
+    by the processes it starts), else none."""
+    text = os.environ.get(ENV_OFFLOAD, OffloadMode.NONE.value)
+    try:
+        mode = OffloadMode(text)
+    except ValueError:
+        raise OffloadError(f"{ENV_OFFLOAD} must be none or cpu, got {text!r}") from None
+    if mode == OffloadMode.AUTO:
+        raise OffloadError(f"{ENV_OFFLOAD}=auto: resolve it against the plan first (none or cpu)")
+    return mode
 
 
 @contextlib.contextmanager
 def set_default_mode(mode: OffloadMode | str) -> Iterator[None]:
-    """Within the block, :func:`default_mode` is ``mode`` (never auto: resolve it first)."""
+    """Within the block, :func:`default_mode` is ``mode`` (never auto: resolve it first), in this process and in
+    the processes it starts (the environment variable, restored afterwards)."""
     mode = OffloadMode(mode)
     if mode == OffloadMode.AUTO:
         raise OffloadError("resolve --offload auto against the plan before running")
-    saved = _DEFAULT["mode"]
-    _DEFAULT["mode"] = mode
+    saved = os.environ.get(ENV_OFFLOAD)
+    os.environ[ENV_OFFLOAD] = mode.value
     try:
         yield
     finally:
-        _DEFAULT["mode"] = saved
+        if saved is None:
+            os.environ.pop(ENV_OFFLOAD, None)
+        else:
+            os.environ[ENV_OFFLOAD] = saved
 
 
 def _move(module: nn.Module, device: torch.device) -> None:

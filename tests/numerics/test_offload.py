@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -99,7 +101,19 @@ def test_offload_on_the_cpu_is_a_validated_no_op():
         pipeline._streams(cfg, "auto")
     with offload.set_default_mode("cpu"):
         assert offload.default_mode() == offload.OffloadMode.CPU
-    assert offload.default_mode() == offload.OffloadMode.NONE
+        assert os.environ[offload.ENV_OFFLOAD] == "cpu"  # inherited by Slurm / submitit workers
+    assert offload.default_mode() == offload.OffloadMode.NONE and offload.ENV_OFFLOAD not in os.environ
+    with pytest.raises(offload.OffloadError, match="resolve"):
+        with offload.set_default_mode("auto"):
+            pass
+
+
+def test_a_worker_reads_the_resolved_mode_from_its_environment(monkeypatch):
+    monkeypatch.setenv(offload.ENV_OFFLOAD, "cpu")
+    assert offload.default_mode() == offload.OffloadMode.CPU
+    monkeypatch.setenv(offload.ENV_OFFLOAD, "disk")
+    with pytest.raises(offload.OffloadError, match="must be none or cpu, got 'disk'"):
+        offload.default_mode()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU tests above cover the bookkeeping)")
