@@ -94,13 +94,15 @@ def _move(module: nn.Module, device: torch.device) -> None:
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
+    """Tensors, and plain tuples / lists / dicts of them, on ``device``; anything else (a cache object, a
+    ``ModelOutput``, a named tuple) is passed as it is."""
     if torch.is_tensor(value):
         return value.to(device)
-    if isinstance(value, tuple):
+    if type(value) is tuple:
         return tuple(_to_device(v, device) for v in value)
-    if isinstance(value, list):
+    if type(value) is list:
         return [_to_device(v, device) for v in value]
-    if isinstance(value, dict):
+    if type(value) is dict:
         return {k: _to_device(v, device) for k, v in value.items()}
     return value
 
