@@ -146,14 +146,18 @@ def pending(out: Path, manifest: Any, indices: Sequence[int], resume: bool) -> l
 def sweep(args: argparse.Namespace, cells: Cells, build: Build,
           report_fn: Callable[[Path], dict] | None = None) -> int:
     """The shared sweep command: validate every model-free input, build the manifest, execute it."""
-    from rope_quant.cli.validate import validate_common
+    from rope_quant.cli.validate import check_memory, validate_common
+    from rope_quant.model.offload import set_default_mode
 
     validate_common(args)
     used: list[str] = []
     chosen = seeds(args, used)
     used += resolve_budget(args)[1]
     manifest = build(args, chosen, used)
-    return execute(args, cells, manifest, used, report_fn)
+    configs = len({name for name, _ in manifest.cells})  # cell names are the configs (each run per seed)
+    mode = check_memory(args, configs=configs, seeds=len(chosen))  # exit 2 with the remedy before anything loads
+    with set_default_mode(mode):
+        return execute(args, cells, manifest, used, report_fn)
 
 
 def _selection(args: argparse.Namespace) -> Any:

@@ -10,6 +10,9 @@ import argparse
 from rope_quant.cli.args import values
 from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
 
+#: ``--dtype auto``: resolved by :func:`rope_quant.cli.validate.resolve_dtype` from the device.
+AUTO_DTYPE = "auto"
+
 
 def add_common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     """The cell configuration (model, corpus, seeds, rotations, bits, budget) and the results options."""
@@ -59,8 +62,15 @@ def add_common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     g.add_argument("--eval-windows", type=int, default=None, metavar="N",
                    help="evaluation windows (CPU 4, CUDA all; 0 = all)")
     g.add_argument("--device", default="cpu", metavar="cpu|cuda", help="compute device (default cpu)")
-    g.add_argument("--dtype", default=DType.FLOAT32.value, choices=values(DType),
-                   help="model dtype (default float32)")
+    g.add_argument("--dtype", default=AUTO_DTYPE, choices=(AUTO_DTYPE, *values(DType)),
+                   help="model storage dtype; auto (default) = bfloat16 on CUDA, float32 on the CPU (the "
+                        "resolved dtype is what the records and cache keys hold)")
+    g.add_argument("--offload", default="auto", choices=("none", "cpu", "auto"),
+                   help="cpu: weights in host RAM, one decoder layer at a time on the GPU; auto (default): cpu "
+                        "exactly when the plan (`rope-quant plan`) says the model does not fit the GPU without "
+                        "it, announced in the output. A run that does not fit even so exits 2 with the plan's "
+                        "remedy before anything loads (budgets: the GPU's memory and the physical RAM, or "
+                        "ROPE_QUANT_GPU_MEMORY_GIB / ROPE_QUANT_HOST_MEMORY_GIB). A no-op on the CPU")
     r = parser.add_argument_group("results")
     r.add_argument("--out", required=True, metavar="DIR", help="results directory")
     r.add_argument("--no-resume", dest="resume", action="store_false",

@@ -45,6 +45,16 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, cells: Cells) -> int:
+    _check(args)
+    from rope_quant.cli.validate import check_memory
+    from rope_quant.model.offload import set_default_mode
+
+    mode = check_memory(args)  # exit 2 with the plan's remedy before anything loads or is written
+    with set_default_mode(mode):
+        return _run(args, cells)
+
+
+def _run(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.cli.common import base_config, resolve_budget
     from rope_quant.experiment.config import AngleRule
     from rope_quant.experiment.envinfo import env_info, write_env
@@ -53,7 +63,6 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.sweep.preflight import preflight
     from rope_quant.sweep.runner import run_cell_record
 
-    _check(args)
     used = resolve_budget(args)[1]
     angle = AngleRule.PHI_STAR.value if args.phi_star else args.angle
     cfg = base_config(args, seed=args.seed, r3=args.config, r3_block=args.block, angle=angle,

@@ -6,6 +6,7 @@ Each raises :class:`~rope_quant.cli.args.CLIError` (exit 2, one line) before any
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from rope_quant.cli.args import CLIError, unknown_name
@@ -52,6 +53,47 @@ def check_device(device: str) -> str:
     raise CLIError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
 
 
+def resolve_dtype(device: str, dtype: str) -> str:
+    """``--dtype auto`` -> bfloat16 on CUDA, float32 on the CPU (issue 21: CPU numbers and keys do not move);
+    an explicit dtype is kept."""
+    from rope_quant.cli.options import AUTO_DTYPE
+    from rope_quant.experiment.config import DType
+
+    if dtype != AUTO_DTYPE:
+        return dtype
+    return (DType.BFLOAT16 if device.startswith("cuda") else DType.FLOAT32).value
+
+
+def check_memory(args: argparse.Namespace, configs: int = 1, seeds: int = 1) -> str:
+    """The plan for this run's settings against this machine (:func:`rope_quant.experiment.memory_check.decide`),
+    before any model loads: the offload mode to run with (announced when streamed), else a :class:`CLIError`
+    (exit 2) naming the stage and the plan's remedy. A model whose config cannot be read is left to the
+    pipeline's own checks."""
+    from rope_quant.cli.common import resolve_budget
+    from rope_quant.experiment import memory_check, plan
+    from rope_quant.model import arch
+    from rope_quant.model.loading import ModelLoadError, ModelNotFoundError
+
+    budget, _ = resolve_budget(args)
+    try:
+        protocol = memory_check.protocol_for(budget["calib_windows"], budget["seqlen"], budget.get("eval_windows"),
+                                             args.whip_epochs, configs, seeds, str(budget.get("weights")) == "gptq")
+        decision = memory_check.decide(args.model, args.device, args.dtype, protocol, args.offload)
+    except plan.PlanDoesNotFit as exc:
+        raise CLIError(f"the plan for this run does not fit: {exc}") from None
+    except plan.PlanError as exc:
+        raise CLIError(str(exc)) from None
+    except (ModelLoadError, ModelNotFoundError, arch.ArchitectureError):
+        return "none"  # the pipeline's own checks name the problem
+    except Exception as exc:  # noqa: BLE001 - a config the plan cannot model must not stop a run that may fit
+        print(f"note: memory check skipped ({type(exc).__name__}: {exc}); --offload {args.offload} taken as "
+              f"{'cpu' if args.offload == 'cpu' else 'none'}", file=sys.stderr)
+        return "cpu" if args.offload == "cpu" else "none"
+    if decision.note:
+        print(decision.note, flush=True)
+    return decision.offload.value
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """``--out`` and ``--cache-dir`` are writable directories (or can be created): before the model loads."""
     from rope_quant.sweep.preflight import PreflightError, check_output_dir
@@ -81,6 +123,7 @@ def validate_common(args: argparse.Namespace) -> None:
     from rope_quant.quant.quantizers import OFF_BITS, check_bits
 
     check_device(args.device)
+    args.dtype = resolve_dtype(args.device, args.dtype)
     check_model(args.model)
     check_corpus(args.corpus)
     for q in ("w", "a", "k", "v"):

@@ -2,7 +2,8 @@
 
 :func:`build_quantized_model` follows the natural path of the data (docs/ARCHITECTURE.md, "One cell"):
 
-1. load the model (or deep-copy a given one);
+1. load the model (or a working copy of a given one, :mod:`rope_quant.model.working_copy`: on a weight-cache
+   hit only the embeddings and the fingerprint's tensors are copied from it);
 2. offline rotations R1/R2/R4 (:func:`rope_quant.rotations.offline.rotate_model`); by default the paper's
    (App. A.1, A.8): R1 fitted with the whip loss on the calibration windows (cached per model, seed, whip
    settings and windows), R2 the seeded random Hadamard, R4 the online Hadamard;
@@ -244,26 +245,78 @@ class QuantizedModel:
 # ----------------------------------------------------------------------------- build steps
 
 
-def _load(cfg: RunConfig, base: tuple[nn.Module, Any] | None) -> tuple[nn.Module, Any]:
-    device, dtype = cfg.runtime.device, cfg.runtime.dtype.torch
+def _load(cfg: RunConfig, base: tuple[nn.Module, Any] | None, partial: bool = False,
+          stream: bool = False) -> tuple[nn.Module, Any]:
+    """The cell's model: loaded from ``cfg.model``, or a working copy of ``base`` (never written).
+
+    The copy is rebuilt from the base's config (:mod:`rope_quant.model.working_copy`, no ``deepcopy``); with
+    ``partial`` only the parameters a weight-cache hit reads are copied (:func:`_eager_names`), and the
+    caller completes it with :func:`_complete` on a miss. With ``stream`` the weights stay in host RAM and each
+    decoder layer visits ``cfg.runtime.device`` only for its forward (:mod:`rope_quant.model.offload`)."""
+    device, dtype = ("cpu" if stream else cfg.runtime.device), cfg.runtime.dtype.torch
     if base is not None:
-        model, tokenizer = base
-        model = copy.deepcopy(model)
-        model.to(device=device, dtype=dtype)
+        from rope_quant.model import working_copy
+
+        source, tokenizer = base
+        model = working_copy.skeleton(source, device, dtype)
+        if model is None:  # a class that does not rebuild from its config: the plain copy
+            model = copy.deepcopy(source)
+            model.to(device=device, dtype=dtype)
+        else:
+            working_copy.fill(model, source, _eager_names(model) if partial else None)
     else:
         from rope_quant.model.loading import load_model
 
         model, tokenizer = load_model(cfg.model, device=device, dtype=dtype)
     model.eval()
+    if stream:
+        from rope_quant.model import offload
+
+        offload.enable(model, cfg.runtime.device)
     return model, tokenizer
+
+
+def _streams(cfg: RunConfig, mode: str | None) -> bool:
+    """Whether this build streams layers: ``--offload cpu`` (or the process default the CLI resolved from the
+    plan) on a non-CPU device. On the CPU streaming is a no-op: the weights already live in host RAM."""
+    from rope_quant.model import offload
+
+    resolved = offload.default_mode() if mode is None else offload.OffloadMode(mode)
+    if resolved == offload.OffloadMode.AUTO:
+        raise PipelineError("offload='auto' must be resolved against the plan before the build")
+    return resolved == offload.OffloadMode.CPU and str(cfg.runtime.device) != "cpu"
+
+
+def _eager_names(model: nn.Module) -> list[str]:
+    """Parameters a weight-cache hit reads from the unrotated model: the embeddings, lm_head and the norm fused
+    into it (rebuilt from R1, :func:`_restore_rotated`) and the tensors of :func:`model_fingerprint`."""
+    from rope_quant.model import working_copy
+
+    last = len(arch.decoder_layers(model)) - 1
+    head = arch.lm_head(model)
+    head_norms = [p for _, norm, linears in arch.fusable_norms(model) if any(lin is head for lin in linears)
+                  for p in norm.parameters()]  # fused into lm_head by rotate_embeddings
+    return working_copy.parameter_names(model, (arch.embeddings(model).weight, head.weight, *head_norms,
+                                                arch.attention(model, 0).q.weight,
+                                                arch.mlp_parts(model, last).down.weight))
+
+
+def _complete(model: nn.Module, base: tuple[nn.Module, Any] | None) -> None:
+    """Copy every parameter of ``base`` into a partial working copy (a weight-cache miss)."""
+    from rope_quant.model import working_copy
+
+    if base is not None:
+        working_copy.fill(model, base[0])
 
 
 def _forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progress: bool) -> None:
     """Run the decoder stack (no lm_head) over each window, for hooks to observe."""
     from tqdm.auto import tqdm
 
+    from rope_quant.model import offload
+
     base = getattr(model, "model", model)
-    dev = next(model.parameters()).device
+    dev = offload.compute_device(model)
     # no_grad, not inference_mode: tensors cached by hooks/transforms during this pass must stay usable
     # by later forwards that run with autograd enabled.
     with torch.no_grad():
@@ -335,6 +388,7 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
     random-Hadamard initialisation and of the fit on every sample, the steps, the fit time, and whether
     it came from the cache.
     """
+    from rope_quant.model import offload
     from rope_quant.rotations import whip
 
     saved = _read_r1_cache(path)
@@ -344,7 +398,7 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
     spec = cfg.rotation.whip
     fitted = whip.calibrate_model_rotations(model, calib, fit_r1=True, fit_r2=False, seed=cfg.seed,
                                             r1=spec.whip_config(), tokens_per_sample=spec.tokens_per_sample,
-                                            device=next(model.parameters()).device, progress=progress)
+                                            device=offload.compute_device(model), progress=progress)
     res = fitted.r1_result
     fit_log = {"kind": "whip", "settings": dataclasses.asdict(spec), "loss_init": res.initial_loss,
                "loss_fit": res.final_loss, "steps": res.n_steps, "fit_s": time.perf_counter() - t,
@@ -735,14 +789,17 @@ def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeomet
 
 def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
                           base: tuple[nn.Module, Any] | None = None, progress: bool = False,
-                          corpus: Any = None, counters: PipelineCounters | None = None) -> QuantizedModel:
+                          corpus: Any = None, counters: PipelineCounters | None = None,
+                          offload: str | None = None) -> QuantizedModel:
     """Build the quantised model of one cell (see the module docstring for the steps).
 
-    ``base=(model, tokenizer)`` is deep-copied instead of loading ``cfg.model`` (tests reuse one model).
+    ``base=(model, tokenizer)`` is copied (never written) instead of loading ``cfg.model`` (tests reuse one model).
     ``cache_dir`` caches the rotated, quantised state per :meth:`RunConfig.weight_key` (shared by every R3
     variant) and the calibration statistics per :meth:`RunConfig.stats_key`. ``corpus`` may pass an
     already-loaded corpus. ``counters`` (default: a fresh one, kept on the result as ``qm.counters``) counts
-    weight quantisations, weight cache hits and calibration passes. Raises
+    weight quantisations, weight cache hits and calibration passes. ``offload`` ("none" | "cpu"; default the
+    process's :func:`rope_quant.model.offload.default_mode`) streams one decoder layer at a time through a CUDA
+    device (:mod:`rope_quant.model.offload`). Raises
     :class:`rope_quant.rotations.attention.UnsupportedAttentionError`,
     :class:`rope_quant.core.rope.OddHeadDimError` or :class:`rope_quant.core.rope.MissingInvFreqError` for models
     the pipeline cannot handle, before any expensive step.
@@ -753,7 +810,9 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    model, tokenizer = _load(cfg, base)
+    partial = base is not None and cache_dir is not None  # a weight-cache hit needs only a few base tensors
+    stream = _streams(cfg, offload)
+    model, tokenizer = _load(cfg, base, partial=partial, stream=stream)
     geom = attention.check_model(model)  # clear errors before any expensive step
     _check_rotations(model, cfg)
     inv_freq, inv_source = _inv_freq(model, geom.head_dim)
@@ -777,17 +836,21 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
         except WeightCacheMismatch as exc:  # e.g. another BLAS: recompute; the restore changed the model
             log.warning("ignoring weight cache %s (%s); recomputing it", wpath, exc)
             cached = None
-            model, tokenizer = _load(cfg, base)
+            model, tokenizer = _load(cfg, base, stream=stream)
+            partial = False
     if cached is not None and cfg.rotation.r1 == RotationKind.WHIP:  # the fit log only: the weights hold R1
         hit_log = _hit_fit_log(r1_cache, cached)
         if hit_log is None:  # R1 file damaged or gone, and a weight cache without the fit log: refit, recompute
             log.warning("R1 cache %s cannot be rebuilt from weight cache %s; refitting R1 and recomputing the "
                         "weights", r1_cache, wpath)
             cached = None
-            model, tokenizer = _load(cfg, base)
+            model, tokenizer = _load(cfg, base, stream=stream)
+            partial = False
         else:
             rotation_fit = hit_log
     if cached is None:
+        if partial:
+            _complete(model, base)
         rotation, rotation_fit = _rotate(model, cfg, calib, r1_cache, progress)
     timing["rotate_s"] = time.perf_counter() - t
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rope_quant.model import arch
+from rope_quant.model import arch, offload
 from rope_quant.quant.packing import CODES_ATTR, WeightCodes
 from rope_quant.quant.quantizers import check_bits
 
@@ -550,28 +550,37 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
     per_layer_kwargs = capture_per_layer_kwargs(model, windows)
     errors: dict[str, float] = {}
     for li, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
-        if per_layer_kwargs is not None:  # this layer's own RoPE / mask, not layer 0's
-            inputs = [(args, per_layer_kwargs[li][w]) for w, (args, _) in enumerate(inputs)]
-        for group in _linear_groups(layer, cfg.true_sequential, order):
-            group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
-            if not group:
-                continue
-            accs = _group_hessians(layer, group, inputs, cfg.dtype, SHARE_HESSIANS)
-            for n, m in group:
-                H = accs[n].H
-                W = m.weight.data
-                Q, codes, scales = _gptq(W, H, bits, cfg, clip_ratio)
-                _record_codes(m, codes, scales, bits, cfg.group_size, Q)
-                D = (W.to(H.dtype) - Q.to(H.dtype))
-                num = torch.einsum("oi,ij,oj->", D, H, D).item()
-                den = torch.einsum("oi,ij,oj->", W.to(H.dtype), H, W.to(H.dtype)).item()
-                errors[f"layers.{li}.{n}"] = num / max(den, 1e-30)
-                m.weight.data.copy_(Q)
-        # Inputs of the next layer: this layer, now quantised (with whatever hooks are installed).
-        with torch.no_grad():
-            inputs = [((_layer_output(layer(*args, **kwargs)),) + tuple(args[1:]), kwargs)
-                      for args, kwargs in inputs]
+        with offload.resident(model, layer):  # a streamed model (--offload cpu): this layer on the device
+            inputs = _quantize_layer(layer, li, inputs, per_layer_kwargs, order, bits, cfg, clip_ratio, skip, errors)
     return errors
+
+
+def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: list | None, order: Any, bits: int,
+                    cfg: GPTQConfig, clip_ratio: float, skip: Callable[[str], bool] | None,
+                    errors: dict[str, float]) -> list:
+    """GPTQ of one decoder layer (in place); returns the next layer's inputs."""
+    if per_layer_kwargs is not None:  # this layer's own RoPE / mask, not layer 0's
+        inputs = [(args, per_layer_kwargs[li][w]) for w, (args, _) in enumerate(inputs)]
+    for group in _linear_groups(layer, cfg.true_sequential, order):
+        group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
+        if not group:
+            continue
+        accs = _group_hessians(layer, group, inputs, cfg.dtype, SHARE_HESSIANS)
+        for n, m in group:
+            H = accs[n].H
+            W = m.weight.data
+            Q, codes, scales = _gptq(W, H, bits, cfg, clip_ratio)
+            _record_codes(m, codes, scales, bits, cfg.group_size, Q)
+            D = (W.to(H.dtype) - Q.to(H.dtype))
+            num = torch.einsum("oi,ij,oj->", D, H, D).item()
+            den = torch.einsum("oi,ij,oj->", W.to(H.dtype), H, W.to(H.dtype)).item()
+            errors[f"layers.{li}.{n}"] = num / max(den, 1e-30)
+            m.weight.data.copy_(Q)
+    # Inputs of the next layer: this layer, now quantised (with whatever hooks are installed).
+    with torch.no_grad():
+        inputs = [((_layer_output(layer(*args, **kwargs)),) + tuple(args[1:]), kwargs)
+                  for args, kwargs in inputs]
+    return inputs
 
 
 def quantize_model_rtn(model: nn.Module, bits: int, group_size: int = -1, mse: bool = True,

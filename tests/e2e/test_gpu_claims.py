@@ -39,18 +39,32 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="module")
 def gpu_experiment(gpu_model, rq_options, tmp_path_factory, experiment_factory):
+    from rope_quant.experiment import memory_check
+    from rope_quant.experiment import plan as planning
+    from rope_quant.model import offload
     from rope_quant.model.loading import ModelNotFoundError, load_model
 
     Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
 
     device = rq_options.resolved_device()
+    budget = E2EBudget(seeds=rq_options.seeds or (0, 1, 2), seqlen=2048, calib_windows=128, eval_windows=None)
+    try:  # the plan before the model loads (issue 21): stream the layers when only that fits, else stop here
+        decision = memory_check.decide(gpu_model, device, "float32", memory_check.protocol_for(
+            128, 2048, None, None, configs=4, seeds=len(budget.seeds), gptq=True), offload.OffloadMode.AUTO)
+    except planning.PlanDoesNotFit as exc:
+        pytest.fail(f"gpu_e2e: {gpu_model}: the plan does not fit this machine: {exc}", pytrace=False)
+    except (ModelNotFoundError, planning.PlanError) as exc:
+        pytest.skip(f"gpu_e2e: model {gpu_model!r} is not available locally: {exc}")
+    if decision.note:
+        print(f"gpu_e2e: {gpu_model}: {decision.note}")
+    streamed = decision.offload == offload.OffloadMode.CPU
     try:
-        base = load_model(gpu_model, device=device)
+        base = load_model(gpu_model, device="cpu" if streamed else device)
     except ModelNotFoundError as exc:
         pytest.skip(f"gpu_e2e: model {gpu_model!r} is not available locally: {exc}")
-    budget = E2EBudget(seeds=rq_options.seeds or (0, 1, 2), seqlen=2048, calib_windows=128, eval_windows=None)
     cache = tmp_path_factory.mktemp("gpu-e2e-cache")
-    return Experiment(base, str(cache), budget, rq_options.corpus, model=gpu_model, device=device)
+    with offload.set_default_mode(decision.offload):
+        yield Experiment(base, str(cache), budget, rq_options.corpus, model=gpu_model, device=device)
 
 
 def table1_sign(exp: Any) -> tuple[Verdict, str]:

@@ -145,11 +145,12 @@ def test_every_enum_drives_the_cli_choices(capsys):
     assert choices["estimator"] == tuple(e.value for e in Estimator)
     assert choices["objective"] == tuple(o.value for o in Objective)
     assert choices["weights"] == tuple(w.value for w in WeightMode)
-    assert choices["dtype"] == tuple(d.value for d in DType)
+    assert choices["dtype"] == ("auto", *(d.value for d in DType))  # auto: bf16 on CUDA, fp32 on CPU
     assert cli.main(["compare", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for enum_cls in (Estimator, Objective, WeightMode, DType):
+    for enum_cls in (Estimator, Objective, WeightMode):
         assert "{" + ",".join(m.value for m in enum_cls) + "}" in text.replace(", ", ",")
+    assert "{auto," + ",".join(m.value for m in DType) + "}" in text.replace(", ", ",")
 
 
 # ----------------------------------------------------------------------------- resume
