@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -52,13 +51,12 @@ import torch
 from torch import nn
 
 from rope_quant.core import rope
+from rope_quant.experiment import weight_cache
 from rope_quant.experiment.config import (
     K_SAMPLE_ROWS,
-    WEIGHT_CACHE_FORMAT,
     PipelineError,
     RunConfig,
     WeightMode,
-    versioned_hash,
 )
 from rope_quant.io import atomic_writer
 from rope_quant.model import arch
@@ -69,6 +67,8 @@ from rope_quant.rotations import attention
 from rope_quant.rotations.offline import RotationKind
 
 log = logging.getLogger(__name__)
+
+model_fingerprint, data_fingerprint = weight_cache.model_fingerprint, weight_cache.data_fingerprint  # public API
 
 __all__ = [
     "PipelineError",
@@ -289,7 +289,8 @@ def _streams(cfg: RunConfig, mode: str | None) -> bool:
 
 def _eager_names(model: nn.Module) -> list[str]:
     """Parameters a weight-cache hit reads from the unrotated model: the embeddings, lm_head and the norm fused
-    into it (rebuilt from R1, :func:`_restore_rotated`) and the tensors of :func:`model_fingerprint`."""
+    into it (rebuilt from R1, :func:`weight_cache.restore_rotated`) and the tensors of
+    :func:`weight_cache.model_fingerprint`."""
     from rope_quant.model import working_copy
 
     last = len(arch.decoder_layers(model)) - 1
@@ -342,44 +343,6 @@ def _inv_freq(model: nn.Module, head_dim: int) -> tuple[np.ndarray, str]:
         return values, arch.describe_sources(sources)
 
 
-def _r1_cache_path(cache: Path | None, cfg: RunConfig, fingerprint: str, data_fp: str) -> Path | None:
-    """The fitted whip R1 of (model, seed, whip settings, calibration windows), shared by every weight
-    setting that uses it."""
-    if cache is None:
-        return None
-    key = versioned_hash({"seed": cfg.seed, "whip": dataclasses.asdict(cfg.rotation.whip)})
-    return cache / f"r1-whip-{key}-{fingerprint}-{data_fp}.pt"
-
-
-def _read_r1_cache(path: Path | None) -> tuple[torch.Tensor, dict] | None:
-    """The cached whip R1 and its fit log, or None (missing, or unreadable: warned)."""
-    if path is None or not path.is_file():
-        return None
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        return saved["r1"], {**saved["log"], "cache_hit": True}
-    except Exception as exc:  # noqa: BLE001 - unreadable cache: rebuilt from the weight cache, or refitted
-        log.warning("ignoring unreadable R1 cache %s (%s); rebuilding it", path, exc)
-        return None
-
-
-def _hit_fit_log(path: Path | None, payload: dict) -> dict | None:
-    """A weight-cache hit's R1 fit log (issue 26: a damaged R1 file must not cost the record its fit log).
-
-    The R1 file's log when it is readable; else the weight cache's copy of R1 and its log, written back to the
-    R1 file; None when the weight cache predates that copy (the caller then refits R1 and recomputes)."""
-    saved = _read_r1_cache(path)
-    if saved is not None:
-        return saved[1]
-    fit, r1 = payload.get("rotation_fit"), payload.get("r1")
-    if not fit or r1 is None or path is None:
-        return None
-    with atomic_writer(path) as handle:
-        torch.save({"r1": r1, "log": fit}, handle)
-    log.warning("rebuilt R1 cache %s from the weight cache's R1 and fit log", path)
-    return {**fit, "cache_hit": True}
-
-
 def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path | None,
              progress: bool = False) -> tuple[torch.Tensor, dict]:
     """R1 fitted with the whip loss on the unrotated model (App. A.1), or read from its cache file.
@@ -391,7 +354,7 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
     from rope_quant.model import offload
     from rope_quant.rotations import whip
 
-    saved = _read_r1_cache(path)
+    saved = weight_cache.read_r1_cache(path)
     if saved is not None:
         return saved
     t = time.perf_counter()
@@ -422,176 +385,6 @@ def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, r1_cache: Pat
     if cfg.rotation.r2 == RotationKind.WHIP:  # a documented deviation from A.8
         kwargs.update(calib_ids=calib, whip_options=cfg.rotation.whip_options())
     return rotate_model(model, cfg.rotation.config(cfg.seed), **kwargs), fit_log
-
-
-class WeightCacheMismatch(PipelineError):
-    """A cache hit could not rebuild the left-out embeddings bit for bit (the cell recomputes the weights)."""
-
-
-def _restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
-    """Cache hit: rebuild the rotated model's structure and load its cached (quantised) parameters.
-
-    The decoder's weight algebra (:func:`rotation.rotate_model`) is skipped: the cached state holds its
-    result. The embeddings and lm_head, which the cache leaves out (``derived``), are rebuilt from the loaded
-    model and the cached R1 (:func:`rotation.rotate_embeddings`; without R1 they are the model's own) and
-    must match their cached sha256, else :class:`WeightCacheMismatch`. An older file that holds them is
-    loaded as it is (embeddings untied). Only the online half of R4 is registered
-    (:func:`rotation.install_online_r4`, ``prepend=True`` as in ``apply_r4``).
-    """
-    from rope_quant.rotations import offline as rotation
-
-    derived = payload.get("derived") or {}
-    if derived and payload.get("r1") is not None:
-        rotation.rotate_embeddings(model, payload["r1"])
-    elif not derived:  # an older file holds the (untied) embeddings; without R1 they are the model's own
-        rotation.untie_embeddings(model)
-    missing, unexpected = model.load_state_dict(payload["state"], strict=False)
-    missing = [k for k in missing if k not in derived]
-    if missing or unexpected:
-        raise PipelineError(f"weight cache does not match the model: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
-    state = model.state_dict()
-    for key, digest in derived.items():
-        if key not in state or _digest(state[key]) != digest:
-            raise WeightCacheMismatch(f"{key} rebuilt from the cached R1 differs from the cached digest")
-    result = rotation.RotationResult(config=cfg.rotation.config(cfg.seed), r1=payload.get("r1"), r2=payload.get("r2"),
-                                     untied=bool(payload.get("untied")))
-    if cfg.rotation.r4:
-        result.r4_handles.extend(rotation.install_online_r4(model))
-    model.rq_rotation = result.config
-    return result
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """Short hash of a loaded model's shape and weights (taken before any rotation).
-
-    Cache files carry it in their names, so a test model built from ``base=`` never collides with the
-    checkpoint named in ``cfg.model``.
-    """
-    c = model.config
-    names = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "intermediate_size")
-    parts: list[Any] = [getattr(c, n, None) for n in names]
-    last = len(arch.decoder_layers(model)) - 1
-    with torch.no_grad():
-        for t in (arch.embeddings(model).weight, arch.attention(model, 0).q.weight,
-                  arch.mlp_parts(model, last).down.weight):
-            t64 = t.detach().double()
-            parts += [float(t64.sum()), float(t64.abs().sum()), float((t64 * t64).sum())]
-    text = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
-
-
-def data_fingerprint(windows: torch.Tensor) -> str:
-    """Short hash of the calibration windows' token ids (shape and values).
-
-    Cache files that depend on the calibration sample carry it in their names, so a corpus that changed
-    under the same name (or a caller that never resolved ``corpus_id``) cannot reuse statistics or
-    weights computed on other text.
-    """
-    ids = windows.detach().to("cpu", torch.long).contiguous()
-    h = hashlib.sha256(json.dumps(list(ids.shape)).encode())
-    h.update(ids.numpy().tobytes())
-    return h.hexdigest()[:8]
-
-
-def _weight_cache_path(cache_dir: Path | None, cfg: RunConfig, fingerprint: str, data_fp: str) -> Path | None:
-    if cache_dir is None:
-        return None
-    suffix = f"-{data_fp}" if cfg.uses_calibration_for_weights else ""
-    return Path(cache_dir) / f"weights-{cfg.weight_key()}-{fingerprint}{suffix}.pt"
-
-
-def _save_weights(path: Path, cfg: RunConfig, model: nn.Module, rotation: Any, errors: dict,
-                  static_act: dict | None, rotation_fit: dict | None = None) -> None:
-    """Write the rotated, quantised state (every parameter and buffer) atomically (:mod:`rope_quant.io`).
-
-    A quantised linear's weight is stored as its integer codes and scales (:mod:`rope_quant.quant.packing`)
-    when they dequantise to it bit for bit, else as the tensor; :func:`_read_weight_cache` dequantises.
-    """
-    state, codes = _compact_state(model)
-    derived = {key: _digest(state.pop(key)) for key in _embedding_keys(model)}  # rebuilt on a hit
-    payload = {
-        "format": WEIGHT_CACHE_FORMAT, "weight_fields": cfg.weight_fields(),
-        "state": state, "codes": codes, "derived": derived,
-        "r1": None if rotation is None or rotation.r1 is None else rotation.r1.cpu(),
-        "r2": None if rotation is None or rotation.r2 is None else rotation.r2.cpu(),
-        "untied": bool(getattr(rotation, "untied", False)), "errors": errors,
-        "static_act": None if static_act is None else {
-            n: (q.lo.cpu(), q.hi.cpu()) for n, q in static_act.items()},
-        "rotation_fit": {**rotation_fit, "cache_hit": False} if rotation_fit else None,  # heals the R1 file
-    }
-    with atomic_writer(path) as handle:
-        torch.save(payload, handle)
-
-
-def _embedding_keys(model: nn.Module) -> list[str]:
-    """State-dict keys of the embedding and lm_head weights (the matrices :func:`rotation.rotate_embeddings`
-    rebuilds)."""
-    targets = (arch.embeddings(model).weight, arch.lm_head(model).weight)
-    return [k for k, v in model.state_dict(keep_vars=True).items() if any(v is t for t in targets)]
-
-
-def _digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's dtype, shape and bytes (a rebuilt matrix must match its cached digest bit for bit)."""
-    t = t.detach().to("cpu").contiguous()
-    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _compact_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """(state without the coded weights, {state key: WeightCodes.to_dict()}) of ``model``."""
-    from rope_quant.quant import packing
-
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    codes: dict[str, dict] = {}
-    for name, mod in model.named_modules():
-        key = f"{name}.weight" if name else "weight"
-        enc = packing.encode(state[key], getattr(mod, packing.CODES_ATTR, None)) if key in state else None
-        if enc is not None:
-            codes[key] = enc.to_dict()
-            del state[key]
-    return state, codes
-
-
-def _dequantized_state(payload: dict) -> dict[str, torch.Tensor]:
-    """The full state of a cache payload: its tensors plus its coded weights, dequantised (ValueError if bad)."""
-    from rope_quant.quant import packing
-
-    coded = payload.get("codes") or {}
-    if not isinstance(coded, dict):
-        raise ValueError("the weight codes section is not a mapping")
-    state = dict(payload["state"])
-    for key, entry in coded.items():
-        if key in state:
-            raise ValueError(f"{key} is stored both as a tensor and as codes")
-        try:
-            state[key] = packing.from_dict(entry).dequantize()
-        except (KeyError, TypeError, RuntimeError, AttributeError) as exc:
-            raise ValueError(f"malformed codes for {key}: {exc}") from exc
-    return state
-
-
-def _read_weight_cache(path: Path | None, cfg: RunConfig) -> dict | None:
-    if path is None or not path.is_file():
-        return None
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable cache (truncated, garbage, wrong pickle): recompute
-        log.warning("ignoring unreadable weight cache %s (%s: %s); recomputing it", path, type(exc).__name__, exc)
-        return None
-    fields = json.loads(json.dumps(cfg.weight_fields(), default=str))
-    if not isinstance(payload, dict) or not isinstance(payload.get("state"), dict) \
-            or payload.get("format") != WEIGHT_CACHE_FORMAT or payload.get("weight_fields") != fields:
-        log.warning("ignoring weight cache %s: its fields do not match this configuration", path)
-        return None
-    try:
-        payload["state"] = _dequantized_state(payload)
-    except ValueError as exc:
-        log.warning("ignoring unreadable weight cache %s (%s); recomputing it", path, exc)
-        return None
-    return payload
 
 
 def _static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, progress: bool,
@@ -772,7 +565,7 @@ def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeomet
     """
     from rope_quant.calib.moments import CalibrationStats
 
-    name = f"stats-{cfg.stats_key()}-{fingerprint}-{data_fingerprint(calib)}.npz"
+    name = f"stats-{cfg.stats_key()}-{fingerprint}-{weight_cache.data_fingerprint(calib)}.npz"
     spath = None if cache is None else cache / name
     stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
                              sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
@@ -816,7 +609,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     geom = attention.check_model(model)  # clear errors before any expensive step
     _check_rotations(model, cfg)
     inv_freq, inv_source = _inv_freq(model, geom.head_dim)
-    fingerprint = model_fingerprint(model) if cache_dir is not None else ""
+    fingerprint = weight_cache.model_fingerprint(model) if cache_dir is not None else ""
     if corpus is None:
         corpus = data.load_corpus(cfg.corpus, tokenizer)
     calib = data.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
@@ -825,21 +618,21 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
 
     # 2. offline rotations (+ the online R4 pre-hook); a cache hit restores the rotated quantised state
     t = time.perf_counter()
-    data_fp = data_fingerprint(calib) if cache is not None else ""
-    wpath = _weight_cache_path(cache, cfg, fingerprint, data_fp)
-    r1_cache = _r1_cache_path(cache, cfg, fingerprint, data_fp)
-    cached = _read_weight_cache(wpath, cfg)
+    data_fp = weight_cache.data_fingerprint(calib) if cache is not None else ""
+    wpath = weight_cache.weight_cache_path(cache, cfg, fingerprint, data_fp)
+    r1_cache = weight_cache.r1_cache_path(cache, cfg, fingerprint, data_fp)
+    cached = weight_cache.read_weight_cache(wpath, cfg)
     rotation_fit: dict = {}
     if cached is not None:
         try:
-            rotation = _restore_rotated(model, cfg, cached)
-        except WeightCacheMismatch as exc:  # e.g. another BLAS: recompute; the restore changed the model
+            rotation = weight_cache.restore_rotated(model, cfg, cached)
+        except weight_cache.WeightCacheMismatch as exc:  # e.g. another BLAS: recompute; the restore changed the model
             log.warning("ignoring weight cache %s (%s); recomputing it", wpath, exc)
             cached = None
             model, tokenizer = _load(cfg, base, stream=stream)
             partial = False
     if cached is not None and cfg.rotation.r1 == RotationKind.WHIP:  # the fit log only: the weights hold R1
-        hit_log = _hit_fit_log(r1_cache, cached)
+        hit_log = weight_cache.hit_fit_log(r1_cache, cached)
         if hit_log is None:  # R1 file damaged or gone, and a weight cache without the fit log: refit, recompute
             log.warning("R1 cache %s cannot be rebuilt from weight cache %s; refitting R1 and recomputing the "
                         "weights", r1_cache, wpath)
@@ -878,7 +671,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
             gptq.quantize_model_rtn(model, w.bits, w.gptq.group_size, w.gptq.mse, w.clip)
             counters.weight_quantizations += 1
         if wpath is not None:
-            _save_weights(wpath, cfg, model, rotation, errors, static_act, rotation_fit)
+            weight_cache.save_weights(wpath, cfg, model, rotation, errors, static_act, rotation_fit)
     timing["weights_s"] = time.perf_counter() - t
 
     # 5. calibration statistics (pre-RoPE q/k) on the same windows

@@ -55,12 +55,12 @@ class ExportModel:
 def weight_cache_present(cfg: RunConfig, cache_dir: str | os.PathLike | None, model: nn.Module,
                          calib: torch.Tensor) -> tuple[bool, Path | None]:
     """(the cell's weight cache file exists, its path) for ``cache_dir`` (no cache dir: (False, None))."""
-    from rope_quant.experiment import pipeline
+    from rope_quant.experiment import weight_cache
 
     if cache_dir is None:
         return False, None
-    path = pipeline._weight_cache_path(Path(cache_dir), cfg, pipeline.model_fingerprint(model),
-                                       pipeline.data_fingerprint(calib))
+    path = weight_cache.weight_cache_path(Path(cache_dir), cfg, weight_cache.model_fingerprint(model),
+                                          weight_cache.data_fingerprint(calib))
     return path is not None and path.is_file(), path
 
 

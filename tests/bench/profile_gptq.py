@@ -29,7 +29,7 @@ STAGE_FUNCS = [
     ("    quantise (quantize_with_scales)", "gptq.py", "quantize_with_scales"),
     ("  activation fake-quant in hooks", "quantizers.py", "fake_quant"),
     ("  online R4 Hadamard (fwht)", "hadamard.py", "fwht"),
-    ("weight cache save", "pipeline.py", "_save_weights"),
+    ("weight cache save", "weight_cache.py", "save_weights"),
     ("calibration pass (_calibrate)", "pipeline.py", "_calibrate"),
     ("  CalibrationStats.update", "moments.py", "update"),
     ("angles (_estimate_angles)", "pipeline.py", "_estimate_angles"),

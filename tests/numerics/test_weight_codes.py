@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from rope_quant.experiment import data, pipeline
+from rope_quant.experiment import data, pipeline, weight_cache
 from rope_quant.experiment.pipeline import GPTQConfig, RunConfig, build_quantized_model
 from rope_quant.quant import gptq, packing
 
@@ -95,7 +95,7 @@ def test_weight_cache_round_trip_is_bit_identical(tiny_base_model, corpus, tmp_p
     # a damaged codes section is warned about and recomputed
     payload["codes"][next(iter(linears))]["codes"] = torch.zeros(3, dtype=torch.uint8)
     torch.save(payload, path)
-    with caplog.at_level(logging.WARNING, logger=pipeline.log.name):
+    with caplog.at_level(logging.WARNING, logger=weight_cache.log.name):
         third = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
     assert not third.weight_cache_hit and "unreadable weight cache" in caplog.text
     for k in sd1:
@@ -121,13 +121,13 @@ def test_weight_cache_rebuilds_the_embeddings_or_recomputes(tiny_base_model, cor
     key = "model.embed_tokens.weight"
     # the digest covers every bit: one flipped mantissa bit in the rebuilt matrix is a mismatch
     emb = first.model.state_dict()[key].clone()
-    assert pipeline._digest(emb) == payload["derived"][key]
+    assert weight_cache.digest(emb) == payload["derived"][key]
     emb.view(torch.int32)[0, 0] ^= 1
-    assert pipeline._digest(emb) != payload["derived"][key]
+    assert weight_cache.digest(emb) != payload["derived"][key]
 
     bad = dict(payload, derived=dict(payload["derived"], **{key: "0" * 64}))
     torch.save(bad, path)
-    with caplog.at_level(logging.WARNING, logger=pipeline.log.name):
+    with caplog.at_level(logging.WARNING, logger=weight_cache.log.name):
         second = build_quantized_model(cfg, cache_dir=tmp_path, base=base, corpus=corpus)
     assert not second.weight_cache_hit and "differs from the cached digest" in caplog.text
     assert torch.equal(_logits(second, corpus), ref)
