@@ -32,7 +32,10 @@ FAKEQUANT_OVERHEAD = 1.23
 #: On the CPU, the quantised forward of the calibration and evaluation stages (activation quantisers, online
 #: R4, quantise-mode attention, calibration hooks, lm_head included) over its plain matmul FLOP time at the
 #: float32 rate: measured in CPU seconds by the whole-pipeline probe at width 4096, 1 thread (calibration 3.2×,
-#: evaluation 3.3× on the 1-layer Llama-2-7B shape, 2026-11-25).
+#: evaluation 3.3× on the 1-layer Llama-2-7B shape, 2026-11-25). It does not transfer: the 1-layer Llama-3-8B
+#: shape ran its quantised forward at 0.3–0.5× the plain FLOP time (see MEASURED_ERROR): the online R4 at
+#: intermediate 11008 = 5504·2 takes 38 CPU s per 2048 tokens (a dense 5504² factor over a trailing axis of 2),
+#: at 14336 = 28·512 0.2 s. Re-measure this constant when that transform is fixed.
 CPU_QUANT_FORWARD_OVERHEAD = 3.2
 #: GPTQ's host work on the widest linear (down_proj, in-features = intermediate): float32 Hessian copies at the
 #: peak (the accumulator, its act_order permutation, the damped copy, its Cholesky factor, the inverse and the
@@ -53,8 +56,10 @@ HOST_RETAINED_BYTES = int(0.65 * GIB)
 #: process CPU seconds on a loaded 2-core machine, 2026-11-25; table in docs/paper_scale.md). The GPTQ, quantised
 #: forward and retention constants above were fitted on this shape (GPTQ time and memory in-sample; calibration and
 #: evaluation fitted at 512 tokens, checked at 2048); GPU rows are extrapolated, never measured.
-MEASURED_ERROR = ("CPU, measured/plan: peak RSS x0.93; time whip R1 x0.72, offline rotation x0.71, GPTQ x1.00 "
-                  "(x1.47 before refit), calibration x0.92, evaluation x1.04 (docs/paper_scale.md); GPU: unmeasured")
+MEASURED_ERROR = ("CPU 1 thread, measured/plan: Llama-2-7B (fitted): peak RSS x0.93, whip R1 x0.72, rotation x0.71, "
+                  "GPTQ x1.00, calibration x0.92, evaluation x1.04; Llama-3-8B (RTN, out of sample): peak RSS x1.12, "
+                  "whip x0.72, rotation x0.61, calibration x0.10, evaluation x0.15 (the slow online R4 at 11008 is "
+                  "in the fitted overhead, docs/paper_scale.md); GPU: unmeasured")
 
 
 class DeviceName(StrEnum):
