@@ -57,7 +57,8 @@ HOST_RETAINED_BYTES = int(0.65 * GIB)
 #: forward and retention constants above were fitted on this shape (GPTQ time and memory in-sample; calibration and
 #: evaluation fitted at 512 tokens, checked at 2048); GPU rows are extrapolated, never measured.
 MEASURED_ERROR = ("CPU 1 thread, measured/plan: Llama-2-7B (fitted): peak RSS x0.93, whip R1 x0.72, rotation x0.71, "
-                  "GPTQ x1.00, calibration x0.92, evaluation x1.04; Llama-3-8B (RTN, out of sample): peak RSS x1.12, "
+                  "GPTQ x1.00, calibration x0.92, evaluation x1.04; Llama-3-8B / Mistral-7B / Qwen2.5-7B (RTN, out of "
+                  "sample): peak RSS x1.12 / x1.11 / x1.24; Llama-3-8B: "
                   "whip x0.72, rotation x0.61, calibration x0.10, evaluation x0.15 (the slow online R4 at 11008 is "
                   "in the fitted overhead, docs/paper_scale.md); GPU: unmeasured")
 
