@@ -207,21 +207,25 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     block = min(mc.largest_rows, 16384) * mc.hidden * (8 + 8 + 4)  # float64 block in and out, cast back
     k_r4 = hadamard.hadamard_order(mc.intermediate)[0] if mc.intermediate > 4096 else mc.intermediate
     block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
+    retained = pc.HOST_RETAINED_BYTES  # CPU: resident after the rotation stage (plan_costs)
     rot_flops = 2 * mc.hidden * (2 * mc.vocab * mc.hidden + mc.n_layers * mc.layer_params)
     add("offline rotation", block + mc.hidden ** 2 * 8, 0 if gpu else block + mc.hidden ** 2 * 8, 0,
         rot_flops / rate64, p.seeds)
     if p.gptq:
         inputs_b = 2 * calib_tok * mc.hidden * b + act_window  # a layer's inputs and outputs, storage dtype
-        hess_b = (3 * mc.hidden ** 2 + mc.intermediate ** 2) * 4 + 4 * mc.intermediate ** 2 * 4  # + W, Hinv (fp32)
+        hess_b = (pc.GPTQ_HESSIAN_COPIES * mc.intermediate ** 2
+                  + pc.GPTQ_WEIGHT_COPIES * mc.hidden * mc.intermediate) * 4  # the widest linear (down_proj)
         gptq_flops = calib_tok * (fwd_tok + attn_tok) * 2 + mc.n_layers * (
             2 * calib_tok * (mc.hidden ** 2 * 3 + mc.intermediate ** 2) + 2 * mc.layer_params * mc.hidden)
-        add("GPTQ", inputs_b + hess_b, inputs_b + hess_b if not gpu else inputs_b, model_b,
+        add("GPTQ", inputs_b + hess_b, inputs_b + hess_b + retained if not gpu else inputs_b, model_b,
             gptq_flops * pc.GPTQ_OVERHEAD / rate, p.seeds)
-    add("calibration", act_window, 0 if gpu else act_window, 0, calib_tok * (fwd_tok + attn_tok) / rate, p.seeds)
+    qf = pc.FAKEQUANT_OVERHEAD if gpu else pc.CPU_QUANT_FORWARD_OVERHEAD  # the quantised forward (+ lm_head)
+    add("calibration", act_window, 0 if gpu else act_window + retained, 0,
+        calib_tok * (fwd_tok + attn_tok + head_tok) * qf / rate, p.seeds)
     logits_b = p.seqlen * mc.vocab * 4
     eval_tok = p.eval_windows * p.seqlen
-    eval_s = eval_tok * (fwd_tok + attn_tok + head_tok) * pc.FAKEQUANT_OVERHEAD / rate
-    add("evaluation (per config)", act_window + logits_b, 0 if gpu else act_window + logits_b, 0, eval_s,
+    eval_s = eval_tok * (fwd_tok + attn_tok + head_tok) * qf / rate
+    add("evaluation (per config)", act_window + logits_b, 0 if gpu else act_window + logits_b + retained, 0, eval_s,
         p.seeds * p.configs)
     for length in p.long_context:
         n_win = max(1, eval_tok // length)
@@ -266,7 +270,8 @@ def format_plan(plan: Plan) -> str:
     hours = plan.total_seconds / 3600
     unit = "GPU-hours" if plan.device.name != pc.DeviceName.CPU else "CPU-thread-hours"
     lines += ["", f"total: {hours:.2f} {unit}; peak GPU {plan.peak_gpu / GIB:.1f} GiB, "
-              f"peak host {plan.peak_host / GIB:.1f} GiB", f"time basis: {plan.device.basis}"]
+              f"peak host {plan.peak_host / GIB:.1f} GiB", f"time basis: {plan.device.basis}",
+              f"plan error against measurement: {pc.MEASURED_ERROR}"]
     return "\n".join(lines)
 
 
