@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -98,7 +98,7 @@ def restore_rotated(model: nn.Module, cfg: RunConfig, payload: dict):
                                      untied=bool(payload.get("untied")))
     if cfg.rotation.r4:
         result.r4_handles.extend(rotation.install_online_r4(model))
-    model.rq_rotation = result.config
+    setattr(model, "rq_rotation", result.config)  # noqa: B010 - an attribute the torch Module type does not declare
     return result
 
 
@@ -116,7 +116,7 @@ def model_fingerprint(model: nn.Module) -> str:
     with torch.no_grad():
         for t in (arch.embeddings(model).weight, arch.attention(model, 0).q.weight,
                   arch.mlp_parts(model, last).down.weight):
-            t64 = t.detach().double()
+            t64 = cast(torch.Tensor, t).detach().double()
             parts += [float(t64.sum()), float(t64.abs().sum()), float((t64 * t64).sum())]
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:8]

@@ -144,7 +144,8 @@ def fold_r3(model: nn.Module, transforms: Sequence[Any], layout: str = "rotate_h
     if reason is not None:
         raise FoldError(reason)
     offset = arch.norm_weight_offset(model)
-    for layer, (p, tr) in enumerate(zip(arch.attention_modules(model), transforms, strict=True)):
+    parts: list[Any] = list(arch.attention_modules(model))
+    for layer, (p, tr) in enumerate(zip(parts, transforms, strict=True)):
         if tr is None:
             continue
         d = int(tr.head_dim)

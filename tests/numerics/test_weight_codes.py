@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from rope_quant.experiment import data, pipeline, weight_cache
+from rope_quant.experiment import data, weight_cache
 from rope_quant.experiment.pipeline import GPTQConfig, RunConfig, build_quantized_model
 from rope_quant.quant import gptq, packing
 
