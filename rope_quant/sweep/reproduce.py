@@ -45,6 +45,7 @@ class Number:
     high: float | None
     n: int | None
     verdict: str
+    outcome: str = ""  # holds / fails / refuted / inconclusive (a flip compares these, not the verdict's text)
 
     @property
     def half_width(self) -> float | None:
@@ -116,9 +117,28 @@ def _claims_numbers(path: Path) -> tuple[dict[str, Number], dict[str, Any]]:
     for claim in payload["claims"]:
         label = f"{claim['claim']} [{claim.get('model', '?')}]"
         d = claim.get("decision") or {}
-        numbers[label] = Number(label, d.get("mean"), d.get("low"), d.get("high"), d.get("n"),
-                                str(claim.get("verdict", "")))
+        mean, low, high, n = d.get("mean"), d.get("low"), d.get("high"), d.get("n")
+        verdict = str(claim.get("verdict", ""))
+        outcome = str(d.get("outcome") or verdict.split(":")[0].split(" ")[0])
+        if mean is None:  # an every-seed claim: its first two per-seed series, paired (C1: pairwise_only − hadamard)
+            pair = _paired_series(claim.get("numbers") or {})
+            if pair is not None:
+                label, (mean, low, high, n) = f"{label} ({pair[0]})", pair[1]
+        numbers[label] = Number(label, mean, low, high, n, verdict, outcome)
     return numbers, payload.get("machine") or {}
+
+
+def _paired_series(numbers: Mapping[str, Any]) -> tuple[str, tuple[float, float, float, int]] | None:
+    """("X − Y", (mean, low, high, n)) of the first two equal-length per-seed series of a claim, or None."""
+    from rope_quant.core import stats
+
+    series = [(k, v) for k, v in numbers.items() if isinstance(v, list) and len(v) >= 2
+              and all(isinstance(x, (int, float)) for x in v)]
+    if len(series) < 2 or len(series[0][1]) != len(series[1][1]):
+        return None
+    (a, x), (b, y) = series[:2]
+    ci = stats.paired_ci(x, y)
+    return f"{a} − {b}", (ci.mean, ci.low, ci.high, ci.n)
 
 
 def _load(path: Path) -> tuple[str, dict[str, Number], dict[str, Any]]:
@@ -187,9 +207,11 @@ def compare_against(this: str | Path, other: str | Path) -> str:
                 row["Δ"] = _fmt(delta)
                 hw = x.half_width
                 row["Δ / half-width"] = f"{delta / hw:+.2f}" if hw else "–"
-            flip = x.verdict != y.verdict
+            flip = (x.outcome or x.verdict) != (y.outcome or y.verdict)
             flipped += flip
-            row["verdict (this → other)"] = (f"**FLIPPED** {x.verdict} → {y.verdict}" if flip else x.verdict)
+            same = x.verdict == y.verdict
+            row["verdict (this → other)"] = (f"**FLIPPED** {x.verdict} → {y.verdict}" if flip else
+                                             x.verdict if same else f"{x.verdict} → {y.verdict}")
         rows.append(row)
     head = [f"# Reproducibility: {a_path} against {b_path}", "",
             f"- this: {_machine_line(a_env)}", f"- other: {_machine_line(b_env)}",

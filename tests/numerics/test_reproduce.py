@@ -101,6 +101,25 @@ def test_bad_inputs(tmp_path: Path) -> None:
         compare_against(tmp_path / "empty", a)
 
 
+def test_a_changed_budget_is_not_a_flip_and_every_seed_claims_get_their_paired_number(tmp_path: Path) -> None:
+    """Two inconclusive verdicts with different budgets are the same outcome (shown, not flagged); an every-seed
+    claim without an interval (C1) is compared on the paired difference of its first two per-seed series."""
+    a = _claims(tmp_path / "a.json", "inconclusive: 7 seeds", 8.1, 4.4, 11.8, {})
+    b = _claims(tmp_path / "b.json", "inconclusive: no budget decides", 6.1, 0.6, 11.6, {})
+    text = compare_against(a, b)
+    assert "0 verdict(s) flipped" in text and "FLIPPED" not in text
+    assert "inconclusive: 7 seeds → inconclusive: no budget decides" in text
+    c1 = {"claim": "C1", "model": "m", "verdict": "holds", "decision": {"outcome": "holds", "mean": None},
+          "numbers": {"pairwise_only": [28.0, 26.0, 26.5], "hadamard": [24.0, 23.0, 23.5], "stat": 2.7}}
+    for path, shift in ((tmp_path / "c.json", 0.0), (tmp_path / "d.json", 0.5)):
+        c1["numbers"]["pairwise_only"] = [x + shift for x in [28.0, 26.0, 26.5]]
+        path.write_text(json.dumps({"claims": [c1], "machine": {}}))
+    text = compare_against(tmp_path / "c.json", tmp_path / "d.json")
+    line = next(x for x in text.splitlines() if x.startswith("| C1"))
+    # this: diffs 4, 3, 3 -> mean 3.333, sd 0.577, 90% half-width 2.920 * 0.577 / sqrt(3) = 0.973; other: +0.5
+    assert "(pairwise_only − hadamard)" in line and "+3.333 (+2.360, +4.307)" in line and "+0.51" in line, line
+
+
 def test_add_against_argument() -> None:
     parser = add_against_argument(argparse.ArgumentParser())
     assert parser.parse_args(["--against", "OTHER"]).against == "OTHER"
