@@ -305,8 +305,13 @@ def hadamard_transform(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
     y = x.reshape(*shape[:-1], k, p)
     if p > 1:
         y = _pow2_transform(y, normalize)
-    y = torch.matmul(hk, y)  # H_K acts on the K axis: (k,k) @ (..., k, p)
-    return y.reshape(shape)
+    if k <= DENSE_MAX:
+        y = torch.matmul(hk, y)  # H_K acts on the K axis: (k,k) @ (..., k, p)
+        return y.reshape(shape)
+    # A large Paley factor (Llama-2-7B's 11008 = 5504·2): one GEMM over every (row, p) pair; the batched
+    # (k,k) @ (k,p) form above would read the k×k matrix once per row (memory bound, ~20× slower at k = 5504).
+    y = torch.matmul(y.transpose(-1, -2).reshape(-1, k), hk.T)
+    return y.reshape(*shape[:-1], p, k).transpose(-1, -2).reshape(shape)
 
 
 def random_hadamard(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

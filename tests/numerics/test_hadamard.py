@@ -154,6 +154,18 @@ def test_kronecker_transform_at_14336_rows() -> None:
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("n", [11008, 2 * 11008])
+def test_large_paley_factor_is_one_gemm_and_exact(n: int) -> None:
+    """11008 = 5504·2 (Llama-2-7B's intermediate): the large-factor GEMM path equals x @ Hᵀ/√n in float64."""
+    k, m = hadamard_order(n)
+    assert k == 5504 and k > hd.DENSE_MAX  # the path under test
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(2, 3, n, generator=gen, dtype=torch.float64)
+    ref = x @ hadamard_matrix(n).T / math.sqrt(n)
+    torch.testing.assert_close(hadamard_transform(x), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hadamard_transform(x[0, 0]), ref[0, 0], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("n", [64, 1024, 96])
 def test_transform_keeps_dtype(dtype: torch.dtype, n: int) -> None:
