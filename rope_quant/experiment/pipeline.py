@@ -58,6 +58,7 @@ from rope_quant.experiment.config import (
     RunConfig,
     WeightMode,
 )
+from rope_quant.experiment.stages import StageName, stage
 from rope_quant.io import atomic_writer
 from rope_quant.model import arch
 from rope_quant.quant import gptq
@@ -359,9 +360,10 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
         return saved
     t = time.perf_counter()
     spec = cfg.rotation.whip
-    fitted = whip.calibrate_model_rotations(model, calib, fit_r1=True, fit_r2=False, seed=cfg.seed,
-                                            r1=spec.whip_config(), tokens_per_sample=spec.tokens_per_sample,
-                                            device=offload.compute_device(model), progress=progress)
+    with stage(StageName.WHIP_R1):
+        fitted = whip.calibrate_model_rotations(model, calib, fit_r1=True, fit_r2=False, seed=cfg.seed,
+                                                r1=spec.whip_config(), tokens_per_sample=spec.tokens_per_sample,
+                                                device=offload.compute_device(model), progress=progress)
     res = fitted.r1_result
     fit_log = {"kind": "whip", "settings": dataclasses.asdict(spec), "loss_init": res.initial_loss,
                "loss_fit": res.final_loss, "steps": res.n_steps, "fit_s": time.perf_counter() - t,
@@ -384,7 +386,8 @@ def _rotate(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, r1_cache: Pat
         kwargs["r1_matrix"], fit_log = _whip_r1(model, cfg, calib, r1_cache, progress)
     if cfg.rotation.r2 == RotationKind.WHIP:  # a documented deviation from A.8
         kwargs.update(calib_ids=calib, whip_options=cfg.rotation.whip_options())
-    return rotate_model(model, cfg.rotation.config(cfg.seed), **kwargs), fit_log
+    with stage(StageName.ROTATION):
+        return rotate_model(model, cfg.rotation.config(cfg.seed), **kwargs), fit_log
 
 
 def _static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, progress: bool,
@@ -605,7 +608,8 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     torch.manual_seed(cfg.seed)
     partial = base is not None and cache_dir is not None  # a weight-cache hit needs only a few base tensors
     stream = _streams(cfg, offload)
-    model, tokenizer = _load(cfg, base, partial=partial, stream=stream)
+    with stage(StageName.LOAD):
+        model, tokenizer = _load(cfg, base, partial=partial, stream=stream)
     geom = attention.check_model(model)  # clear errors before any expensive step
     _check_rotations(model, cfg)
     inv_freq, inv_source = _inv_freq(model, geom.head_dim)
@@ -651,8 +655,9 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     t = time.perf_counter()
     static_act = None
     if cfg.quant.static_act:
-        static_act = _static_quantizers(model, cfg, calib, progress,
-                                        saved=None if cached is None else cached.get("static_act"))
+        with stage(StageName.STATIC_RANGES):
+            static_act = _static_quantizers(model, cfg, calib, progress,
+                                            saved=None if cached is None else cached.get("static_act"))
     act_handles = install_activation_quantizers(model, cfg.quant.a, static=static_act)
     timing["act_calib_s"] = time.perf_counter() - t
 
@@ -665,10 +670,13 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     else:
         w = cfg.quant.w
         if w.mode == WeightMode.GPTQ:
-            errors = gptq.quantize_model_gptq(model, calib, w.bits, w.gptq, clip_ratio=w.clip, progress=progress)
+            with stage(StageName.GPTQ):
+                errors = gptq.quantize_model_gptq(model, calib, w.bits, w.gptq, clip_ratio=w.clip,
+                                                  progress=progress)
             counters.weight_quantizations += 1
         elif w.mode == WeightMode.RTN:
-            gptq.quantize_model_rtn(model, w.bits, w.gptq.group_size, w.gptq.mse, w.clip)
+            with stage(StageName.RTN):
+                gptq.quantize_model_rtn(model, w.bits, w.gptq.group_size, w.gptq.mse, w.clip)
             counters.weight_quantizations += 1
         if wpath is not None:
             weight_cache.save_weights(wpath, cfg, model, rotation, errors, static_act, rotation_fit)
@@ -676,7 +684,8 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
 
     # 5. calibration statistics (pre-RoPE q/k) on the same windows
     t = time.perf_counter()
-    stats = _calibrate(model, cfg, geom, calib, cache, progress, fingerprint, counters)
+    with stage(StageName.CALIBRATION):
+        stats = _calibrate(model, cfg, geom, calib, cache, progress, fingerprint, counters)
     timing["calibration_s"] = time.perf_counter() - t
 
     qm = QuantizedModel(
@@ -719,8 +728,10 @@ def run_cell(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
     diag = qm.attach_diagnostics()
     t = time.perf_counter()
     try:
-        res = evaluate.perplexity(qm.model, qm.corpus.eval_ids, cfg.budget.seqlen,
-                                  max_windows=cfg.budget.eval_windows, device=cfg.runtime.device, progress=progress)
+        with stage(StageName.EVALUATION):
+            res = evaluate.perplexity(qm.model, qm.corpus.eval_ids, cfg.budget.seqlen,
+                                      max_windows=cfg.budget.eval_windows, device=cfg.runtime.device,
+                                      progress=progress)
     finally:
         qm.detach_diagnostics()
     eval_s = time.perf_counter() - t

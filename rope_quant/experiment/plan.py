@@ -20,6 +20,7 @@ import torch
 
 from rope_quant.core import hadamard
 from rope_quant.experiment import plan_costs as pc
+from rope_quant.experiment.stages import StageName
 from rope_quant.model import arch, shapes
 
 __all__ = ["PlanError", "PlanDoesNotFit", "Protocol", "PAPER", "ModelCost", "Stage", "Plan", "read_model",
@@ -195,21 +196,21 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
         stages.append(Stage(name, _stage_gpu(gpu, model_b, layer_b + emb_b * 2, work_gpu, offload),
                             host_run + work_host, disk, seconds, repeats))
 
-    add("load", 0, 0, model_b, model_b / 1.0e9)  # ~1 GB/s from a local disk
+    add(StageName.LOAD, 0, 0, model_b, model_b / 1.0e9)  # ~1 GB/s from a local disk
     n_samples = p.calib_windows * 2 * mc.n_layers
     steps = p.whip_epochs * math.ceil(max(1, int(n_samples * p.whip_subset)) / p.whip_batch)
     samples_b = n_samples * p.tokens_per_sample * mc.hidden * 4
     fit_b = 12 * mc.hidden ** 2 * 4  # A, grad, momentum, two CholeskyQR passes and their autograd buffers
     whip_s = (calib_tok * (fwd_tok + attn_tok)) / rate + steps * pc.WHIP_STEP_MATMULS * 2 * mc.hidden ** 3 / (
         dev.flops["float32"])
-    add("whip R1", act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
+    add(StageName.WHIP_R1, act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
         p.seeds)
     block = min(mc.largest_rows, 16384) * mc.hidden * (8 + 8 + 4)  # float64 block in and out, cast back
     k_r4 = hadamard.hadamard_order(mc.intermediate)[0] if mc.intermediate > 4096 else mc.intermediate
     block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
     retained = pc.HOST_RETAINED_BYTES  # CPU: resident after the rotation stage (plan_costs)
     rot_flops = 2 * mc.hidden * (2 * mc.vocab * mc.hidden + mc.n_layers * mc.layer_params)
-    add("offline rotation", block + mc.hidden ** 2 * 8, 0 if gpu else block + mc.hidden ** 2 * 8, 0,
+    add(StageName.ROTATION, block + mc.hidden ** 2 * 8, 0 if gpu else block + mc.hidden ** 2 * 8, 0,
         rot_flops / rate64, p.seeds)
     if p.gptq:
         inputs_b = 2 * calib_tok * mc.hidden * b + act_window  # a layer's inputs and outputs, storage dtype
@@ -217,15 +218,15 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
                   + pc.GPTQ_WEIGHT_COPIES * mc.hidden * mc.intermediate) * 4  # the widest linear (down_proj)
         gptq_flops = calib_tok * (fwd_tok + attn_tok) * 2 + mc.n_layers * (
             2 * calib_tok * (mc.hidden ** 2 * 3 + mc.intermediate ** 2) + 2 * mc.layer_params * mc.hidden)
-        add("GPTQ", inputs_b + hess_b, inputs_b + hess_b + retained if not gpu else inputs_b, model_b,
+        add(StageName.GPTQ, inputs_b + hess_b, inputs_b + hess_b + retained if not gpu else inputs_b, model_b,
             gptq_flops * pc.GPTQ_OVERHEAD / rate, p.seeds)
     qf = pc.FAKEQUANT_OVERHEAD if gpu else pc.CPU_QUANT_FORWARD_OVERHEAD  # the quantised forward (+ lm_head)
-    add("calibration", act_window, 0 if gpu else act_window + retained, 0,
+    add(StageName.CALIBRATION, act_window, 0 if gpu else act_window + retained, 0,
         calib_tok * (fwd_tok + attn_tok + head_tok) * qf / rate, p.seeds)
     logits_b = p.seqlen * mc.vocab * 4
     eval_tok = p.eval_windows * p.seqlen
     eval_s = eval_tok * (fwd_tok + attn_tok + head_tok) * qf / rate
-    add("evaluation (per config)", act_window + logits_b, 0 if gpu else act_window + logits_b + retained, 0, eval_s,
+    add(StageName.EVALUATION, act_window + logits_b, 0 if gpu else act_window + logits_b + retained, 0, eval_s,
         p.seeds * p.configs)
     for length in p.long_context:
         n_win = max(1, eval_tok // length)
@@ -246,10 +247,10 @@ def check_fits(plan: Plan, gpu_bytes: int | None = None, host_bytes: int | None 
             remedy = ("more GPU memory (a larger device)" if plan.offload else "--offload cpu (stream one "
                       "decoder layer at a time)") + ", or a smaller --calib-windows"
             remedy += ", or --dtype bfloat16" if plan.dtype == "float32" else ""
-            raise PlanDoesNotFit(f"stage {s.name!r} needs {s.gpu_bytes / GIB:.1f} GiB of GPU memory, "
+            raise PlanDoesNotFit(f"stage '{s.name}' needs {s.gpu_bytes / GIB:.1f} GiB of GPU memory, "
                                  f"{gpu_budget / GIB:.1f} GiB available: use {remedy}")
         if host_bytes is not None and s.host_bytes > host_bytes:
-            raise PlanDoesNotFit(f"stage {s.name!r} needs {s.host_bytes / GIB:.1f} GiB of host RAM, "
+            raise PlanDoesNotFit(f"stage '{s.name}' needs {s.host_bytes / GIB:.1f} GiB of host RAM, "
                                  f"{host_bytes / GIB:.1f} GiB available: use a smaller --calib-windows"
                                  + (", --dtype bfloat16" if plan.dtype == "float32" else "") + ", or more memory")
 

@@ -594,3 +594,41 @@ def test_issue26_two_cli_runs_of_different_studies_started_together(tmp_path, mo
     assert len(cells) == 6 and {c["config"]["quant"]["k"]["bits"] for c in cells} == {k_win}
     on_disk = sorted(str(p.relative_to(out)) for p in (out / "cells").rglob("*.json"))
     assert on_disk == sorted(c["path"] for c in cells)  # no record of the refused study
+
+
+# ----------------------------------------------------------------------------- out of memory inside a stage
+
+@pytest.mark.parametrize("oom", [torch.OutOfMemoryError, MemoryError])
+def test_out_of_memory_in_a_stage_is_recorded_with_its_name_and_the_other_cells_go_on(tmp_path, monkeypatch, oom):
+    """Issue 21: an OOM in the middle of a stage (here RTN, first call only) makes that cell's record name the
+    stage; the study's other cells complete, and a rerun computes only the failed cell."""
+    from rope_quant.experiment.stages import StageName
+    from rope_quant.quant import gptq
+
+    monkeypatch.setenv("ROPE_QUANT_CACHE_DIR", str(tmp_path / "token-cache"))
+    model = save_tiny_model(tmp_path / "tiny")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_text(1))
+    out = tmp_path / "out"
+    real_rtn, calls = gptq.quantize_model_rtn, []
+
+    def rtn_once_out_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise oom("Tried to allocate 20.00 GiB")
+        return real_rtn(*args, **kwargs)
+
+    monkeypatch.setattr(gptq, "quantize_model_rtn", rtn_once_out_of_memory)
+    assert cli.main(_compare_argv(model, corpus, out), models=ModelCache()) == 1  # some cells failed
+    recs = [json.loads((out / e["path"]).read_text()) for e in read_manifest(out)["cells"]]
+    failed = [r for r in recs if r["status"] == "error"]
+    assert len(recs) == 6 and len(failed) == 1, [r["status"] for r in recs]
+    err = failed[0]["error"]
+    assert err["type"] == "StageOutOfMemoryError" and err["stage"] == StageName.RTN == "RTN"
+    assert "out of memory in stage 'RTN'" in err["message"] and "--offload cpu" in err["message"]
+    assert "20.00 GiB" in err["message"]
+    ok_before = {e["path"]: (out / e["path"]).read_bytes() for e in read_manifest(out)["cells"]
+                 if json.loads((out / e["path"]).read_text())["status"] == "ok"}
+    assert cli.main(_compare_argv(model, corpus, out), models=ModelCache()) == 0
+    assert all((out / p).read_bytes() == b for p, b in ok_before.items())  # only the failed cell ran again
+    assert all(json.loads((out / e["path"]).read_text())["status"] == "ok" for e in read_manifest(out)["cells"])
