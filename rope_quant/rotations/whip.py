@@ -48,6 +48,8 @@ __all__ = [
     "qr_orthogonal",
     "QR_METHODS",
     "QR_GRADS",
+    "AUTO_ANALYTIC_ABOVE",
+    "qr_grad_for",
     "fit_rotation",
     "collect_r1_samples",
     "collect_r2_samples",
@@ -56,7 +58,10 @@ __all__ = [
 
 
 #: How the whip step differentiates the QR factor (:attr:`WhipConfig.qr_grad`).
-QR_GRADS = ("autograd", "analytic")
+QR_GRADS = ("auto", "autograd", "analytic")
+#: ``qr_grad="auto"`` uses the closed-form gradient above this width (paper scale: 4096, 8192) and autograd at or
+#: below it, so the embedded models' fits (widths 576 and 640) and every number measured on them stay bit for bit.
+AUTO_ANALYTIC_ABOVE = 1024
 
 
 class WhipError(ValueError):
@@ -70,9 +75,10 @@ class WhipConfig:
     ``nsamples``: use the first ``nsamples`` samples (None: all); ``subset``: fraction of them drawn per
     epoch (released R1: 0.1); ``max_steps``: stop after this many optimiser steps (None: run all epochs);
     ``cosine``: anneal the learning rate to 0 over the planned steps (``CosineAnnealingLR``).
-    ``qr_grad``: ``"autograd"`` (default: today's results) differentiates through CholeskyQR2;
-    ``"analytic"`` uses the closed-form QR gradient (:class:`_QRAnalytic`): the same gradient up to rounding,
-    ~2–3.5× cheaper per step at width 4096 on a CPU (7.0 s against 15.6–26 s at 1 thread), not bit-identical.
+    ``qr_grad``: ``"autograd"`` differentiates through CholeskyQR2; ``"analytic"`` uses the closed-form QR
+    gradient (:class:`_QRAnalytic`): the same gradient up to rounding, ~2–3.5× cheaper per step at width 4096 on
+    a CPU (7.0 s against 15.6–26 s at 1 thread), not bit-identical; ``"auto"`` (default, :func:`qr_grad_for`):
+    analytic above width :data:`AUTO_ANALYTIC_ABOVE`, autograd below.
     Defaults are small so a fit runs in seconds on CPU; raise ``epochs`` for real calibrations.
     """
 
@@ -87,7 +93,7 @@ class WhipConfig:
     released_schedule: bool = False
     init: str = "hadamard"
     cosine: bool = False
-    qr_grad: str = "autograd"
+    qr_grad: str = "auto"
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -108,6 +114,13 @@ class WhipConfig:
             raise WhipError(f"init must be 'hadamard' or 'identity', got {self.init!r}")
         if self.qr_grad not in QR_GRADS:
             raise WhipError(f"qr_grad must be one of {QR_GRADS}, got {self.qr_grad!r}")
+
+
+def qr_grad_for(cfg: WhipConfig, width: int) -> str:
+    """The QR gradient a fit of this width uses: ``cfg.qr_grad``, with ``"auto"`` resolved by the width."""
+    if cfg.qr_grad != "auto":
+        return cfg.qr_grad
+    return "analytic" if width > AUTO_ANALYTIC_ABOVE else "autograd"
 
 
 #: The released r2_base_qr.py defaults: nsamples 128, bsz 128, accumulation 2, 5 epochs, lr 1e-3, SGD 0.9.
@@ -348,7 +361,7 @@ def fit_rotation(
         planned = max(1, min(planned, cfg.max_steps))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=planned) if cfg.cosine else None
 
-    qr = qr_orthogonal if cfg.qr_grad == "autograd" else _QRAnalytic.apply
+    qr = qr_orthogonal if qr_grad_for(cfg, d) == "autograd" else _QRAnalytic.apply
     bar = tqdm(total=planned, desc=f"whip fit (n={d})", disable=not progress, leave=False)
     n_steps = 0
     micro = 0  # micro-batches across epochs (working schedule)

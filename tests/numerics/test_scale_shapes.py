@@ -94,8 +94,32 @@ def test_analytic_qr_gradient_equals_autograd_and_the_fit_follows():
         grads.append(a.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-12)
     samples = torch.randn(16, 8, n)
-    fits = [whip.fit_rotation(samples, steps=5, batch_size=4, lr=0.05, qr_grad=g) for g in whip.QR_GRADS]
+    fits = [whip.fit_rotation(samples, steps=5, batch_size=4, lr=0.05, qr_grad=g) for g in ("autograd", "analytic")]
     torch.testing.assert_close(fits[1].rotation, fits[0].rotation, rtol=0, atol=1e-5)
     assert fits[0].final_loss < fits[0].initial_loss
     with pytest.raises(whip.WhipError, match="qr_grad must be one of"):
         whip.WhipConfig(qr_grad="fast")
+
+
+def test_auto_qr_gradient_is_analytic_only_above_the_embedded_widths(monkeypatch):
+    """``qr_grad="auto"`` (default): autograd at the embedded widths (576, 640: their numbers stay bit for bit),
+    the closed form at paper scale; an explicit choice wins."""
+    from rope_quant.rotations import whip
+
+    auto = whip.WhipConfig()
+    assert auto.qr_grad == "auto"
+    assert [whip.qr_grad_for(auto, n) for n in (64, 576, 640, 1024, 1025, 4096, 8192)] == [
+        "autograd"] * 4 + ["analytic"] * 3
+    assert whip.qr_grad_for(whip.WhipConfig(qr_grad="autograd"), 4096) == "autograd"
+    assert whip.qr_grad_for(whip.WhipConfig(qr_grad="analytic"), 64) == "analytic"
+    used = []  # the fit really takes the resolved path
+    real = whip._QRAnalytic.apply
+    monkeypatch.setattr(whip._QRAnalytic, "apply", lambda a: used.append(a.shape[-1]) or real(a))
+    samples = torch.randn(8, 4, 16)
+    default = whip.fit_rotation(samples, steps=2, batch_size=4)
+    assert used == []
+    monkeypatch.setattr(whip, "AUTO_ANALYTIC_ABOVE", 8)
+    whip.fit_rotation(samples, steps=2, batch_size=4)
+    assert used == [16, 16]
+    explicit = whip.fit_rotation(samples, steps=2, batch_size=4, qr_grad="autograd")
+    assert torch.equal(explicit.rotation, default.rotation)
