@@ -22,6 +22,7 @@ from rope_quant.core import hadamard
 from rope_quant.experiment import plan_costs as pc
 from rope_quant.experiment.stages import StageName
 from rope_quant.model import arch, shapes
+from rope_quant.rotations.offline import fold_block_rows
 
 __all__ = ["PlanError", "PlanDoesNotFit", "Protocol", "PAPER", "ModelCost", "Stage", "Plan", "read_model",
            "model_cost", "make_plan", "check_fits", "format_plan"]
@@ -205,7 +206,7 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
         dev.flops["float32"])
     add(StageName.WHIP_R1, act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
         p.seeds)
-    block = min(mc.largest_rows, 16384) * mc.hidden * (8 + 8 + 4)  # float64 block in and out, cast back
+    block = min(mc.largest_rows, fold_block_rows(mc.hidden)) * mc.hidden * (8 + 8 + 4)  # float64 in, out, cast
     k_r4 = hadamard.hadamard_order(mc.intermediate)[0] if mc.intermediate > 4096 else mc.intermediate
     block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
     retained = pc.HOST_RETAINED_BYTES  # CPU: resident after the rotation stage (plan_costs)

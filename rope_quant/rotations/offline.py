@@ -23,8 +23,9 @@ Steps, all function-preserving, in the order :func:`rotate_model` runs them (1�
    (as applied by :func:`rope_quant.core.hadamard.hadamard_transform`), plus an online forward pre-hook that
    applies the same transform to down_proj's input.
 
-All weight algebra is done in float64 on the parameter's own device, one matrix (and, for matrices larger
-than :data:`_FUSE_ROWS` rows or columns, one block) at a time, and cast back to the parameter's dtype: the
+All weight algebra is done in float64 on the parameter's own device, one matrix (and, for a matrix larger
+than one block, :func:`fold_block_rows` rows or columns: at most :data:`_FUSE_ROWS` of them and
+:data:`_FUSE_BLOCK_BYTES` of float64) at a time, and cast back to the parameter's dtype: the
 model never has a float64 copy (issue 21: a 128256 × 4096 embedding alone is 4.2 GB in float64). A block's
 arithmetic is the whole matrix's (each output row / column depends on its own input row / column only), so
 the blocked results equal the unblocked ones bit for bit.
@@ -40,6 +41,7 @@ Hooks are not part of a state_dict: after reloading cached rotated weights call 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -52,6 +54,7 @@ from rope_quant.rotations import whip
 
 __all__ = [
     "RotationError",
+    "fold_block_rows",
     "UnsupportedArchitectureError",
     "NotFunctionPreservingError",
     "TiedEmbeddingsError",
@@ -114,8 +117,27 @@ R2_CHOICES = R1_CHOICES
 #: Largest tolerated max |RᵀR − I| (float64) for a matrix passed in as a rotation.
 ORTHO_ATOL = 1e-4
 _R4_FLAG = "rq_online_r4"
-#: Rows (or columns) per block of the float64 weight algebra (bounds the float64 temporary).
+#: Rows (or columns) per block of the float64 weight algebra (bounds the float64 temporary) ...
 _FUSE_ROWS = 16384
+#: ... and at most this many bytes of float64 per block: 4096 rows at width 4096, 2048 at 8192 (the block, its
+#: product and the cast back were 1.25 GiB at 16384 × 4096, half of a 1-layer Llama-3-8B in bf16); the embedded
+#: widths (576, 640) keep 16384-row blocks.
+_FUSE_BLOCK_BYTES = 128 << 20
+
+
+def _blocks(n: int, width: int) -> Iterator[slice]:
+    """Blocks of ``n`` rows (or columns) of a matrix ``width`` wide (at most :data:`_FUSE_ROWS` and
+    :data:`_FUSE_BLOCK_BYTES` of float64); each output row depends on its own input row only, so any blocking
+    gives the same bits."""
+    step = fold_block_rows(width)
+    return (slice(start, start + step) for start in range(0, n, step))
+
+
+def fold_block_rows(width: int) -> int:
+    """Rows of one float64 fold block of a matrix ``width`` wide (the plan counts the same block)."""
+    return max(1, min(_FUSE_ROWS, _FUSE_BLOCK_BYTES // (8 * max(1, width))))
+
+
 #: Above this order R4 is folded with the fast transform, row block by row block, instead of the dense
 #: float64 matrix (14336² float64 is 1.6 GB); at or below it the dense product is kept (today's bits).
 R4_DENSE_MAX = 4096
@@ -295,8 +317,8 @@ def fuse_norms(model: nn.Module) -> None:
 def _scale_columns(lin: nn.Linear, g: torch.Tensor) -> None:
     """``W ← W diag(g)`` in float64, in row blocks (no float64 copy of a 262k-row lm_head, Gemma 3)."""
     g = g.to(lin.weight.device)
-    for start in range(0, lin.weight.shape[0], _FUSE_ROWS):
-        rows = lin.weight.data[start:start + _FUSE_ROWS]
+    for block in _blocks(*lin.weight.shape):
+        rows = lin.weight.data[block]
         rows.copy_((rows.to(torch.float64) * g[None, :]).to(rows.dtype))
 
 
@@ -380,24 +402,24 @@ def _check_hadamard_signs(mat: torch.Tensor, n: int) -> torch.Tensor | None:
 
 @torch.no_grad()
 def fold_right(w: torch.Tensor, mat: torch.Tensor) -> None:
-    """``W ← W M`` in place, in float64 on W's device, :data:`_FUSE_ROWS` rows at a time (a power-of-two
+    """``W ← W M`` in place, in float64 on W's device, one row block at a time (a power-of-two
     random Hadamard above :data:`R1_DENSE_MAX` by the fast transform, :func:`hadamard_signs`)."""
     signs = hadamard_signs(mat)
     m = mat.to(device=w.device, dtype=torch.float64) if signs is None else signs.to(w.device)
-    for start in range(0, w.shape[0], _FUSE_ROWS):
-        rows = w.data[start:start + _FUSE_ROWS]
+    for block in _blocks(*w.shape):
+        rows = w.data[block]
         x = rows.to(torch.float64)
         rows.copy_((x @ m if signs is None else online_r4(x * m)).to(w.dtype))
 
 
 @torch.no_grad()
 def fold_left(mat: torch.Tensor, w: torch.Tensor) -> None:
-    """``W ← M W`` in place, in float64 on W's device, :data:`_FUSE_ROWS` columns at a time (``M = Qᵀ`` of a
+    """``W ← M W`` in place, in float64 on W's device, one column block at a time (``M = Qᵀ`` of a
     power-of-two random Hadamard Q above :data:`R1_DENSE_MAX` by the fast transform)."""
     signs = hadamard_signs(mat.T)
     m = mat.to(device=w.device, dtype=torch.float64) if signs is None else signs.to(w.device)
-    for start in range(0, w.shape[1], _FUSE_ROWS):
-        cols = w.data[:, start:start + _FUSE_ROWS]
+    for block in _blocks(w.shape[1], w.shape[0]):
+        cols = w.data[:, block]
         x = cols.to(torch.float64)
         cols.copy_((m @ x if signs is None else online_r4(x.T * m).T).to(w.dtype))
 
@@ -590,8 +612,8 @@ def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.
         if a is not None:
             fold_right(down.weight, a)
         else:  # W A = online_r4(W) row block by row block, in float64, no n × n matrix
-            for start in range(0, down.weight.shape[0], _FUSE_ROWS):
-                rows = down.weight.data[start:start + _FUSE_ROWS]
+            for block in _blocks(*down.weight.shape):
+                rows = down.weight.data[block]
                 rows.copy_(_r4_rows(rows.to(torch.float64)).to(rows.dtype))
         setattr(down, _R4_FLAG, "external")
     if not register_hooks:

@@ -86,6 +86,28 @@ def test_fast_hadamard_folds_equal_the_dense_product(monkeypatch):
         torch.testing.assert_close(offline._r4_rows(x), x @ offline.r4_matrix(width), rtol=0, atol=1e-12)
 
 
+def test_fold_blocks_are_bounded_in_bytes_and_give_the_unblocked_bits(monkeypatch):
+    """Issue 21 (host RSS): a float64 fold block holds at most _FUSE_BLOCK_BYTES at paper widths, the embedded
+    widths keep their 16384-row blocks, and any blocking (uneven last block, rows and columns) gives the bits of
+    one unblocked product."""
+    steps = {w: next(iter(offline._blocks(10 ** 6, w))).stop for w in (576, 640, 4096, 8192)}
+    assert steps == {576: 16384, 640: 16384, 4096: 4096, 8192: 2048}
+    assert all(8 * w * rows <= offline._FUSE_BLOCK_BYTES for w, rows in steps.items())
+    torch.manual_seed(1)
+    w = torch.randn(50, 24)
+    m = torch.linalg.qr(torch.randn(24, 24, dtype=torch.float64))[0]
+    whole_right, whole_left = w.clone(), w.T.clone()
+    offline.fold_right(whole_right, m)
+    offline.fold_left(m.T, whole_left)
+    monkeypatch.setattr(offline, "_FUSE_BLOCK_BYTES", 7 * 24 * 8)  # blocks of 7 rows: 7 blocks, the last of 1
+    assert [len(range(50)[b]) for b in offline._blocks(50, 24)] == [7] * 7 + [1]
+    right, left = w.clone(), w.T.clone()
+    offline.fold_right(right, m)
+    offline.fold_left(m.T, left)
+    assert torch.equal(right, whole_right) and torch.equal(left, whole_left)
+    torch.testing.assert_close(right.double(), w.double() @ m, rtol=0, atol=1e-6)
+
+
 def test_hadamard_detection_is_not_fooled_by_a_reused_address():
     """The per-matrix memo must not hand a Hadamard's signs to a later matrix (freed and reallocated, or edited)."""
     from rope_quant.core import hadamard
