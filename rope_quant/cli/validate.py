@@ -6,6 +6,7 @@ Each raises :class:`~rope_quant.cli.args.CLIError` (exit 2, one line) before any
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,14 +41,15 @@ def check_model(name: str) -> str:
     return name
 
 
-def check_device(device: str) -> str:
-    """``cpu``, ``cuda`` or ``cuda:N`` (CUDA only where it is available)."""
+def check_device(device: str, runs_here: bool = True) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` (CUDA only where it is available, unless the run is submitted to Slurm
+    from a machine without a GPU: ``runs_here=False``)."""
     if device == "cpu":
         return device
     if device == "cuda" or device.startswith("cuda:"):
         import torch
 
-        if not torch.cuda.is_available():
+        if runs_here and not torch.cuda.is_available():
             raise CLIError(f"--device {device}: CUDA is not available on this machine")
         return device
     raise CLIError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
@@ -75,6 +77,15 @@ def check_memory(args: argparse.Namespace, configs: int = 1, seeds: int = 1) -> 
     from rope_quant.model.loading import ModelLoadError, ModelNotFoundError
 
     budget, _ = resolve_budget(args)
+    fallback = "cpu" if args.offload == "cpu" else "none"
+    if str(args.device).startswith("cuda") and os.environ.get(memory_check.ENV_GPU) is None:
+        import torch
+
+        if not torch.cuda.is_available():  # submitting to Slurm from a login node (check_device let it through)
+            print(f"note: no GPU on this machine, so the plan is not checked before submitting; set "
+                  f"{memory_check.ENV_GPU} (and {memory_check.ENV_HOST}) to the GPU node's memory in GiB to "
+                  f"check it here", file=sys.stderr)
+            return fallback
     try:
         protocol = memory_check.protocol_for(budget["calib_windows"], budget["seqlen"], budget.get("eval_windows"),
                                              args.whip_epochs, configs, seeds, str(budget.get("weights")) == "gptq")
@@ -87,8 +98,8 @@ def check_memory(args: argparse.Namespace, configs: int = 1, seeds: int = 1) -> 
         return "none"  # the pipeline's own checks name the problem
     except Exception as exc:  # noqa: BLE001 - a config the plan cannot model must not stop a run that may fit
         print(f"note: memory check skipped ({type(exc).__name__}: {exc}); --offload {args.offload} taken as "
-              f"{'cpu' if args.offload == 'cpu' else 'none'}", file=sys.stderr)
-        return "cpu" if args.offload == "cpu" else "none"
+              f"{fallback}", file=sys.stderr)
+        return fallback
     if decision.note:
         print(decision.note, flush=True)
     return decision.offload.value
@@ -122,7 +133,7 @@ def validate_common(args: argparse.Namespace) -> None:
     from rope_quant.cli.common import resolve_budget, resolve_r1
     from rope_quant.quant.quantizers import OFF_BITS, check_bits
 
-    check_device(args.device)
+    check_device(args.device, runs_here=getattr(args, "slurm", None) is None)
     args.dtype = resolve_dtype(args.device, args.dtype)
     check_model(args.model)
     check_corpus(args.corpus)

@@ -55,6 +55,9 @@ def gpu_budget(device: str) -> int | None:
     if gpu is None:
         import torch
 
+        if not torch.cuda.is_available():  # a Slurm login node: the job's GPU is not this machine's
+            raise planning.PlanError(f"--device {device} on a machine without CUDA: set {ENV_GPU} (and "
+                                     f"{ENV_HOST}) to the GPU node's memory in GiB to plan the run here")
         gpu = int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
     return gpu
 
@@ -76,6 +79,8 @@ def _plan_device(device: str) -> str:
         return DeviceName.CPU.value
     import torch
 
+    if not torch.cuda.is_available():  # planned from a login node (the budget from ROPE_QUANT_GPU_MEMORY_GIB)
+        return DeviceName.H100.value
     name = torch.cuda.get_device_name(torch.device(device)).upper()
     if "H200" in name:
         return DeviceName.H200.value

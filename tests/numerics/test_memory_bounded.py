@@ -184,3 +184,33 @@ def test_the_cli_announces_the_auto_offload(monkeypatch, capsys):
                               whip_epochs=None)
     assert check_memory(args, configs=4, seeds=3) == "cpu"
     assert capsys.readouterr().out.startswith("offload: cpu (the plan: stage 'GPTQ' needs")
+
+
+def test_a_slurm_submission_from_a_machine_without_a_gpu_plans_against_the_named_gpu(monkeypatch, capsys):
+    """Issue 21 item 5 (Slurm): `--device cuda --slurm N` from a login node passes the device check; with
+    ROPE_QUANT_GPU_MEMORY_GIB set the plan is checked against that GPU (exit 2 with the remedy when it does not
+    fit), without it the submission says the plan was not checked. A run *here* still needs CUDA."""
+    import argparse
+
+    import torch
+
+    from rope_quant.cli.args import CLIError
+    from rope_quant.cli.validate import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert check_device("cuda", runs_here=False) == "cuda"
+    with pytest.raises(CLIError, match="CUDA is not available on this machine"):
+        check_device("cuda")
+    args = argparse.Namespace(model="smollm2-135m", device="cuda", dtype="bfloat16", offload="auto", seqlen=None,
+                              calib_windows=None, eval_windows=None, weights=None, w_mse=None, w_bits=4,
+                              whip_epochs=None)
+    monkeypatch.delenv(memory_check.ENV_GPU, raising=False)
+    assert check_memory(args, configs=4, seeds=3) == "none"
+    assert "no GPU on this machine, so the plan is not checked before submitting" in capsys.readouterr().err
+    with pytest.raises(planning.PlanError, match="without CUDA: set ROPE_QUANT_GPU_MEMORY_GIB"):
+        memory_check.gpu_budget("cuda")
+    monkeypatch.setenv(memory_check.ENV_GPU, "0.01")
+    with pytest.raises(CLIError, match=r"does not fit: stage '.*' needs .* of GPU memory"):
+        check_memory(args, configs=4, seeds=3)
+    monkeypatch.setenv(memory_check.ENV_GPU, "80")
+    assert check_memory(args, configs=4, seeds=3) == "none"
