@@ -591,12 +591,31 @@ def quantize_model_rtn(model: nn.Module, bits: int, group_size: int = -1, mse: b
     for li, layer in enumerate(_decoder_layers(model)):
         for n, m in layer.named_modules():
             if isinstance(m, nn.Linear) and not (skip and skip(f"layers.{li}.{n}")):
-                g = GPTQConfig()
-                Q, codes, scales = _rtn(m.weight.data, bits, group_size, mse, clip_ratio, g.grid, g.max_shrink)
-                m.weight.data.copy_(Q)
-                _record_codes(m, codes, scales, bits, group_size, Q)
+                codes, scales = _rtn_in_place(m.weight.data, bits, group_size, mse, clip_ratio)
+                _record_codes(m, codes, scales, bits, group_size, m.weight.data)
                 count += 1
     return count
+
+
+#: Rows of a weight that :func:`quantize_model_rtn` quantises at a time: every RTN quantity is per row, so the
+#: blocks give the whole matrix's bits, with float32 temporaries of this many rows (issue 21: the whole
+#: 14336 × 4096 down_proj at once held ~1.4 GB of them).
+RTN_BLOCK_ROWS = 1024
+
+
+def _rtn_in_place(w: torch.Tensor, bits: int, group_size: int, mse: bool,
+                  clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_rtn` of ``w`` written into ``w``, :data:`RTN_BLOCK_ROWS` rows at a time; returns the integer
+    codes (int8) and the scales of the whole matrix."""
+    g = GPTQConfig()
+    codes, scales = [], []
+    for r0 in range(0, w.shape[0], RTN_BLOCK_ROWS):
+        rows = w[r0:r0 + RTN_BLOCK_ROWS]
+        q, c, sc = _rtn(rows, bits, group_size, mse, clip_ratio, g.grid, g.max_shrink)
+        rows.copy_(q)
+        codes.append(c.to(torch.int8) if bits <= 8 else c)
+        scales.append(sc)
+    return torch.cat(codes), torch.cat(scales)
 
 
 def _record_codes(m: nn.Module, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,

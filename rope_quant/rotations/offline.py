@@ -23,12 +23,12 @@ Steps, all function-preserving, in the order :func:`rotate_model` runs them (1�
    (as applied by :func:`rope_quant.core.hadamard.hadamard_transform`), plus an online forward pre-hook that
    applies the same transform to down_proj's input.
 
-All weight algebra is done in float64 on the parameter's own device, one matrix (and, for a matrix larger
-than one block, :func:`fold_block_rows` rows or columns: at most :data:`_FUSE_ROWS` of them and
-:data:`_FUSE_BLOCK_BYTES` of float64) at a time, and cast back to the parameter's dtype: the
-model never has a float64 copy (issue 21: a 128256 × 4096 embedding alone is 4.2 GB in float64). A block's
-arithmetic is the whole matrix's (each output row / column depends on its own input row / column only), so
-the blocked results equal the unblocked ones bit for bit.
+All weight algebra is done in float64 (float32 for 16-bit weights: :func:`fold_dtype`) on the parameter's
+own device, one matrix (and, for a matrix larger than one block, :func:`fold_block_rows` rows or columns: at
+most :data:`_FUSE_ROWS` of them and :data:`_FUSE_BLOCK_BYTES` of float64) at a time, and cast back to the
+parameter's dtype: the model never has a float64 copy (issue 21: a 128256 × 4096 embedding alone is 4.2 GB
+in float64). A block's arithmetic is the whole matrix's (each output row / column depends on its own input
+row / column only), so the blocked results equal the unblocked ones bit for bit.
 
 **Ordering with activation quantisers (R4).** The online Hadamard must run *before* the input quantiser of
 down_proj: the quantiser has to see the rotated activation, which is what the fused weight expects.
@@ -55,6 +55,7 @@ from rope_quant.rotations import whip
 __all__ = [
     "RotationError",
     "fold_block_rows",
+    "fold_dtype",
     "UnsupportedArchitectureError",
     "NotFunctionPreservingError",
     "TiedEmbeddingsError",
@@ -316,10 +317,10 @@ def fuse_norms(model: nn.Module) -> None:
 
 def _scale_columns(lin: nn.Linear, g: torch.Tensor) -> None:
     """``W ← W diag(g)`` in float64, in row blocks (no float64 copy of a 262k-row lm_head, Gemma 3)."""
-    g = g.to(lin.weight.device)
+    g = g.to(lin.weight.device, fold_dtype(lin.weight.dtype))
     for block in _blocks(*lin.weight.shape):
         rows = lin.weight.data[block]
-        rows.copy_((rows.to(torch.float64) * g[None, :]).to(rows.dtype))
+        rows.copy_((rows.to(g.dtype) * g[None, :]).to(rows.dtype))
 
 
 def norms_fused(model: nn.Module) -> bool:
@@ -400,27 +401,37 @@ def _check_hadamard_signs(mat: torch.Tensor, n: int) -> torch.Tensor | None:
     return signs
 
 
+def fold_dtype(storage: torch.dtype) -> torch.dtype:
+    """The dtype of the fold algebra for weights stored in ``storage``: float64 for float32/float64 weights
+    (the embedded models' bits), float32 for 16-bit weights, where the cast back rounds to 8 (bf16) or 11
+    (fp16) significant bits and float32's 24-bit products change almost no rounded weight (at most one ulp of
+    the storage dtype; tests/numerics/test_scale_pipeline.py), at half the float64 time on a CPU."""
+    return torch.float64 if storage in (torch.float32, torch.float64) else torch.float32
+
+
 @torch.no_grad()
 def fold_right(w: torch.Tensor, mat: torch.Tensor) -> None:
-    """``W ← W M`` in place, in float64 on W's device, one row block at a time (a power-of-two
+    """``W ← W M`` in place, in :func:`fold_dtype` on W's device, one row block at a time (a power-of-two
     random Hadamard above :data:`R1_DENSE_MAX` by the fast transform, :func:`hadamard_signs`)."""
     signs = hadamard_signs(mat)
-    m = mat.to(device=w.device, dtype=torch.float64) if signs is None else signs.to(w.device)
+    dt = fold_dtype(w.dtype)
+    m = (mat if signs is None else signs).to(device=w.device, dtype=dt)
     for block in _blocks(*w.shape):
         rows = w.data[block]
-        x = rows.to(torch.float64)
+        x = rows.to(dt)
         rows.copy_((x @ m if signs is None else online_r4(x * m)).to(w.dtype))
 
 
 @torch.no_grad()
 def fold_left(mat: torch.Tensor, w: torch.Tensor) -> None:
-    """``W ← M W`` in place, in float64 on W's device, one column block at a time (``M = Qᵀ`` of a
+    """``W ← M W`` in place, in :func:`fold_dtype` on W's device, one column block at a time (``M = Qᵀ`` of a
     power-of-two random Hadamard Q above :data:`R1_DENSE_MAX` by the fast transform)."""
     signs = hadamard_signs(mat.T)
-    m = mat.to(device=w.device, dtype=torch.float64) if signs is None else signs.to(w.device)
+    dt = fold_dtype(w.dtype)
+    m = (mat if signs is None else signs).to(device=w.device, dtype=dt)
     for block in _blocks(w.shape[1], w.shape[0]):
         cols = w.data[:, block]
-        x = cols.to(torch.float64)
+        x = cols.to(dt)
         cols.copy_((m @ x if signs is None else online_r4(x.T * m).T).to(w.dtype))
 
 
@@ -614,7 +625,7 @@ def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.
         else:  # W A = online_r4(W) row block by row block, in float64, no n × n matrix
             for block in _blocks(*down.weight.shape):
                 rows = down.weight.data[block]
-                rows.copy_(_r4_rows(rows.to(torch.float64)).to(rows.dtype))
+                rows.copy_(_r4_rows(rows.to(fold_dtype(rows.dtype))).to(rows.dtype))
         setattr(down, _R4_FLAG, "external")
     if not register_hooks:
         return []

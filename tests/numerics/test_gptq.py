@@ -221,3 +221,22 @@ def test_model_gptq_in_float64_runs_in_float64_and_agrees_with_float32():
     assert all(b.dtype == torch.float32 for _, b in pairs)
     same = sum(float((a == b).float().sum()) for a, b in pairs) / sum(a.numel() for a, _ in pairs)
     assert same > 0.99, same
+
+
+@pytest.mark.parametrize("group_size", [-1, 8])
+def test_rtn_in_row_blocks_gives_the_whole_matrix_bits(monkeypatch, group_size):
+    """Issue 21 (host RSS): quantize_model_rtn works RTN_BLOCK_ROWS rows at a time; every RTN quantity is per
+    row, so the weight, codes and scales equal one _rtn over the whole matrix, bit for bit, including a row
+    near float16's maximum (the symmetric-grid path) and a non-finite entry, in a block of its own."""
+    torch.manual_seed(3)
+    w = torch.randn(21, 32, dtype=torch.float16)
+    w[9] = torch.linspace(-65000, 65504, 32).half()  # codes * scale overflow fp16: requantised
+    w[17, 4] = float("inf")
+    g = gptq.GPTQConfig()
+    whole_q, whole_codes, whole_scales = gptq._rtn(w.clone(), 4, group_size, True, 1.0, g.grid, g.max_shrink)
+    monkeypatch.setattr(gptq, "RTN_BLOCK_ROWS", 4)  # 6 blocks, the last of 1 row
+    got = w.clone()
+    codes, scales = gptq._rtn_in_place(got, 4, group_size, True, 1.0)
+    assert torch.equal(got.view(torch.int16), whole_q.view(torch.int16))  # the same bits, ±0 and inf included
+    assert codes.dtype == torch.int8 and torch.equal(codes.float(), whole_codes)
+    assert torch.equal(scales, whole_scales) and bool(torch.isfinite(got[9]).all())
