@@ -23,6 +23,7 @@ from rope_quant.experiment import plan_costs as pc
 from rope_quant.experiment.stages import StageName
 from rope_quant.model import arch, shapes
 from rope_quant.rotations.offline import fold_block_rows
+from rope_quant.rotations.whip import AUTO_ANALYTIC_ABOVE
 
 __all__ = ["PlanError", "PlanDoesNotFit", "Protocol", "PAPER", "ModelCost", "Stage", "Plan", "read_model",
            "model_cost", "make_plan", "check_fits", "format_plan"]
@@ -170,7 +171,7 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
               offload: bool = False) -> Plan:
     """Per-stage predictions for ``protocol`` on ``device`` (``dtype`` default: float32 on CPU, bfloat16 else)."""
     try:
-        dev = pc.DEVICES[pc.DeviceName(device)]
+        dev = pc.device(device)
     except ValueError:
         raise PlanError(f"unknown device {device!r}; known: {', '.join(pc.DeviceName)}") from None
     gpu = dev.name != pc.DeviceName.CPU
@@ -202,8 +203,10 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     steps = p.whip_epochs * math.ceil(max(1, int(n_samples * p.whip_subset)) / p.whip_batch)
     samples_b = n_samples * p.tokens_per_sample * mc.hidden * 4
     fit_b = 12 * mc.hidden ** 2 * 4  # A, grad, momentum, two CholeskyQR passes and their autograd buffers
-    whip_s = (calib_tok * (fwd_tok + attn_tok)) / rate + steps * pc.WHIP_STEP_MATMULS * 2 * mc.hidden ** 3 / (
-        dev.flops["float32"])
+    n3 = 2 * mc.hidden ** 3  # one n × n product
+    step = pc.WHIP_STEP_MATMULS_ANALYTIC if mc.hidden > AUTO_ANALYTIC_ABOVE else pc.WHIP_STEP_MATMULS
+    whip_s = (calib_tok * (fwd_tok + attn_tok) / rate + steps * step * n3 / dev.flops["float32"]
+              + pc.WHIP_FIXED_MATMULS * n3 / rate64)
     add(StageName.WHIP_R1, act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
         p.seeds)
     block = min(mc.largest_rows, fold_block_rows(mc.hidden)) * mc.hidden * (8 + 8 + 4)  # float64 in, out, cast
@@ -211,8 +214,9 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
     retained = pc.HOST_RETAINED_BYTES  # CPU: resident after the rotation stage (plan_costs)
     rot_flops = 2 * mc.hidden * (2 * mc.vocab * mc.hidden + mc.n_layers * mc.layer_params)
+    fold_rate = rate64 if dtype == "float32" else dev.flops["float32"]  # offline.fold_dtype
     add(StageName.ROTATION, block + mc.hidden ** 2 * 8, 0 if gpu else block + mc.hidden ** 2 * 8, 0,
-        rot_flops / rate64, p.seeds)
+        rot_flops * pc.ROTATION_OVERHEAD / fold_rate, p.seeds)
     if p.gptq:
         inputs_b = 2 * calib_tok * mc.hidden * b + act_window  # a layer's inputs and outputs, storage dtype
         hess_b = (pc.GPTQ_HESSIAN_COPIES * mc.intermediate ** 2
@@ -221,9 +225,9 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
             2 * calib_tok * (mc.hidden ** 2 * 3 + mc.intermediate ** 2) + 2 * mc.layer_params * mc.hidden)
         add(StageName.GPTQ, inputs_b + hess_b, inputs_b + hess_b + retained if not gpu else inputs_b, model_b,
             gptq_flops * pc.GPTQ_OVERHEAD / rate, p.seeds)
-    qf = pc.FAKEQUANT_OVERHEAD if gpu else pc.CPU_QUANT_FORWARD_OVERHEAD  # the quantised forward (+ lm_head)
-    add(StageName.CALIBRATION, act_window, 0 if gpu else act_window + retained, 0,
-        calib_tok * (fwd_tok + attn_tok + head_tok) * qf / rate, p.seeds)
+    qf = pc.FAKEQUANT_OVERHEAD if gpu else pc.CPU_QUANT_FORWARD_OVERHEAD[dtype]  # the quantised forward
+    add(StageName.CALIBRATION, act_window, 0 if gpu else act_window + retained, 0,  # the decoder only, no lm_head
+        calib_tok * (fwd_tok + attn_tok) * qf / rate, p.seeds)
     logits_b = p.seqlen * mc.vocab * 4
     eval_tok = p.eval_windows * p.seqlen
     eval_s = eval_tok * (fwd_tok + attn_tok + head_tok) * qf / rate

@@ -1,42 +1,48 @@
 """Cost constants of the plan's cost model (:mod:`rope_quant.experiment.plan`), and device specs.
 
-CPU constants were measured on this project's 2-core CPU machine at 1 thread (torch 2.13 CPU, 2026-11-25):
-a 2048³ matmul's best-of-3 rate, and one whip step at width 4096 (CholeskyQR2 forward + backward + the
-rotated loss on 8 × 64 tokens: 26.3 s, i.e. 26 dense n³ matmuls at the float32 rate). No GPU was available in
-this session: every CUDA rate below is **extrapolated** from the vendor's dense datasheet figure times an
-assumed efficiency (:attr:`Device.basis` says so, and ``rope-quant plan`` prints it).
+The CPU's matmul rates are measured when a plan is made (:func:`measure_cpu_flops`: machines differ by 2×
+and more); the constants below are ratios to those rates, fitted on the 1-layer full-width probes
+(``tests/numerics/scale_pipeline_probe.py``, 1 thread, process CPU seconds; docs/paper_scale.md). No GPU has
+been available to this project: every CUDA rate is **extrapolated** from the vendor's dense datasheet figure
+times an assumed efficiency (:attr:`Device.basis` says so, and ``rope-quant plan`` prints it).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["DeviceName", "Device", "DEVICES", "CPU_FP32_FLOPS", "CPU_FP64_FLOPS", "WHIP_STEP_MATMULS",
+__all__ = ["DeviceName", "Device", "DEVICES", "WHIP_STEP_MATMULS",
+           "WHIP_STEP_MATMULS_ANALYTIC", "WHIP_FIXED_MATMULS", "ROTATION_OVERHEAD", "measure_cpu_flops", "cpu_device",
+           "device",
            "GPTQ_OVERHEAD", "FAKEQUANT_OVERHEAD", "CPU_QUANT_FORWARD_OVERHEAD", "HOST_BASELINE_BYTES",
            "HOST_RETAINED_BYTES", "GPTQ_HESSIAN_COPIES", "GPTQ_WEIGHT_COPIES", "MEASURED_ERROR"]
 
 GIB = 1 << 30
 
-#: float32 / float64 dense matmul rate on one CPU thread (FLOP/s), measured (see the module docstring).
-CPU_FP32_FLOPS = 79e9
-CPU_FP64_FLOPS = 43e9
-#: One whip step at width n costs this many dense n³ float32 matmuls (2 n³ FLOP each), measured at n = 4096.
-WHIP_STEP_MATMULS = 26.0
+#: One whip step at width n costs this many dense n³ float32 matmuls (2 n³ FLOP each), measured at n = 4096:
+#: with autograd through CholeskyQR2 (widths up to whip.AUTO_ANALYTIC_ABOVE) and with the closed-form gradient.
+WHIP_STEP_MATMULS = 20.0
+WHIP_STEP_MATMULS_ANALYTIC = 10.0
+#: Once per fit: the float64 CholeskyQR2 of the start and of the fitted matrix, and their losses (n³ products at
+#: the float64 rate).
+WHIP_FIXED_MATMULS = 12.0
+#: The offline rotation's time over its fold FLOPs (R1 on every weight, R2, R4; casts, blocks, Python).
+ROTATION_OVERHEAD = 1.4
 #: GPTQ's time over its FLOP count (Python column loop, Cholesky, act_order permutations), measured in process
 #: CPU seconds by the whole-pipeline probe (tests/numerics/scale_pipeline_probe.py, 1-layer Llama-2-7B at full
 #: width, 1 thread, 2 × 2048 calibration tokens: 363 s against 247 s at the former assumed 3.0; docs/paper_scale.md).
 GPTQ_OVERHEAD = 4.4
 #: W4A4KV4 fake-quant forward over the plain forward, at 2 threads (README: 1.229×); the GPU rates use it.
 FAKEQUANT_OVERHEAD = 1.23
-#: On the CPU, the quantised forward of the calibration and evaluation stages (activation quantisers, online
-#: R4, quantise-mode attention, calibration hooks, lm_head included) over its plain matmul FLOP time at the
-#: float32 rate: measured in CPU seconds by the whole-pipeline probe at width 4096, 1 thread (calibration 3.2×,
-#: evaluation 3.3× on the 1-layer Llama-2-7B shape, 2026-11-25). It does not transfer: the 1-layer Llama-3-8B
-#: shape ran its quantised forward at 0.3–0.5× the plain FLOP time (see MEASURED_ERROR): the online R4 at
-#: intermediate 11008 = 5504·2 takes 38 CPU s per 2048 tokens (a dense 5504² factor over a trailing axis of 2),
-#: at 14336 = 28·512 0.2 s. Re-measure this constant when that transform is fixed.
-CPU_QUANT_FORWARD_OVERHEAD = 3.2
+#: On the CPU, the quantised forward of the calibration (decoder only) and evaluation (with the lm_head) stages
+#: (activation quantisers, online R4, quantise-mode attention, hooks) over its matmul FLOP time at the storage
+#: dtype's measured rate, per storage dtype: bfloat16's matmuls run on AMX at ~8x the float32 rate on the probe
+#: machine, so its elementwise work weighs more (float16 is not measured: float32's value).
+CPU_QUANT_FORWARD_OVERHEAD = {"float32": 1.2, "bfloat16": 2.2, "float16": 1.2}
 #: GPTQ's host work on the widest linear (down_proj, in-features = intermediate): float32 Hessian copies at the
 #: peak (the accumulator, its act_order permutation, the damped copy, its Cholesky factor, the inverse and the
 #: inverse's upper factor: counted in ``rope_quant/quant/gptq.py``) and float32 copies of the weight (Wf, Q,
@@ -94,10 +100,54 @@ def _gpu(name: DeviceName, gib: float, bf16_tflops: float, fp32_tflops: float, f
                   f"{fp64_tflops:g} fp64, x{eff} assumed efficiency (not measured: no GPU this session)", False)
 
 
+def measure_cpu_flops() -> dict[str, float]:
+    """Dense matmul FLOP/s of this machine on one thread, per dtype (best of 5 products of 1024² matrices after
+    a warm-up, in thread CPU time; about 0.3 s in all, once per process). CPU machines differ by 2× and more, and 16-bit
+    rates by 10× (with or without AMX), so the CPU plan measures its rates instead of shipping them; the
+    overheads below are ratios to these rates."""
+    return dict(_measure_cpu_flops())
+
+
+@functools.cache
+def _measure_cpu_flops() -> tuple[tuple[str, float], ...]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = []
+        for name in ("float32", "float64", "bfloat16", "float16"):
+            dt = getattr(torch, name)
+            a, b = torch.randn(1024, 1024).to(dt), torch.randn(1024, 1024).to(dt)
+            a @ b
+            best = math.inf
+            for _ in range(5):  # the thread's CPU time: a busy machine does not slow the measured rate
+                t = time.thread_time()
+                a @ b
+                best = min(best, time.thread_time() - t)
+            rates.append((name, 2 * 1024 ** 3 / max(best, 1e-9)))
+        return tuple(rates)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cpu_device() -> Device:
+    """The CPU at one thread, its matmul rates measured now (:func:`measure_cpu_flops`)."""
+    r = measure_cpu_flops()
+    return Device(DeviceName.CPU, 0, {k: r[k] for k in ("float32", "bfloat16", "float16")}, r["float64"],
+                  f"measured on this machine now, 1 CPU thread: {r['float32'] / 1e9:.0f} GFLOP/s float32, "
+                  f"{r['float64'] / 1e9:.0f} float64, {r['bfloat16'] / 1e9:.0f} bfloat16, {r['float16'] / 1e9:.0f} "
+                  "float16 (1024² matmuls); overheads fitted on the 1-layer probes", True)
+
+
+def device(name: DeviceName | str) -> Device:
+    """The plan's device: the CPU's rates measured now, a GPU's extrapolated (:data:`DEVICES`)."""
+    name = DeviceName(name)
+    return cpu_device() if name == DeviceName.CPU else DEVICES[name]
+
+
+#: The GPUs the plan knows (the CPU: :func:`cpu_device`).
 DEVICES: dict[DeviceName, Device] = {
-    DeviceName.CPU: Device(DeviceName.CPU, 0, {"float32": CPU_FP32_FLOPS, "bfloat16": CPU_FP32_FLOPS / 4,
-                                               "float16": CPU_FP32_FLOPS / 4}, CPU_FP64_FLOPS,
-                           "measured: 1 CPU thread, 2-core machine, 2026-11-25", True),
     DeviceName.H100: _gpu(DeviceName.H100, 80, 989, 495, 67),
     DeviceName.H200: _gpu(DeviceName.H200, 141, 989, 495, 67),
     DeviceName.A100_80G: _gpu(DeviceName.A100_80G, 80, 312, 156, 19.5),

@@ -62,6 +62,52 @@ def table(names: list[str]) -> str:
     return "\n".join(head + [json.dumps(r) for r in runs])
 
 
+def _unit_plan(r: dict, **constants: float) -> dict[str, float]:
+    """The plan's seconds per stage for probe record ``r`` with the plan_costs constants set to ``constants``."""
+    from unittest import mock
+
+    from rope_quant.experiment import plan_costs
+    from tests.numerics.scale_pipeline_probe import plan_for
+
+    with mock.patch.multiple(plan_costs, **constants):
+        pl = plan_for(r["shape"], r["layers"], r["vocab"], r["calib_windows"], r["seqlen"], len(r["configs"]),
+                      r["dtype"], r["weights"], r["whip_epochs"])
+    return {s.name: s.seconds for s in pl.stages}
+
+
+def fit(paths: list[str]) -> str:
+    """Refit the plan's CPU time constants (plan_costs) from probe records (the JSON lines of ``targets`` /
+    ``table`` logs), at this machine's measured rates: each overhead is the median of measured CPU seconds over
+    the plan's seconds at overhead 1; the whip's per-step and fixed costs by least squares."""
+    import numpy as np
+
+    recs = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.startswith("{")]
+    unit = dict(WHIP_STEP_MATMULS=0.0, WHIP_STEP_MATMULS_ANALYTIC=0.0, WHIP_FIXED_MATMULS=0.0, ROTATION_OVERHEAD=1.0,
+                GPTQ_OVERHEAD=1.0, CPU_QUANT_FORWARD_OVERHEAD=dict.fromkeys(("float32", "bfloat16", "float16"), 1.0))
+    rows: list[list[float]] = []
+    rhs: list[float] = []
+    ratios: dict[str, list[float]] = {}
+    for r in recs:
+        base = _unit_plan(r, **unit)
+        step = _unit_plan(r, **{**unit, "WHIP_STEP_MATMULS": 1.0, "WHIP_STEP_MATMULS_ANALYTIC": 1.0})["whip R1"]
+        fixed = _unit_plan(r, **{**unit, "WHIP_FIXED_MATMULS": 1.0})["whip R1"]
+        rows.append([step - base["whip R1"], fixed - base["whip R1"]])
+        rhs.append(r["stage_cpu_s"]["whip R1"] - base["whip R1"])
+        for name in ("offline rotation", "GPTQ", "calibration", "evaluation (per config)"):
+            if name in base and name in r["stage_cpu_s"]:
+                key = f"{name}, {r['dtype']}" if name in ("calibration", "evaluation (per config)") else name
+                ratios.setdefault(key, []).append(r["stage_cpu_s"][name] / base[name])
+    (s_step, s_fixed), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
+    from rope_quant.experiment.plan_costs import cpu_device
+
+    out = [f"{len(recs)} probe records; rates: {cpu_device().basis}",
+           f"whip: {s_step:.1f} n³ products per step (analytic above 1024 here), {s_fixed:.1f} fixed float64 products"]
+    out += [f"{name}: measured / plan at overhead 1 = {', '.join(f'{v:.2f}' for v in vals)} -> median "
+            f"{float(np.median(vals)):.2f}" for name, vals in ratios.items() if vals]
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:] or ["targets"]
-    print(targets() if args[0] == "targets" else table(args[1:]))
+    commands = {"targets": lambda: targets(), "table": lambda: table(args[1:]), "fit": lambda: fit(args[1:])}
+    print(commands[args[0]]())
