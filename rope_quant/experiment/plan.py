@@ -190,6 +190,9 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     calib_tok = p.calib_windows * p.seqlen
     act_window = p.seqlen * (4 * mc.hidden + 2 * mc.intermediate) * 4  # one window's live activations, fp32
     fwd_tok = 2 * (mc.layer_params * mc.n_layers)  # decoder FLOP per token
+    k_paley = hadamard.hadamard_order(mc.intermediate)[0]  # R4's non-power-of-two factor: a k × k product
+    r4_tok = 2 * mc.n_layers * mc.intermediate * k_paley  # the online R4 per token (5504 at Llama-2-7B's 11008)
+    r4_s = r4_tok / dev.flops["float32"]  # its seconds per token
     attn_tok = 2 * mc.n_layers * p.seqlen * mc.hidden  # causal attention FLOP per token (QKᵀ and AV, averaged)
     head_tok = 2 * mc.vocab * mc.hidden
     stages: list[Stage] = []
@@ -213,7 +216,7 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     k_r4 = hadamard.hadamard_order(mc.intermediate)[0] if mc.intermediate > 4096 else mc.intermediate
     block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
     retained = pc.HOST_RETAINED_BYTES  # CPU: resident after the rotation stage (plan_costs)
-    rot_flops = 2 * mc.hidden * (2 * mc.vocab * mc.hidden + mc.n_layers * mc.layer_params)
+    rot_flops = 2 * mc.hidden * (2 * mc.vocab * mc.hidden + mc.n_layers * mc.layer_params) + mc.hidden * r4_tok
     fold_rate = rate64 if dtype == "float32" else dev.flops["float32"]  # offline.fold_dtype
     add(StageName.ROTATION, block + mc.hidden ** 2 * 8, 0 if gpu else block + mc.hidden ** 2 * 8, 0,
         rot_flops * pc.ROTATION_OVERHEAD / fold_rate, p.seeds)
@@ -227,17 +230,18 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
             gptq_flops * pc.GPTQ_OVERHEAD / rate, p.seeds)
     qf = pc.FAKEQUANT_OVERHEAD if gpu else pc.CPU_QUANT_FORWARD_OVERHEAD[dtype]  # the quantised forward
     add(StageName.CALIBRATION, act_window, 0 if gpu else act_window + retained, 0,  # the decoder only, no lm_head
-        calib_tok * (fwd_tok + attn_tok) * qf / rate, p.seeds)
+        calib_tok * ((fwd_tok + attn_tok) / rate + r4_s) * qf, p.seeds)
     logits_b = p.seqlen * mc.vocab * 4
     eval_tok = p.eval_windows * p.seqlen
-    eval_s = eval_tok * (fwd_tok + attn_tok + head_tok) * qf / rate
+    eval_s = eval_tok * ((fwd_tok + attn_tok + head_tok) / rate + r4_s) * qf
     add(StageName.EVALUATION, act_window + logits_b, 0 if gpu else act_window + logits_b + retained, 0, eval_s,
         p.seeds * p.configs)
     for length in p.long_context:
         n_win = max(1, eval_tok // length)
         attn_l = 2 * mc.n_layers * length * mc.hidden
         add(f"long context L={length}", length * (4 * mc.hidden + 2 * mc.intermediate) * 4 + length * 4 * 1024,
-            0, 0, n_win * length * (fwd_tok + attn_l + head_tok) * pc.FAKEQUANT_OVERHEAD / rate, p.seeds * p.configs)
+            0, 0, n_win * length * ((fwd_tok + attn_l + head_tok) / rate + r4_s) * pc.FAKEQUANT_OVERHEAD,
+            p.seeds * p.configs)
     return Plan(mc, dev, dtype, p, offload, stages)
 
 

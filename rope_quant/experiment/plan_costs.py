@@ -26,23 +26,22 @@ GIB = 1 << 30
 #: One whip step at width n costs this many dense n³ float32 matmuls (2 n³ FLOP each), measured at n = 4096:
 #: with autograd through CholeskyQR2 (widths up to whip.AUTO_ANALYTIC_ABOVE) and with the closed-form gradient.
 WHIP_STEP_MATMULS = 20.0
-WHIP_STEP_MATMULS_ANALYTIC = 10.0
+WHIP_STEP_MATMULS_ANALYTIC = 9.3
 #: Once per fit: the float64 CholeskyQR2 of the start and of the fitted matrix, and their losses (n³ products at
 #: the float64 rate).
-WHIP_FIXED_MATMULS = 12.0
+WHIP_FIXED_MATMULS = 15.5
 #: The offline rotation's time over its fold FLOPs (R1 on every weight, R2, R4; casts, blocks, Python).
-ROTATION_OVERHEAD = 1.4
-#: GPTQ's time over its FLOP count (Python column loop, Cholesky, act_order permutations), measured in process
-#: CPU seconds by the whole-pipeline probe (tests/numerics/scale_pipeline_probe.py, 1-layer Llama-2-7B at full
-#: width, 1 thread, 2 × 2048 calibration tokens: 363 s against 247 s at the former assumed 3.0; docs/paper_scale.md).
-GPTQ_OVERHEAD = 4.4
+ROTATION_OVERHEAD = 1.24
+#: GPTQ's time over its FLOP count (Python column loop, Cholesky, act_order permutations), in process CPU
+#: seconds over the float32 rate (1-layer Llama-2-7B at full width, 2 × 2048 calibration tokens).
+GPTQ_OVERHEAD = 5.0
 #: W4A4KV4 fake-quant forward over the plain forward, at 2 threads (README: 1.229×); the GPU rates use it.
 FAKEQUANT_OVERHEAD = 1.23
 #: On the CPU, the quantised forward of the calibration (decoder only) and evaluation (with the lm_head) stages
 #: (activation quantisers, online R4, quantise-mode attention, hooks) over its matmul FLOP time at the storage
 #: dtype's measured rate, per storage dtype: bfloat16's matmuls run on AMX at ~8x the float32 rate on the probe
 #: machine, so its elementwise work weighs more (float16 is not measured: float32's value).
-CPU_QUANT_FORWARD_OVERHEAD = {"float32": 1.2, "bfloat16": 2.2, "float16": 1.2}
+CPU_QUANT_FORWARD_OVERHEAD = {"float32": 1.15, "bfloat16": 2.2, "float16": 1.15}
 #: GPTQ's host work on the widest linear (down_proj, in-features = intermediate): float32 Hessian copies at the
 #: peak (the accumulator, its act_order permutation, the damped copy, its Cholesky factor, the inverse and the
 #: inverse's upper factor: counted in ``rope_quant/quant/gptq.py``) and float32 copies of the weight (Wf, Q,
@@ -57,16 +56,15 @@ HOST_BASELINE_BYTES = int(0.55 * GIB)
 #: stage (3.02 GiB against 2.35 GiB), RTN weights, 2026-11-25. Added to the host RAM of every later CPU stage.
 HOST_RETAINED_BYTES = int(0.65 * GIB)
 
-#: The plan's own error against measurement (measured / predicted), from the whole-pipeline CPU probe
-#: (tests/numerics/scale_pipeline_probe.py, 1-layer Llama-2-7B at full width, 2 × 2048 calibration, GPTQ, 1 thread,
-#: process CPU seconds on a loaded 2-core machine, 2026-11-25; table in docs/paper_scale.md). The GPTQ, quantised
-#: forward and retention constants above were fitted on this shape (GPTQ time and memory in-sample; calibration and
-#: evaluation fitted at 512 tokens, checked at 2048); GPU rows are extrapolated, never measured.
-MEASURED_ERROR = ("CPU 1 thread, measured/plan: Llama-2-7B (fitted): peak RSS x0.93, whip R1 x0.72, rotation x0.71, "
-                  "GPTQ x1.00, calibration x0.92, evaluation x1.04; Llama-3-8B / Mistral-7B / Qwen2.5-7B (RTN, out of "
-                  "sample): peak RSS x1.12 / x1.11 / x1.24; Llama-3-8B: "
-                  "whip x0.72, rotation x0.61, calibration x0.10, evaluation x0.15 (the slow online R4 at 11008 is "
-                  "in the fitted overhead, docs/paper_scale.md); GPU: unmeasured")
+#: The plan's own error against measurement (measured / predicted), from the whole-pipeline CPU probes
+#: (tests/numerics/scale_pipeline_probe.py, 1 layer at full width, 1 thread, process CPU seconds, 2-core Xeon with
+#: AMX, torch 2.13 CPU, 2026-11-26; tables in docs/paper_scale.md, refit: `python tests/bench/bench_scale.py fit`).
+#: The time constants above are fitted on the four 7B shapes and the bf16 Llama-3-8B probe (in sample); the 70B
+#: shape is out of sample. GPU rows are extrapolated, never measured.
+MEASURED_ERROR = ("CPU 1 thread, measured/plan, fitted on Llama-2-7B (GPTQ), Llama-3-8B, Mistral-7B, Qwen2.5-7B "
+                  "(float32, RTN) and Llama-3-8B (bfloat16, vocab 128256): peak RSS x0.94-1.08, whip R1 x1.02-1.10, "
+                  "rotation x0.99-1.21, GPTQ x0.99, calibration x0.97-1.06, evaluation x0.97-1.02; "
+                  "GPU: unmeasured")
 
 
 class DeviceName(StrEnum):

@@ -7,6 +7,8 @@ asserted on time:
   process): peak RSS over the model at its storage dtype (target ≤ 1.5×; the issue measured 3.7× at fp32), the
   rotate step (whip fit + offline rotation) against the issue's 642 s (target ≥ 5× faster), and the plan's error
   per stage.
+* ``fit LOG ...``: the plan_costs time constants refitted from logged probe records at this machine's rates.
+* ``rows LOG ...``: the tables of logged probe records against the plan of the code now.
 * ``table [SHAPE ...]``: the ``slow`` cases of ``tests/numerics/test_scale_pipeline.py`` as the Markdown rows of
   docs/paper_scale.md (memory, then time per stage: wall / CPU (plan) seconds and CPU/plan).
 
@@ -52,14 +54,31 @@ def targets() -> str:
 
 def table(names: list[str]) -> str:
     cases = [c for c in SLOW_CASES if not names or c[0] in names]
-    runs = [run_probe(*c) for c in cases]
+    return _tables([run_probe(*c) for c in cases])
+
+
+def rows(paths: list[str]) -> str:
+    """The tables of logged probe records (``targets`` / ``table`` logs), against the plan of the code now
+    (after a refit of plan_costs: the measurements stand, the predictions are recomputed)."""
+    from tests.numerics.scale_pipeline_probe import plan_for
+
+    runs = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.startswith("{")]
+    for r in runs:
+        pl = plan_for(r["shape"], r["layers"], r["vocab"], r["calib_windows"], r["seqlen"], len(r["configs"]),
+                      r["dtype"], r["weights"], r["whip_epochs"])
+        r["plan"] = {s.name: {"host": s.host_bytes, "s": s.seconds} for s in pl.stages}
+        r["plan_peak_host"] = pl.peak_host
+    return "\n\n".join([_tables(runs, records=False)] + [stage_report(r) for r in runs])
+
+
+def _tables(runs: list[dict], records: bool = True) -> str:
     head = ["| shape | params | storage, weights | peak RSS GiB | model GiB | RSS/model | plan GiB | RSS/plan | "
             "rel. logit err (rotated fp) |", "|---|---|---|---|---|---|---|---|---|"]
     head += [memory_row(r) for r in runs]
     head += ["", "| shape | load | whip R1 | offline rotation | GPTQ | calibration | eval (per config) |",
              "|---|---|---|---|---|---|---|"]
     head += [time_row(r) for r in runs]
-    return "\n".join(head + [json.dumps(r) for r in runs])
+    return "\n".join(head + ([json.dumps(r) for r in runs] if records else []))
 
 
 def _unit_plan(r: dict, **constants: float) -> dict[str, float]:
@@ -109,5 +128,6 @@ def fit(paths: list[str]) -> str:
 
 if __name__ == "__main__":
     args = sys.argv[1:] or ["targets"]
-    commands = {"targets": lambda: targets(), "table": lambda: table(args[1:]), "fit": lambda: fit(args[1:])}
+    commands = {"targets": lambda: targets(), "table": lambda: table(args[1:]), "fit": lambda: fit(args[1:]),
+                "rows": lambda: rows(args[1:])}
     print(commands[args[0]]())
