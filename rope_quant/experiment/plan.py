@@ -224,10 +224,12 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
         inputs_b = 2 * calib_tok * mc.hidden * b + act_window  # a layer's inputs and outputs, storage dtype
         hess_b = (pc.GPTQ_HESSIAN_COPIES * mc.intermediate ** 2
                   + pc.GPTQ_WEIGHT_COPIES * mc.hidden * mc.intermediate) * 4  # the widest linear (down_proj)
-        gptq_flops = calib_tok * (fwd_tok + attn_tok) * 2 + mc.n_layers * (
-            2 * calib_tok * (mc.hidden ** 2 * 3 + mc.intermediate ** 2) + 2 * mc.layer_params * mc.hidden)
+        # the layer forwards at the storage dtype's rate; Hessians, Cholesky and the column loop in float32
+        gptq_s = calib_tok * (fwd_tok + attn_tok) * 2 / rate + mc.n_layers * (
+            2 * calib_tok * (mc.hidden ** 2 * 3 + mc.intermediate ** 2) + 2 * mc.layer_params * mc.hidden
+        ) / dev.flops["float32"]
         add(StageName.GPTQ, inputs_b + hess_b, inputs_b + hess_b + retained if not gpu else inputs_b, model_b,
-            gptq_flops * pc.GPTQ_OVERHEAD / rate, p.seeds)
+            gptq_s * pc.GPTQ_OVERHEAD, p.seeds)
     qf = pc.FAKEQUANT_OVERHEAD if gpu else pc.CPU_QUANT_FORWARD_OVERHEAD[dtype]  # the quantised forward
     add(StageName.CALIBRATION, act_window, 0 if gpu else act_window + retained, 0,  # the decoder only, no lm_head
         calib_tok * ((fwd_tok + attn_tok) / rate + r4_s) * qf, p.seeds)

@@ -94,8 +94,9 @@ def _gpu(name: DeviceName, gib: float, bf16_tflops: float, fp32_tflops: float, f
     return Device(name, int(gib * GIB),
                   {"bfloat16": bf16_tflops * 1e12 * eff, "float16": bf16_tflops * 1e12 * eff,
                    "float32": fp32_tflops * 1e12 * eff}, fp64_tflops * 1e12 * eff,
-                  f"extrapolated: datasheet dense {bf16_tflops:g} TFLOP/s bf16, {fp32_tflops:g} TF32, "
-                  f"{fp64_tflops:g} fp64, x{eff} assumed efficiency (not measured: no GPU this session)", False)
+                  f"extrapolated: datasheet dense {bf16_tflops:g} TFLOP/s bf16, {fp32_tflops:g} fp32 (not TF32: "
+                  f"torch's default, which rope_quant keeps), {fp64_tflops:g} fp64, x{eff} assumed efficiency, the "
+                  "CPU-fitted overheads (not measured: no GPU has been lent to this project)", False)
 
 
 def measure_cpu_flops() -> dict[str, float]:
@@ -146,8 +147,8 @@ def device(name: DeviceName | str) -> Device:
 
 #: The GPUs the plan knows (the CPU: :func:`cpu_device`).
 DEVICES: dict[DeviceName, Device] = {
-    DeviceName.H100: _gpu(DeviceName.H100, 80, 989, 495, 67),
-    DeviceName.H200: _gpu(DeviceName.H200, 141, 989, 495, 67),
-    DeviceName.A100_80G: _gpu(DeviceName.A100_80G, 80, 312, 156, 19.5),
-    DeviceName.A100_40G: _gpu(DeviceName.A100_40G, 40, 312, 156, 19.5),
+    DeviceName.H100: _gpu(DeviceName.H100, 80, 989, 67, 67),  # SXM datasheet; fp64 on tensor cores
+    DeviceName.H200: _gpu(DeviceName.H200, 141, 989, 67, 67),
+    DeviceName.A100_80G: _gpu(DeviceName.A100_80G, 80, 312, 19.5, 19.5),
+    DeviceName.A100_40G: _gpu(DeviceName.A100_40G, 40, 312, 19.5, 19.5),
 }
