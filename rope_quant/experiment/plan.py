@@ -213,7 +213,7 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     add(StageName.WHIP_R1, act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
         p.seeds)
     block = min(mc.largest_rows, fold_block_rows(mc.hidden)) * mc.hidden * (8 + 8 + 4)  # float64 in, out, cast
-    k_r4 = hadamard.hadamard_order(mc.intermediate)[0] if mc.intermediate > 4096 else mc.intermediate
+    k_r4 = k_paley if mc.intermediate > 4096 else mc.intermediate  # the dense R4 matrix at or below 4096
     block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
     retained = pc.HOST_RETAINED_BYTES  # CPU: resident after the rotation stage (plan_costs)
     rot_flops = 2 * mc.hidden * (2 * mc.vocab * mc.hidden + mc.n_layers * mc.layer_params) + mc.hidden * r4_tok

@@ -15,11 +15,10 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["DeviceName", "Device", "DEVICES", "WHIP_STEP_MATMULS",
-           "WHIP_STEP_MATMULS_ANALYTIC", "WHIP_FIXED_MATMULS", "ROTATION_OVERHEAD", "measure_cpu_flops", "cpu_device",
-           "device",
-           "GPTQ_OVERHEAD", "FAKEQUANT_OVERHEAD", "CPU_QUANT_FORWARD_OVERHEAD", "HOST_BASELINE_BYTES",
-           "HOST_RETAINED_BYTES", "GPTQ_HESSIAN_COPIES", "GPTQ_WEIGHT_COPIES", "MEASURED_ERROR"]
+__all__ = ["DeviceName", "Device", "DEVICES", "measure_cpu_flops", "cpu_device", "device", "WHIP_STEP_MATMULS",
+           "WHIP_STEP_MATMULS_ANALYTIC", "WHIP_FIXED_MATMULS", "ROTATION_OVERHEAD", "GPTQ_OVERHEAD",
+           "FAKEQUANT_OVERHEAD", "CPU_QUANT_FORWARD_OVERHEAD", "HOST_BASELINE_BYTES", "HOST_RETAINED_BYTES",
+           "GPTQ_HESSIAN_COPIES", "GPTQ_WEIGHT_COPIES", "MEASURED_ERROR"]
 
 GIB = 1 << 30
 
@@ -102,9 +101,9 @@ def _gpu(name: DeviceName, gib: float, bf16_tflops: float, fp32_tflops: float, f
 
 def measure_cpu_flops() -> dict[str, float]:
     """Dense matmul FLOP/s of this machine on one thread, per dtype (best of 5 products of 1024² matrices after
-    a warm-up, in thread CPU time; about 0.3 s in all, once per process). CPU machines differ by 2× and more, and 16-bit
-    rates by 10× (with or without AMX), so the CPU plan measures its rates instead of shipping them; the
-    overheads below are ratios to these rates."""
+    a warm-up, in thread CPU time; about 0.3 s in all, once per process). CPU machines differ by 2× and more,
+    and 16-bit rates by ~8× (with or without AMX), so the CPU plan measures its rates instead of shipping them;
+    the overheads above are ratios to these rates."""
     return dict(_measure_cpu_flops())
 
 

@@ -21,13 +21,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rope_quant.experiment import plan_costs  # noqa: E402
 from tests.numerics.scale_pipeline_probe import (  # noqa: E402
     GIB,
     SLOW_CASES,
     memory_row,
+    plan_for,
     run_probe,
     stage_report,
     time_row,
@@ -57,15 +61,23 @@ def table(names: list[str]) -> str:
     return _tables([run_probe(*c) for c in cases])
 
 
-def rows(paths: list[str]) -> str:
-    """The tables of logged probe records (``targets`` / ``table`` logs), against the plan of the code now
-    (after a refit of plan_costs: the measurements stand, the predictions are recomputed)."""
-    from tests.numerics.scale_pipeline_probe import plan_for
+def _records(paths: list[str]) -> list[dict]:
+    """The probe records (JSON lines) of ``targets`` / ``table`` logs."""
+    return [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.startswith("{")]
 
-    runs = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.startswith("{")]
+
+def _plan(r: dict) -> Any:
+    """The plan of the code now for the settings of probe record ``r``."""
+    return plan_for(r["shape"], r["layers"], r["vocab"], r["calib_windows"], r["seqlen"], len(r["configs"]),
+                    r["dtype"], r["weights"], r["whip_epochs"])
+
+
+def rows(paths: list[str]) -> str:
+    """The tables of logged probe records, against the plan of the code now (after a refit of plan_costs: the
+    measurements stand, the predictions are recomputed)."""
+    runs = _records(paths)
     for r in runs:
-        pl = plan_for(r["shape"], r["layers"], r["vocab"], r["calib_windows"], r["seqlen"], len(r["configs"]),
-                      r["dtype"], r["weights"], r["whip_epochs"])
+        pl = _plan(r)
         r["plan"] = {s.name: {"host": s.host_bytes, "s": s.seconds} for s in pl.stages}
         r["plan_peak_host"] = pl.peak_host
     return "\n\n".join([_tables(runs, records=False)] + [stage_report(r) for r in runs])
@@ -83,15 +95,8 @@ def _tables(runs: list[dict], records: bool = True) -> str:
 
 def _unit_plan(r: dict, **constants: float) -> dict[str, float]:
     """The plan's seconds per stage for probe record ``r`` with the plan_costs constants set to ``constants``."""
-    from unittest import mock
-
-    from rope_quant.experiment import plan_costs
-    from tests.numerics.scale_pipeline_probe import plan_for
-
     with mock.patch.multiple(plan_costs, **constants):
-        pl = plan_for(r["shape"], r["layers"], r["vocab"], r["calib_windows"], r["seqlen"], len(r["configs"]),
-                      r["dtype"], r["weights"], r["whip_epochs"])
-    return {s.name: s.seconds for s in pl.stages}
+        return {s.name: s.seconds for s in _plan(r).stages}
 
 
 def fit(paths: list[str]) -> str:
@@ -100,26 +105,24 @@ def fit(paths: list[str]) -> str:
     the plan's seconds at overhead 1; the whip's per-step and fixed costs by least squares."""
     import numpy as np
 
-    recs = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.startswith("{")]
+    recs = _records(paths)
     unit = dict(WHIP_STEP_MATMULS=0.0, WHIP_STEP_MATMULS_ANALYTIC=0.0, WHIP_FIXED_MATMULS=0.0, ROTATION_OVERHEAD=1.0,
                 GPTQ_OVERHEAD=1.0, CPU_QUANT_FORWARD_OVERHEAD=dict.fromkeys(("float32", "bfloat16", "float16"), 1.0))
-    rows: list[list[float]] = []
+    design: list[list[float]] = []
     rhs: list[float] = []
     ratios: dict[str, list[float]] = {}
     for r in recs:
         base = _unit_plan(r, **unit)
         step = _unit_plan(r, **{**unit, "WHIP_STEP_MATMULS": 1.0, "WHIP_STEP_MATMULS_ANALYTIC": 1.0})["whip R1"]
         fixed = _unit_plan(r, **{**unit, "WHIP_FIXED_MATMULS": 1.0})["whip R1"]
-        rows.append([step - base["whip R1"], fixed - base["whip R1"]])
+        design.append([step - base["whip R1"], fixed - base["whip R1"]])
         rhs.append(r["stage_cpu_s"]["whip R1"] - base["whip R1"])
         for name in ("offline rotation", "GPTQ", "calibration", "evaluation (per config)"):
             if name in base and name in r["stage_cpu_s"]:
                 key = f"{name}, {r['dtype']}" if name in ("calibration", "evaluation (per config)") else name
                 ratios.setdefault(key, []).append(r["stage_cpu_s"][name] / base[name])
-    (s_step, s_fixed), *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
-    from rope_quant.experiment.plan_costs import cpu_device
-
-    out = [f"{len(recs)} probe records; rates: {cpu_device().basis}",
+    (s_step, s_fixed), *_ = np.linalg.lstsq(np.array(design), np.array(rhs), rcond=None)
+    out = [f"{len(recs)} probe records; rates: {plan_costs.cpu_device().basis}",
            f"whip: {s_step:.1f} n³ products per step (analytic above 1024 here), {s_fixed:.1f} fixed float64 products"]
     out += [f"{name}: measured / plan at overhead 1 = {', '.join(f'{v:.2f}' for v in vals)} -> median "
             f"{float(np.median(vals)):.2f}" for name, vals in ratios.items() if vals]
