@@ -9,7 +9,8 @@ R1/R2 matrices, the per-layer R3 (its angles) and the integer weight codes. The 
 * ``dequantised``: the cell's own GPTQ/RTN weights (codes · scales).
 
 Either way the activation quantisers, the custom attention function and (unless ``keep_r4_hook``) the online
-R4 hooks are removed, and the commuting part of R3 is folded into W_Q/W_K (:mod:`rope_quant.export.fold`).
+R4 hooks are removed, and the commuting part of R3 is folded (:func:`rope_quant.export.fold.fold_commuting_part`,
+through the cells' own :func:`rope_quant.rotations.fold_r3.fold_r3`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from rope_quant.experiment.config import RunConfig, WeightMode
-from rope_quant.export.fold import ExportError, check_fold_layout, fold_r3, r3_split
+from rope_quant.export.fold import ExportError, check_fold_layout, fold_commuting_part, r3_split
 from rope_quant.model import arch
 
 __all__ = ["WeightSource", "ExportModel", "build_export_model", "weight_cache_present"]
@@ -166,7 +167,7 @@ def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = Non
         del qm
     dims = arch.dims(model)
     if fold and r3_split(cfg.online.transform, dims.head_dim, cfg.online.block)[0]:
-        fold_r3(model, transforms_)  # a non-commuting R3 stays online (compressed-tensors' transform_config)
+        fold_commuting_part(model, transforms_)  # the rest stays online (compressed-tensors)
     drop_loader_quantization(model)
     model.eval()
     return ExportModel(model=model, tokenizer=tokenizer, cfg=dataclasses.replace(cfg), transforms=transforms_,

@@ -1,15 +1,12 @@
-"""What of a cell folds into the weights, what stays online, and the R3 fold itself (issue 25).
+"""What of a cell folds into the weights and what stays online; the export's side of the one R3 fold.
 
 A RoPE-commuting R3 ``M`` (per head, ``M R_m = R_m M`` for every position m; the Lemma of §3: SO(2)
-rotations inside the RoPE pairs) applied to post-RoPE q and k equals ``R_m (M q)``: it folds into the rows
-of W_Q and W_K (``W_h ← M_h W_h``, bias ``b_h ← M_h b_h``, head by head). The head order of the rows follows
-the model's own ``view(..., heads, head_dim)``; the pair layout (rotate_half, the HF default; FACTS.md) is the
-transform's ``layout``, which already shaped ``M``.
-
-A model with per-head q/k norms before RoPE (Gemma 3) computes ``g ⊙ y / rms(y)`` between the projection and
-RoPE: ``M`` passes the ``rms`` (orthogonal) but passes the scale ``g`` only where ``M diag(g) = diag(g) M``
-(g equal within every RoPE pair the rotation mixes). Elsewhere the fold is refused with
-:class:`LayoutError` naming the layer and the norm.
+rotations, and scalings, inside the RoPE pairs) applied to post-RoPE q and k equals ``R_m (M q)``, so it
+folds before RoPE. The fold itself is :func:`rope_quant.rotations.fold_r3.fold_r3`, the same code a cell's
+fold record uses: W_Q/W_K rows on a model without q/k norms; with per-head q/k norms (Gemma 3, Qwen3) the
+pair rotation goes into W_Q/W_K and the pair scales into the norm weights (a scale does not commute with the
+RMS that follows W_Q/W_K), and anything else is refused with :class:`LayoutError` naming the layer and the
+norm. ``pairwise_plus_hadamard`` = H·P(φ): its P(φ) folds, H stays online.
 
 Online parts (never foldable): R4, the Hadamard on down_proj's input (QuaRot/SpinQuant R4), and an R3 that
 does not commute with RoPE (``hadamard``, ``pairwise_plus_hadamard``'s Hadamard half, block controls).
@@ -22,7 +19,6 @@ from enum import StrEnum
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 
 from rope_quant.model import arch
@@ -33,7 +29,7 @@ __all__ = [
     "LayoutError",
     "OnlinePart",
     "online_parts",
-    "fold_r3",
+    "fold_commuting_part",
     "check_fold_layout",
     "r3_split",
 ]
@@ -109,50 +105,22 @@ def pairwise_part(transform: Any) -> Any:
     return transform
 
 
-def _norm_scale(norm: Any, offset: float) -> torch.Tensor:
-    return offset + norm.weight.detach().to("cpu", torch.float64)
+def _refusal(model: nn.Module, transforms_: list[Any]) -> LayoutError | None:
+    """The fold's refusal for these (foldable) transforms on ``model`` as a :class:`LayoutError`, or None."""
+    from rope_quant.rotations.fold_r3 import fold_refusal
 
-
-def _check_norm(norm: Any, mats: list[np.ndarray], offset: float, where: str) -> None:
-    if norm is None:
-        return
-    if getattr(norm, "weight", None) is None:
-        return  # a scale-free RMSNorm commutes with any orthogonal map
-    g = _norm_scale(norm, offset).numpy()
-    for h, m in enumerate(mats):
-        gh = g if g.shape[0] == m.shape[0] else g[h * m.shape[0]:(h + 1) * m.shape[0]]
-        err = float(np.abs(m * gh[None, :] - gh[:, None] * m).max())
-        if err > 1e-6 * max(1.0, float(np.abs(gh).max())):
-            raise LayoutError(
-                f"{where}: the per-head norm before RoPE scales the two channels of a RoPE pair differently "
-                f"(|M·diag(g) − diag(g)·M| = {err:.3g}), so R3 cannot fold into the projection before it; "
-                "export this cell as compressed-tensors, where R3 can stay online, or choose an R3 that is "
-                "the identity on this model")
-
-
-@torch.no_grad()
-def _rotate_rows(lin: Any, mats: list[np.ndarray], head_dim: int) -> None:
-    """``W[h] ← M_h W[h]`` (and the bias) for every head h, in float64."""
-    w = lin.weight.detach().to("cpu", torch.float64)
-    out = w.clone()
-    b = None if getattr(lin, "bias", None) is None else lin.bias.detach().to("cpu", torch.float64)
-    ob = None if b is None else b.clone()
-    for h, m in enumerate(mats):
-        rows = slice(h * head_dim, (h + 1) * head_dim)
-        mt = torch.from_numpy(m)
-        out[rows] = mt @ w[rows]
-        if b is not None and ob is not None:
-            ob[rows] = mt @ b[rows]
-    lin.weight.copy_(out.to(lin.weight.dtype))
-    if ob is not None:
-        lin.bias.copy_(ob.to(lin.bias.dtype))
+    reason = fold_refusal(model, transforms_)
+    if reason is None:
+        return None
+    return LayoutError(f"{reason}; export this cell as compressed-tensors, where R3 can stay online, or choose an "
+                       "R3 that folds into this model")
 
 
 def check_fold_layout(model: nn.Module, name: str, block: int | None = None) -> None:
     """Refuse, before the cell is built, a model whose q/k norms cannot let R3 ``name`` through (:class:`LayoutError`).
 
     Uses generic angles (0.3 rad in every pair): a pair rotation passes a norm only where its scale is equal inside
-    the pair, whatever the (non-zero) angle.
+    the pair, whatever the (non-zero) angle. Fitted scales are checked again when the cell's own R3 is folded.
     """
     from rope_quant.core import transforms
 
@@ -165,37 +133,26 @@ def check_fold_layout(model: nn.Module, name: str, block: int | None = None) -> 
     if transforms.needs_block(name):
         params["block"] = block
     t = transforms.build(name, head_dim, **params)
-    _plan(model, [t] * arch.dims(model).n_layers)
+    error = _refusal(model, [pairwise_part(t)] * arch.dims(model).n_layers)
+    if error is not None:
+        raise error
 
 
-def _plan(model: nn.Module, transforms_: list[Any]) -> list[tuple[Any, list[np.ndarray], list[np.ndarray]]]:
-    """The per-layer (parts, Q head matrices, K head matrices) of a fold, after every layout check."""
-    dims = arch.dims(model)
-    if len(transforms_) != dims.n_layers:
-        raise ExportError(f"expected one R3 per layer ({dims.n_layers}), got {len(transforms_)}")
-    offset = arch.norm_weight_offset(model)
-    plan = []
-    for i, t in enumerate(transforms_):
-        p = pairwise_part(t)
-        if p.name == "identity":
-            continue
-        parts = arch.attention(model, i)
-        q_mats = [p.query_matrix(h, dims.n_heads) for h in range(dims.n_heads)]  # M_q = M_k^{-T}
-        k_mats = [p.matrix(h, dims.n_kv_heads) for h in range(dims.n_kv_heads)]
-        q_norm, k_norm = parts.qk_norms
-        _check_norm(q_norm, q_mats, offset, f"layers.{i} q_norm")
-        _check_norm(k_norm, k_mats, offset, f"layers.{i} k_norm")
-        plan.append((parts, q_mats, k_mats))
-    return plan
+def fold_commuting_part(model: nn.Module, transforms_: list[Any]) -> None:
+    """Fold each layer's RoPE-commuting part of R3 (:func:`pairwise_part`) into the model, in place.
 
-
-def fold_r3(model: nn.Module, transforms_: list[Any]) -> None:
-    """Fold each layer's RoPE-commuting R3 into its W_Q and W_K rows, in place (see the module docstring).
-
-    Raises :class:`ExportError` for a transform that does not commute and :class:`LayoutError` where a q/k norm
-    before RoPE does not commute with it, before any weight changes.
+    One fold for cells and exports: :func:`rope_quant.rotations.fold_r3.fold_r3` (W_Q/W_K rows; a per-pair scale
+    moves into the q/k norm's weight, since it does not commute with the RMS that follows W_Q/W_K). Raises
+    :class:`ExportError` for a transform that does not commute and :class:`LayoutError` (naming the layer and the
+    norm) where the model's q/k norms cannot pass it, before any weight changes.
     """
-    head_dim = arch.dims(model).head_dim
-    for parts, q_mats, k_mats in _plan(model, transforms_):
-        _rotate_rows(parts.q, q_mats, head_dim)
-        _rotate_rows(parts.k, k_mats, head_dim)
+    from rope_quant.rotations.fold_r3 import fold_r3
+
+    parts = [pairwise_part(t) for t in transforms_]
+    n_layers = arch.dims(model).n_layers
+    if len(parts) != n_layers:
+        raise ExportError(f"expected one R3 per layer ({n_layers}), got {len(parts)}")
+    error = _refusal(model, parts)
+    if error is not None:
+        raise error
+    fold_r3(model, [None if p.name == "identity" else p for p in parts])

@@ -1,4 +1,5 @@
-"""Fold a RoPE-commuting R3 into the weights (issue 24): the "free" R3 that needs no online kernel.
+"""Fold a RoPE-commuting R3 into the weights: the "free" R3 that needs no online kernel (the only R3 fold; cells
+record its refusal, exports call it).
 
 A map that commutes with every R_m acts the same before and after RoPE, so the post-RoPE R3 (M_k on keys,
 M_q = M_k^{-T} on queries) can be applied to the pre-RoPE projections instead:
@@ -110,7 +111,8 @@ def _fold_with_norm(what: str, layer: int, linear: Any, norm: Any, mats: list[np
 def fold_refusal(model: nn.Module, transforms: Sequence[Any], layout: str = "rotate_half") -> str | None:
     """Why :func:`fold_r3` would refuse these transforms on this model (the first layer's reason), or None when
     every layer folds. Reads the model only: a cell records it, so a report can say "folds here" per
-    architecture (Gemma 3's untied k_norm lets only pair-tied scales through)."""
+    architecture (Gemma 3's untied k_norm lets only pair-tied scales through). ``layout``: the pair layout of a
+    transform without its own ``layout`` attribute."""
     parts: list[Any] = list(arch.attention_modules(model))
     if len(transforms) != len(parts):
         return f"expected {len(parts)} transforms (one per layer), got {len(transforms)}"
@@ -128,7 +130,7 @@ def fold_refusal(model: nn.Module, transforms: Sequence[Any], layout: str = "rot
                                      ("q", q_norm, [tr.query_matrix(h, n_q) for h in range(n_q)])):
                 if norm is None:
                     continue
-                _check_with_norm(what, layer, norm, mats, d, offset, layout)
+                _check_with_norm(what, layer, norm, mats, d, offset, getattr(tr, "layout", layout))
     except FoldError as exc:
         return str(exc)
     return None
@@ -157,4 +159,4 @@ def fold_r3(model: nn.Module, transforms: Sequence[Any], layout: str = "rotate_h
             if norm is None:
                 _fold_rows(linear, mats, d)
             else:
-                _fold_with_norm(what, layer, linear, norm, mats, d, offset, layout)
+                _fold_with_norm(what, layer, linear, norm, mats, d, offset, getattr(tr, "layout", layout))

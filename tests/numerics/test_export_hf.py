@@ -172,12 +172,12 @@ def test_fold_refuses_pair_mixing_qk_norm() -> None:
     with torch.no_grad():
         model.model.layers[1].self_attn.k_norm.weight[0] = 0.7  # channel 0 and its pair partner 8 now differ
     with pytest.raises(fold.LayoutError) as info:
-        fold.fold_r3(model, ts)
-    assert "layers.1 k_norm" in str(info.value) and "compressed-tensors" in str(info.value)
+        fold.fold_commuting_part(model, ts)
+    assert "layer 1: k_norm" in str(info.value) and "compressed-tensors" in str(info.value)
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)  # nothing changed
     with torch.no_grad():
         model.model.layers[1].self_attn.k_norm.weight[8] = 0.7  # pair-uniform again: folds
-    fold.fold_r3(model, ts)
+    fold.fold_commuting_part(model, ts)
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)
 
 
@@ -198,7 +198,7 @@ def test_layout_refused_before_the_cell_is_built(monkeypatch) -> None:
     monkeypatch.setattr(pipeline, "build_quantized_model", lambda *a, **k: calls.append(1))
     with pytest.raises(fold.LayoutError) as info:
         ebuild.build_export_model(cell(r1="identity"), None, base=(model, CharTokenizer()))
-    assert "layers.0 q_norm" in str(info.value) and calls == []
+    assert "layer 0: q_norm" in str(info.value) and calls == []
 
 
 def test_fold_of_a_scaled_r3_keeps_every_q_dot_k_head_by_head() -> None:
@@ -212,7 +212,7 @@ def test_fold_of_a_scaled_r3_keeps_every_q_dot_k_head_by_head() -> None:
     import torch
 
     from rope_quant.core import transforms
-    from rope_quant.export.fold import fold_r3
+    from rope_quant.rotations.fold_r3 import fold_r3
     from tests._support.models import tiny_llama
 
     model = tiny_llama(attention_bias=True)
