@@ -15,13 +15,18 @@ Everything else is importable from its layer, bottom up (imports point downwards
 (quantisers, GPTQ) → ``calib`` (statistics, angle objectives, diagnostics) → ``rotations`` (R1/R2/R4, whip,
 the attention hook) → ``experiment`` (config, pipeline, data, evaluation) → ``sweep`` (manifests, records,
 runner, presets, report) → ``cli``. ``pytest_plugin`` imports nothing heavy. The 0.1.0 flat module paths
-(``rope_quant.hadamard``, ...) still import, with a DeprecationWarning, until 0.3.0 (``_deprecation.py``).
+(``rope_quant.hadamard``, ...) still import, with a DeprecationWarning, until 0.3.0: one import hook and one
+table in ``_deprecation.py``, no files.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from rope_quant import _deprecation
+
+_deprecation.install()
 
 __version__ = "0.2.0"
 

@@ -1,25 +1,27 @@
-"""The module paths that 0.2.0 moved (commit 2da0636), kept importable until :data:`REMOVAL`.
+"""Module paths that moved, kept importable until :data:`REMOVAL`: one table and one import hook, no files.
 
-Each old path ``rope_quant/<old>.py`` is a two-line shim that calls :func:`alias_module`: the first import warns
-with a :class:`DeprecationWarning` that names the new path and the removal version, and the old name then *is*
-the new module (same object, so patching either patches both). Two old modules became packages of the same
-name (``rope_quant.quant``, ``rope_quant.sweep``); their old top-level names resolve through the package's
-``__getattr__`` with :func:`moved_attribute`. Stdlib only: importing a shim costs what importing its target costs.
+:class:`_MovedFinder` sits on ``sys.meta_path`` (installed by ``rope_quant/__init__.py``) and serves every old
+path in :data:`MOVED_MODULES`: the first import warns with a :class:`DeprecationWarning` that names the new path
+and the removal version, and the old name then *is* the new module (same object, so patching either patches
+both). Two old modules became packages of the same name (``rope_quant.quant``, ``rope_quant.sweep``); their old
+top-level names resolve through the package's ``__getattr__`` with :func:`moved_attribute`. Stdlib only:
+importing an old path costs what importing its target costs.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import pkgutil
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
 REMOVAL = "0.3.0"
 
-# old module (under rope_quant.) -> its new path. The single source for the shims and their tests.
+# old module (under rope_quant.) -> its new path. The single source for the import hook and its tests.
 MOVED_MODULES: dict[str, str] = {
     "angles": "rope_quant.core.angles",
     "attention": "rope_quant.rotations.attention",
@@ -65,34 +67,46 @@ def message(old: str, new: str) -> str:
     return f"{old} is deprecated since rope_quant 0.2.0 and will be removed in {REMOVAL}; use {new}"
 
 
-def alias_module(old_name: str) -> ModuleType:
-    """Warn once for the old module path ``old_name`` and make it the new module (called by each shim)."""
-    new = MOVED_MODULES[old_name.rpartition(".")[2]]
-    warnings.warn(message(f"module {old_name}", new), DeprecationWarning, stacklevel=_caller_level())
-    module = importlib.import_module(new)
-    sys.modules[old_name] = module  # the import system returns sys.modules[old_name]: the new module itself
-    return module
+class _MovedFinder:
+    """Finds an old path of :data:`MOVED_MODULES`; loading it warns and puts the new module in its place."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.startswith("rope_quant.") and fullname.removeprefix("rope_quant.") in MOVED_MODULES:
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # a placeholder module; exec_module swaps the new one in
+
+    def exec_module(self, module: ModuleType) -> None:
+        old = module.__name__
+        new = MOVED_MODULES[old.removeprefix("rope_quant.")]
+        warnings.warn(message(f"module {old}", new), DeprecationWarning, stacklevel=_caller_level())
+        # the import system returns sys.modules[old] after exec_module: the new module itself
+        sys.modules[old] = importlib.import_module(new)
+
+
+def install() -> None:
+    """Put the finder on ``sys.meta_path`` once (idempotent)."""
+    if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MovedFinder())
 
 
 def _caller_level() -> int:
-    """The ``stacklevel`` of the importing code: past this module, the shim, any loader and importlib (whose
-    frames ``warnings`` does not count)."""
-    ours = {__name__, *_shim_names()}
-    frame = sys._getframe(1)  # alias_module: level 1
+    """The ``stacklevel`` of the importing code: past this module, any loader and importlib (whose frames
+    ``warnings`` does not count)."""
+    frame = sys._getframe(1)  # exec_module: level 1
     level = 1
     while frame.f_back is not None:
         frame = frame.f_back
         internal = "importlib" in frame.f_code.co_filename and "_bootstrap" in frame.f_code.co_filename
         if not internal:
             level += 1
-            # a loader's exec_module (pytest's assertion rewriter, say) runs the shim: walk past it too
-            if frame.f_globals.get("__name__") not in ours and frame.f_code.co_name != "exec_module":
+            # a loader's exec_module (pytest's assertion rewriter, say) may sit between: walk past it too
+            if frame.f_globals.get("__name__") != __name__ and frame.f_code.co_name != "exec_module":
                 return level
     return level
-
-
-def _shim_names() -> set[str]:
-    return {f"rope_quant.{old}" for old in MOVED_MODULES}
 
 
 def moved_attribute(package: str, name: str, modules: Iterable[str]) -> Any:

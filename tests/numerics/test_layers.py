@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 import rope_quant
-from rope_quant._deprecation import MOVED_MODULES
 
 ROOT = Path(rope_quant.__file__).parent
 # Bottom-up. A module may import its own layer or any layer below it.
@@ -20,9 +19,8 @@ LAYERS = ("defaults", "seeds", "io", "core", "model", "quant", "calib", "rotatio
           "cli")
 # The pytest plugin stands beside the layers: it may import only the bottom ones (stdlib-only modules).
 PLUGIN_MAY_IMPORT = {"defaults", "seeds", "io"}
-# The 0.1.0 module paths (deprecation shims, rope_quant/_deprecation.py) stand beside the layers too: a shim
-# imports only _deprecation (stdlib only), which any module may import.
-SHIMS = set(MOVED_MODULES)
+# The import hook of the moved module paths (rope_quant/_deprecation.py, stdlib only) stands beside the layers
+# too: any module may import it, and it imports no layer (it finds the new paths by name, at import time).
 BESIDE = "_deprecation"
 
 
@@ -64,7 +62,7 @@ def _layer(module: str) -> str:
 
 
 def test_every_module_belongs_to_a_layer():
-    beside = ("pytest_plugin", BESIDE, *SHIMS)
+    beside = ("pytest_plugin", BESIDE)
     strays = [m for m in _graph() if m != "rope_quant" and _layer(m) not in (*LAYERS, *beside)]
     assert not strays, f"modules outside the layer map of docs/ARCHITECTURE.md: {strays}"
 
@@ -77,7 +75,7 @@ def test_imports_point_down_the_layers():
             dst = _layer(tgt)
             if dst == BESIDE:
                 ok = True
-            elif src in SHIMS or src == BESIDE:
+            elif src == BESIDE:
                 ok = False
             elif src == "pytest_plugin":
                 ok = dst in PLUGIN_MAY_IMPORT

@@ -39,7 +39,7 @@ def _run(code: str) -> str:
 
 
 def _forget(name: str) -> None:
-    """Make the next ``import name`` run the shim again (a module warns on its first import only)."""
+    """Make the next ``import name`` go through the import hook again (a module warns on its first import only)."""
     sys.modules.pop(name, None)
     parent, _, child = name.rpartition(".")
     vars(sys.modules[parent]).pop(child, None)
@@ -112,10 +112,30 @@ def test_the_version_is_the_projects():
 # ---- the moved module paths ----------------------------------------------------------------------------
 
 
-def test_the_shim_table_is_what_2da0636_moved():
-    assert {k: v.removeprefix("rope_quant.") for k, v in _deprecation.MOVED_MODULES.items()} == MOVED_BY_2DA0636
-    for old in MOVED_BY_2DA0636:
-        assert (Path(rope_quant.__file__).parent / f"{old}.py").is_file(), f"no shim at rope_quant/{old}.py"
+def test_the_moved_table_is_what_2da0636_moved():
+    moved = {k: v.removeprefix("rope_quant.") for k, v in _deprecation.MOVED_MODULES.items() if "." not in k}
+    assert moved == MOVED_BY_2DA0636
+
+
+def test_the_old_paths_are_served_by_the_import_hook_not_by_files():
+    """One table and one finder on ``sys.meta_path``: no file at an old path, and the front holds at most six."""
+    package = Path(rope_quant.__file__).parent
+    for old in _deprecation.MOVED_MODULES:
+        stem = package.joinpath(*old.split("."))
+        assert not stem.with_suffix(".py").exists() and not stem.is_dir(), f"a file still sits at {old}"
+    assert len(list(package.glob("*.py"))) <= 6
+    code = ("import sys, rope_quant; print(sum(type(f).__name__ == '_MovedFinder' for f in sys.meta_path)); "
+            "import importlib; rope_quant._deprecation.install(); "
+            "print(sum(type(f).__name__ == '_MovedFinder' for f in sys.meta_path))")
+    assert _run(code).split() == ["1", "1"]
+
+
+def test_an_old_path_fails_under_error_and_works_without():
+    code = "import rope_quant.stats, rope_quant.core.stats as new; print(rope_quant.stats is new)"
+    assert _run(code) == "True"
+    failed = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True,
+                            text=True, cwd=REPO)
+    assert failed.returncode != 0 and "DeprecationWarning: module rope_quant.stats" in failed.stderr
 
 
 @pytest.mark.parametrize("old", sorted(MOVED_BY_2DA0636))

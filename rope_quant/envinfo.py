@@ -1,5 +1,0 @@
-"""Deprecated since 0.2.0, removed in 0.3.0: this module is now ``rope_quant.experiment.envinfo``."""
-
-from rope_quant._deprecation import alias_module
-
-alias_module(__name__)
