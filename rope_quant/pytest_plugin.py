@@ -136,7 +136,7 @@ def _ours(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip this suite's ``gpu_e2e`` tests cleanly where they cannot run; another project's tests that carry a
-    marker of the same name are left alone (issue 22 item 4)."""
+    marker of the same name are left alone."""
     gpu_items = [it for it in items if it.get_closest_marker("gpu_e2e") and _ours(it)]
     if not gpu_items:
         return

@@ -1,4 +1,4 @@
-"""Fits of the issue-24 R3 transforms on the pre-RoPE K sample (``pairwise_scaled``, ``prerope_channel_scale``,
+"""Fits of the foldable R3 transforms on the pre-RoPE K sample (``pairwise_scaled``, ``prerope_channel_scale``,
 ``learned_orthogonal``; equations in :mod:`rope_quant.core.transforms.foldable`).
 
 All three act per layer and KV head on the post-RoPE keys y = R_m k of the K sample (the sample stores k and

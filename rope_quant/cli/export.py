@@ -1,4 +1,4 @@
-"""``rope-quant export``: a deployable checkpoint from one cell (issue 25; docs/export.md).
+"""``rope-quant export``: a deployable checkpoint from one cell (docs/export.md).
 
 The cell comes from a results directory (``--from DIR --cell NAME --seed K``: its manifest gives the
 configuration, ``DIR/cache`` the weights and statistics) or from configuration flags (``--model``,

@@ -1,4 +1,4 @@
-"""``rope-quant plan MODEL``: predicted memory, disk and time per stage before any weight is read (issue 21).
+"""``rope-quant plan MODEL``: predicted memory, disk and time per stage before any weight is read.
 
 ``add_parser(subparsers)`` / ``run(args)``; exit 0 when the run fits, 2 (one ``error: ...`` line with the
 remedy on stderr) when it does not, or when MODEL or a setting cannot be read.

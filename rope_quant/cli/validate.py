@@ -56,7 +56,7 @@ def check_device(device: str, runs_here: bool = True) -> str:
 
 
 def resolve_dtype(device: str, dtype: str) -> str:
-    """``--dtype auto`` -> bfloat16 on CUDA, float32 on the CPU (issue 21: CPU numbers and keys do not move);
+    """``--dtype auto`` -> bfloat16 on CUDA, float32 on the CPU (so CPU numbers and keys do not move);
     an explicit dtype is kept."""
     from rope_quant.cli.options import AUTO_DTYPE
     from rope_quant.experiment.config import DType

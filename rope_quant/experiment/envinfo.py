@@ -111,7 +111,7 @@ def blas_info() -> str:
 
 
 def machine_info(float_mode: str | None = None) -> dict[str, Any]:
-    """What moves the digits of a result between machines (issue 23): CPU model, threads, BLAS, torch and
+    """What moves the digits of a result between machines: CPU model, threads, BLAS, torch and
     transformers versions, and the float mode (``float_mode``: the run's own, e.g. ``"gptq float32"``, plus
     torch's matmul precision and default dtype)."""
     info: dict[str, Any] = {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "machine": platform.machine(),

@@ -1,4 +1,4 @@
-"""The memory check before a run loads anything (issue 21): the plan for the run's actual settings, the offload
+"""The memory check before a run loads anything (fail early): the plan for the run's actual settings, the offload
 decision, or a refusal with the plan's remedy.
 
 :func:`decide` reads the model's config only (no weights), builds the plan

@@ -20,7 +20,7 @@
 6. R3 angles (:func:`rope_quant.calib.objectives.estimate_angles`; the angle rule φ̂, branch-matched φ̂ or
    φ* with the live ``inv_freq``, or the
    ``range`` objective's coordinate descent on the K sample) and the
-   per-layer R3 from the registry (:mod:`rope_quant.core.transforms`); a fitted R3 (``needs_fit``, issue 24)
+   per-layer R3 from the registry (:mod:`rope_quant.core.transforms`); a fitted R3 (``needs_fit``)
    gets its per-layer parameters from :func:`rope_quant.calib.foldable.fit_for` on the K sample;
 7. the quantise-mode attention (:mod:`rope_quant.rotations.attention`): R3 on post-RoPE q/k, K/V quantisers.
 
@@ -505,7 +505,7 @@ def _build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles:
 
 def _fit_transform_params(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray, stats: Any,
                           model: nn.Module | None) -> list[dict[str, Any]]:
-    """Step 8 for a fitted R3 (issue 24): per-layer parameters from the K sample (:mod:`rope_quant.calib.foldable`)."""
+    """Step 8 for a fitted R3: per-layer parameters from the K sample (:mod:`rope_quant.calib.foldable`)."""
     from rope_quant.calib.foldable import fit_for
     from rope_quant.calib.objectives import resolve_layer_inv_freq
     from rope_quant.core import transforms
@@ -708,7 +708,7 @@ def angles_summary(angles: np.ndarray) -> dict[str, Any]:
 
 
 def _fold_status(qm: QuantizedModel) -> dict[str, Any]:
-    """Whether this cell's R3 folds into this model's W_Q/W_K (or q/k norms), and why not (issue 24)."""
+    """Whether this cell's R3 folds into this model's W_Q/W_K (or q/k norms), and why not (``r3_folds``)."""
     from rope_quant.rotations.fold_r3 import fold_refusal
 
     if not qm.transforms:

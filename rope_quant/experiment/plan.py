@@ -1,4 +1,4 @@
-"""The cost plan of a run (issue 21): predicted peak GPU memory, host RAM, disk and wall time per stage.
+"""The cost plan of a run (before committing): predicted peak GPU memory, host RAM, disk and wall time per stage.
 
 The model is read on the meta device (no weights). Memory is counted from the shapes: the stored model, the
 largest float64 block of the rotation algebra (:mod:`rope_quant.rotations.offline` folds one block at a time),

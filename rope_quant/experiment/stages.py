@@ -1,4 +1,4 @@
-"""The stages of one cell, by name, and what an out-of-memory error inside one becomes (issue 21).
+"""The stages of one cell, by name, and what an out-of-memory error inside one becomes (names the stage).
 
 :class:`StageName` is the one source of the stage names: the rows of ``rope-quant plan``
 (:mod:`rope_quant.experiment.plan`) and the stage an error record names (:mod:`rope_quant.sweep.records`) are

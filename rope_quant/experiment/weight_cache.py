@@ -48,7 +48,7 @@ def read_r1_cache(path: Path | None) -> tuple[torch.Tensor, dict] | None:
 
 
 def hit_fit_log(path: Path | None, payload: dict) -> dict | None:
-    """A weight-cache hit's R1 fit log (issue 26: a damaged R1 file must not cost the record its fit log).
+    """A weight-cache hit's R1 fit log (a damaged R1 file must not cost the record its fit log).
 
     The R1 file's log when it is readable; else the weight cache's copy of R1 and its log, written back to the
     R1 file; None when the weight cache predates that copy (the caller then refits R1 and recomputes)."""

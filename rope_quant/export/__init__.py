@@ -1,1 +1,1 @@
-"""Deployable checkpoints from a cell (issue 25): hf (everything folded) and compressed-tensors (W4 packed)."""
+"""Deployable checkpoints from a cell (docs/export.md): hf (everything folded) and compressed-tensors (W4 packed)."""

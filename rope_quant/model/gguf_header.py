@@ -1,4 +1,4 @@
-"""The header of a GGUF file, read without its tensor data (issue 26: a checkpoint error names the culprit).
+"""The header of a GGUF file, read without its tensor data (so a checkpoint error can name the culprit).
 
 Layout (GGUF v2/v3, little-endian): magic ``GGUF``, version u32, tensor count u64, key-value count u64; the
 key-value pairs (key string, value type u32, value); the tensor infos (name, n_dims u32, dims u64 each,

@@ -54,7 +54,7 @@ class ModelLoadError(ValueError):
 
 class CheckpointError(ModelLoadError):
     """A checkpoint that is damaged or that the pipeline cannot use, named with its culprit: a GGUF or
-    safetensors file cut inside its tensor data, an odd head_dim (issue 26)."""
+    safetensors file cut inside its tensor data, an odd head_dim."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torc
     return model, tokenizer
 
 
-# ----------------------------------------------------------------------------- checkpoint checks (issue 26)
+# ----------------------------------------------------------------------------- checkpoint checks (name the culprit)
 
 
 def check_checkpoint(name_or_path: str) -> None:

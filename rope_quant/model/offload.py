@@ -1,5 +1,5 @@
-"""Layer streaming (``--offload cpu``, issue 21): the weights live on the host, each streamed unit is moved to the
-compute device only for its own forward.
+"""Layer streaming (``--offload cpu``, for a model over device memory): the weights live on the host, each
+streamed unit is moved to the compute device only for its own forward.
 
 The streamed units are the token embedding, every decoder layer, the lm_head and every other module that owns
 tensors (final norm, rotary embedding: a few kB), so between forwards every tensor is in host RAM and the

@@ -1,4 +1,4 @@
-"""Paper-scale model shapes: random-weight models built from the published configs, no download (issue 21).
+"""Paper-scale model shapes: random-weight models built from the published configs, no download (for plans).
 
 Each :class:`Shape` holds the values of a model card's ``config.json`` (source URL in ``card``), written out
 here so the scale tests and ``rope-quant plan`` need no network. :func:`build` instantiates the model with

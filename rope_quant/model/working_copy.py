@@ -1,4 +1,4 @@
-"""A working copy of a loaded base model without ``copy.deepcopy`` (issue 21: no full-model copy per cell).
+"""A working copy of a loaded base model without ``copy.deepcopy`` (a copy per cell doubles host memory).
 
 :func:`skeleton` builds the base's architecture from its config on the meta device (no initialisation, no
 random numbers drawn), then allocates it uninitialised on the target device and dtype, with the base's buffers

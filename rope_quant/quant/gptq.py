@@ -93,7 +93,7 @@ class GPTQConfig:
     true_sequential: bool = True
     grid: int = field(default=100, metadata={"rtn": True})
     max_shrink: float = field(default=0.8, metadata={"rtn": True})
-    #: Hessians and the column loop in float64 (a robustness probe of GPTQ's floating-point order, issue 11 §0).
+    #: Hessians and the column loop in float64 (a robustness probe of GPTQ's floating-point order).
     float64: bool = False
 
     @property
@@ -598,7 +598,7 @@ def quantize_model_rtn(model: nn.Module, bits: int, group_size: int = -1, mse: b
 
 
 #: Rows of a weight that :func:`quantize_model_rtn` quantises at a time: every RTN quantity is per row, so the
-#: blocks give the whole matrix's bits, with float32 temporaries of this many rows (issue 21: the whole
+#: blocks give the whole matrix's bits, with float32 temporaries of this many rows (the whole
 #: 14336 × 4096 down_proj at once held ~1.4 GB of them).
 RTN_BLOCK_ROWS = 1024
 

@@ -26,7 +26,7 @@ Steps, all function-preserving, in the order :func:`rotate_model` runs them (1�
 All weight algebra is done in float64 (float32 for 16-bit weights: :func:`fold_dtype`) on the parameter's
 own device, one matrix (and, for a matrix larger than one block, :func:`fold_block_rows` rows or columns: at
 most :data:`_FUSE_ROWS` of them and :data:`_FUSE_BLOCK_BYTES` of float64) at a time, and cast back to the
-parameter's dtype: the model never has a float64 copy (issue 21: a 128256 × 4096 embedding alone is 4.2 GB
+parameter's dtype: the model never has a float64 copy (a 128256 × 4096 embedding alone is 4.2 GB
 in float64). A block's arithmetic is the whole matrix's (each output row / column depends on its own input
 row / column only), so the blocked results equal the unblocked ones bit for bit.
 

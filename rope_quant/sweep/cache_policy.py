@@ -1,4 +1,4 @@
-"""What a sweep keeps in its default cache directory, and the line that says so at the end of a run (issue 14).
+"""What a sweep keeps in its default cache directory, and the line that says so at the end of a run.
 
 The default cache (``DIR/cache``, no ``--cache-dir``) keeps only what resuming needs. A seed's quantised
 weights (``weights-*.pt``, ~300 MB each on the embedded model) and its calibration statistics

@@ -1,4 +1,4 @@
-"""The share of a baseline's gap that each R3 closes (issue 24, ``compare --configs beyond2``).
+"""The share of a baseline's gap that each R3 closes (``compare --configs beyond2``).
 
 With paired perplexities per seed s, the baseline B (``pairwise_only``) and the comparator C (``hadamard``),
 the share of B's gap that transform X closes is
@@ -136,7 +136,7 @@ def _equivalence_text(v: Any) -> str:
 
 
 def _equivalence(diffs: list[float], margin: Any, tokens: Any):
-    """The TOST verdict (issue 24's goal: the paired CI against the comparator inside the margin), with its
+    """The TOST verdict (a foldable R3's question: the paired CI against the comparator inside the margin), with its
     budget; tokens per cell make the budget also read in tokens."""
     from rope_quant.core.verdict import Form, decide
 
@@ -181,7 +181,7 @@ def is_gap_share_run(manifest: Mapping[str, Any]) -> bool:
 def write_gap_share_report(results_dir: str | os.PathLike[str], *, comparator: str | None = None,
                            figures: bool = True, **report_options: Any) -> dict[str, Any]:
     """``compare --configs beyond2``'s report: :func:`~rope_quant.sweep.report.write_report`, then the gap-share
-    table (``tables/gap-share.{csv,md}``) and, with ``figures``, ``figures/gap_share.png`` (issue 24)."""
+    table (``tables/gap-share.{csv,md}``) and, with ``figures``, ``figures/gap_share.png``."""
     from rope_quant.io import atomic_write_text
     from rope_quant.sweep.report import write_report
     from rope_quant.sweep.titles import describe

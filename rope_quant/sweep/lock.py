@@ -1,4 +1,4 @@
-"""Advisory locks on a results directory (issue 26): one study per directory, one computation per cell.
+"""Advisory locks on a results directory (two runs may share one): one study per directory, one computation per cell.
 
 Two locks, both OS advisory locks on small files under ``DIR/.locks/`` (``filelock``: ``flock`` on POSIX), so a
 process that dies (kill -9 included) releases them at once and a stale lock is simply taken over:

@@ -297,7 +297,7 @@ def _current(path: Path) -> Any:
 
 def commit_manifest(out: str | os.PathLike[str], manifest: Manifest) -> Manifest:
     """Write ``manifest`` into ``out`` under the study lock, checking first that no other run changed the
-    directory's study since this process read it (issue 26: two runs started together).
+    directory's study since this process read it (two runs started together).
 
     If ``manifest.json`` is absent, equal to ``manifest``, or what this process last read (:func:`reconcile`,
     :func:`read_manifest`) or wrote, ``manifest`` replaces it as before (so ``--force-new-manifest`` still

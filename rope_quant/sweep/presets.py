@@ -131,7 +131,7 @@ def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Seque
                     meta={n: {"lengths": list(lengths)} for n in names})
 
 
-#: ``compare --configs beyond2`` (issue 24): can a FOLDABLE R3 match the online Hadamard? name -> overrides.
+#: ``compare --configs beyond2``: can a FOLDABLE R3 match the online Hadamard? name -> overrides.
 #: ``pairwise_only`` (the paper's φ̂) is the baseline whose gap to the comparator the others are scored on
 #: (:mod:`rope_quant.sweep.gap_share`); ``learned_orthogonal`` does not commute: the upper reference.
 BEYOND2 = "beyond2"
@@ -235,7 +235,7 @@ def lower_bits_manifest(base: Any, seeds: Sequence[int], settings: Sequence[str]
                           family=[n for n in variants if not n.startswith(f"{comparator}+")], meta=meta)
 
 
-# ----------------------------------------------------------------------------- the A.4 protocol (issue 12 §6)
+# ----------------------------------------------------------------------------- the A.4 protocol
 
 
 def matches_length(run: Any) -> bool:

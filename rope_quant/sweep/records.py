@@ -53,7 +53,7 @@ def error_record(name: str, cfg: Any, exc: BaseException, elapsed: float, env: d
         "error": {
             "type": type(exc).__name__,
             "message": str(exc),
-            "stage": getattr(exc, "stage", None),  # the pipeline stage of an out-of-memory error (issue 21)
+            "stage": getattr(exc, "stage", None),  # the pipeline stage of an out-of-memory error (the sweep goes on)
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         },
         "elapsed_s": elapsed,

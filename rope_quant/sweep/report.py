@@ -45,7 +45,7 @@ DEFAULT_COMPARATOR = "hadamard"
 DEFAULT_MARGINS: tuple[float, ...] = (0.02, 0.05, 0.10)
 DEFAULT_LEVEL = 0.90
 DEFAULT_ALPHA = 0.05
-#: Per-seed record fields carried into the summary (``r3_folds``: the R3 folds into this model, issue 24).
+#: Per-seed record fields carried into the summary (``r3_folds``: whether the R3 folds into this model).
 METRICS = ("k_range_mean", "k_range_max", "delta_mean", "k_rel_err", "r3_folds")
 
 
@@ -771,7 +771,7 @@ def write_report(
     summary = summarize(root, comparator=comparator, family=family, level=level, margins=margins,
                         alpha=alpha, write=True)
     tables = build_tables(summary)
-    from rope_quant.sweep.protocol_report import extra_report  # the A.4 protocol and Table A (issue 12)
+    from rope_quant.sweep.protocol_report import extra_report  # the A.4 protocol and Table A
 
     extra_tables, extra_files = extra_report(root, Table, figures=figures)
     tables += extra_tables

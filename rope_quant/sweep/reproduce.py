@@ -1,4 +1,4 @@
-"""The reproducibility report (issue 23 item 4): this run's numbers beside another run's.
+"""The reproducibility report (do the digits survive another machine?): this run's numbers beside another run's.
 
 ``compare_against(this, other)`` takes two results directories (``rope-quant compare`` / ``run`` output) or two
 claims JSONs (``pytest --rq-claims-out DIR``: ``DIR/claims.json``). Each paired number (mean difference with its

@@ -186,7 +186,7 @@ def run_cells(
     replacement is complete, also with ``resume=False``. ``after_cell(i)`` runs after each cell that ran
     (the CLI's cache pruning, :mod:`rope_quant.sweep.cache_policy`).
 
-    Concurrency (issue 26, :mod:`rope_quant.sweep.lock`): the manifest is checked and written under the
+    Concurrency (two runs, one directory; :mod:`rope_quant.sweep.lock`): the manifest is checked and written under the
     study lock (:func:`~rope_quant.sweep.manifest.commit_manifest`: a different study written by another run
     meanwhile raises ``ManifestMismatchError``); each cell is computed under its claim. A cell claimed by
     another live run is skipped and revisited at the end: complete by then, it counts as skipped (without

@@ -1,4 +1,5 @@
-"""What every figure's title says about the run behind it (issue 22, item 6): model, bits, weight mode, budget.
+"""What every figure's title says about the run behind it: model, bits, weight mode, budget (a figure read
+alone must say what it shows).
 
 :func:`describe` reads ``DIR/manifest.json`` and the complete cell records (JSON only: no torch) and gives a
 :class:`Setup`, e.g. ``smollm2-135m · W4A4KV4 · GPTQ weights · 3 seeds × 8 windows × L=512``. A manifest dict

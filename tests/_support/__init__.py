@@ -1,4 +1,4 @@
-"""Helpers shared by the test modules, so that no test module imports from another (issue 22, item 7).
+"""Helpers shared by the test modules, so that no test module imports from another.
 
 Import them as ``from tests._support import tiny_llama`` (the repository root is on ``sys.path`` through
 ``pythonpath = .`` in pytest.ini, so this works from the repo root, from tox and under ``-p xdist``). The

@@ -1,4 +1,4 @@
-"""Side-by-side timing shared by the benchmarks and the issue-14 bench script (ratios, never timed asserts)."""
+"""Side-by-side timing shared by the benchmarks and the pipeline-cost bench script (ratios, never timed asserts)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""File size and load time of the exports against the plain fp16 model (issue 25; numbers in docs/export.md).
+"""File size and load time of the exports against the plain fp16 model (numbers in docs/export.md).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python tests/bench/bench_export.py [--model smollm2-135m] [--repeats 3]
 

@@ -1,4 +1,4 @@
-"""How cost grows with the work (issue 14): a script, not a test. Writes a CSV and one log-log figure.
+"""How cost grows with the work: a script, not a test. Writes a CSV and one log-log figure.
 
     OMP_NUM_THREADS=2 PYTHONPATH=. python tests/bench/bench_growth.py [--threads 2] [--out docs]
         [--only eval,calib,gptq,fwht] [--calib-seqlen 128]

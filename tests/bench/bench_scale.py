@@ -1,4 +1,4 @@
-"""Scale benchmark (issue 21), CPU: the whole pipeline on paper shapes cut to 1 layer at full width
+"""Scale benchmark, CPU: the whole pipeline on paper shapes cut to 1 layer at full width
 (:mod:`tests.numerics.scale_pipeline_probe`, a subprocess at 1 thread). Prints measured against target, never
 asserted on time:
 

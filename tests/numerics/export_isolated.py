@@ -1,4 +1,4 @@
-"""Run a loader in a Python whose path does not hold rope_quant (the proof of issue 25: the export stands alone).
+"""Run a loader in a Python whose path does not hold rope_quant (the export stands alone).
 
 ``python -I -S``: no environment variables, no user site, no cwd on the path and no ``site`` processing, so
 neither the venv's ``.pth`` files (the editable install's finder) nor this checkout can put rope_quant on the

@@ -1,4 +1,4 @@
-"""Whole-pipeline scale probe (issue 21 item 3), run as a subprocess so its peak RSS is its own.
+"""Whole-pipeline scale probe, run as a subprocess so its peak RSS is its own.
 
 A paper-scale shape (:mod:`rope_quant.model.shapes`) cut to a few layers at full width is saved as a random-weight
 checkpoint (with a byte-level BPE tokenizer trained on the pydoc corpus, at most ``TOKENIZER_VOCAB`` ids) by a

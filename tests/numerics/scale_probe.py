@@ -1,4 +1,4 @@
-"""Scale probe (issue 21), run as a subprocess so its peak RSS is its own: a paper-scale shape cut to a few layers
+"""Scale probe, run as a subprocess so its peak RSS is its own: a paper-scale shape cut to a few layers
 at full width, whip R1 + R2 + R4 applied with :func:`rope_quant.rotations.offline.rotate_model`.
 
 ``python scale_probe.py SHAPE LAYERS VOCAB WINDOWS SEQLEN R1`` [DTYPE] (R1: ``whip`` or ``random_hadamard``)

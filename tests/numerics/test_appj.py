@@ -1,5 +1,5 @@
 """App. J's long-context family: φ* (averaging length matched to L) against the branch-matched φ̂ control, per
-evaluation corpus, with Holm-adjusted p-values over every (L, corpus) contrast (issue 11 §3)."""
+evaluation corpus, with Holm-adjusted p-values over every (L, corpus) contrast."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``compare --configs beyond2`` (issue 24): the preset's cells, the gap-share statistic, and the whole family run
+"""``compare --configs beyond2``: the preset's cells, the gap-share statistic, and the whole family run
 through the real pipeline on a tiny Llama (every fitted transform fitted, scored, reported)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The default cache keeps only what resuming needs (rope_quant.sweep.cache_policy, issue 14)."""
+"""The default cache keeps only what resuming needs (rope_quant.sweep.cache_policy)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The calibration pass's fast path (issue 14) is bit-identical to the plain float64 arithmetic it replaced.
+"""The calibration pass's fast path is bit-identical to the plain float64 arithmetic it replaced.
 
 ``_Reference`` below is that arithmetic written out directly (one float64 copy, max/min for constant
 columns, ``mean``, the elementwise finiteness check, the top-k on the stacked union, the K sample cast
@@ -21,7 +21,7 @@ K = D // 2
 
 
 class _Reference:
-    """The pre-issue-14 update of moments, candidates and K sample, written plainly (the specification)."""
+    """The earlier update of moments, candidates and K sample, written plainly (the specification)."""
 
     def __init__(self, layout: str, topk: int, sample_rows: int, seed: int = 0) -> None:
         self.ia, self.ib = pair_indices(D, layout)

@@ -1,4 +1,4 @@
-"""Cell kinds are registered objects (issue 22, item 2): every built-in kind round-trips through the manifest by
+"""Cell kinds are registered objects: every built-in kind round-trips through the manifest by
 its tag, a kind from outside the package runs through the manifest, the runner and the cell function with no
 change here, and nothing in ``sweep/`` or the CLI tells kinds apart by type-sniffing or loads them by importlib."""
 

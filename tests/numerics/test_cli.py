@@ -301,7 +301,7 @@ def test_real_run_compare_and_verify(tmp_path: Path, capsys, embedded_model) -> 
 
 def test_rotation_and_angle_options_reach_the_cells_and_name_deviations(tmp_path: Path, capsys,
                                                                        fake: FakeCell) -> None:
-    """--r1/--r2/--angle (issue 11 §2-3): the paper's rotations are the default; anything else is printed as
+    """--r1/--r2/--angle: the paper's rotations are the default; anything else is printed as
     a deviation, R2 trained by whip as a deviation from A.8."""
     out = tmp_path / "dev"
     argv = ["compare", "--out", str(out), "--seeds", "0", "--configs", "hadamard,pairwise_only", "--r1",
@@ -319,7 +319,7 @@ def test_rotation_and_angle_options_reach_the_cells_and_name_deviations(tmp_path
 
 
 def test_env_json_records_the_rotation_protocol(tmp_path: Path, fake: FakeCell) -> None:
-    """env.json names R1/R2/R4, every whip hyper-parameter of R1 and the deviations (issue 11 §2)."""
+    """env.json names R1/R2/R4, every whip hyper-parameter of R1 and the deviations."""
     out = tmp_path / "env"
     argv = ["compare", "--out", str(out), "--seeds", "0", "--configs", "hadamard", "--whip-epochs", "3",
             "--r2", "whip", "--no-figures", "--quiet"]

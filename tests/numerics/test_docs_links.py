@@ -1,5 +1,5 @@
 """Every relative link in README.md, CHANGELOG.md and docs/*.md points at a file that exists (and at a heading
-that exists, where it names one); the README keeps the two commands first and stays short (issue 22, item 5)."""
+that exists, where it names one); the README keeps the two commands first and stays short."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = sorted([REPO / "README.md", REPO / "CHANGELOG.md", *(REPO / "docs").glob("*.md")])
-# Pages that parallel branches of the 0.2.0 renovation add (issue 22); the README links them already. A link
+# Pages that parallel branches of the 0.2.0 renovation add; the README links them already. A link
 # to one of these is accepted while the file is absent; once the branches are merged, empty this set.
 PENDING: set[str] = set()  # pages linked before they were written (none now)
 

@@ -202,7 +202,7 @@ def test_layout_refused_before_the_cell_is_built(monkeypatch) -> None:
 
 
 def test_fold_of_a_scaled_r3_keeps_every_q_dot_k_head_by_head() -> None:
-    """pairwise_scaled is not orthogonal: the queries must get M_q = M_k^{-T}, or q·k changes (issue 24 × 25).
+    """pairwise_scaled is not orthogonal: the queries must get M_q = M_k^{-T}, or q·k changes.
 
     Pre-RoPE check per (Q head, its KV head): the R3 commutes with RoPE, so preserving q·k before RoPE preserves
     it after. With ``matrix()`` on the queries (the orthogonal-only rule) this fails by the scales' spread."""

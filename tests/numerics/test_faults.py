@@ -46,7 +46,7 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("row", [[3.4028e38, -3.4028e38, 1.0, 0.5], [3.4028e38, -3.4e36, 1.0, 0.0]])
-def test_issue26_asym_per_token_near_float32_max_is_finite(row):
+def test_asym_per_token_near_float32_max_is_finite(row):
     """Issue 26 wrong case 3: these gave -inf and +inf (the rounded zero point puts a grid end past the max)."""
     x = torch.tensor([row])
     y = fake_quant_per_token(x, 4)
@@ -55,7 +55,7 @@ def test_issue26_asym_per_token_near_float32_max_is_finite(row):
     assert float((y.double() - x.double()).abs().max()) <= step  # still a quantiser: within one step
 
 
-def test_issue26_asym_per_token_float16_max_is_finite():
+def test_asym_per_token_float16_max_is_finite():
     """Issue 26 wrong case 4: float16 [65504, -65504, 1, .5] gave -inf; now saturates at -65504."""
     x = torch.tensor([[65504.0, -65504.0, 1.0, 0.5]], dtype=torch.float16)
     y = fake_quant_per_token(x, 4)
@@ -64,7 +64,7 @@ def test_issue26_asym_per_token_float16_max_is_finite():
 
 
 @pytest.mark.parametrize("dtype,big", [(torch.float16, -65440.0), (torch.float32, -3.3994e38)])
-def test_issue26_rtn_mse_clip_search_near_dtype_max_is_finite(dtype, big):
+def test_rtn_mse_clip_search_near_dtype_max_is_finite(dtype, big):
     """Issue 26 wrong cases 5 and 6: a row where the MSE search picks a ratio < 1 used code −8 ·
     scale = −8/7·0.9x·max|w| past the dtype's maximum. Codes × scales still reproduce the output."""
     gen = torch.Generator().manual_seed(3)
@@ -572,7 +572,7 @@ def test_a_held_study_lock_times_out_with_a_clear_error(tmp_path):
         pass
 
 
-def test_issue26_two_cli_runs_of_different_studies_started_together(tmp_path, monkeypatch):
+def test_two_cli_runs_of_different_studies_started_together(tmp_path, monkeypatch):
     """The reported command pair: `compare … --out D` and the same plus `--k-bits 3`, started together. One
     exits 0, the other 2 with the diff; the manifest holds the winner's study and its records only."""
     monkeypatch.setenv("ROPE_QUANT_CACHE_DIR", str(tmp_path / "token-cache"))

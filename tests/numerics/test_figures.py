@@ -98,7 +98,7 @@ def test_report_rewrites_the_figure(tmp_path: Path, capsys) -> None:
     assert str(out / "figures" / "compare.png") in rep["files"]
 
 
-# ----------------------------------------------------------------------------- what a reader sees (issue 22, item 6)
+# ----------------------------------------------------------------------------- what a reader sees
 
 
 def _legends_clear_of_axes(fig) -> None:

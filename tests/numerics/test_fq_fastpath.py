@@ -1,6 +1,6 @@
-"""The dynamic fake quantiser's fast path (issue 14) is bit-identical to the arithmetic it replaced.
+"""The dynamic fake quantiser's fast path is bit-identical to the arithmetic it replaced.
 
-``ref_fake_quant`` below is the pre-issue-14 code written out plainly (the specification): ``aminmax`` for the
+``ref_fake_quant`` below is the earlier code written out plainly (the specification): ``aminmax`` for the
 range, ``abs().amax()`` for the symmetric scale, one ``clamp_`` with the two tensor bounds. The fast path
 (``amin`` + ``amax``, ``max(amax, −amin)``, ``clamp_min_`` + ``clamp_max_`` when no bound is ±0) must give
 the same bits: compared as integers, so the sign of every zero and the payload of every passed-through

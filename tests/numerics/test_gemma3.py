@@ -1,4 +1,4 @@
-"""Gemma 3 270M, the second embedded model, end to end on the real checkpoint (issue 13).
+"""Gemma 3 270M, the second embedded model, end to end on the real checkpoint.
 
 One model load per module (``gemma`` fixture): from the converted fp32 state in the model cache
 (``ROPE_QUANT_MODEL_CACHE``, :mod:`rope_quant.model.model_cache`), which the first load on a machine builds

@@ -203,7 +203,7 @@ def test_model_gptq_hessian_sees_the_pre_hooked_input():
 
 
 def test_model_gptq_in_float64_runs_in_float64_and_agrees_with_float32():
-    """GPTQConfig(float64=True) (the cross-machine spread probe, issue 11 §0): the Hessians and the column loop
+    """GPTQConfig(float64=True) (the cross-machine spread probe): the Hessians and the column loop
     run in float64, the weights come back in the parameter's dtype, and agree with the float32 run up to a
     few flipped rounding decisions."""
     acc = gptq.HessianAccumulator(8, dtype=GPTQConfig(float64=True).dtype)

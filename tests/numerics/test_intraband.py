@@ -1,4 +1,4 @@
-"""Intra-band statistics (App. A, Table A; issue 12 §5): σ1, σ2 and ρ of each RoPE pair from the calibration
+"""Intra-band statistics (App. A, Table A): σ1, σ2 and ρ of each RoPE pair from the calibration
 accumulators, against a direct numpy computation; the ρ-quantile table, its CSV and the |ρ| figure."""
 
 from __future__ import annotations

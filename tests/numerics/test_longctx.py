@@ -1,4 +1,4 @@
-"""The long-context protocol as specified (App. A.4, App. C; issue 12 §6): the first-64-document stream, the
+"""The long-context protocol as specified (App. A.4, App. C): the first-64-document stream, the
 window counts min(cap, ⌊N/L⌋), evaluation on corpora other than the calibration one, φ* matched to L under
 every estimator, and the deviations the CLI prints."""
 

@@ -1,4 +1,4 @@
-"""The machine record of the claims JSON (issue 23 item 4): what moves a result's digits between machines."""
+"""The machine record of the claims JSON: what moves a result's digits between machines."""
 
 from __future__ import annotations
 

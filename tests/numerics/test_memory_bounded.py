@@ -64,7 +64,7 @@ def test_dtype_help_names_the_auto_rule(capsys) -> None:
 
 
 def _old_load(cfg, base, partial=False, stream=False):
-    """The pre-issue-21 ``pipeline._load``: a deep copy of the base per cell (the reference for bit-identity)."""
+    """The earlier ``pipeline._load``: a deep copy of the base per cell (the reference for bit-identity)."""
     model = copy.deepcopy(base[0]).to(device=cfg.runtime.device, dtype=cfg.runtime.dtype.torch)
     return model.eval(), base[1]
 

@@ -1,4 +1,4 @@
-"""pyproject.toml, tox.ini and .ci agree (issue 22, items 4 and 8): test tooling is an extra, not a runtime
+"""pyproject.toml, tox.ini and .ci agree: test tooling is an extra, not a runtime
 dependency; the install line names it; the lint env type-checks the package against a baseline that only
 names modules that exist."""
 

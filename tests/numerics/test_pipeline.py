@@ -101,7 +101,7 @@ def test_r4_hadamard_runs_before_the_activation_quantiser(embedded_model):
 
 def test_shared_inputs_are_quantised_once_with_bit_identical_outputs(embedded_model, monkeypatch):
     """q/k/v (and gate/up) read one tensor: its dynamic fake-quant runs once and is reused; the logits are
-    bit-identical to quantising at every linear (issue 14: the fake-quant forward's cost)."""
+    bit-identical to quantising at every linear (the fake-quant forward's cost)."""
     from rope_quant.quant import quantizers
 
     ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(3))

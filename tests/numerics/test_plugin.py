@@ -262,7 +262,7 @@ def test_undecided(rq_claim):
     assert verdict({**base, "holds": True, "outcome": "passed"}) == "holds"
 
 
-# ----------------------------------------------------------------------------- issue 22/23: scope and verdicts
+# ----------------------------------------------------------------------------- scope and verdicts
 
 FOREIGN_GPU_TESTS = """
 import pytest

@@ -1,4 +1,4 @@
-"""The open R3 registry (issue 22 item 3, issue 24): ``transforms.register``, the ``rope_quant.r3`` entry-point
+"""The open R3 registry: ``transforms.register``, the ``rope_quant.r3`` entry-point
 group, name clashes, and a foreign (fitted) transform run end to end through ``rope_quant.cli.main``."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Tolerance, stated: the angles agree within 1e-6 rad and the fitted objective is 
 The only change in float order is the float64 re-scoring of the near candidates, which now sums the movable
 (token, head) entries only (the others add the same constant to every candidate): two candidates whose
 float64 scores agree to rounding (~1e-16 relative; in practice angles 1 ulp apart) may swap, which moves an
-angle by ~4e-16 rad. On the SmolLM2-135M K samples of tests/bench/bench_issue14.py (30 layers, both modes)
+angle by ~4e-16 rad. On the SmolLM2-135M K samples of tests/bench/bench_pipeline_costs.py (30 layers, both modes)
 the angles were bit-identical to the previous implementation.
 """
 

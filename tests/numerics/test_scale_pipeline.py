@@ -1,4 +1,4 @@
-"""CPU scale test (issue 21 item 3): a paper shape cut to 1 layer at full width through the WHOLE pipeline — whip
+"""CPU scale test: a paper shape cut to 1 layer at full width through the WHOLE pipeline — whip
 R1, offline R1/R2/R4, GPTQ, calibration, one evaluation window per R3 config — in a subprocess
 (:mod:`tests.numerics.scale_pipeline_probe`). Asserted: the rotated fp model computes the original function at
 true width (float tolerance), and the peak RSS is within ±25% of the plan's prediction for the same settings.

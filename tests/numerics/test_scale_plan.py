@@ -1,4 +1,4 @@
-"""``rope-quant plan`` (issue 21): per-stage predictions from a config read on the meta device, exit 2 with the
+"""``rope-quant plan``: per-stage predictions from a config read on the meta device, exit 2 with the
 remedy when a run does not fit."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Paper-scale shapes (issue 21): the configs match the published model cards, built with transformers' classes."""
+"""Paper-scale shapes: the configs match the published model cards, built with transformers' classes."""
 
 from __future__ import annotations
 

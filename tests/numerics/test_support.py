@@ -1,4 +1,4 @@
-"""tests/_support: test modules share helpers through it, never by importing one another (issue 22, item 7), and
+"""tests/_support: test modules share helpers through it, never by importing one another, and
 its tiny-Llama builder gives exactly the model the explicit construction gives (so migrating a test to it
 changes none of the test's numbers)."""
 

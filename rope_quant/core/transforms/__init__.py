@@ -1,4 +1,4 @@
-"""The R3 registry: online maps applied to post-RoPE queries and keys (paper §3–4, App. A.1, A.7; issue 24).
+"""The R3 registry: online maps applied to post-RoPE queries and keys (paper §3–4, App. A.1, A.7).
 
 Every entry maps keys by M_k and queries by M_q = M_k^{-T} (``apply_key`` / ``apply_query``; for the orthogonal
 entries M_q = M_k = M, ``apply(x) == x @ M_h.T``), so q·k is preserved in exact arithmetic. Each declares
@@ -34,7 +34,7 @@ Built-in entries (``names()``; the open registry is :mod:`.registry`):
 
 Foreign transforms: :func:`register` a :class:`TransformSpec`, or declare an entry point in the group
 ``rope_quant.r3`` (loaded lazily once; see :mod:`.registry`). The implementations are in :mod:`.base` (the
-paper's) and :mod:`.foldable` (issue 24).
+paper's) and :mod:`.foldable` (fitted, foldable R3s beyond the paper).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fitted R3 transforms beyond the paper (issue 24): pair-scaled rotations, pre-RoPE key scales, a learned
+"""Fitted R3 transforms beyond the paper: pair-scaled rotations, pre-RoPE key scales, a learned
 orthogonal upper reference.
 
 A scalar on a RoPE 2-plane commutes with the plane's rotation, so a key map M_k = S·G(φ) with S tied within

@@ -1,6 +1,6 @@
-"""Issue 14 figures on the embedded SmolLM2-135M, each measured side by side in one run (a script, not a test):
+"""Pipeline cost ratios on the embedded SmolLM2-135M, each measured side by side in one run (a script, not a test):
 
-    PYTHONPATH=. python tests/bench/bench_issue14.py [--threads 2] [--only calib,fq,range,cache] [--rounds 3]
+    PYTHONPATH=. python tests/bench/bench_pipeline_costs.py [--threads 2] [--only calib,fq,range,cache] [--rounds 3]
         [--angles-out range_angles.npy]
 
 calib: calibration-statistics pass / plain forward (2048 tokens); fq: W4A4KV4 fake-quant forward / plain
