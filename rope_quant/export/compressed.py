@@ -162,7 +162,7 @@ def codes_int8(codes: Any) -> torch.Tensor:
 
 def _r4_weights(model: Any, dims: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``…down_proj.R4_input.weight`` = √n · A (±1 entries) per layer, for the non-power-of-two R4."""
-    from rope_quant.rotations.offline import r4_matrix
+    from rope_quant.rotations.online_r4 import r4_matrix
 
     n = dims.intermediate
     w = (r4_matrix(n) * n ** 0.5).round()

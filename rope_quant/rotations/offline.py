@@ -21,7 +21,7 @@ Steps, all function-preserving, in the order :func:`rotate_model` runs them (1�
    linearly, so the attention output of a head is rotated by the same ``R_h``; no online op is needed.
 5. :func:`apply_r4`: down_proj ``W ← W H`` with ``H`` the normalised Hadamard of size ``intermediate``
    (as applied by :func:`rope_quant.core.hadamard.hadamard_transform`), plus an online forward pre-hook that
-   applies the same transform to down_proj's input.
+   applies the same transform to down_proj's input (the hook: :mod:`rope_quant.rotations.online_r4`).
 
 All weight algebra is done in float64 (float32 for 16-bit weights: :func:`fold_dtype`) on the parameter's
 own device, one matrix (and, for a matrix larger than one block, :func:`fold_block_rows` rows or columns: at
@@ -51,6 +51,18 @@ from torch import nn
 from rope_quant.core import hadamard
 from rope_quant.model import arch
 from rope_quant.rotations import whip
+from rope_quant.rotations.errors import (
+    AlreadyRotatedError,
+    MissingRotationError,
+    NormsNotFusedError,
+    NotFunctionPreservingError,
+    NotOrthogonalError,
+    RotationError,
+    RotationShapeError,
+    TiedEmbeddingsError,
+    UnsupportedArchitectureError,
+)
+from rope_quant.rotations.online_r4 import R4_FLAG, down_projs, install_online_r4, online_r4, r4_matrix, r4_rows
 
 __all__ = [
     "RotationError",
@@ -117,7 +129,6 @@ R1_CHOICES = tuple(k.value for k in RotationKind)
 R2_CHOICES = R1_CHOICES
 #: Largest tolerated max |RᵀR − I| (float64) for a matrix passed in as a rotation.
 ORTHO_ATOL = 1e-4
-_R4_FLAG = "rq_online_r4"
 #: Rows (or columns) per block of the float64 weight algebra (bounds the float64 temporary) ...
 _FUSE_ROWS = 16384
 #: ... and at most this many bytes of float64 per block: 4096 rows at width 4096, 2048 at 8192 (the block, its
@@ -145,43 +156,6 @@ R4_DENSE_MAX = 4096
 #: Above this power-of-two width a (random) Hadamard R1 is folded by the fast transform, not the dense product
 #: (the embedded models, hidden 576 and 640, keep the dense product and today's bits).
 R1_DENSE_MAX = 1024
-
-
-class RotationError(ValueError):
-    """Base class for bad input to the offline rotations."""
-
-
-class UnsupportedArchitectureError(RotationError, arch.ArchitectureError):
-    """The model's modules are not what the rotations rely on (e.g. a norm that is not an RMSNorm)."""
-
-
-class NotFunctionPreservingError(RotationError):
-    """The architecture declares the requested rotation not function-preserving (see
-    :func:`rope_quant.model.arch.rotation_refusal`); the message names the modules responsible."""
-
-
-class TiedEmbeddingsError(RotationError):
-    """lm_head shares its weight with embed_tokens; call :func:`untie_embeddings` first."""
-
-
-class NormsNotFusedError(RotationError):
-    """R1 needs unit-weight RMSNorms; call :func:`fuse_norms` first."""
-
-
-class RotationShapeError(RotationError):
-    """A rotation matrix (or stack of them) has the wrong shape for this model."""
-
-
-class NotOrthogonalError(RotationError):
-    """A matrix given as a rotation is not orthogonal."""
-
-
-class AlreadyRotatedError(RotationError):
-    """The online R4 Hadamard is already installed on this model."""
-
-
-class MissingRotationError(RotationError):
-    """A rotation choice needs a matrix (or calibration ids) that was not given."""
 
 
 # ------------------------------------------------------------------------------------------ model layout
@@ -552,57 +526,6 @@ def apply_r2(model: nn.Module, mats: int | torch.Tensor | list) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ R4
 
 
-def r4_matrix(n: int) -> torch.Tensor:
-    """Matrix ``A`` (float64, n × n) with ``online_r4(x) == x @ A`` (``A = Hᵀ/√n`` of hadamard.py)."""
-    return hadamard.hadamard_transform(torch.eye(n, dtype=torch.float64))
-
-
-def online_r4(x: torch.Tensor) -> torch.Tensor:
-    """The online half of R4: normalised Hadamard on the last dim (down_proj input), same dtype."""
-    return hadamard.hadamard_transform(x)
-
-
-def _r4_rows(x: torch.Tensor) -> torch.Tensor:
-    """:func:`online_r4` of a (rows, n) block as the Kronecker form ``(H_K/√K) · fwht(X)`` with the K-axis
-    product as ONE matrix multiply (``hadamard_transform`` broadcasts a K × K factor over every row: slow when
-    K is in the thousands, e.g. n = 11008 = 5504 · 2)."""
-    rows, n = x.shape
-    k, m = hadamard.hadamard_order(n)
-    p = 1 << m
-    y = x.reshape(rows, k, p)
-    if p > 1:
-        y = hadamard.fwht(y)
-    if k == 1:
-        return y.reshape(rows, n)
-    hk = hadamard.hadamard_matrix(k, dtype=x.dtype, device=x.device) / k ** 0.5
-    y = hk @ y.transpose(0, 1).reshape(k, rows * p)  # (k, rows·p)
-    return y.reshape(k, rows, p).transpose(0, 1).reshape(rows, n)
-
-
-def _r4_pre_hook(module: nn.Module, args: tuple) -> tuple:
-    return (online_r4(args[0]),) + tuple(args[1:])
-
-
-def _down_projs(model: nn.Module) -> list[nn.Linear]:
-    return [arch.mlp_parts(model, i).down for i in range(len(decoder_layers(model)))]
-
-
-def install_online_r4(model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-    """Register only the online half of R4 (pre-hook on every down_proj, ``prepend=True``).
-
-    For a model whose down_proj weights already hold ``W A`` (e.g. rotated weights reloaded from a cache:
-    hooks are not part of a state_dict). Raises AlreadyRotatedError where the hook is already installed.
-    """
-    downs = _down_projs(model)
-    if any(getattr(down, _R4_FLAG, False) == "hook" for down in downs):
-        raise AlreadyRotatedError("the online R4 hook is already installed on this model's down_proj")
-    handles = []
-    for down in downs:
-        handles.append(down.register_forward_pre_hook(_r4_pre_hook, prepend=True))
-        setattr(down, _R4_FLAG, "hook")
-    return handles
-
-
 @torch.no_grad()
 def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.hooks.RemovableHandle]:
     """Online Hadamard on the down_proj input (QuaRot R4): ``W_down ← W_down A``, input ``x ← x A``.
@@ -615,8 +538,8 @@ def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.
     """
     _require_preserving(model, "r4")
     dims = model_dims(model)
-    downs = _down_projs(model)
-    if any(getattr(down, _R4_FLAG, False) for down in downs):
+    downs = down_projs(model)
+    if any(getattr(down, R4_FLAG, False) for down in downs):
         raise AlreadyRotatedError("R4 is already applied to this model's down_proj")
     a = r4_matrix(dims.intermediate) if dims.intermediate <= R4_DENSE_MAX else None
     for down in downs:
@@ -625,12 +548,12 @@ def apply_r4(model: nn.Module, register_hooks: bool = True) -> list[torch.utils.
         else:  # W A = online_r4(W) row block by row block, in float64, no n × n matrix
             for block in _blocks(*down.weight.shape):
                 rows = down.weight.data[block]
-                rows.copy_(_r4_rows(rows.to(fold_dtype(rows.dtype))).to(rows.dtype))
-        setattr(down, _R4_FLAG, "external")
+                rows.copy_(r4_rows(rows.to(fold_dtype(rows.dtype))).to(rows.dtype))
+        setattr(down, R4_FLAG, "external")
     if not register_hooks:
         return []
     for down in downs:
-        setattr(down, _R4_FLAG, False)
+        setattr(down, R4_FLAG, False)
     return install_online_r4(model)
 
 

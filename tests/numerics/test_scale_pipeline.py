@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from rope_quant.rotations import offline
+from rope_quant.rotations import offline, online_r4
 from tests.numerics.scale_pipeline_probe import CONFIGS, SLOW_CASES, run_probe, stage_report
 
 
@@ -83,7 +83,7 @@ def test_fast_hadamard_folds_equal_the_dense_product(monkeypatch):
     torch.testing.assert_close(left, q.T @ w.T, rtol=0, atol=1e-12)
     for width in (96, 3072, 5120):
         x = torch.randn(8, width, dtype=torch.float64)
-        torch.testing.assert_close(offline._r4_rows(x), x @ offline.r4_matrix(width), rtol=0, atol=1e-12)
+        torch.testing.assert_close(online_r4.r4_rows(x), x @ online_r4.r4_matrix(width), rtol=0, atol=1e-12)
 
 
 def test_fold_blocks_are_bounded_in_bytes_and_give_the_unblocked_bits(monkeypatch):
