@@ -42,6 +42,8 @@ MOVED_MODULES: dict[str, str] = {
     "transforms": "rope_quant.core.transforms",
     "verify": "rope_quant.calib.verify",
     "whip": "rope_quant.rotations.whip",
+    # moved after 2da0636, inside the package (a name that says what the module is)
+    "sweep.models": "rope_quant.sweep.loaded_models",
 }
 
 # The public names of the old flat modules that are packages now, as 0.1.0 had them.

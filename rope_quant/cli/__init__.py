@@ -25,7 +25,7 @@ Hugging Face checkpoint or a .gguf file.
 
 Tests and embedding code inject what computes the cells: ``main(argv, cell_fn=fn)`` runs every cell
 through ``fn(cfg) -> dict`` instead of the pipeline, ``main(argv, models=cache)`` gives the real
-pipeline a pre-filled :class:`~rope_quant.sweep.models.ModelCache`.
+pipeline a pre-filled :class:`~rope_quant.sweep.loaded_models.ModelCache`.
 
 Every input that needs no model (names with the closest matches, bits, seeds, output and cache paths, the
 corpus text) is checked before the model loads (:mod:`rope_quant.cli.validate`); then
@@ -67,7 +67,7 @@ from rope_quant.cli.execute import CellFn, Cells, describe
 from rope_quant.cli.validate import check_corpus, check_device, check_model
 
 if TYPE_CHECKING:
-    from rope_quant.sweep.models import ModelCache
+    from rope_quant.sweep.loaded_models import ModelCache
 
 __all__ = ["COMMANDS", "CLIError", "Cells", "Command", "DEFAULT_CONFIGS", "DEFAULT_SEEDS", "base_config",
            "build_parser", "check_corpus", "check_device", "check_model", "describe", "main", "parse_configs",

@@ -16,7 +16,7 @@ from rope_quant.cli.args import CLIError
 from rope_quant.cli.common import resolve_budget, seeds
 
 if TYPE_CHECKING:
-    from rope_quant.sweep.models import ModelCache
+    from rope_quant.sweep.loaded_models import ModelCache
 
 CellFn = Callable[[Any], Mapping[str, Any]]
 #: ``build(args, seeds, used) -> Manifest``: a command's manifest (it may append to ``used``).
@@ -32,7 +32,7 @@ class Cells:
 
     def cache(self) -> ModelCache:
         """The base-model cache the real pipeline uses (``models``, else the process-wide one)."""
-        from rope_quant.sweep.models import process_models
+        from rope_quant.sweep.loaded_models import process_models
 
         return self.models if self.models is not None else process_models()
 

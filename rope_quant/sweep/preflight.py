@@ -3,7 +3,7 @@
 :func:`preflight` reads the model once, then checks what every cell will need from it:
 
 * the model resolves and reads (config at least; with the real pipeline the base model and its corpora are
-  loaded into the :class:`~rope_quant.sweep.models.ModelCache` the cells then reuse);
+  loaded into the :class:`~rope_quant.sweep.loaded_models.ModelCache` the cells then reuse);
 * the Hadamard orders of the offline rotations (R1: hidden_size, R2: head_dim, R4: intermediate_size)
   and of the R3 transform (head_dim; block sizes dividing head_dim) exist;
 * the corpus holds a calibration window of ``seqlen`` tokens and at least one evaluation window of every
@@ -22,7 +22,7 @@ from typing import Any
 
 from rope_quant.sweep.cellkind import CellKindName, kind_of
 from rope_quant.sweep.manifest import Manifest, SweepError, run_of
-from rope_quant.sweep.models import ModelCache
+from rope_quant.sweep.loaded_models import ModelCache
 
 
 class PreflightError(SweepError):

@@ -3,7 +3,7 @@
 Each cell runs on its own and writes its record (:mod:`rope_quant.sweep.records`); a rerun skips the
 complete cells; a cell that raises writes an error record (not complete) and the sweep goes on. What
 computes a cell is a parameter: ``cell_fn`` (tests pass fakes) or, by default, the real pipeline
-(:func:`rope_quant.sweep.cells.pipeline_cell_fn`) over a :class:`~rope_quant.sweep.models.ModelCache`.
+(:func:`rope_quant.sweep.cells.pipeline_cell_fn`) over a :class:`~rope_quant.sweep.loaded_models.ModelCache`.
 
 Parallelism is left to existing engines. ``--shard i/n`` (:func:`shard_indices`) splits the manifest
 into ``n`` deterministic, disjoint, contiguous blocks, so pytest-xdist workers, Slurm array tasks
@@ -29,7 +29,7 @@ from rope_quant.sweep import records
 from rope_quant.sweep.cells import CellFn, pipeline_cell_fn
 from rope_quant.sweep.lock import CellClaim
 from rope_quant.sweep.manifest import Manifest, SweepError, commit_manifest, config_seed, load_manifest, run_of
-from rope_quant.sweep.models import ModelCache
+from rope_quant.sweep.loaded_models import ModelCache
 
 CACHE_DIR = "cache"
 

@@ -95,7 +95,7 @@ def tiny_model(tmp_path: Path) -> Path:
 def test_beyond2_runs_end_to_end_on_a_tiny_llama(tiny_model: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     """``compare --configs beyond2`` runs the family and writes the gap-share table and figure."""
     from rope_quant import cli
-    from rope_quant.sweep.models import ModelCache
+    from rope_quant.sweep.loaded_models import ModelCache
 
     monkeypatch.setenv("ROPE_QUANT_CACHE_DIR", str(tmp_path / "corpus-cache"))
     out = tmp_path / "out"

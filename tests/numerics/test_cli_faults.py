@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rope_quant import cli, io
-from rope_quant.sweep.models import ModelCache
+from rope_quant.sweep.loaded_models import ModelCache
 
 QUIET = ["--no-figures", "--quiet", "--seeds", "0"]
 

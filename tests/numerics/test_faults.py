@@ -29,7 +29,7 @@ from rope_quant.model.loading import CheckpointError, ModelNotFoundError, check_
 from rope_quant.quant.gptq import GPTQError, _rtn, rtn_quantize
 from rope_quant.quant.quantizers import StaticChannelQuantizer, fake_quant_per_token
 from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, claim_study, read_manifest, reconcile
-from rope_quant.sweep.models import ModelCache
+from rope_quant.sweep.loaded_models import ModelCache
 from rope_quant.sweep.records import status
 from tests._support.reliability import TINY, corpus_text, only_record, save_tiny_model
 

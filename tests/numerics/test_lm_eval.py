@@ -24,7 +24,7 @@ import torch
 from rope_quant import cli
 from rope_quant.experiment import data, evaluate, pipeline
 from rope_quant.experiment import lm_eval as rle
-from rope_quant.sweep.models import ModelCache
+from rope_quant.sweep.loaded_models import ModelCache
 
 REL_TOL = 1e-4
 W16A16KV4 = dict(w_bits=16, a_bits=16, k_bits=4, v_bits=16, weights="none", r1="none", r2="none", r4=False,

@@ -211,7 +211,7 @@ def test_matched_cells_under_every_estimator_record_the_protocol(embedded_model,
     """Through the real cell function on a tiny Llama: for each estimator the matched φ* cell at L equals the φ*
     cell with averaging length L, and the record names both corpora, N, the windows and the scored tokens."""
     from rope_quant.sweep.cells import pipeline_cell_fn
-    from rope_quant.sweep.models import ModelCache
+    from rope_quant.sweep.loaded_models import ModelCache
 
     base = tiny_llama(embedded_model)
     corpus = data.load_corpus("pydoc", base[1])
@@ -249,7 +249,7 @@ def test_preflight_checks_lengths_against_the_evaluation_stream(tmp_path: Path) 
     documents), not on the calibration corpus's evaluation split."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rope_quant.sweep.models import ModelCache
+    from rope_quant.sweep.loaded_models import ModelCache
     from rope_quant.sweep.preflight import PreflightError, preflight
 
     calib = tmp_path / "small.txt"

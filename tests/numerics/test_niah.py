@@ -156,7 +156,7 @@ def test_niah_cell_without_accuracy_is_an_error_record():
 def test_real_niah_cli_on_the_embedded_model(tmp_path, embedded_model):
     """``rope-quant niah`` through the real pipeline (RTN, tiny calibration): FP and a quantised config answer
     every probe, each probe is saved, and the quantised cell generated with the quantise-mode attention."""
-    from rope_quant.sweep.models import ModelCache
+    from rope_quant.sweep.loaded_models import ModelCache
 
     models = ModelCache()
     models.put("smollm2-135m", "cpu", embedded_model)

@@ -29,6 +29,10 @@ MOVED_BY_2DA0636 = {
     "models": "model.loading", "gptq": "quant.gptq", "attention": "rotations.attention",
     "rotation": "rotations.offline", "whip": "rotations.whip", "report": "sweep.report",
 }
+# Modules moved inside the package after 2da0636 (CHANGELOG.md, 0.2.0), served by the same hook.
+MOVED_LATER = {
+    "sweep.models": "sweep.loaded_models",
+}
 # ... and the two flat modules that became packages of the same name.
 BECAME_PACKAGES = ("quant", "sweep")
 
@@ -112,9 +116,18 @@ def test_the_version_is_the_projects():
 # ---- the moved module paths ----------------------------------------------------------------------------
 
 
-def test_the_moved_table_is_what_2da0636_moved():
-    moved = {k: v.removeprefix("rope_quant.") for k, v in _deprecation.MOVED_MODULES.items() if "." not in k}
-    assert moved == MOVED_BY_2DA0636
+def test_the_moved_table_is_what_2da0636_and_later_commits_moved():
+    moved = {k: v.removeprefix("rope_quant.") for k, v in _deprecation.MOVED_MODULES.items()}
+    assert moved == {**MOVED_BY_2DA0636, **MOVED_LATER}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_LATER))
+def test_a_later_move_warns_and_is_the_new_module(old):
+    new = importlib.import_module(f"rope_quant.{MOVED_LATER[old]}")
+    _forget(f"rope_quant.{old}")
+    with pytest.warns(DeprecationWarning, match=rf"module rope_quant\.{old} is deprecated .*0\.3\.0.*{new.__name__}"):
+        moved = importlib.import_module(f"rope_quant.{old}")
+    assert moved is new and sys.modules[f"rope_quant.{old}"] is new
 
 
 def test_the_old_paths_are_served_by_the_import_hook_not_by_files():

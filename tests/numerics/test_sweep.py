@@ -400,7 +400,7 @@ def test_env_info(tmp_path: Path) -> None:
 
 
 def test_model_cache_holds_one_base_model() -> None:
-    from rope_quant.sweep.models import ModelCache
+    from rope_quant.sweep.loaded_models import ModelCache
 
     loads: list[tuple[str, str]] = []
     cache = ModelCache(loader=lambda model, device: loads.append((model, device)) or (f"m:{model}", "tok"))

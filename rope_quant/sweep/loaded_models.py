@@ -1,4 +1,4 @@
-"""The base models of a process: one loaded checkpoint (and its corpora) shared by consecutive cells.
+"""The base models of a process, in memory: one loaded checkpoint (and its corpora) shared by consecutive cells.
 
 Every cell deep-copies the base model, so the paired cells of a sweep load the checkpoint once. A
 :class:`ModelCache` holds at most one base model; loading another one evicts it. The real cell function
