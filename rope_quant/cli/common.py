@@ -49,16 +49,19 @@ def parse_configs(text: str) -> tuple[str, ...]:
 def parse_configs_or_preset(text: str, command: str) -> tuple[tuple[str, ...], str | None]:
     """``(configs, None)`` or ``((), preset)``; unknown names are refused with the closest R3 names or presets
     (the preset names come from :data:`rope_quant.sweep.presets.COMMAND_PRESETS`)."""
-    from rope_quant.sweep.presets import COMMAND_PRESETS
+    from rope_quant.sweep.presets import COMMAND_PRESETS, PRESET_ALIASES, preset_named
 
     presets = COMMAND_PRESETS.get(command, ())
-    if text.strip() in presets:
-        return (), text.strip()
+    preset = preset_named(text.strip(), command)
+    if preset is not None:
+        return (), preset
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [n for n in names if n not in valid_configs()]
     if unknown:
-        err = unknown_name("config", unknown[0], valid_configs() + list(presets))
-        raise CLIError(f"{err} (presets: {', '.join(presets)})" if presets else str(err))
+        old = [o for o, p in PRESET_ALIASES.items() if p in presets]
+        err = unknown_name("config", unknown[0], valid_configs() + list(presets) + old)
+        listed = f" (presets: {', '.join(presets)}; earlier names: {', '.join(old)})" if old else ""
+        raise CLIError(f"{err}{listed}" if presets else str(err))
     return parse_configs(text), None
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from rope_quant.io import atomic_writer
 from rope_quant.sweep.cellkind import CellContext, kind_of, run_of
-from rope_quant.sweep.manifest import ARTIFACTS_DIR
 from rope_quant.sweep.loaded_models import ModelCache, process_models
+from rope_quant.sweep.manifest import ARTIFACTS_DIR
 
 CellFn = Callable[[Any], Mapping[str, Any]]
 

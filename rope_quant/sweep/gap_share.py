@@ -175,7 +175,9 @@ def plot_gap_share(table: Table, path: str | os.PathLike[str], title: str = "") 
 
 def is_gap_share_run(manifest: Mapping[str, Any]) -> bool:
     """A results directory written by ``compare --configs beyond2`` (its cells name the preset)."""
-    return any((m or {}).get("preset") == "beyond2" for m in (manifest.get("meta") or {}).values())
+    from rope_quant.sweep.presets import FOLDABLE_R3_TAG
+
+    return any((m or {}).get("preset") == FOLDABLE_R3_TAG for m in (manifest.get("meta") or {}).values())
 
 
 def write_gap_share_report(results_dir: str | os.PathLike[str], *, comparator: str | None = None,

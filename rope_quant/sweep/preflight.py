@@ -21,8 +21,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from rope_quant.sweep.cellkind import CellKindName, kind_of
-from rope_quant.sweep.manifest import Manifest, SweepError, run_of
 from rope_quant.sweep.loaded_models import ModelCache
+from rope_quant.sweep.manifest import Manifest, SweepError, run_of
 
 
 class PreflightError(SweepError):

@@ -134,7 +134,10 @@ def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Seque
 #: ``compare --configs beyond2``: can a FOLDABLE R3 match the online Hadamard? name -> overrides.
 #: ``pairwise_only`` (the paper's φ̂) is the baseline whose gap to the comparator the others are scored on
 #: (:mod:`rope_quant.sweep.gap_share`); ``learned_orthogonal`` does not commute: the upper reference.
-BEYOND2 = "beyond2"
+FOLDABLE_R3 = "foldable-r3"
+BEYOND2 = FOLDABLE_R3
+#: The tag this study's manifest records (its earlier preset name: a results directory keeps its study).
+FOLDABLE_R3_TAG = "beyond2"
 BEYOND2_BASELINE = "pairwise_only"
 BEYOND2_VARIANTS: dict[str, dict[str, Any]] = {
     "pairwise_only": {"r3": "pairwise_only"},
@@ -160,13 +163,14 @@ def beyond2_manifest(base: Any, seeds: Sequence[int], comparator: str = "hadamar
     family; reported by the beyond table plus the gap-share table (:mod:`rope_quant.sweep.gap_share`)."""
     variants = beyond2_variants(comparator)
     meta = {name: {**{k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "angle")},
-                   "preset": BEYOND2} for name, ov in variants.items()}
+                   "preset": FOLDABLE_R3_TAG} for name, ov in variants.items()}
     return build_manifest(base, variants, seeds, kind="beyond", comparator=comparator,
                           family=[n for n in variants if n != comparator], meta=meta)
 
 
 #: App. J's long-context family: φ* (averaging length matched to each L) against its branch-matched φ̂ control.
-APPJ = "appj"
+MATCHED_PHI_STAR = "matched-phi-star"
+APPJ = MATCHED_PHI_STAR
 
 
 def appj_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Sequence[int],
@@ -314,11 +318,21 @@ def per_corpus(manifest: Manifest, corpora: Sequence[str]) -> Manifest:
 
 # ----------------------------------------------------------------------------- budgets and preset names
 
-#: ``--configs`` preset name for the beyond-the-paper study (:func:`beyond_manifest`).
-BEYOND = "beyond"
+#: ``--configs`` preset name for the beyond-the-paper study (:func:`beyond_manifest`): RoPE-commuting R3s with
+#: every angle estimator against the comparator.
+COMMUTING_R3 = "commuting-r3"
+BEYOND = COMMUTING_R3
 #: The ``--configs`` presets each sweep command accepts besides R3 registry names (the single source of the
 #: names the CLI lists and suggests).
 COMMAND_PRESETS: dict[str, tuple[str, ...]] = {"compare": (BEYOND, BEYOND2, LOWER_BITS), "long-context": (BEYOND, APPJ)}
+#: The presets' earlier names (still accepted): old name -> preset.
+PRESET_ALIASES: dict[str, str] = {"beyond": COMMUTING_R3, "beyond2": FOLDABLE_R3, "appj": MATCHED_PHI_STAR}
+
+
+def preset_named(name: str, command: str) -> str | None:
+    """The preset ``name`` (or its earlier name) stands for under ``command``, else None."""
+    preset = PRESET_ALIASES.get(name, name)
+    return preset if preset in COMMAND_PRESETS.get(command, ()) else None
 #: Defaults per device: window length, calibration / evaluation windows (None = every window), the weight
 #: quantiser and its MSE clipping search. The CPU budget keeps the default ``compare`` (4 configs x 3 seeds)
 #: within about 15 minutes on 2 cores: GPTQ with the MSE search took about 27 minutes for ONE seed at

@@ -27,9 +27,9 @@ from typing import Any
 from rope_quant.experiment.envinfo import env_info, write_env
 from rope_quant.sweep import records
 from rope_quant.sweep.cells import CellFn, pipeline_cell_fn
+from rope_quant.sweep.loaded_models import ModelCache
 from rope_quant.sweep.lock import CellClaim
 from rope_quant.sweep.manifest import Manifest, SweepError, commit_manifest, config_seed, load_manifest, run_of
-from rope_quant.sweep.loaded_models import ModelCache
 
 CACHE_DIR = "cache"
 

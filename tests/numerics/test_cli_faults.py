@@ -146,9 +146,11 @@ def test_a_long_enough_local_corpus_passes_the_text_check(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(("argv", "needles"), [
     (["compare", "--configs", "hadamrd,identity"], ["unknown config 'hadamrd'", "did you mean 'hadamard'"]),
-    (["compare", "--configs", "beyon"], ["did you mean 'beyond'", "presets: beyond, beyond2, lower-bits"]),
+    (["compare", "--configs", "beyon"],
+     ["did you mean 'beyond'", "presets: commuting-r3, foldable-r3, lower-bits; earlier names: beyond, beyond2"]),
     (["compare", "--configs", "lowerbits"], ["did you mean 'lower-bits'"]),
-    (["long-context", "--configs", "apj"], ["did you mean 'appj'", "presets: beyond, appj"]),
+    (["long-context", "--configs", "apj"], ["did you mean 'appj'",
+                                              "presets: commuting-r3, matched-phi-star; earlier names: beyond, appj"]),
     (["compare", "--comparator", "hadamrd"], ["unknown --comparator 'hadamrd'", "did you mean 'hadamard'"]),
     (["compare", "--corpus", "pydco"], ["unknown corpus 'pydco'", "did you mean 'pydoc'"]),
     (["compare", "--model", "smollm2-135"], ["unknown model 'smollm2-135'", "did you mean 'smollm2-135m'"]),
@@ -174,6 +176,17 @@ def test_the_preset_list_comes_from_the_registry() -> None:
 
     assert COMMAND_PRESETS["compare"] == (BEYOND, BEYOND2, LOWER_BITS)
     assert COMMAND_PRESETS["long-context"] == (BEYOND, APPJ)
+
+
+def test_the_earlier_preset_names_are_aliases() -> None:
+    from rope_quant.cli.common import parse_configs_or_preset
+    from rope_quant.sweep.presets import PRESET_ALIASES, preset_named
+
+    assert PRESET_ALIASES == {"beyond": "commuting-r3", "beyond2": "foldable-r3", "appj": "matched-phi-star"}
+    assert parse_configs_or_preset("beyond2", "compare") == ((), "foldable-r3")
+    assert parse_configs_or_preset("appj", "long-context") == ((), "matched-phi-star")
+    assert parse_configs_or_preset("commuting-r3", "long-context") == ((), "commuting-r3")
+    assert preset_named("appj", "compare") is None  # an alias is a preset only where its preset is
 
 
 def test_seed_ranges_run(tmp_path: Path) -> None:

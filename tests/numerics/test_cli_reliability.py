@@ -13,8 +13,8 @@ import pytest
 
 from rope_quant import cli
 from rope_quant.model.loading import ModelLoadError, load_config, load_model
-from rope_quant.sweep.manifest import read_manifest
 from rope_quant.sweep.loaded_models import ModelCache
+from rope_quant.sweep.manifest import read_manifest
 from rope_quant.sweep.records import status
 
 QUIET = ["--no-figures", "--quiet"]

@@ -28,8 +28,8 @@ from rope_quant.experiment.config import RunConfig
 from rope_quant.model.loading import CheckpointError, ModelNotFoundError, check_checkpoint, load_model
 from rope_quant.quant.gptq import GPTQError, _rtn, rtn_quantize
 from rope_quant.quant.quantizers import StaticChannelQuantizer, fake_quant_per_token
-from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, claim_study, read_manifest, reconcile
 from rope_quant.sweep.loaded_models import ModelCache
+from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, claim_study, read_manifest, reconcile
 from rope_quant.sweep.records import status
 from tests._support.reliability import TINY, corpus_text, only_record, save_tiny_model
 

@@ -25,8 +25,8 @@ from rope_quant.core.rope import NonDistinctFrequencyError, rope_matrix
 from rope_quant.experiment.pipeline import PipelineError, RunConfig
 from rope_quant.sweep import presets
 from rope_quant.sweep.cells import pipeline_cell_fn
-from rope_quant.sweep.manifest import LongContextConfig, SweepError, config_from_dict
 from rope_quant.sweep.loaded_models import ModelCache
+from rope_quant.sweep.manifest import LongContextConfig, SweepError, config_from_dict
 from tests._support import tiny_base
 
 D, H_KV, H_Q = 16, 2, 6

@@ -31,8 +31,8 @@ from rope_quant import cli
 from rope_quant.experiment import data, identity, pipeline
 from rope_quant.experiment.config import RunConfig
 from rope_quant.sweep import records
-from rope_quant.sweep.manifest import Manifest, build_manifest, read_manifest
 from rope_quant.sweep.loaded_models import ModelCache
+from rope_quant.sweep.manifest import Manifest, build_manifest, read_manifest
 from rope_quant.sweep.records import cell_path, is_complete, record_is_complete, status
 from rope_quant.sweep.runner import run_cells
 from tests._support.reliability import TINY, corpus_text, only_record, save_tiny_model

@@ -21,8 +21,8 @@ from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 from rope_quant.experiment.static_control import StaticProtocol, StaticWindowsError
 from rope_quant.quant import diagnostic
 from rope_quant.sweep import static
-from rope_quant.sweep.manifest import SweepError, config_from_dict
 from rope_quant.sweep.loaded_models import ModelCache
+from rope_quant.sweep.manifest import SweepError, config_from_dict
 from tests._support import tiny_base
 
 TINY = dict(seqlen=32, calib_windows=2, eval_windows=2, weights="rtn", r1="random_hadamard")
