@@ -32,3 +32,54 @@ def tiny_base(embedded_model: tuple[Any, Any], seed: int = 0, max_positions: int
     the ``base`` a pipeline test builds a quantised model from in seconds."""
     model = tiny_llama(embedded_model[0].config.vocab_size, seed=seed, max_positions=max_positions, tied=True)
     return model, embedded_model[1]
+
+
+def tiny_gemma3(vocab: int = 256, *, seed: int = 0, layers: int = 2, kv_heads: int = 1, intermediate: int = 96,
+                window: int = 32, layer_types: list[str] | None = None, max_positions: int = 256,
+                **config: Any) -> Any:
+    """A random ``Gemma3ForCausalLM`` (hidden 64, 4 heads, head_dim 16) in eval mode under ``torch.manual_seed``.
+
+    ``layer_types`` defaults to sliding layers then one full layer (the two RoPE bases of Gemma 3); ``config``
+    passes any other ``Gemma3TextConfig`` field (e.g. ``query_pre_attn_scalar``, ``tie_word_embeddings``).
+    """
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    types = layer_types or ["sliding_attention"] * (layers - 1) + ["full_attention"]
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=intermediate,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+                           head_dim=16, sliding_window=window,
+                           layer_types=types, max_position_embeddings=max_positions, **config)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def tiny_qwen3(vocab: int = 256, *, seed: int = 0, layers: int = 2, kv_heads: int = 2, intermediate: int = 96,
+               max_positions: int = 256, **config: Any) -> Any:
+    """A random ``Qwen3ForCausalLM`` (hidden 64, 4 heads, head_dim 16, per-head q/k norms) in eval mode under
+    ``torch.manual_seed(seed)``; ``config`` passes any other ``Qwen3Config`` field."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
+                      max_position_embeddings=max_positions, **config)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def randomise_norms(model: Any, low: float, high: float) -> Any:
+    """Every norm weight drawn uniformly from [low, high) (so fusing or folding into a norm is not a no-op)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(low, high)
+    return model
+
+
+class CharTokenizer:
+    """Byte-level stand-in for a HF tokenizer (what ``data.load_corpus`` calls)."""
+
+    def __call__(self, text: str, **_: object) -> dict:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def get_vocab(self) -> dict:
+        return {chr(i): i for i in range(256)}

@@ -31,6 +31,7 @@ from rope_quant.quant import gptq
 from rope_quant.quant.gptq import GPTQConfig
 from rope_quant.rotations import attention
 from rope_quant.rotations import offline as rotation
+from tests import _support as support
 
 # transformers' model and config classes of every family: tox -e tf448-compat runs this module
 pytestmark = pytest.mark.compat
@@ -87,15 +88,9 @@ def tiny(family: str, seed: int = 0, **extra) -> torch.nn.Module:
 
 def tiny_gemma3(seed: int = 0) -> torch.nn.Module:
     """Sliding and full layers with different RoPE bases; norm weights random (Gemma scales by 1 + w)."""
-    torch.manual_seed(seed)
-    cfg = transformers.Gemma3TextConfig(**TINY, layer_types=["sliding_attention", "full_attention"], sliding_window=32)
-    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    model = support.tiny_gemma3(VOCAB, seed=seed, kv_heads=2, max_positions=128, tie_word_embeddings=True)
     model.config._attn_implementation = "sdpa"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.5, 0.5)
-    return model
+    return support.randomise_norms(model, -0.5, 0.5)
 
 
 def _ids(n: int = 2, length: int = 32, seed: int = 1) -> torch.Tensor:

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from rope_quant.core.rope import pair_indices
 from rope_quant.experiment.config import RunConfig
 from rope_quant.experiment.pipeline import build_quantized_model
 from rope_quant.export import build as ebuild
 from rope_quant.export import fold, hf, outdir
+from tests._support import CharTokenizer, randomise_norms, tiny_gemma3, tiny_llama, tiny_qwen3
 from tests.numerics.export_isolated import hf_logits
 
 REL = 1e-4
@@ -29,42 +29,21 @@ FOLDABLE = ["pairwise_only", "pair_h2", "pairwise_scaled", "prerope_channel_scal
 HEAD_DIM = 16
 
 
-class CharTokenizer:
-    """Byte-level stand-in for a HF tokenizer (what ``data.load_corpus`` calls)."""
-
-    def __call__(self, text: str, **_: object) -> dict:
-        return {"input_ids": list(text.encode("utf-8"))}
-
-    def get_vocab(self) -> dict:
-        return {chr(i): i for i in range(256)}
-
-
-def _common(heads: int = 4, kv_heads: int = 2) -> dict:
-    return dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
-                num_key_value_heads=kv_heads, head_dim=HEAD_DIM, max_position_embeddings=256, rms_norm_eps=1e-6)
-
-
 def _model(family: str, norms: str, seed: int = 0) -> torch.nn.Module:
     """A tiny random ``family`` model; ``norms``: 'pair-uniform' or 'pair-mixing' q/k norm weights (or 'none')."""
-    torch.manual_seed(seed)
     if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_common())).eval()
+        model = tiny_llama(256, seed=seed, intermediate=96, max_positions=256, rms_norm_eps=1e-6)
     elif family == "gemma3":
-        cfg = transformers.Gemma3TextConfig(**_common(kv_heads=1), layer_types=["sliding_attention",
-                                                                                "full_attention"],
-                                            sliding_window=32, query_pre_attn_scalar=HEAD_DIM)
-        model = transformers.Gemma3ForCausalLM(cfg).eval()
+        model = tiny_gemma3(seed=seed, rms_norm_eps=1e-6, query_pre_attn_scalar=HEAD_DIM)
     else:  # qwen3 (GQA, 2 KV heads) or qwen3_mqa (1 KV head: every head shares the KV head's fitted scales)
-        kv = 1 if family == "qwen3_mqa" else 2
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_common(kv_heads=kv))).eval()
+        model = tiny_qwen3(seed=seed, kv_heads=1 if family == "qwen3_mqa" else 2, rms_norm_eps=1e-6)
+    randomise_norms(model, 0.5, 1.5)
     ia, ib = pair_indices(HEAD_DIM, "rotate_half")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                continue
-            p.uniform_(0.5, 1.5)
-            if name.endswith(("q_norm.weight", "k_norm.weight")) and norms == "pair-uniform":
-                p[ib] = p[ia]
+    if norms == "pair-uniform":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p[ib] = p[ia]
     return model
 
 

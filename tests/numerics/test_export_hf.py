@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rope_quant.experiment.config import RunConfig
 from rope_quant.experiment.pipeline import build_quantized_model, remove_activation_quantizers
@@ -16,33 +16,18 @@ from rope_quant.export import build as ebuild
 from rope_quant.export import fold, hf, outdir
 from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
+from tests import _support as support
+from tests._support import CharTokenizer
 from tests.numerics.export_isolated import hf_logits
 
 REL = 1e-4
 
 
-class CharTokenizer:
-    """Byte-level stand-in for a HF tokenizer (what ``data.load_corpus`` calls)."""
-
-    def __call__(self, text: str, **_: object) -> dict:
-        return {"input_ids": list(text.encode("utf-8"))}
-
-    def get_vocab(self) -> dict:
-        return {chr(i): i for i in range(256)}
-
-
 def tiny_llama(seed: int = 0, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                intermediate: int = 128) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=intermediate, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                      tie_word_embeddings=True, rms_norm_eps=1e-6)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norm scales, so fusing them is visible
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return model
+    model = support.tiny_llama(256, seed=seed, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads,
+                               intermediate=intermediate, max_positions=256, tied=True, rms_norm_eps=1e-6)
+    return support.randomise_norms(model, 0.5, 1.5)  # non-trivial norm scales, so fusing them is visible
 
 
 def cell(**over) -> RunConfig:

@@ -21,6 +21,7 @@ from rope_quant.experiment.generate import GenerationError, greedy_generate
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
+from tests._support import tiny_gemma3 as _shared_tiny_gemma3
 from tests._support import tiny_llama as _shared_tiny_llama
 
 OFF = dict(w_bits=16, a_bits=16, k_bits=16, v_bits=16, weights="none")
@@ -33,12 +34,7 @@ def tiny_llama(vocab: int, seed: int = 0) -> LlamaForCausalLM:
 
 def tiny_gemma3(vocab: int = 256, window: int = 8, seed: int = 0) -> transformers.PreTrainedModel:
     """Three layers, sliding, sliding, full (window 8): the Gemma 3 pattern at toy size."""
-    torch.manual_seed(seed)
-    cfg = transformers.Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=window,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           max_position_embeddings=256, query_pre_attn_scalar=16)
-    return transformers.Gemma3ForCausalLM(cfg).eval()
+    return _shared_tiny_gemma3(vocab, seed=seed, layers=3, intermediate=128, window=window, query_pre_attn_scalar=16)
 
 
 def _prompt(vocab: int, n: int, seed: int = 3) -> torch.Tensor:

@@ -7,8 +7,6 @@ two-sided p = 1 - t / sqrt(t^2 + 2) and the quantile t_q = (2q - 1) / sqrt(2 q (
 from __future__ import annotations
 
 import csv
-import dataclasses
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 from rope_quant.sweep import report
 from rope_quant.sweep.manifest import build_manifest
 from rope_quant.sweep.runner import run_cells
+from tests._support import FakeConfig
 
 SEEDS = (0, 1, 2)
 HADAMARD = [10.0, 10.5, 11.0]
@@ -30,20 +29,6 @@ DIFFS = {
 }
 SD = {"pairwise_only": 0.1, "identity": 0.2, "near": 0.01, "close": 0.01}
 MEAN = {"pairwise_only": 0.2, "identity": 1.0, "near": 0.0, "close": 0.04}
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeConfig:
-    model: str = "fake-model"
-    seed: int = 0
-    r3: str = "hadamard"
-    block: int = 0
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
-
-    def weight_key(self) -> str:
-        return f"{self.model}-s{self.seed}"
 
 
 def t_quantile_df2(q: float) -> float:

@@ -4,8 +4,6 @@ flipped verdicts flagged, another protocol refused with the fields that differ."
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
 import io
 import json
 from pathlib import Path
@@ -15,22 +13,9 @@ import pytest
 from rope_quant.sweep.manifest import build_manifest
 from rope_quant.sweep.reproduce import ReproduceError, add_against_argument, compare_against, run_against
 from rope_quant.sweep.runner import run_cells
+from tests._support import FakeConfig
 
 HADAMARD = [10.0, 10.5, 11.0]
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeConfig:
-    model: str = "fake-model"
-    seed: int = 0
-    r3: str = "hadamard"
-    seqlen: int = 512
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
-
-    def weight_key(self) -> str:
-        return f"{self.model}-s{self.seed}"
 
 
 def _results(tmp: Path, diffs: dict[str, list[float]], **base) -> Path:
@@ -39,7 +24,8 @@ def _results(tmp: Path, diffs: dict[str, list[float]], **base) -> Path:
         return {"ppl": ppl, "n_windows": 4, "n_tokens": 512}
 
     variants = {"hadamard": {"r3": "hadamard"}, **{n: {"r3": n} for n in diffs}}
-    run_cells(build_manifest(FakeConfig(**base), variants, (0, 1, 2), kind="compare"), tmp, cell_fn=cell, log=None)
+    manifest = build_manifest(FakeConfig(**{"seqlen": 512, **base}), variants, (0, 1, 2), kind="compare")
+    run_cells(manifest, tmp, cell_fn=cell, log=None)
     return tmp
 
 

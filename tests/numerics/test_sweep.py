@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -26,24 +25,7 @@ from rope_quant.sweep.manifest import (
 )
 from rope_quant.sweep.records import cell_path, is_complete, status
 from rope_quant.sweep.runner import ShardSpecError, parse_shard, run_cells, shard_from_env, shard_indices
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeConfig:
-    """Stands in for pipeline.RunConfig: frozen, with key() and weight_key()."""
-
-    model: str = "fake-model"
-    seed: int = 0
-    r3: str = "hadamard"
-    seqlen: int = 64
-
-    def key(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-    def weight_key(self) -> str:
-        return f"{self.model}-s{self.seed}"
-
+from tests._support import FakeConfig
 
 CONFIGS = {"hadamard": {"r3": "hadamard"}, "pairwise_only": {"r3": "pairwise_only"},
            "identity": {"r3": "identity"}}
