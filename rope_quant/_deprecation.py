@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 REMOVAL = "0.3.0"
 
@@ -35,7 +35,7 @@ MOVED_MODULES: dict[str, str] = {
     "models": "rope_quant.model.loading",
     "objectives": "rope_quant.calib.objectives",
     "pipeline": "rope_quant.experiment.pipeline",
-    "report": "rope_quant.sweep.report",
+    "report": "rope_quant.analysis.report",
     "rope": "rope_quant.core.rope",
     "rotation": "rope_quant.rotations.offline",
     "stats": "rope_quant.core.stats",
@@ -44,6 +44,14 @@ MOVED_MODULES: dict[str, str] = {
     "whip": "rope_quant.rotations.whip",
     # moved after 2da0636, inside the package (a name that says what the module is)
     "sweep.models": "rope_quant.sweep.loaded_models",
+    # reporting left sweep/ (which runs studies) for analysis/ (which reads their records)
+    "sweep.figures": "rope_quant.analysis.figures",
+    "sweep.gap_share": "rope_quant.analysis.gap_share",
+    "sweep.kind_reports": "rope_quant.analysis.kind_reports",
+    "sweep.protocol_report": "rope_quant.analysis.protocol_report",
+    "sweep.report": "rope_quant.analysis.report",
+    "sweep.reproduce": "rope_quant.analysis.reproduce",
+    "sweep.titles": "rope_quant.analysis.titles",
 }
 
 # The public names of the old flat modules that are packages now, as 0.1.0 had them.
@@ -75,7 +83,7 @@ class _MovedFinder:
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname.startswith("rope_quant.") and fullname.removeprefix("rope_quant.") in MOVED_MODULES:
-            return importlib.machinery.ModuleSpec(fullname, self)
+            return importlib.machinery.ModuleSpec(fullname, cast(Any, self))  # a loader by protocol
         return None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:

@@ -1,9 +1,11 @@
-"""The default model and corpus names: the one place they are spelled (imports nothing).
+"""The default model, corpus and comparator names: the one place they are spelled (imports nothing).
 
 The embedded SmolLM2-135M (:mod:`rope_quant.model.loading`) and the embedded ``pydoc`` corpus
 (:mod:`rope_quant.experiment.data`) run everywhere offline; the run configuration, the CLI and the pytest
-plugin default to them.
+plugin default to them. Every paired statistic compares a configuration against the comparator, the online
+Hadamard R3 of the paper, unless a run names another (``--comparator``) or a config names its own control.
 """
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "pydoc"
+DEFAULT_COMPARATOR = "hadamard"

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         return presets.compare_manifest(base_config(args), configs, seeds, comparator=args.comparator)
 
     if preset == presets.BEYOND2:
-        from rope_quant.sweep.gap_share import write_gap_share_report
+        from rope_quant.analysis.gap_share import write_gap_share_report
 
         return sweep(args, cells, build, lambda out: write_gap_share_report(out, comparator=args.comparator,
                                                                             figures=args.figures))

@@ -177,7 +177,8 @@ def execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[st
             report_fn: Callable[[Path], dict] | None = None) -> int:
     """Run (or submit) a sweep's cells, then write and print the report (``report_fn(out)`` for kinds with
     their own report, returning ``{"markdown", "files"}``; default the paired perplexity report)."""
-    from rope_quant.sweep import report, runner, slurm
+    from rope_quant.analysis import report
+    from rope_quant.sweep import runner, slurm
     from rope_quant.sweep.manifest import Manifest, reconcile, write_manifest
     from rope_quant.sweep.preflight import preflight
 

@@ -42,8 +42,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, cells: Cells) -> int:
     """Build the NIAH manifest (seed x [fp, configs]) and run it like every other sweep, with the NIAH report."""
+    from rope_quant.analysis.niah_report import niah_report
     from rope_quant.experiment.niah import NiahError, NiahSpec
-    from rope_quant.sweep.niah import niah_manifest, niah_report
+    from rope_quant.sweep.niah import niah_manifest
 
     configs = parse_configs(args.configs)
     check_comparator(args.comparator, configs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from rope_quant.cli.args import values
-from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
+from rope_quant.defaults import DEFAULT_COMPARATOR, DEFAULT_CORPUS, DEFAULT_MODEL
 
 #: ``--dtype auto``: resolved by :func:`rope_quant.cli.validate.resolve_dtype` from the device.
 AUTO_DTYPE = "auto"
@@ -94,7 +94,7 @@ def add_sweep_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slurm-param", action="append", default=[], metavar="KEY=VALUE",
                    help="submitit executor parameter (repeatable), e.g. timeout_min=120, slurm_partition=gpu, "
                         "gpus_per_node=1; cluster=local runs the array tasks as local subprocesses")
-    g.add_argument("--comparator", default="hadamard",
+    g.add_argument("--comparator", default=DEFAULT_COMPARATOR,
                    help="config every other one is paired against (one of the sweep's configs)")
     g.add_argument("--no-figures", dest="figures", action="store_false", help="skip the PNG figures")
     g.add_argument("--quiet", action="store_true", help="do not print per-cell progress")

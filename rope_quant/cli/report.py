@@ -22,7 +22,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--family", default=None, metavar="A,B,...", help="Holm family (default: manifest's)")
     p.add_argument("--level", type=float, default=0.90, help="paired CI level (default 0.90)")
     p.add_argument("--no-figures", dest="figures", action="store_false", help="skip the PNG figures")
-    from rope_quant.sweep.reproduce import add_against_argument
+    from rope_quant.analysis.reproduce import add_against_argument
 
     add_against_argument(p)  # --against OTHER: the reproducibility report (DIR may then be a claims JSON too)
     return p
@@ -56,11 +56,11 @@ def read_manifest(out: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, cells: Cells) -> int:
-    from rope_quant.sweep import report
+    from rope_quant.analysis import report
     from rope_quant.sweep.records import status
 
     if args.against is not None:
-        from rope_quant.sweep.reproduce import run_against
+        from rope_quant.analysis.reproduce import run_against
 
         return run_against(args.dir, args.against)
     out = Path(args.dir)
@@ -74,13 +74,13 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     family = None
     if args.family is not None:
         family = [s.strip() for s in args.family.split(",") if s.strip()]
-    from rope_quant.sweep.gap_share import is_gap_share_run, write_gap_share_report
+    from rope_quant.analysis.gap_share import is_gap_share_run, write_gap_share_report
 
     write = write_gap_share_report if is_gap_share_run(manifest) else report.write_report  # beyond2: + gap share
     rep = write(out, comparator=args.comparator, family=family, level=args.level, figures=args.figures)
     print(rep["markdown"])
     print("wrote " + ", ".join(str(Path(f).relative_to(out)) for f in rep["files"]))
-    from rope_quant.sweep.kind_reports import ReportOptions, write_kind_reports
+    from rope_quant.analysis.kind_reports import ReportOptions, write_kind_reports
 
     for part in write_kind_reports(out, ReportOptions(level=args.level, figures=args.figures)):  # static, NIAH
         print(part.markdown)

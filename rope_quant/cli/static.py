@@ -43,6 +43,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.analysis import static_report
     from rope_quant.sweep import static
 
     configs = parse_configs(args.configs)
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
 
     rc = sweep(args, cells, build)
     out = Path(args.out)
-    text = static.write_static_report(out, comparator=args.comparator)
+    text = static_report.write_static_report(out, comparator=args.comparator)
     print()
     print(text)
     print(f"wrote {out / 'static.md'}")

@@ -56,10 +56,12 @@ def _r4_pre_hook(module: nn.Module, args: tuple) -> tuple:
 
 def down_projs(model: nn.Module) -> list[nn.Linear]:
     """Every decoder layer's down_proj, checked to be an ``nn.Linear``."""
-    downs = [arch.mlp_parts(model, i).down for i in range(len(arch.decoder_layers(model)))]
-    for i, down in enumerate(downs):
+    downs: list[nn.Linear] = []
+    for i in range(len(arch.decoder_layers(model))):
+        down = arch.mlp_parts(model, i).down
         if not isinstance(down, nn.Linear):
             raise UnsupportedArchitectureError(f"layer {i}: down_proj is not an nn.Linear")
+        downs.append(down)
     return downs
 
 

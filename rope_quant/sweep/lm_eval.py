@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.sweep.kinds.lm_eval import LmEvalCells, LmEvalConfig
 from rope_quant.sweep.manifest import Manifest, with_overrides
 
@@ -26,7 +27,7 @@ def lm_eval_manifest(
     base: Any, configs: Sequence[str], seeds: Sequence[int], tasks: Sequence[str], *,
     include_path: str | os.PathLike[str] | None = None, include_defaults: bool = True,
     limit: int | None = None, num_fewshot: int | None = None, batch_size: int = 1,
-    max_length: int | None = None, comparator: str = "hadamard",
+    max_length: int | None = None, comparator: str = DEFAULT_COMPARATOR,
 ) -> Manifest:
     """Cells ``LmEvalConfig(base.override(seed=s, r3=name), tasks, ...)``, seed-major (weights shared)."""
     path = str(Path(include_path).expanduser().resolve()) if include_path else None

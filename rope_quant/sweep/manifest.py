@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.io import atomic_write_json, to_jsonable
 from rope_quant.sweep.cellkind import (
     CellKindName,
@@ -112,7 +113,7 @@ class Manifest:
 
     cells: list[tuple[str, Any]]
     kind: str = "custom"
-    comparator: str = "hadamard"
+    comparator: str = DEFAULT_COMPARATOR
     family: tuple[str, ...] | None = None
     meta: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -167,7 +168,7 @@ def build_manifest(
     seeds: Sequence[int],
     *,
     kind: str = "custom",
-    comparator: str = "hadamard",
+    comparator: str = DEFAULT_COMPARATOR,
     family: Sequence[str] | None = None,
     meta: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Manifest:
@@ -212,7 +213,7 @@ def manifest_from_dict(data: Mapping[str, Any], config_factory: Callable[[dict],
     return Manifest(
         cells=cells,
         kind=data.get("kind", "custom"),
-        comparator=data.get("comparator", "hadamard"),
+        comparator=data.get("comparator", DEFAULT_COMPARATOR),
         family=tuple(family) if family is not None else None,
         meta=dict(data.get("meta") or {}),
     )
@@ -431,7 +432,7 @@ def reconcile(out: str | os.PathLike[str], new: Manifest, *, force: bool = False
         raise ManifestMismatchError(f"{path} cannot be read ({exc}); use --force-new-manifest to replace it") from exc
     family = data.get("family")
     old = Manifest(cells=_old_configs(data, path), kind=data.get("kind", "custom"),
-                   comparator=data.get("comparator", "hadamard"),
+                   comparator=data.get("comparator", DEFAULT_COMPARATOR),
                    family=tuple(family) if family is not None else None, meta=dict(data.get("meta") or {}))
     diff = study_diff(old, new)
     if diff:

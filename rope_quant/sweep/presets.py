@@ -10,12 +10,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.sweep.cellkind import CellKindName, kind_named, kind_of
 from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, build_manifest, with_overrides
 
 
 def compare_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int],
-                     comparator: str = "hadamard") -> Manifest:
+                     comparator: str = DEFAULT_COMPARATOR) -> Manifest:
     """The main comparison: one cell per (seed, R3 name), R3 names used as config names."""
     return build_manifest(base, {name: {"r3": name} for name in configs}, seeds, kind="compare",
                           comparator=comparator, family=[c for c in configs if c != comparator],
@@ -23,7 +24,7 @@ def compare_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int],
 
 
 def support_manifest(base: Any, blocks: Sequence[int], seeds: Sequence[int],
-                     transform: str = "block_hadamard", comparator: str = "hadamard") -> Manifest:
+                     transform: str = "block_hadamard", comparator: str = DEFAULT_COMPARATOR) -> Manifest:
     """Mixing support: ``transform`` with block size b for each b, plus the comparator."""
     variants: dict[str, dict[str, Any]] = {comparator: {"r3": comparator, "r3_block": None}}
     meta: dict[str, dict[str, Any]] = {comparator: {"r3": comparator}}
@@ -38,7 +39,7 @@ def support_manifest(base: Any, blocks: Sequence[int], seeds: Sequence[int],
 def estimators_manifest(base: Any, estimators: Sequence[str], seeds: Sequence[int], *,
                         transform: str = "pairwise_only", phi_star: bool = False,
                         phi_star_estimator: str = "rows", average_length: int | None = None,
-                        comparator: str = "hadamard") -> Manifest:
+                        comparator: str = DEFAULT_COMPARATOR) -> Manifest:
     """Angle estimators (rows, k_only, balanced[, per_head]) with φ̂, and φ* when ``phi_star``."""
     variants: dict[str, dict[str, Any]] = {comparator: {"r3": comparator}}
     meta: dict[str, dict[str, Any]] = {comparator: {"r3": comparator}}
@@ -58,7 +59,7 @@ def estimators_manifest(base: Any, estimators: Sequence[str], seeds: Sequence[in
 
 
 def long_context_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], lengths: Sequence[int],
-                          comparator: str = "hadamard", eval_corpus: str | None = None) -> Manifest:
+                          comparator: str = DEFAULT_COMPARATOR, eval_corpus: str | None = None) -> Manifest:
     """Long-context crossover: each (seed, R3 name) evaluated at every length (on ``eval_corpus`` if given,
     calibrated on ``base.corpus``). A φ* config (``base.angle == phi_star``) re-estimates φ* with its
     averaging length matched to each L (A.4), whatever the estimator."""
@@ -91,7 +92,7 @@ BEYOND_LONG = ("pairwise_only-rows", "pairwise_only-phi_star_k_only", "pairwise_
                "pairwise_plus_hadamard-range_per_head")
 
 
-def beyond_variants(comparator: str = "hadamard") -> dict[str, dict[str, Any]]:
+def beyond_variants(comparator: str = DEFAULT_COMPARATOR) -> dict[str, dict[str, Any]]:
     """``{name: overrides}``: the comparator, then ``<transform>-<angles>`` for every beyond variant."""
     reset = {"r3_block": None, "estimator": "rows", "objective": "variance", "angle": "phi_hat",
              "average_length": None}
@@ -102,7 +103,7 @@ def beyond_variants(comparator: str = "hadamard") -> dict[str, dict[str, Any]]:
     return out
 
 
-def beyond_manifest(base: Any, seeds: Sequence[int], comparator: str = "hadamard") -> Manifest:
+def beyond_manifest(base: Any, seeds: Sequence[int], comparator: str = DEFAULT_COMPARATOR) -> Manifest:
     """``compare --configs beyond``: every beyond variant against the comparator, paired over seeds."""
     variants = beyond_variants(comparator)
     meta = {name: {k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "angle")}
@@ -112,7 +113,7 @@ def beyond_manifest(base: Any, seeds: Sequence[int], comparator: str = "hadamard
 
 
 def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Sequence[int],
-                                 comparator: str = "hadamard") -> Manifest:
+                                 comparator: str = DEFAULT_COMPARATOR) -> Manifest:
     """``long-context --configs beyond``: :data:`BEYOND_LONG` plus φ*(k_only) with the averaging length
     matched to each evaluated L (``pairwise_only-phi_star_k_only-matched``)."""
     variants = beyond_variants(comparator)
@@ -133,7 +134,7 @@ def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Seque
 
 #: ``compare --configs beyond2``: can a FOLDABLE R3 match the online Hadamard? name -> overrides.
 #: ``pairwise_only`` (the paper's φ̂) is the baseline whose gap to the comparator the others are scored on
-#: (:mod:`rope_quant.sweep.gap_share`); ``learned_orthogonal`` does not commute: the upper reference.
+#: (:mod:`rope_quant.analysis.gap_share`); ``learned_orthogonal`` does not commute: the upper reference.
 FOLDABLE_R3 = "foldable-r3"
 BEYOND2 = FOLDABLE_R3
 #: The tag this study's manifest records (its earlier preset name: a results directory keeps its study).
@@ -149,7 +150,7 @@ BEYOND2_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def beyond2_variants(comparator: str = "hadamard") -> dict[str, dict[str, Any]]:
+def beyond2_variants(comparator: str = DEFAULT_COMPARATOR) -> dict[str, dict[str, Any]]:
     """``{name: overrides}``: the comparator, then :data:`BEYOND2_VARIANTS` (angle fields reset, as in beyond)."""
     reset = {"r3_block": None, "estimator": "rows", "objective": "variance", "angle": "phi_hat",
              "average_length": None}
@@ -158,9 +159,9 @@ def beyond2_variants(comparator: str = "hadamard") -> dict[str, dict[str, Any]]:
     return out
 
 
-def beyond2_manifest(base: Any, seeds: Sequence[int], comparator: str = "hadamard") -> Manifest:
+def beyond2_manifest(base: Any, seeds: Sequence[int], comparator: str = DEFAULT_COMPARATOR) -> Manifest:
     """``compare --configs beyond2``: the foldable R3 family against the comparator, paired over seeds, one Holm
-    family; reported by the beyond table plus the gap-share table (:mod:`rope_quant.sweep.gap_share`)."""
+    family; reported by the beyond table plus the gap-share table (:mod:`rope_quant.analysis.gap_share`)."""
     variants = beyond2_variants(comparator)
     meta = {name: {**{k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "angle")},
                    "preset": FOLDABLE_R3_TAG} for name, ov in variants.items()}
@@ -217,7 +218,7 @@ LOWER_BIT_CONFIGS = ("hadamard", "pairwise_plus_hadamard", "pairwise_only")
 
 
 def lower_bits_manifest(base: Any, seeds: Sequence[int], settings: Sequence[str] = tuple(LOWER_BIT_SETTINGS),
-                        configs: Sequence[str] = LOWER_BIT_CONFIGS, comparator: str = "hadamard") -> Manifest:
+                        configs: Sequence[str] = LOWER_BIT_CONFIGS, comparator: str = DEFAULT_COMPARATOR) -> Manifest:
     """App. F's tables: every R3 config at every bit setting (``<r3>+<setting>``), paired within seed against
     the same setting's comparator (``meta[name]["control"]``). The R3 statistics and the GPTQ weights of a
     seed are shared by the settings with the same weight bits."""

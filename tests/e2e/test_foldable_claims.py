@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from rope_quant.sweep.gap_share import gap_share
+from rope_quant.analysis.gap_share import gap_share
 
 #: The foldable family and the references: the ``slow`` subset (two range fits and a learned fit per seed).
 pytestmark = pytest.mark.slow

@@ -210,8 +210,8 @@ def _fake_static(cfg) -> dict:
 
 
 def test_each_kind_in_a_results_directory_writes_its_report(tmp_path: Path) -> None:
-    from rope_quant.sweep import kind_reports
-    from rope_quant.sweep.static import write_static_report
+    from rope_quant.analysis import kind_reports
+    from rope_quant.analysis.static_report import write_static_report
 
     out = tmp_path / "static"
     manifest = static_manifest(BASE, ["hadamard", "pairwise_only"], [0, 1, 2], [64, 128], [None, StaticScope.BOTH],
@@ -227,7 +227,7 @@ def test_each_kind_in_a_results_directory_writes_its_report(tmp_path: Path) -> N
 
 
 def test_a_foreign_kind_registers_its_report(tmp_path: Path, echo_kind: CellKind) -> None:
-    from rope_quant.sweep import kind_reports
+    from rope_quant.analysis import kind_reports
 
     manifest = Manifest([("echo1.0", EchoConfig(BASE.override(seed=s), 1.0)) for s in (0, 1)], kind="echo")
     run_cells(manifest, tmp_path, cell_fn=lambda cfg: _echo_evaluate(cfg, None))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rope_quant import cli
-from rope_quant.sweep import figures, report
+from rope_quant.analysis import figures, report
 from rope_quant.sweep.manifest import LmEvalConfig, LongContextConfig
 
 OFFSET = {"hadamard": 0.0, "pairwise_only": 0.4, "pairwise_plus_hadamard": 0.05, "identity": 1.5}
@@ -128,7 +128,7 @@ def _mean_markers(ax) -> dict[int, str]:
 
 
 def test_compare_figure_names_the_run_marks_holm_and_keeps_legends_clear(tmp_path: Path) -> None:
-    from rope_quant.sweep.titles import describe
+    from rope_quant.analysis.titles import describe
 
     out = _compare_dir(tmp_path)
     summary = report.summarize(out, write=False)
@@ -153,7 +153,7 @@ def test_compare_figure_names_the_run_marks_holm_and_keeps_legends_clear(tmp_pat
 
 
 def test_long_context_figure_fills_only_the_holm_significant_gaps(tmp_path: Path) -> None:
-    from rope_quant.sweep.titles import describe
+    from rope_quant.analysis.titles import describe
 
     out = tmp_path / "lc"
     # one evaluation corpus, named: the default list depends on which optional corpora are installed (kjv)
@@ -185,7 +185,7 @@ def test_lm_eval_figure_claims_no_holm_family(tmp_path: Path) -> None:
     out = tmp_path / "lm"
     assert cli.main(["lm-eval", "--out", str(out), "--seeds", "0,1", "--tasks", "piqa", "--limit", "5", "--quiet",
                      "--no-figures"], cell_fn=fake_cell) == 0
-    from rope_quant.sweep.titles import describe
+    from rope_quant.analysis.titles import describe
 
     fig = figures.lm_eval_figure(report.summarize(out, write=False), describe(out))
     try:
@@ -197,7 +197,7 @@ def test_lm_eval_figure_claims_no_holm_family(tmp_path: Path) -> None:
 
 
 def test_titles_read_nested_flat_and_unquantised_settings() -> None:
-    from rope_quant.sweep.titles import setup_from
+    from rope_quant.analysis.titles import setup_from
 
     nested = {"seed": 0, "config": {"run": {"model": "m", "quant": {"w": {"bits": 16, "mode": "rtn"},
                                                                     "a": {"bits": 8}, "k": {"bits": 4},

@@ -14,7 +14,7 @@ from rope_quant import cli
 from rope_quant.calib import intraband
 from rope_quant.calib.moments import CalibrationStats
 from rope_quant.core.rope import pair_indices
-from rope_quant.sweep import report
+from rope_quant.analysis import report
 from rope_quant.sweep.manifest import read_manifest
 
 L_, HQ, HK, D = 2, 4, 2, 8
@@ -132,9 +132,9 @@ def test_abs_rho_figure_uses_the_tables_quantiles_and_user_facing_names() -> Non
     key appears in the figure; the title names the run."""
     from matplotlib.collections import PolyCollection
 
-    from rope_quant.sweep import protocol_report
-    from rope_quant.sweep.figures import pyplot
-    from rope_quant.sweep.titles import Setup
+    from rope_quant.analysis import protocol_report
+    from rope_quant.analysis.figures import pyplot
+    from rope_quant.analysis.titles import Setup
 
     stats, raw = _sample(3)
     assert protocol_report.band_quantiles() == (0.05, 0.95) == (min(intraband.QUANTILES), max(intraband.QUANTILES))

@@ -16,7 +16,7 @@ import rope_quant
 ROOT = Path(rope_quant.__file__).parent
 # Bottom-up. A module may import its own layer or any layer below it.
 LAYERS = ("defaults", "seeds", "io", "core", "model", "quant", "calib", "rotations", "experiment", "export", "sweep",
-          "cli")
+          "analysis", "cli")
 # The pytest plugin stands beside the layers: it may import only the bottom ones (stdlib-only modules).
 PLUGIN_MAY_IMPORT = {"defaults", "seeds", "io"}
 # The import hook of the moved module paths (rope_quant/_deprecation.py, stdlib only) stands beside the layers

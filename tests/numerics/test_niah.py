@@ -14,6 +14,7 @@ import torch
 from rope_quant import cli
 from rope_quant.experiment import data
 from rope_quant.experiment.niah import HEADER, NiahError, NiahSpec, accuracy_table, make_probe, run_probes, score
+from rope_quant.analysis import niah_report
 from rope_quant.sweep import niah as sweep_niah
 from rope_quant.sweep.manifest import config_from_dict, read_manifest
 from rope_quant.sweep.records import is_complete, status
@@ -127,11 +128,11 @@ def test_niah_cli_runs_resumes_and_reports_discriminative_lengths(tmp_path):
         assert config_from_dict(entry["config"]).key() == entry["key"]
         assert is_complete(out / entry["path"], entry["key"])
     assert status(out).done
-    summary = json.loads((out / sweep_niah.SUMMARY_FILE).read_text())
+    summary = json.loads((out / niah_report.SUMMARY_FILE).read_text())
     disc = {r["length"]: r["discriminative"] for r in summary["discriminative"]}
     assert disc == {256: True, 512: True, 1024: False}  # 1024: FP 0.5 is not saturated
     assert summary["paired"]["pairwise_only"]["512"]["diffs"] == pytest.approx([0.3, 0.3])
-    assert (out / sweep_niah.FIGURE_FILE).stat().st_size > 1000
+    assert (out / niah_report.FIGURE_FILE).stat().st_size > 1000
     again = FakeNiah()
     assert cli.main(argv, cell_fn=again) == 0 and again.calls == []  # resumed: nothing recomputed
 
@@ -175,8 +176,8 @@ def test_real_niah_cli_on_the_embedded_model(tmp_path, embedded_model):
 
 
 def test_niah_figure_names_the_run_and_keeps_the_legend_clear(tmp_path):
-    from rope_quant.sweep.figures import pyplot
-    from rope_quant.sweep.titles import describe
+    from rope_quant.analysis.figures import pyplot
+    from rope_quant.analysis.titles import describe
 
     out = tmp_path / "niah"
     argv = ["niah", "--lengths", "256,512", "--seeds", "0,1,2", "--probes", "3", "--depths", "0,1", "--out", str(out),
@@ -184,14 +185,14 @@ def test_niah_figure_names_the_run_and_keeps_the_legend_clear(tmp_path):
     assert cli.main(argv, cell_fn=FakeNiah()) == 0
     setup = describe(out)
     assert setup.budget() == "3 seeds × 3 probes per depth × L={256,512}" and setup.bits == "W4A4KV4"
-    from rope_quant.sweep.kind_reports import write_kind_reports
+    from rope_quant.analysis.kind_reports import write_kind_reports
 
-    (out / sweep_niah.SUMMARY_FILE).unlink()
+    (out / niah_report.SUMMARY_FILE).unlink()
     (part,) = write_kind_reports(out)  # `rope-quant report` finds the NIAH report through the kind registry
-    assert part.kind == "niah" and str(out / sweep_niah.SUMMARY_FILE) in part.files
-    assert part.markdown.startswith("NIAH accuracy") and (out / sweep_niah.FIGURE_FILE).is_file()
-    data = sweep_niah.collect(out)
-    fig = sweep_niah.accuracy_axes(data["accuracy"], sweep_niah.discriminative_lengths(data["accuracy"]), setup)
+    assert part.kind == "niah" and str(out / niah_report.SUMMARY_FILE) in part.files
+    assert part.markdown.startswith("NIAH accuracy") and (out / niah_report.FIGURE_FILE).is_file()
+    data = niah_report.collect(out)
+    fig = niah_report.accuracy_axes(data["accuracy"], niah_report.discriminative_lengths(data["accuracy"]), setup)
     try:
         ax = fig.axes[0]
         assert fig._suptitle.get_text().splitlines()[0] == setup.title()

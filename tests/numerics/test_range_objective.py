@@ -257,7 +257,7 @@ def test_cli_compare_beyond_preset(tmp_path: Path, capsys):
     assert summary["paired"]["pairwise_only-rows"]["mean"] == pytest.approx(1.0)
     printed = capsys.readouterr().out
     assert "Beyond the paper" in printed and "pairwise_plus_hadamard-range_per_head" in json.dumps(summary)
-    from rope_quant.sweep import report
+    from rope_quant.analysis import report
 
     written = report.write_report(out)
     assert any(f.endswith("figures/beyond.png") for f in written["files"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rope_quant.sweep import report
+from rope_quant.analysis import report
 from rope_quant.sweep.manifest import build_manifest
 from rope_quant.sweep.runner import run_cells
 from tests._support import FakeConfig

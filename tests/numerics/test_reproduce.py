@@ -1,4 +1,4 @@
-"""``report DIR --against OTHER`` (rope_quant.sweep.reproduce): numbers side by side, Δ in CI half-widths,
+"""``report DIR --against OTHER`` (rope_quant.analysis.reproduce): numbers side by side, Δ in CI half-widths,
 flipped verdicts flagged, another protocol refused with the fields that differ."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rope_quant.sweep.manifest import build_manifest
-from rope_quant.sweep.reproduce import ReproduceError, add_against_argument, compare_against, run_against
+from rope_quant.analysis.reproduce import ReproduceError, add_against_argument, compare_against, run_against
 from rope_quant.sweep.runner import run_cells
 from tests._support import FakeConfig
 
@@ -113,7 +113,7 @@ def test_add_against_argument() -> None:
 
 
 def test_compare_report_carries_the_budget_to_decide_the_sign(tmp_path: Path) -> None:
-    from rope_quant.sweep import report
+    from rope_quant.analysis import report
 
     out = _results(tmp_path, {"pairwise_only": [0.2, 0.1, 0.3], "open": [0.3, -0.2, 0.1]})
     md = report.write_report(out, figures=False)["markdown"]
@@ -132,7 +132,7 @@ def test_compare_report_carries_the_budget_to_decide_the_sign(tmp_path: Path) ->
 
 def test_the_free_fields_of_a_real_run_config() -> None:
     from rope_quant.experiment.pipeline import RunConfig
-    from rope_quant.sweep.reproduce import _flatten, _free
+    from rope_quant.analysis.reproduce import _flatten, _free
 
     fields = _flatten(RunConfig.from_flat(model="smollm2-135m", seed=3, device="cpu").to_dict())
     free = sorted(k for k in fields if _free(k))

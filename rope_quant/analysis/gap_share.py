@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from rope_quant.sweep.report import Table, _fmt
+from rope_quant.analysis.tables import Table, fmt
+from rope_quant.core.verdict import LEVEL
 
 __all__ = ["BOOTSTRAP", "gap_share", "gap_share_table", "is_gap_share_run", "plot_gap_share", "write_gap_share_report"]
 
@@ -27,7 +28,7 @@ __all__ = ["BOOTSTRAP", "gap_share", "gap_share_table", "is_gap_share_run", "plo
 BOOTSTRAP, BOOTSTRAP_SEED = 4000, 0
 
 
-def gap_share(x: Any, base: Any, comp: Any, level: float = 0.90) -> dict[str, float | None]:
+def gap_share(x: Any, base: Any, comp: Any, level: float = LEVEL) -> dict[str, float | None]:
     """share, CI (percentile bootstrap over seeds) and n for aligned per-seed ppl lists ``x``, ``base``, ``comp``."""
     x, b, c = (np.asarray(v, dtype=np.float64) for v in (x, base, comp))
     n = x.size
@@ -66,7 +67,7 @@ def _commutes(r3: str) -> bool | None:
 
 
 def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
-                    level: float = 0.90) -> Table | None:
+                    level: float = LEVEL) -> Table | None:
     """Per config (not the comparator or the baseline): K range, K error, ppl and the share of the baseline's
     gap it closes, with its CI. None when the summary lacks the baseline or the comparator."""
     configs, comp = summary.get("configs") or {}, summary.get("comparator")
@@ -100,9 +101,9 @@ def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
         rows.append(row)
         low, high = g["low"], g["high"]
         ci = f" [{100 * low:.0f}%, {100 * high:.0f}%]" if low is not None and high is not None else ""
-        md_rows.append({"config": name, "commutes": _fmt(commutes), "folds here": _fmt(row["foldable"]),
-                        "ppl": _fmt(row["ppl"]),
-                        "K range": _fmt(row["k_range_mean"]), "K rel. err": _fmt(row["k_rel_err"], 4),
+        md_rows.append({"config": name, "commutes": fmt(commutes), "folds here": fmt(row["foldable"]),
+                        "ppl": fmt(row["ppl"]),
+                        "K range": fmt(row["k_range_mean"]), "K rel. err": fmt(row["k_rel_err"], 4),
                         f"share of {baseline}'s gap [CI]": ("–" if g["share"] is None else
                                                             f"{100 * g['share']:.0f}%") + ci,
                         "n": str(len(seeds)), f"≡ {comp} (±{margin.value:.3f})": _equivalence_text(eq)})
@@ -146,7 +147,7 @@ def _equivalence(diffs: list[float], margin: Any, tokens: Any):
 def plot_gap_share(table: Table, path: str | os.PathLike[str], title: str = "") -> Path:
     """Horizontal bars: the share of the baseline's gap each config closes, with its CI; foldable bars filled,
     non-foldable hatched; 0% and 100% marked."""
-    from rope_quant.sweep.figures import pyplot, save_png
+    from rope_quant.analysis.figures import pyplot, save_png
 
     plt = pyplot()
     rows = [r for r in table.rows if r["share"] is not None]
@@ -182,11 +183,11 @@ def is_gap_share_run(manifest: Mapping[str, Any]) -> bool:
 
 def write_gap_share_report(results_dir: str | os.PathLike[str], *, comparator: str | None = None,
                            figures: bool = True, **report_options: Any) -> dict[str, Any]:
-    """``compare --configs beyond2``'s report: :func:`~rope_quant.sweep.report.write_report`, then the gap-share
+    """``compare --configs beyond2``'s report: :func:`~rope_quant.analysis.report.write_report`, then the gap-share
     table (``tables/gap-share.{csv,md}``) and, with ``figures``, ``figures/gap_share.png``."""
+    from rope_quant.analysis.report import write_report
+    from rope_quant.analysis.titles import describe
     from rope_quant.io import atomic_write_text
-    from rope_quant.sweep.report import write_report
-    from rope_quant.sweep.titles import describe
 
     root = Path(results_dir)
     rep = write_report(root, comparator=comparator, figures=figures, **report_options)

@@ -19,15 +19,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from rope_quant.analysis.figures import legend_outside, pyplot, save_png, suptitle
+from rope_quant.analysis.tables import Table
+from rope_quant.analysis.titles import Setup, calibration_setup
 from rope_quant.io import atomic_write_text
-from rope_quant.sweep.figures import legend_outside, pyplot, save_png, suptitle
 from rope_quant.sweep.manifest import read_manifest
 from rope_quant.sweep.records import complete_records
-from rope_quant.sweep.titles import Setup, calibration_setup
-
-#: The report's table type (``sweep.report.Table``: name, title, columns, rows, md_columns, md_rows, notes);
-#: ``write_report`` passes it in, so this module does not import the report (no import cycle).
-Table = Any
 
 INTRABAND_ROWS = "intraband"
 INTRABAND_RHO = "intraband-rho"
@@ -45,7 +42,7 @@ def find_stats(root: Path) -> tuple[Path, str] | None:
     return None
 
 
-def protocol_table(root: Path, make_table: Any) -> Table | None:
+def protocol_table(root: Path) -> Table | None:
     """The long-context protocol of every complete long-context cell that recorded one (Markdown: one line per
     distinct protocol)."""
     rows, md_rows = [], []
@@ -82,7 +79,7 @@ def protocol_table(root: Path, make_table: Any) -> Table | None:
     columns = ["config", "seed", "calib_corpus", "eval_corpus", "n_stream_tokens", "n_documents",
                "split_documents", "window_cap", "matched_average",
                *[f"{k}_{L}" for L in lengths for k in ("windows", "tokens")]]
-    return make_table(PROTOCOL, "Long-context protocol (App. A.4): stream and windows per length", columns, rows,
+    return Table(PROTOCOL, "Long-context protocol (App. A.4): stream and windows per length", columns, rows,
                  ["calib → eval", "N", "docs", "cap", "windows per L", "scored tokens per L", "cells"],
                  md_rows, notes=[f"L = {', '.join(lengths)}; windows = min(cap, ⌊N/L⌋), scored tokens = "
                                  "windows × (L − 1); docs = documents concatenated / documents in the evaluation "
@@ -90,7 +87,7 @@ def protocol_table(root: Path, make_table: Any) -> Table | None:
                                  "cell)."])
 
 
-def intraband_table(stats: Any, label: str, make_table: Any) -> Table:
+def intraband_table(stats: Any, label: str) -> Table:
     """The head-resolved ρ quantiles (Table A) of one set of calibration statistics."""
     from rope_quant.calib import intraband
 
@@ -98,7 +95,7 @@ def intraband_table(stats: Any, label: str, make_table: Any) -> Table:
     columns = list(rows[0])
     md_cols = ["scope", "n", "rho_q05", "rho_q25", "rho_q50", "rho_q75", "rho_q95", "abs_rho_q50", "abs_rho_q95",
                "frac_abs_rho_gt_0.1", "frac_abs_rho_gt_0.3", "sigma_ratio_median"]
-    return make_table(INTRABAND_RHO, f"Intra-band correlation ρ of the RoPE pairs (App. A, Table A), {label}", columns,
+    return Table(INTRABAND_RHO, f"Intra-band correlation ρ of the RoPE pairs (App. A, Table A), {label}", columns,
                  rows, md_cols, notes=[
                      "ρ = Σ12/(σ1σ2) of a frequency pair's two pre-RoPE channels over the calibration rows; "
                      "quantiles over every layer, head and pair of the scope. q / k: per Q / KV head; pooled: the "
@@ -180,15 +177,15 @@ def plot_abs_rho(stats: Any, path: Path, label: str = "", setup: Setup | None = 
     return out
 
 
-def extra_report(root: Path, make_table: Any, figures: bool = True) -> tuple[list[Table], list[Path]]:
-    """The protocol and intra-band tables (built with ``make_table``, the report's ``Table``) and the |ρ| figure
+def extra_report(root: Path, figures: bool = True) -> tuple[list[Table], list[Path]]:
+    """The protocol and intra-band tables  and the |ρ| figure
     of ``root``, and the extra files written."""
     from rope_quant.calib.errors import CalibrationError
     from rope_quant.calib.moments import CalibrationStats
 
     tables: list[Table] = []
     files: list[Path] = []
-    proto = protocol_table(root, make_table)
+    proto = protocol_table(root)
     if proto is not None:
         tables.append(proto)
     found = find_stats(root)
@@ -199,7 +196,7 @@ def extra_report(root: Path, make_table: Any, figures: bool = True) -> tuple[lis
         except CalibrationError as exc:  # a damaged artefact costs the intra-band table, not the report
             warnings.warn(f"no intra-band statistics: {exc}", stacklevel=2)
     if stats is not None and found is not None:
-        tables.append(intraband_table(stats, found[1], make_table))
+        tables.append(intraband_table(stats, found[1]))
         files.append(atomic_write_text(root / "tables" / f"{INTRABAND_ROWS}.csv", intraband_csv(stats)))
         if figures:
             name, seed = found[1].rsplit(" seed ", 1)  # the label find_stats gives: "<name> seed <s>"

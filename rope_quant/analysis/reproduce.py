@@ -91,7 +91,7 @@ def _dir_verdict(block: Mapping[str, Any]) -> str:
 
 
 def _dir_numbers(directory: Path) -> tuple[dict[str, Number], dict[str, Any]]:
-    from rope_quant.sweep.report import summarize  # deferred: the report stack
+    from rope_quant.analysis.report import summarize  # deferred: the report stack
 
     summary = summarize(directory, write=False)
     numbers: dict[str, Number] = {}

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rope_quant.core.verdict import LEVEL
+from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.sweep.cellkind import CellKindName, SweepError, kind_for_dict
 from rope_quant.sweep.manifest import read_manifest
 
@@ -24,7 +26,7 @@ class ReportOptions:
     ``comparator``: the configuration NIAH pairs against (None: the manifest's). The static report always
     contrasts against hadamard within each scope (App. D), as ``rope-quant report`` did before."""
 
-    level: float = 0.90
+    level: float = LEVEL
     figures: bool = True
     comparator: str | None = None
 
@@ -62,23 +64,23 @@ def kinds_in(results_dir: str | os.PathLike[str]) -> list[str]:
 
 def write_kind_reports(results_dir: str | os.PathLike[str], options: ReportOptions | None = None) -> list[KindReport]:
     """The report of every kind in ``results_dir`` that registered one (none for plain and long-context cells,
-    whose tables are :func:`rope_quant.sweep.report.write_report`'s)."""
+    whose tables are :func:`rope_quant.analysis.report.write_report`'s)."""
     root = Path(results_dir)
     options = options or ReportOptions()
     return [_REPORTS[kind](root, options) for kind in kinds_in(root) if kind in _REPORTS]
 
 
 def _static_report(root: Path, options: ReportOptions) -> KindReport:
-    from rope_quant.sweep.static import write_static_report
+    from rope_quant.analysis.static_report import write_static_report
 
     text = write_static_report(root, level=options.level)
     return KindReport(CellKindName.STATIC.value, text, [str(root / "static.md")])
 
 
 def _niah_report(root: Path, options: ReportOptions) -> KindReport:
-    from rope_quant.sweep.niah import niah_report
+    from rope_quant.analysis.niah_report import niah_report
 
-    comparator = options.comparator or read_manifest(root).get("comparator") or "hadamard"
+    comparator = options.comparator or read_manifest(root).get("comparator") or DEFAULT_COMPARATOR
     out = niah_report(root, comparator=comparator, figures=options.figures)
     return KindReport(CellKindName.NIAH.value, out["markdown"], list(out["files"]))
 

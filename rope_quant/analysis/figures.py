@@ -12,7 +12,7 @@
 In every Δ panel the comparator is the dashed zero line (named in the legend), the dots are the per-seed
 differences and the bars the paired t interval of their mean; a filled marker (and its stars) is a difference
 that stays significant after the report's Holm correction, an open one is not. Every title names the model, the
-bits, the weight mode and the budget (:mod:`rope_quant.sweep.titles`); every legend sits outside the axes.
+bits, the weight mode and the budget (:mod:`rope_quant.analysis.titles`); every legend sits outside the axes.
 :func:`write_figures` picks the figure of a summary's ``kind``. The ``*_figure`` functions return the open
 matplotlib figure (tests read its titles, labels and markers); the ``plot_*`` ones write it.
 """
@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rope_quant.analysis.titles import Setup
+from rope_quant.core.verdict import LEVEL
 from rope_quant.io import atomic_writer
-from rope_quant.sweep.titles import Setup
 
 COMPARE_KINDS = ("compare", "beyond")
 LONG_CONTEXT_KIND = "long-context"
@@ -81,7 +82,7 @@ def holm_proxy(ax: Any, reject: bool | None, alpha: float, seen: set[str], marke
 
 
 def _level(summary: Mapping[str, Any]) -> int:
-    return int(round(100 * float(summary.get("level", 0.90))))
+    return int(round(100 * float(summary.get("level", LEVEL))))
 
 
 def _values_panel(ax: Any, names: Sequence[str], seeds: Sequence[int], values: Mapping[str, Mapping[int, float]],
@@ -396,7 +397,7 @@ def plot_beyond(table: Any, path: str | os.PathLike[str], setup: Setup | None = 
 def write_figures(summary: Mapping[str, Any], directory: str | os.PathLike[str],
                   setup: Setup | None = None) -> list[Path]:
     """The figure of the summary's job kind under ``directory`` (none when it has no data); ``setup`` titles it
-    (:func:`rope_quant.sweep.titles.describe`)."""
+    (:func:`rope_quant.analysis.titles.describe`)."""
     directory = Path(directory)
     kind = summary.get("kind")
     out: list[Path] = []
