@@ -24,7 +24,7 @@ scale-equivariant: only the SHAPE of each token's vector matters.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from rope_quant.core.hadamard import hadamard_matrix
 from rope_quant.core.rope import pair_indices
 from rope_quant.quant.quantizers import fake_quant_per_token
 
-__all__ = ["ALPHAS", "SMOOTH_ALPHA", "FITS", "fit_for", "post_rope", "query_weights", "pair_radius",
+__all__ = ["ALPHAS", "SMOOTH_ALPHA", "fit_for", "post_rope", "query_weights", "pair_radius",
            "fit_pair_scales", "fit_pairwise_scaled", "fit_prerope_channel_scale", "fit_learned_orthogonal"]
 
 #: Candidate exponents α of the pair scales s_k = (ρ_k / gm ρ)^{-α}.
@@ -198,19 +198,10 @@ def fit_learned_orthogonal(ctx: transforms.FitContext) -> list[dict[str, Any]]:
     return out
 
 
-#: Fits of the built-in fitted transforms (a foreign transform brings its own ``TransformSpec.fit``).
-FITS: dict[str, Callable[[transforms.FitContext], list[dict[str, Any]]]] = {
-    "pairwise_scaled": fit_pairwise_scaled,
-    "prerope_channel_scale": fit_prerope_channel_scale,
-    "learned_orthogonal": fit_learned_orthogonal,
-}
-
-
 def fit_for(name: str, ctx: transforms.FitContext) -> list[dict[str, Any]]:
-    """Fit ``name``'s per-layer parameters (its spec's ``fit``, else :data:`FITS`), checked by
-    :func:`~rope_quant.core.transforms.check_fit` (a non-finite value names the layer and head)."""
-    entry = transforms.spec(name)
-    fit = entry.fit or FITS.get(name)
+    """Fit ``name``'s per-layer parameters (its spec's ``fit``: the built-ins name this module's functions),
+    checked by :func:`~rope_quant.core.transforms.check_fit` (a non-finite value names the layer and head)."""
+    fit = transforms.fit_function(name)
     if fit is None:
         raise transforms.FitError(f"{name}: declares needs_fit but has no fit function")
     params: Any = fit(ctx)

@@ -536,7 +536,7 @@ def _estimate_angles(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray
         if not transforms.needs_angles(r3.transform):  # the fit is costly; an angle-free R3 ignores it
             return np.zeros((stats.n_layers, stats.n_pairs))
         return estimate_angles(stats, estimator, "range", inv_freq=model,
-                               then_hadamard=r3.transform == "pairwise_plus_hadamard")
+                               then_hadamard=transforms.foldability(r3.transform).online_is_hadamard)
     return estimate_angles(stats, estimator, objective)
 
 

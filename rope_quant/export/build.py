@@ -136,8 +136,7 @@ def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = Non
     calib = data.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
     r3 = cfg.online
     if fold and r3_split(r3.transform, arch.dims(model0).head_dim, r3.block)[0]:  # before the expensive build
-        check_fold_layout(model0, "pairwise_only" if r3.transform == "pairwise_plus_hadamard" else r3.transform,
-                          r3.block)
+        check_fold_layout(model0, r3.transform, r3.block)
     present, wpath = weight_cache_present(cfg, cache_dir, model0, calib)
     if cache_dir is not None and not present:
         if not recompute:

@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
+from rope_quant.core import transforms
 from rope_quant.export.build import ExportModel
-from rope_quant.export.fold import ExportError, LayoutError, r3_split
+from rope_quant.export.fold import ExportError, LayoutError
 from rope_quant.io import atomic_write_json, to_jsonable
 from rope_quant.model import arch
 
@@ -72,12 +73,12 @@ def check_compressed(cfg: Any, head_dim: int) -> None:
                           "(export it with --format hf)")
     if w.bits > 8:
         raise ExportError(f"--format compressed-tensors packs 1..8-bit integer weights, the cell has w_bits={w.bits}")
-    foldable, rest = r3_split(cfg.online.transform, head_dim, cfg.online.block)
+    split = transforms.foldability(cfg.online.transform, head_dim, cfg.online.block)
     kv = cfg.quant.k.enabled or cfg.quant.v.enabled
-    if rest is not None and rest != "hadamard":
+    if split.online is not None and not split.online_is_hadamard:
         raise LayoutError(f"R3 {cfg.online.transform!r} does not commute with RoPE and is not the full-head "
                           "Hadamard: compressed-tensors has no transform type for it")
-    if foldable and cfg.online.transform != "identity" and kv:
+    if split.folds and kv:
         raise LayoutError(
             f"R3 {cfg.online.transform!r} with a quantised KV cache: its RoPE-pair rotation would have to fold into "
             "the quantised W_Q/W_K rows (moving them off their 4-bit grid) or run online per layer at q_attn/k_cache, "
@@ -87,8 +88,7 @@ def check_compressed(cfg: Any, head_dim: int) -> None:
 
 def r3_notes(cfg: Any, head_dim: int) -> list[str]:
     """Why a RoPE-commuting R3 is absent from a compressed-tensors export with K/V unquantised."""
-    foldable, _ = r3_split(cfg.online.transform, head_dim, cfg.online.block)
-    if not foldable or cfg.online.transform == "identity":
+    if not transforms.foldability(cfg.online.transform, head_dim, cfg.online.block).folds:
         return []
     return [f"note: R3 {cfg.online.transform!r}'s pair rotation is not written: with K and V unquantised it leaves "
             "every q·k unchanged (an orthogonal map on q and k alike), so the function is the same without it"]
@@ -140,8 +140,7 @@ def transform_config(cfg: Any, dims: Any) -> dict[str, Any] | None:
         kind = "hadamard" if _pow2(dims.intermediate) else "random-hadamard"
         groups[R4_SCHEME] = TransformScheme(type=kind, apply=[TransformArgs(targets=[arch.CT_TARGETS["down_proj"]],
                                                                             location="input")])
-    _, rest = r3_split(cfg.online.transform, dims.head_dim, cfg.online.block)
-    if rest == "hadamard":
+    if transforms.foldability(cfg.online.transform, dims.head_dim, cfg.online.block).online_is_hadamard:
         targets = [arch.CT_TARGETS["attention"]]
         groups[R3_SCHEME] = TransformScheme(type="hadamard", head_dim=dims.head_dim, apply=[
             TransformArgs(targets=targets, location="q_attn"), TransformArgs(targets=targets, location="k_cache")])

@@ -6,7 +6,8 @@ folds before RoPE. The fold itself is :func:`rope_quant.rotations.fold_r3.fold_r
 fold record uses: W_Q/W_K rows on a model without q/k norms; with per-head q/k norms (Gemma 3, Qwen3) the
 pair rotation goes into W_Q/W_K and the pair scales into the norm weights (a scale does not commute with the
 RMS that follows W_Q/W_K), and anything else is refused with :class:`LayoutError` naming the layer and the
-norm. ``pairwise_plus_hadamard`` = H·P(φ): its P(φ) folds, H stays online.
+norm. Which factor folds and which stays online is the registry's declaration (``TransformSpec.folding``):
+``pairwise_plus_hadamard`` = H·P(φ): its P(φ) folds, H stays online.
 
 Online parts (never foldable): R4, the Hadamard on down_proj's input (QuaRot/SpinQuant R4), and an R3 that
 does not commute with RoPE (``hadamard``, ``pairwise_plus_hadamard``'s Hadamard half, block controls).
@@ -63,23 +64,13 @@ class Online:
 
 
 def r3_split(name: str, head_dim: int, block: int | None = None) -> tuple[bool, str | None]:
-    """(foldable pairwise half, online remainder name or None) of R3 ``name``.
-
-    ``pairwise_plus_hadamard`` = H·P(φ): P folds, the full-head Hadamard stays online. A commuting transform
-    folds whole; any other non-commuting one stays online whole.
-    """
+    """(a factor folds, online remainder name or None) of R3 ``name``, as its registry entry declares
+    (:func:`rope_quant.core.transforms.foldability`: ``pairwise_plus_hadamard`` = H·P(φ): P folds, the full-head
+    Hadamard stays online; a commuting transform folds whole; any other stays online whole)."""
     from rope_quant.core import transforms
 
-    if name == "pairwise_plus_hadamard":
-        return True, "hadamard"
-    params: dict[str, Any] = {}
-    if transforms.needs_block(name):
-        params["block"] = block
-    if transforms.needs_angles(name):
-        params["angles"] = np.zeros(head_dim // 2)
-    if transforms.commutes_with_rope(name, head_dim, **params):
-        return True, None
-    return False, name
+    split = transforms.foldability(name, head_dim, block)
+    return split.folds, split.online
 
 
 def online_parts(cfg: Any, head_dim: int) -> list[Online]:
@@ -95,14 +86,14 @@ def online_parts(cfg: Any, head_dim: int) -> list[Online]:
 
 
 def pairwise_part(transform: Any) -> Any:
-    """The foldable factor of one layer's R3: the transform itself, or P(φ) of pairwise_plus_hadamard."""
+    """The foldable factor of one layer's R3 as its registry entry declares (the transform itself, or P(φ) of
+    pairwise_plus_hadamard); None when nothing folds (identity)."""
     from rope_quant.core import transforms
 
-    if transform.name == "pairwise_plus_hadamard":
-        return transforms.build("pairwise_only", transform.head_dim, angles=transform.angles, layout=transform.layout)
-    if not transform.commutes_with_rope:
+    part = transforms.fold_factor(transform)
+    if part is None and not transform.commutes_with_rope:
         raise ExportError(f"R3 {transform.name!r} does not commute with RoPE: it cannot fold into W_Q/W_K")
-    return transform
+    return part
 
 
 def _refusal(model: nn.Module, transforms_: list[Any]) -> LayoutError | None:
@@ -124,9 +115,11 @@ def check_fold_layout(model: nn.Module, name: str, block: int | None = None) -> 
     """
     from rope_quant.core import transforms
 
-    if name == "identity" or not any(n is not None for p in arch.attention_modules(model) for n in p.qk_norms):
-        return
     head_dim = arch.dims(model).head_dim
+    split = transforms.foldability(name, head_dim, block)
+    if split.fold is None or not any(n is not None for p in arch.attention_modules(model) for n in p.qk_norms):
+        return
+    name = split.fold  # the factor that folds (P(φ) of pairwise_plus_hadamard)
     params: dict[str, Any] = {}
     if transforms.needs_angles(name):
         params["angles"] = np.full(head_dim // 2, 0.3)
@@ -155,4 +148,4 @@ def fold_commuting_part(model: nn.Module, transforms_: list[Any]) -> None:
     error = _refusal(model, parts)
     if error is not None:
         raise error
-    fold_r3(model, [None if p.name == "identity" else p for p in parts])
+    fold_r3(model, parts)

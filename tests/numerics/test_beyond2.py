@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rope_quant.experiment.config import RunConfig
 from rope_quant.analysis import gap_share as G
-from rope_quant.sweep import presets
 from rope_quant.analysis.report import read_csv_rows
+from rope_quant.experiment.config import RunConfig
+from rope_quant.sweep import presets
 
 
 def test_the_preset_is_one_paired_holm_family() -> None:

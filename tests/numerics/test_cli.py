@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rope_quant import cli
-from rope_quant.cli import CLIError, parse_int_list, parse_names
 from rope_quant.analysis import report
+from rope_quant.cli import CLIError, parse_int_list, parse_names
 from rope_quant.sweep.loaded_models import ModelCache
 from rope_quant.sweep.manifest import LongContextConfig, read_manifest
 from rope_quant.sweep.records import status

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from rope_quant import cli
+from rope_quant.analysis import report
 from rope_quant.calib import intraband
 from rope_quant.calib.moments import CalibrationStats
 from rope_quant.core.rope import pair_indices
-from rope_quant.analysis import report
 from rope_quant.sweep.manifest import read_manifest
 
 L_, HQ, HK, D = 2, 4, 2, 8

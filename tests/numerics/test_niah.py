@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rope_quant import cli
+from rope_quant.analysis import niah_report
 from rope_quant.experiment import data
 from rope_quant.experiment.niah import HEADER, NiahError, NiahSpec, accuracy_table, make_probe, run_probes, score
-from rope_quant.analysis import niah_report
 from rope_quant.sweep import niah as sweep_niah
 from rope_quant.sweep.manifest import config_from_dict, read_manifest
 from rope_quant.sweep.records import is_complete, status

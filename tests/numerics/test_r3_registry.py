@@ -160,3 +160,76 @@ def test_a_foreign_fitted_transform_runs_compare_and_the_report(tmp_path: Path) 
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "foreign_eighth" in bad.stderr
     assert not (tmp_path / "out2" / "cells").exists()
+
+
+# ----------------------------------------------------------------------------- foldability, declared by the spec
+
+
+def test_each_builtin_declares_what_folds_and_what_stays_online():
+    split = {n: T.foldability(n, 16, block=4) for n in T.names() if not n.startswith("foreign")}
+    assert split["identity"] == T.Foldability(None, None)
+    assert split["hadamard"] == T.Foldability(None, "hadamard")
+    assert split["pairwise_plus_hadamard"] == T.Foldability("pairwise_only", "hadamard", T.INTO_PROJECTIONS)
+    assert split["pairwise_plus_hadamard"].online_is_hadamard and not split["pairwise_only"].online_is_hadamard
+    assert split["pairwise_only"] == T.Foldability("pairwise_only", None, T.INTO_PROJECTIONS)
+    for scaled in ("pairwise_scaled", "prerope_channel_scale"):  # the scales go into the q/k norms
+        assert split[scaled] == T.Foldability(scaled, None, T.INTO_PROJECTIONS_AND_NORMS)
+    assert split["learned_orthogonal"] == T.Foldability(None, "learned_orthogonal")
+    # a parameter-dependent entry: b = 2 stays inside the RoPE pairs (folds), b = 4 mixes pairs (online)
+    assert T.foldability("block_hadamard", 16, block=2).folds and not split["block_hadamard"].folds
+    assert split["block_hadamard"] == T.Foldability(None, "block_hadamard")
+
+
+def test_the_fold_factor_of_pairwise_plus_hadamard_is_its_pairwise_part():
+    angles = np.linspace(0.1, 0.8, 8)
+    ph = T.build("pairwise_plus_hadamard", 16, angles=angles)
+    part = T.fold_factor(ph)
+    assert part is not None and part.name == "pairwise_only"
+    np.testing.assert_array_equal(part.matrix(0, 1), T.build("pairwise_only", 16, angles=angles).matrix(0, 1))
+    assert T.fold_factor(T.build("identity", 16)) is None and T.fold_factor(T.build("hadamard", 16)) is None
+    scaled = T.build("pairwise_scaled", 16, angles=angles, scales=np.linspace(0.5, 2.0, 8))
+    assert T.fold_factor(scaled) is scaled
+
+
+def test_a_foreign_declaration_is_what_the_export_reads():
+    from rope_quant.export.fold import r3_split
+
+    spec = T.TransformSpec("foreign_split", lambda d, angles, layout="rotate_half": T.PairwisePlusHadamard(
+        d, angles, layout), False, "M = H·P", ("angles",), ("angles",),
+        folding=T.Foldability("pairwise_only", "hadamard", T.INTO_PROJECTIONS), source="tests")
+    T.register(spec)
+    try:
+        assert r3_split("foreign_split", 16) == (True, "hadamard")
+        assert r3_split("pairwise_plus_hadamard", 16) == (True, "hadamard")
+        assert r3_split("learned_orthogonal", 16) == (False, "learned_orthogonal")
+    finally:
+        T.unregister("foreign_split")
+    with pytest.raises(T.TransformParamError, match="folding must be a Foldability"):
+        T.TransformSpec("bad_folding", spec.factory, True, "M", folding=("pairwise_only", None))  # type: ignore
+
+
+def test_builtin_fits_are_named_on_their_specs():
+    from rope_quant.calib import foldable
+
+    for name in ("pairwise_scaled", "prerope_channel_scale", "learned_orthogonal"):
+        assert T.fit_function(name) is getattr(foldable, f"fit_{name}")
+    assert not hasattr(foldable, "FITS")
+    with pytest.raises(T.TransformParamError, match="module:function"):
+        T.TransformSpec("bad_fit", lambda d, layout="rotate_half": T.Identity(d, layout), True, "M", fit="nothing")
+
+
+def test_no_r3_name_is_compared_outside_the_registry():
+    """What folds and what stays online is read from the registry, never from an R3 name. ``identity`` and
+    ``hadamard`` are also R1/R2 names (``RotationKind``): for those, only R3-side operands count."""
+    import re
+
+    package = Path(T.__file__).resolve().parents[2]
+    own = "|".join(re.escape(n) for n in T.names() if n not in ("identity", "hadamard") and not n.startswith("foreign"))
+    shared = r'(transform|r3|online|rest|split|\.name)\w*\s*(==|!=)\s*"(identity|hadamard)"'
+    pattern = re.compile(rf'(==|!=)\s*"({own})"|"({own})"\s*(==|!=)|{shared}')
+    found = [f"{p.relative_to(package)}:{i}" for p in package.rglob("*.py") if "transforms" not in p.parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, found
+    assert pattern.search('if name == "pairwise_plus_hadamard":')  # the scan can fail
+    assert pattern.search('if rest is not None and rest != "hadamard":')
+    assert not pattern.search('if cfg.r1 != "identity":')

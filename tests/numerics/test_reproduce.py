@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rope_quant.sweep.manifest import build_manifest
 from rope_quant.analysis.reproduce import ReproduceError, add_against_argument, compare_against, run_against
+from rope_quant.sweep.manifest import build_manifest
 from rope_quant.sweep.runner import run_cells
 from tests._support import FakeConfig
 
@@ -131,8 +131,8 @@ def test_compare_report_carries_the_budget_to_decide_the_sign(tmp_path: Path) ->
 
 
 def test_the_free_fields_of_a_real_run_config() -> None:
-    from rope_quant.experiment.pipeline import RunConfig
     from rope_quant.analysis.reproduce import _flatten, _free
+    from rope_quant.experiment.pipeline import RunConfig
 
     fields = _flatten(RunConfig.from_flat(model="smollm2-135m", seed=3, device="cpu").to_dict())
     free = sorted(k for k in fields if _free(k))

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 import rope_quant
-from rope_quant.experiment.config import RunConfig
 from rope_quant.analysis import report
+from rope_quant.experiment.config import RunConfig
 from rope_quant.sweep import presets, slurm
 from rope_quant.sweep.manifest import write_manifest
 from rope_quant.sweep.records import cell_path, is_complete

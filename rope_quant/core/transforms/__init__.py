@@ -63,8 +63,11 @@ from rope_quant.core.transforms.foldable import (
 )
 from rope_quant.core.transforms.registry import (
     ENTRY_POINT_GROUP,
+    INTO_PROJECTIONS,
+    INTO_PROJECTIONS_AND_NORMS,
     FitContext,
     FitError,
+    Foldability,
     RegistryWarning,
     TransformNameClashError,
     TransformSpec,
@@ -72,6 +75,9 @@ from rope_quant.core.transforms.registry import (
     check_fit,
     closest_names,
     commutes_with_rope,
+    fit_function,
+    fold_factor,
+    foldability,
     load_entry_points,
     names,
     needs_angles,
@@ -89,6 +95,7 @@ __all__ = [
     "BlockHadamard", "PairwiseScaled", "PreRopeChannelScale", "LearnedOrthogonal", "TransformSpec", "FitContext",
     "ENTRY_POINT_GROUP", "register", "unregister", "spec", "names", "closest_names", "build", "needs_angles",
     "needs_block", "needs_fit", "commutes_with_rope", "check_fit", "load_entry_points", "interleave_permutation",
+    "Foldability", "INTO_PROJECTIONS", "INTO_PROJECTIONS_AND_NORMS", "foldability", "fold_factor", "fit_function",
 ]
 
 
@@ -99,18 +106,23 @@ def _block(raw: bool, contiguous: bool):
     return make
 
 
+#: The module of the built-in fits (they need the quantisers, a layer above core: named, imported on first use).
+_FITS = "rope_quant.calib.foldable"
+
+
 def _builtins() -> list[TransformSpec]:
     angles, block = ("angles",), ("block",)
     return [
         TransformSpec("identity", lambda d, layout="rotate_half": Identity(d, layout), True, "M = I",
-                      doc="no R3"),
+                      doc="no R3", folding=Foldability(None, None)),
         TransformSpec("hadamard", lambda d, layout="rotate_half": FullHadamard(d, layout), False, "M = H_d/√d",
                       doc="full-head Hadamard"),
         TransformSpec("pairwise_only", lambda d, angles, layout="rotate_half": Pairwise(d, angles, layout), True,
                       "M = ⊕_k G(φ_k)", angles, angles, doc="Givens G(φ_k) per RoPE pair"),
         TransformSpec("pairwise_plus_hadamard",
                       lambda d, angles, layout="rotate_half": PairwisePlusHadamard(d, angles, layout), False,
-                      "M = (H_d/√d)·⊕_k G(φ_k)", angles, angles, doc="pairwise, then full-head Hadamard"),
+                      "M = (H_d/√d)·⊕_k G(φ_k)", angles, angles, doc="pairwise, then full-head Hadamard",
+                      folding=Foldability("pairwise_only", "hadamard", INTO_PROJECTIONS)),
         TransformSpec("pair_h2", lambda d, layout="rotate_half": BlockHadamard(d, 2, layout), True,
                       "M = ⊕_k G(π/4)", doc="G(π/4) per RoPE pair"),
         TransformSpec("block_hadamard", _block(False, False), None, "M = Π^T (I ⊗ H_{b/2}/√(b/2) ⊗ G(π/4)) Π",
@@ -124,15 +136,19 @@ def _builtins() -> list[TransformSpec]:
         TransformSpec("pairwise_scaled",
                       lambda d, angles, scales=None, layout="rotate_half": PairwiseScaled(d, angles, scales, layout),
                       True, "M_k = S·⊕_k G(φ_k), M_q = S^{-1}·⊕_k G(φ_k), S = ⊕_k s_k I_2",
-                      ("angles", "scales"), angles, needs_fit=True,
-                      doc="Givens angle plus a pair-tied key scale (inverse on queries)"),
+                      ("angles", "scales"), angles, needs_fit=True, fit=f"{_FITS}:fit_pairwise_scaled",
+                      doc="Givens angle plus a pair-tied key scale (inverse on queries)",
+                      folding=Foldability("pairwise_scaled", None, INTO_PROJECTIONS_AND_NORMS)),
         TransformSpec("prerope_channel_scale",
                       lambda d, scales=None, layout="rotate_half": PreRopeChannelScale(d, scales, layout),
                       True, "M_k = S, M_q = S^{-1}, S = ⊕_k s_k I_2 (pair-tied)", ("scales",), needs_fit=True,
-                      doc="KVQuant/SmoothAttention-style pair-tied key scales before RoPE"),
+                      fit=f"{_FITS}:fit_prerope_channel_scale",
+                      doc="KVQuant/SmoothAttention-style pair-tied key scales before RoPE",
+                      folding=Foldability("prerope_channel_scale", None, INTO_PROJECTIONS_AND_NORMS)),
         TransformSpec("learned_orthogonal",
                       lambda d, matrices=None, layout="rotate_half": LearnedOrthogonal(d, matrices, layout),
                       False, "M = Q_h, Q_h Q_hᵀ = I (Cayley, from H_d/√d)", ("matrices",), needs_fit=True,
+                      fit=f"{_FITS}:fit_learned_orthogonal",
                       doc="orthogonal d×d per KV head fitted to the 4-bit K error (upper reference)"),
     ]
 

@@ -17,10 +17,19 @@ A transform whose spec has ``needs_fit`` gets its parameters from ``spec.fit(ctx
 the calibration statistics with the pre-RoPE K sample, per-layer RoPE frequencies, the estimated angles) in
 the pipeline, one parameter dict per layer; the built-in fits live in :mod:`rope_quant.calib.foldable`.
 Every fit result is checked (:func:`check_fit`): a non-finite value is rejected naming the layer and head.
+A spec's ``fit`` is a callable or an import reference ``"module:function"``, resolved on first use (the
+built-in fits need the quantisers, a layer above this one, so their specs name them that way).
+
+A spec also declares its foldability (:class:`Foldability`): which factor of ``M = online · fold`` is
+RoPE-commuting and folds before RoPE (and where: W_Q/W_K rows, and the per-pair scales into the q/k norm
+weights of a model that has them), and which factor stays online on post-RoPE q/k. A spec that declares none
+folds whole when it commutes with RoPE and stays online whole otherwise (:func:`foldability`). The export and
+the pipeline read this declaration; no code outside the registry compares R3 names.
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +56,12 @@ __all__ = [
     "needs_fit",
     "commutes_with_rope",
     "check_fit",
+    "Foldability",
+    "INTO_PROJECTIONS",
+    "INTO_PROJECTIONS_AND_NORMS",
+    "foldability",
+    "fold_factor",
+    "fit_function",
     "load_entry_points",
     "closest_names",
 ]
@@ -86,6 +101,38 @@ class FitContext:
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: Where a folded factor goes: its rotation into the W_Q/W_K rows ...
+INTO_PROJECTIONS: tuple[str, ...] = ("W_Q/W_K",)
+#: ... and, for a factor with per-pair scales, the scales into the q/k norm weights where the model has per-head
+#: q/k norms (a scale does not commute with the RMS that follows W_Q/W_K; :mod:`rope_quant.rotations.fold_r3`).
+INTO_PROJECTIONS_AND_NORMS: tuple[str, ...] = ("W_Q/W_K", "q/k norm weights")
+
+
+@dataclass(frozen=True)
+class Foldability:
+    """Which factor of an R3 ``M = online · fold`` folds into the weights before RoPE, and which stays online.
+
+    ``fold``: the registry name of the RoPE-commuting factor (built from the transform's own parameters that
+    it accepts), None when nothing folds; ``online``: the registry name of the factor applied to post-RoPE q/k
+    at run time, None when nothing stays online; ``into``: where the folded factor goes. ``identity`` is
+    ``Foldability(None, None)``: nothing to fold, nothing online.
+    """
+
+    fold: str | None
+    online: str | None
+    into: tuple[str, ...] = ()
+
+    @property
+    def folds(self) -> bool:
+        """A factor folds into the weights."""
+        return self.fold is not None
+
+    @property
+    def online_is_hadamard(self) -> bool:
+        """The online factor is the full-head Hadamard (what compressed-tensors can carry at q_attn/k_cache)."""
+        return self.online == "hadamard"
+
+
 @dataclass(frozen=True)
 class TransformSpec:
     """One registry entry.
@@ -94,8 +141,9 @@ class TransformSpec:
     declared flag (None: it depends on the parameters, e.g. the block size; the built transform says).
     ``equation``: the map in one line (documentation and the report). ``params``: accepted parameters besides
     ``layout``; ``required``: those that must be given (``angles`` makes the pipeline estimate angles first).
-    ``needs_fit``: parameters come from ``fit(FitContext) -> [params per layer]`` (built-ins: None here, the
-    fit lives in :mod:`rope_quant.calib.foldable`).
+    ``needs_fit``: parameters come from ``fit(FitContext) -> [params per layer]`` (a callable, or an import
+    reference ``"module:function"``: the built-ins name theirs in :mod:`rope_quant.calib.foldable`).
+    ``folding``: the declared :class:`Foldability` (None: derived from ``commutes_with_rope``).
     """
 
     name: str
@@ -105,9 +153,10 @@ class TransformSpec:
     params: tuple[str, ...] = ()
     required: tuple[str, ...] = ()
     needs_fit: bool = False
-    fit: Callable[[FitContext], Sequence[Mapping[str, Any]]] | None = None
+    fit: Callable[[FitContext], Sequence[Mapping[str, Any]]] | str | None = None
     doc: str = ""
     source: str = "rope_quant"
+    folding: Foldability | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or not self.name.replace("_", "").isalnum():
@@ -118,8 +167,10 @@ class TransformSpec:
             raise TransformParamError(f"{self.name}: commutes_with_rope must be True, False or None")
         if not set(self.required) <= set(self.params):
             raise TransformParamError(f"{self.name}: required {self.required} must be among params {self.params}")
-        if self.fit is not None and not callable(self.fit):
-            raise TransformParamError(f"{self.name}: fit must be callable")
+        if self.fit is not None and not callable(self.fit) and not (isinstance(self.fit, str) and ":" in self.fit):
+            raise TransformParamError(f"{self.name}: fit must be callable or a 'module:function' reference")
+        if self.folding is not None and not isinstance(self.folding, Foldability):
+            raise TransformParamError(f"{self.name}: folding must be a Foldability")
 
     @property
     def needs_angles(self) -> bool:
@@ -282,3 +333,46 @@ def check_fit(name: str, fitted: Sequence[Mapping[str, Any]], n_layers: int, n_k
                 raise FitError(f"{name}: the fit of layer {layer}{head} gave non-finite {key!r}; "
                                "refusing to use it")
     return out
+
+
+def fit_function(name: str) -> Callable[[FitContext], Sequence[Mapping[str, Any]]] | None:
+    """The spec's fit as a callable (an import reference ``"module:function"`` is imported here), or None."""
+    fit = spec(name).fit
+    if isinstance(fit, str):
+        module, _, attr = fit.partition(":")
+        resolved = getattr(importlib.import_module(module), attr, None)
+        if not callable(resolved):
+            raise FitError(f"{name}: fit reference {fit!r} is not a callable")
+        return resolved  # type: ignore[no-any-return]
+    return fit
+
+
+def foldability(name: str, head_dim: int = 64, block: int | None = None) -> Foldability:
+    """The declared :class:`Foldability` of ``name``, else: folds whole into W_Q/W_K when it commutes with RoPE
+    (a parameter-dependent entry is built with ``block`` and zero angles), stays online whole otherwise."""
+    entry = spec(name)
+    if entry.folding is not None:
+        return entry.folding
+    params: dict[str, Any] = {}
+    if entry.needs_block:
+        params["block"] = block
+    if entry.needs_angles:
+        params["angles"] = np.zeros(head_dim // 2)
+    if commutes_with_rope(name, head_dim, **params):
+        return Foldability(name, None, INTO_PROJECTIONS)
+    return Foldability(None, name)
+
+
+def fold_factor(transform: R3Transform) -> R3Transform | None:
+    """The factor of a built transform that folds before RoPE (the transform itself, a factor built from its
+    parameters, e.g. P(φ) of ``pairwise_plus_hadamard``), or None when nothing folds."""
+    entry = spec(transform.name)
+    folding = entry.folding
+    if folding is None:  # the built transform knows (a block size may decide)
+        folding = Foldability(transform.name, None) if transform.commutes_with_rope else Foldability(None, None)
+    if folding.fold is None:
+        return None
+    if folding.fold == transform.name:
+        return transform
+    params = {p: getattr(transform, p) for p in spec(folding.fold).params if getattr(transform, p, None) is not None}
+    return build(folding.fold, transform.head_dim, layout=getattr(transform, "layout", "rotate_half"), **params)
