@@ -1,22 +1,22 @@
 """The report part each cell kind adds to ``rope-quant report`` (static: App. A.6/A.8 tables; NIAH: accuracy tables
 and figure), found through a registry keyed by the kind's name, as the manifest's cells give it.
 
-The hooks live here, above the records and the report, and not on :class:`~rope_quant.sweep.cellkind.CellKind`:
-a kind's report reads the records, and the records sit above the kinds (the manifest rebuilds cells through
-them), so the import graph stays a tree. :func:`write_kind_reports` runs the hook of every kind present in a
-results directory; a kind from another package adds its own with :func:`register_report`.
+A kind names its report on its :class:`~rope_quant.sweep.cellkind.CellKind` (``report = "module:function"``:
+named, not imported, because a report reads the records, which sit above the kinds); :func:`write_kind_reports`
+runs the report of every kind present in a results directory. :func:`register_report` adds or replaces one
+at run time (tests, interactive use).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rope_quant.core.verdict import LEVEL
-from rope_quant.defaults import DEFAULT_COMPARATOR
-from rope_quant.sweep.cellkind import CellKindName, SweepError, kind_for_dict
+from rope_quant.sweep.cellkind import SweepError, kind_for_dict, kind_named
 from rope_quant.sweep.manifest import read_manifest
 
 
@@ -62,28 +62,25 @@ def kinds_in(results_dir: str | os.PathLike[str]) -> list[str]:
     return list(dict.fromkeys(kind_for_dict(c["config"]).name for c in read_manifest(results_dir)["cells"]))
 
 
+def report_hook(kind: str) -> ReportHook | None:
+    """The report part of ``kind``: one added with :func:`register_report`, else the one its
+    :class:`~rope_quant.sweep.cellkind.CellKind` names (``report = "module:function"``), else None."""
+    if kind in _REPORTS:
+        return _REPORTS[kind]
+    ref = kind_named(kind).report
+    if ref is None:
+        return None
+    module, _, attr = ref.partition(":")
+    hook = getattr(importlib.import_module(module), attr, None)
+    if not callable(hook):
+        raise SweepError(f"cell kind {kind!r}: report {ref!r} is not a callable")
+    return hook  # type: ignore[no-any-return]
+
+
 def write_kind_reports(results_dir: str | os.PathLike[str], options: ReportOptions | None = None) -> list[KindReport]:
-    """The report of every kind in ``results_dir`` that registered one (none for plain and long-context cells,
-    whose tables are :func:`rope_quant.analysis.report.write_report`'s)."""
+    """The report of every kind in ``results_dir`` that has one (none for plain and long-context cells, whose
+    tables are :func:`rope_quant.analysis.report.write_report`'s)."""
     root = Path(results_dir)
     options = options or ReportOptions()
-    return [_REPORTS[kind](root, options) for kind in kinds_in(root) if kind in _REPORTS]
-
-
-def _static_report(root: Path, options: ReportOptions) -> KindReport:
-    from rope_quant.analysis.static_report import write_static_report
-
-    text = write_static_report(root, level=options.level)
-    return KindReport(CellKindName.STATIC.value, text, [str(root / "static.md")])
-
-
-def _niah_report(root: Path, options: ReportOptions) -> KindReport:
-    from rope_quant.analysis.niah_report import niah_report
-
-    comparator = options.comparator or read_manifest(root).get("comparator") or DEFAULT_COMPARATOR
-    out = niah_report(root, comparator=comparator, figures=options.figures)
-    return KindReport(CellKindName.NIAH.value, out["markdown"], list(out["files"]))
-
-
-register_report(CellKindName.STATIC.value, _static_report)
-register_report(CellKindName.NIAH.value, _niah_report)
+    hooks = [(kind, report_hook(kind)) for kind in kinds_in(root)]
+    return [hook(root, options) for _, hook in hooks if hook is not None]

@@ -167,3 +167,15 @@ def accuracy_axes(acc: Mapping[str, Mapping[str, Mapping[int, float]]], disc: Se
     legend_outside(ax)
     suptitle(fig, setup, "NIAH accuracy against context length")
     return fig
+
+
+def kind_report(root: Path, options: Any) -> Any:
+    """The NIAH cell kind's part of ``rope-quant report`` (:class:`~rope_quant.analysis.kind_reports.KindReport`):
+    paired against ``options.comparator``, else the manifest's."""
+    from rope_quant.analysis.kind_reports import KindReport
+    from rope_quant.sweep.cellkind import CellKindName
+    from rope_quant.sweep.manifest import read_manifest
+
+    comparator = options.comparator or read_manifest(root).get("comparator") or DEFAULT_COMPARATOR
+    out = niah_report(root, comparator=comparator, figures=options.figures)
+    return KindReport(CellKindName.NIAH.value, out["markdown"], list(out["files"]))

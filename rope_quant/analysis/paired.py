@@ -21,7 +21,7 @@ from rope_quant.core import stats
 from rope_quant.core.verdict import LEVEL
 from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.io import atomic_write_json
-from rope_quant.sweep.manifest import read_manifest
+from rope_quant.sweep.manifest import read_manifest, study_of
 from rope_quant.sweep.records import complete_records, status
 
 #: The fixed margins (perplexity points) of the report's equivalence columns; the claims' margin is
@@ -299,7 +299,7 @@ def summarize(
 
     st = status(results_dir)
     summary = {
-        "kind": manifest.get("kind", "custom"),
+        "kind": study_of(manifest),
         "comparator": comparator,
         "seeds": [s for s in seed_order if any(s in per for per in ppl.values())
                   or any(s in seeds for seeds in (lm_eval.get("seeds") or {}).values())

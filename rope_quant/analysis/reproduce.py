@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from rope_quant.core.verdict import Form, decide_interval
 from rope_quant.io import markdown_table
+from rope_quant.sweep.manifest import study_of
 
 #: Config fields a reproduction may change without changing the protocol (matched as dotted-path suffixes:
 #: ``seed``, ``runtime.device``, ``quant.w.gptq.float64``).
@@ -66,7 +67,7 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 def protocol(directory: Path) -> dict[str, set[str]]:
     """Per config field (dotted), the set of values over the manifest's cells, plus the manifest's kind."""
     manifest = json.loads((directory / "manifest.json").read_text())
-    fields: dict[str, set[str]] = {"kind": {json.dumps(manifest.get("kind"))},
+    fields: dict[str, set[str]] = {"kind": {json.dumps(study_of(manifest))},
                                    "comparator": {json.dumps(manifest.get("comparator"))}}
     for cell in manifest.get("cells", []):
         for key, value in _flatten(cell.get("config", {})).items():

@@ -174,3 +174,13 @@ def write_static_report(results_dir: Any, comparator: str = DEFAULT_COMPARATOR, 
     text = "\n\n".join(blocks) + "\n"
     atomic_write_text(root / "static.md", text)
     return text
+
+
+def kind_report(root: Path, options: Any) -> Any:
+    """The static cell kind's part of ``rope-quant report``: contrasts against the comparator within each scope
+    (App. D), at ``options.level``."""
+    from rope_quant.analysis.kind_reports import KindReport
+    from rope_quant.sweep.cellkind import CellKindName
+
+    text = write_static_report(root, level=options.level)
+    return KindReport(CellKindName.STATIC.value, text, [str(root / "static.md")])

@@ -201,7 +201,7 @@ def execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[st
     selected = [merged.indices[i] for i in chosen]
     todo = pending(out, merged.manifest, selected, args.resume and args.slurm is None)
     if todo:
-        for note in preflight(Manifest(cells=todo, kind=manifest.kind), cells.cache(),
+        for note in preflight(Manifest(cells=todo, study=manifest.study), cells.cache(),
                               load=cells.cell_fn is None and args.slurm is None):
             print(f"note: {note}", file=sys.stderr)
     if args.slurm is not None:

@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace, cells: Cells) -> int:
                       average_length=args.average_length)
     name = args.name or (args.config if args.block is None else f"{args.config}-b{args.block}")
     meta = {name: {"r3": args.config, **({"block": args.block} if args.block else {})}}
-    manifest = Manifest(cells=[(name, cfg)], kind="run", comparator=DEFAULT_COMPARATOR, meta=meta)
+    manifest = Manifest(cells=[(name, cfg)], study="run", comparator=DEFAULT_COMPARATOR, meta=meta)
     out = Path(args.out)
     print_settings(args, cfg, used)
     path = records.cell_path(out, name, cfg)

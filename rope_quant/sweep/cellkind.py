@@ -140,7 +140,11 @@ class CellKind:
     ``wraps_run``: the config holds its ``RunConfig`` as ``.run`` (else it is the run itself); ``tag``: the key
     of the manifest dict beside ``"run"`` that marks this kind (None: the plain run, the fallback);
     ``extra_settings(cfg)``: the settings a wrapping kind adds to its run's (:func:`cell_settings`);
-    ``lengths(cfg)``: the context lengths a cell scores, for kinds that score several (None: the run's seqlen).
+    ``lengths(cfg)``: the context lengths a cell scores, for kinds that score several (None: the run's seqlen);
+    ``scored(result)``: whether a result holds this kind's score (the records ask it; default: a plain run's);
+    ``report``: the import reference ``"module:function"`` of the kind's part of ``rope-quant report``
+    (``function(results_dir, options) -> KindReport``, :mod:`rope_quant.analysis.kind_reports`), named rather
+    than imported because a report reads records, a layer above the kinds.
     """
 
     name: str
@@ -150,9 +154,10 @@ class CellKind:
     from_dict: Callable[[Mapping[str, Any]], Any] = _not_registered("from_dict")
     extra_settings: Callable[[Any], Mapping[str, Any]] = lambda cfg: {}
     evaluate: Callable[[Any, CellContext], Mapping[str, Any]] = _not_registered("evaluate")
-    scored: Callable[[Mapping[str, Any]], bool] = lambda result: False
+    scored: Callable[[Mapping[str, Any]], bool] = lambda result: _run_scored(result)
     lengths: Callable[[Any], tuple[int, ...]] | None = None
     description: str = ""
+    report: str | None = None
 
     def run_of(self, cfg: Any) -> Any:
         """The ``RunConfig`` behind a cell config of this kind."""
@@ -185,6 +190,8 @@ def register(kind: CellKind, *, replace: bool = False) -> CellKind:
             clash.append(f"tag {kind.tag!r}")
         if clash:
             raise SweepError(f"cell kind {kind.name!r}: {', '.join(clash)} already registered")
+    if kind.report is not None and ":" not in kind.report:
+        raise SweepError(f"cell kind {kind.name!r}: report must be a 'module:function' reference")
     if kind.wraps_run and kind.tag is None:
         raise SweepError(f"cell kind {kind.name!r} wraps a run, so it needs a tag to be found in a manifest")
     _BY_NAME[kind.name] = kind
@@ -253,9 +260,11 @@ def _run_evaluate(cfg: Any, ctx: CellContext) -> Mapping[str, Any]:
 
 
 def _run_scored(result: Mapping[str, Any]) -> bool:
-    from rope_quant.sweep.scoring import scored_ppl
+    """A plain run's finite ``ppl``, or scored context lengths (a run config that scores several lengths: a
+    stand-in of the tests, or a record from before the long-context cells carried their own tag)."""
+    from rope_quant.sweep.scoring import scored_lengths, scored_ppl
 
-    return scored_ppl(result)
+    return scored_ppl(result) or bool(scored_lengths(result))
 
 
 #: The plain run: one ``RunConfig`` evaluated at its own sequence length (the R3 comparison's cell).

@@ -38,4 +38,4 @@ def lm_eval_manifest(
         for seed in seeds for name in configs
     ]
     meta = {name: {"r3": name, "tasks": list(tasks)} for name in configs}
-    return Manifest(cells=cells, kind=KIND, comparator=comparator, meta=meta)
+    return Manifest(cells=cells, study=KIND, comparator=comparator, meta=meta)

@@ -106,13 +106,15 @@ class Manifest:
     """The cells of one experiment plus what the report needs to read them.
 
     ``cells`` is a list of ``(name, RunConfig)``; iterating a manifest yields those pairs.
-    ``kind`` names the experiment (``compare``, ``support``, ``estimators``, ``long-context``, ``run``),
+    ``study`` names the experiment (``compare``, ``support``, ``estimators``, ``long-context``, ``run``; not
+    to be confused with a cell's kind, :mod:`rope_quant.sweep.cellkind`; ``manifest.json`` files written before
+    the rename say ``kind``, :func:`study_of` reads both),
     ``comparator`` the config every other one is paired against, ``family`` the Holm family (default:
     every non-comparator config), and ``meta[name]`` descriptive fields per config (e.g. ``block``).
     """
 
     cells: list[tuple[str, Any]]
-    kind: str = "custom"
+    study: str = "custom"
     comparator: str = DEFAULT_COMPARATOR
     family: tuple[str, ...] | None = None
     meta: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -129,6 +131,11 @@ class Manifest:
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return iter(self.cells)
 
+    @property
+    def kind(self) -> str:
+        """The study's earlier name (read-only alias of :attr:`study`)."""
+        return self.study
+
     def __len__(self) -> int:
         return len(self.cells)
 
@@ -143,7 +150,7 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         """The ``manifest.json`` content (no timestamps, so identical manifests write identical files)."""
         return {
-            "kind": self.kind,
+            "study": self.study,
             "comparator": self.comparator,
             "family": list(self.family) if self.family is not None else None,
             "meta": to_jsonable(self.meta),
@@ -167,15 +174,25 @@ def build_manifest(
     variants: Mapping[str, Mapping[str, Any]],
     seeds: Sequence[int],
     *,
-    kind: str = "custom",
+    study: str = "custom",
     comparator: str = DEFAULT_COMPARATOR,
     family: Sequence[str] | None = None,
     meta: Mapping[str, Mapping[str, Any]] | None = None,
+    kind: str | None = None,
 ) -> Manifest:
     """Cells ``with_overrides(base, seed=s, **variants[name])`` for every seed, then every name.
 
-    Seed-major order puts the cells that share weights (same seed) next to each other.
+    Seed-major order puts the cells that share weights (same seed) next to each other. ``kind`` is the
+    deprecated spelling of ``study``.
     """
+    if kind is not None:
+        import warnings
+
+        from rope_quant._deprecation import message
+
+        warnings.warn(message("build_manifest(kind=...)", "build_manifest(study=...)"), DeprecationWarning,
+                      stacklevel=2)
+        study = kind
     if not seeds:
         raise SweepError("no seeds given")
     if not variants:
@@ -187,7 +204,7 @@ def build_manifest(
     ]
     return Manifest(
         cells=cells,
-        kind=kind,
+        study=study,
         comparator=comparator,
         family=tuple(family) if family is not None else None,
         meta={k: dict(v) for k, v in (meta or {}).items()},
@@ -212,11 +229,16 @@ def manifest_from_dict(data: Mapping[str, Any], config_factory: Callable[[dict],
     family = data.get("family")
     return Manifest(
         cells=cells,
-        kind=data.get("kind", "custom"),
+        study=study_of(data),
         comparator=data.get("comparator", DEFAULT_COMPARATOR),
         family=tuple(family) if family is not None else None,
         meta=dict(data.get("meta") or {}),
     )
+
+
+def study_of(data: Mapping[str, Any]) -> str:
+    """The study of ``manifest.json`` content (``"study"``; a manifest written before the rename says ``"kind"``)."""
+    return str(data.get("study", data.get("kind", "custom")))
 
 
 def read_manifest(out: str | os.PathLike[str]) -> dict[str, Any]:
@@ -394,7 +416,7 @@ def study_diff(old: Manifest, new: Manifest) -> list[str]:
     (the Holm family follows the configs).
     """
     lines = []
-    for what in ("kind", "comparator"):
+    for what in ("study", "comparator"):
         a, b = getattr(old, what), getattr(new, what)
         if a != b:
             lines.append(f"{what}: {_short(a)} -> {_short(b)}")
@@ -431,7 +453,7 @@ def reconcile(out: str | os.PathLike[str], new: Manifest, *, force: bool = False
     except (OSError, json.JSONDecodeError) as exc:
         raise ManifestMismatchError(f"{path} cannot be read ({exc}); use --force-new-manifest to replace it") from exc
     family = data.get("family")
-    old = Manifest(cells=_old_configs(data, path), kind=data.get("kind", "custom"),
+    old = Manifest(cells=_old_configs(data, path), study=study_of(data),
                    comparator=data.get("comparator", DEFAULT_COMPARATOR),
                    family=tuple(family) if family is not None else None, meta=dict(data.get("meta") or {}))
     diff = study_diff(old, new)
@@ -457,7 +479,7 @@ def reconcile(out: str | os.PathLike[str], new: Manifest, *, force: bool = False
         cells.append(new.cells[i])
     family = None if old.family is None and new.family is None else \
         tuple(dict.fromkeys((*(old.family or ()), *(new.family or ()))))
-    merged = Manifest(cells=cells, kind=new.kind, comparator=new.comparator, family=family,
+    merged = Manifest(cells=cells, study=new.study, comparator=new.comparator, family=family,
                       meta={**old.meta, **new.meta})
     return Reconciled(merged, indices, added=len(new_ids), kept=kept, content_changed=content_changes(old, new))
 

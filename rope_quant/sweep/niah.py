@@ -48,7 +48,7 @@ def niah_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], spec:
     meta = {name: {"r3": name} for name in configs}
     if fp:
         meta[FP] = {"r3": None, "unquantised": True}
-    return Manifest(cells=cells, kind=KIND, comparator=comparator, meta=meta)
+    return Manifest(cells=cells, study=KIND, comparator=comparator, meta=meta)
 
 
 def spec_hash(spec: NiahSpec) -> str:

@@ -189,7 +189,7 @@ def preflight(manifest: Manifest, models: ModelCache, *, load: bool) -> list[str
                 dims = arch.dims(base)
             else:
                 dims = _dims_from_config(model)
-            check_geometry(Manifest(cells=cells, kind=manifest.kind), dims, model)
+            check_geometry(Manifest(cells=cells, study=manifest.study), dims, model)
             if not load:
                 continue
             for corpus_name in dict.fromkeys(run_of(cfg).corpus for _, cfg in cells):

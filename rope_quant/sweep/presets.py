@@ -18,7 +18,7 @@ from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, b
 def compare_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int],
                      comparator: str = DEFAULT_COMPARATOR) -> Manifest:
     """The main comparison: one cell per (seed, R3 name), R3 names used as config names."""
-    return build_manifest(base, {name: {"r3": name} for name in configs}, seeds, kind="compare",
+    return build_manifest(base, {name: {"r3": name} for name in configs}, seeds, study="compare",
                           comparator=comparator, family=[c for c in configs if c != comparator],
                           meta={name: {"r3": name} for name in configs})
 
@@ -32,7 +32,7 @@ def support_manifest(base: Any, blocks: Sequence[int], seeds: Sequence[int],
         name = f"{transform}-b{int(b)}"
         variants[name] = {"r3": transform, "r3_block": int(b)}
         meta[name] = {"r3": transform, "block": int(b)}
-    return build_manifest(base, variants, seeds, kind="support", comparator=comparator,
+    return build_manifest(base, variants, seeds, study="support", comparator=comparator,
                           family=[n for n in variants if n != comparator], meta=meta)
 
 
@@ -54,7 +54,7 @@ def estimators_manifest(base: Any, estimators: Sequence[str], seeds: Sequence[in
                               "average_length": average_length if rule == "phi_star" else None,
                               "objective": "variance"}
             meta[name] = {"r3": transform, "estimator": f"{rule}({phi_star_estimator})"}
-    return build_manifest(base, variants, seeds, kind="estimators", comparator=comparator,
+    return build_manifest(base, variants, seeds, study="estimators", comparator=comparator,
                           family=[n for n in variants if n != comparator], meta=meta)
 
 
@@ -71,7 +71,7 @@ def long_context_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int
                                                   eval_corpus=eval_corpus)))
     if not cells:
         raise SweepError("no configs or seeds given")
-    return Manifest(cells=cells, kind="long-context", comparator=comparator,
+    return Manifest(cells=cells, study="long-context", comparator=comparator,
                     family=[c for c in configs if c != comparator],
                     meta={name: {"r3": name, "lengths": list(lengths)} for name in configs})
 
@@ -108,7 +108,7 @@ def beyond_manifest(base: Any, seeds: Sequence[int], comparator: str = DEFAULT_C
     variants = beyond_variants(comparator)
     meta = {name: {k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "angle")}
             for name, ov in variants.items()}
-    return build_manifest(base, variants, seeds, kind="beyond", comparator=comparator,
+    return build_manifest(base, variants, seeds, study="beyond", comparator=comparator,
                           family=[n for n in variants if n != comparator], meta=meta)
 
 
@@ -127,7 +127,7 @@ def beyond_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Seque
         cells.append(("pairwise_only-phi_star_k_only-matched",
                       LongContextConfig(run, tuple(lengths), matched_average=True)))
     names = [*chosen, "pairwise_only-phi_star_k_only-matched"]
-    return Manifest(cells=cells, kind="long-context", comparator=comparator,
+    return Manifest(cells=cells, study="long-context", comparator=comparator,
                     family=[n for n in names if n != comparator],
                     meta={n: {"lengths": list(lengths)} for n in names})
 
@@ -165,7 +165,7 @@ def beyond2_manifest(base: Any, seeds: Sequence[int], comparator: str = DEFAULT_
     variants = beyond2_variants(comparator)
     meta = {name: {**{k: v for k, v in ov.items() if k in ("r3", "estimator", "objective", "angle")},
                    "preset": FOLDABLE_R3_TAG} for name, ov in variants.items()}
-    return build_manifest(base, variants, seeds, kind="beyond", comparator=comparator,
+    return build_manifest(base, variants, seeds, study="beyond", comparator=comparator,
                           family=[n for n in variants if n != comparator], meta=meta)
 
 
@@ -198,7 +198,7 @@ def appj_long_context_manifest(base: Any, seeds: Sequence[int], lengths: Sequenc
                 cells.append((f"{rule}+{corpus_tag(corpus)}", LongContextConfig(run, tuple(lengths),
                                                                     matched_average=rule == "phi_star",
                                                                     eval_corpus=corpus)))
-    return Manifest(cells=cells, kind="long-context", comparator=f"phi_hat_branch_matched+{corpus_tag(corpora[0])}",
+    return Manifest(cells=cells, study="long-context", comparator=f"phi_hat_branch_matched+{corpus_tag(corpora[0])}",
                     family=[f"phi_star+{corpus_tag(c)}" for c in corpora], meta=meta)
 
 
@@ -236,7 +236,7 @@ def lower_bits_manifest(base: Any, seeds: Sequence[int], settings: Sequence[str]
             variants[name] = {"r3": r3, "w_bits": w, "a_bits": a, "k_bits": k, "v_bits": v}
             meta[name] = {"r3": r3, "bits": setting, "control": f"{comparator}+{setting}"}
     first = f"{comparator}+{settings[0]}"
-    return build_manifest(base, variants, seeds, kind="lower-bits", comparator=first,
+    return build_manifest(base, variants, seeds, study="lower-bits", comparator=first,
                           family=[n for n in variants if not n.startswith(f"{comparator}+")], meta=meta)
 
 
@@ -313,7 +313,7 @@ def per_corpus(manifest: Manifest, corpora: Sequence[str]) -> Manifest:
         base_family = manifest.family if manifest.family is not None else [
             n for n in dict.fromkeys(n for n, _ in manifest.cells) if n != comp]
         family += [f"{n}+{tag}" for n in base_family]
-    return Manifest(cells=cells, kind=manifest.kind, comparator=f"{comp}+{corpus_tag(corpora[0])}",
+    return Manifest(cells=cells, study=manifest.study, comparator=f"{comp}+{corpus_tag(corpora[0])}",
                     family=family, meta=meta)
 
 

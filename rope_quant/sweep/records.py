@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.io import atomic_write_json, to_jsonable
-from rope_quant.sweep.cellkind import registered
+from rope_quant.sweep.cellkind import CellKind, kind_for_dict, registered
 from rope_quant.sweep.manifest import cell_relpath, config_dict, config_seed, read_manifest
-from rope_quant.sweep.scoring import scored_lengths, scored_niah, scored_ppl, scored_tasks
+from rope_quant.sweep.scoring import scored_ppl, scored_tasks
 
 
 def cell_path(out: str | os.PathLike[str], name: str, cfg: Any) -> Path:
@@ -116,12 +116,28 @@ _scored = scored_ppl  # the names this module had before rope_quant.sweep.scorin
 _scored_tasks = scored_tasks
 
 
-def result_is_scored(result: Any) -> bool:
-    """A result counts when it has a score: its own ``ppl``, at least one scored context length,
-    lm-eval metrics for every task, NIAH accuracies, or what a registered cell kind counts as scored."""
-    return isinstance(result, Mapping) and (_scored(result) or bool(scored_lengths(result)) or _scored_tasks(result)
-                                            or scored_niah(result)
-                                            or any(kind.scored(result) for kind in registered().values()))
+def kind_of_record(record: Mapping[str, Any]) -> CellKind | None:
+    """The kind of a record's cell, by its config dict (:func:`~rope_quant.sweep.cellkind.kind_for_dict`); None
+    for a record without a config (written by hand, or by a version whose records did not carry one)."""
+    cfg = record.get("config")
+    if not isinstance(cfg, Mapping):
+        return None
+    import rope_quant.sweep.kinds.builtin  # noqa: F401  the built-in kinds, registered (NIAH, static import torch)
+
+    return kind_for_dict(cfg)
+
+
+def result_is_scored(result: Any, kind: CellKind | None = None) -> bool:
+    """A result counts when its cell's ``kind`` says it holds a score (:attr:`CellKind.scored`: a plain run's
+    finite ``ppl``, a long-context cell's scored lengths, lm-eval metrics for every task, NIAH accuracies, or
+    what a kind from another package declares). Without a kind, any registered kind's predicate counts."""
+    if not isinstance(result, Mapping):
+        return False
+    if kind is not None:
+        return bool(kind.scored(result))
+    import rope_quant.sweep.kinds.builtin  # noqa: F401  the built-in kinds, registered
+
+    return any(k.scored(result) for k in registered().values())
 
 
 def incomplete_reason(result: Mapping[str, Any]) -> str:
@@ -143,7 +159,7 @@ def record_is_complete(record: Mapping[str, Any] | None, key: str | None) -> boo
     long-context cell whose every length failed is not complete: it is retried on resume."""
     if not isinstance(record, Mapping) or record.get("key") != key or key is None:
         return False
-    return result_is_scored(record.get("result"))
+    return result_is_scored(record.get("result"), kind_of_record(record))
 
 
 def is_complete(path: str | os.PathLike[str], key: str | None = None) -> bool:

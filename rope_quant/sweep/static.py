@@ -55,5 +55,5 @@ def static_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], len
     if not cells:
         raise SweepError("no configs, scopes or seeds given")
     family = [n for n, m in meta.items() if m["r3"] != comparator]
-    return Manifest(cells=cells, kind="static", comparator=f"{comparator}.{scope_name(scopes[0])}", family=family,
+    return Manifest(cells=cells, study="static", comparator=f"{comparator}.{scope_name(scopes[0])}", family=family,
                     meta=meta)

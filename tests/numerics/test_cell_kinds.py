@@ -40,9 +40,9 @@ SPEC = NiahSpec(lengths=(128, 256), depths=(0.0, 0.5), probes=2)
 def _manifests() -> dict[str, Manifest]:
     return {
         CellKindName.RUN: build_manifest(BASE, {"hadamard": {"r3": "hadamard"}, "identity": {"r3": "identity"}},
-                                         [0, 1], kind="compare"),
+                                         [0, 1], study="compare"),
         CellKindName.LONG_CONTEXT: Manifest([(n, LongContextConfig(BASE.override(seed=s, r3=n), (64, 128), eval_docs=4))
-                                             for s in (0, 1) for n in ("hadamard", "identity")], kind="long-context"),
+                                             for s in (0, 1) for n in ("hadamard", "identity")], study="long-context"),
         CellKindName.LM_EVAL: lm_eval_manifest(BASE, ["hadamard", "identity"], [0, 1], ["t1", "t2"], limit=3),
         CellKindName.NIAH: niah_manifest(BASE, ["hadamard"], [0, 1], SPEC),
         CellKindName.STATIC: static_manifest(BASE, ["hadamard", "pairwise_only"], [0], [64, 128],
@@ -125,7 +125,7 @@ def test_a_foreign_kind_runs_through_manifest_runner_and_cell_function(tmp_path:
     from rope_quant.sweep.cells import pipeline_cell_fn
 
     manifest = Manifest([(f"echo{v}", EchoConfig(BASE.override(seed=s), v)) for s in (0, 1) for v in (1.0, 2.0)],
-                        kind="echo")
+                        study="echo")
     write_manifest(tmp_path, manifest)
     assert [c for _, c in load_manifest(tmp_path)] == [c for _, c in manifest]
     fn = pipeline_cell_fn(models=object())  # the echo kind never asks the context for a model
@@ -134,10 +134,34 @@ def test_a_foreign_kind_runs_through_manifest_runner_and_cell_function(tmp_path:
     assert st.done and len(st.complete) == 4  # the kind's own `scored` makes its records complete
     rec = records.read_record(records.cell_path(tmp_path, "echo2.0", manifest.cells[3][1]))
     assert rec["result"]["echo"]["score"] == 3.0
-    changed = Manifest([("echo1.0", EchoConfig(BASE.override(seed=0), 1.0))], kind="echo")
+    changed = Manifest([("echo1.0", EchoConfig(BASE.override(seed=0), 1.0))], study="echo")
     assert reconcile(tmp_path, changed).added == 0
     assert study_diff(manifest, Manifest([("echo1.0", EchoConfig(BASE.override(seed=0, k_bits=3), 1.0))],
-                                         kind="echo"))
+                                         study="echo"))
+
+
+def test_a_record_is_complete_by_its_own_kind(echo_kind: CellKind) -> None:
+    """The records ask the record's kind: a score another kind would accept does not complete an echo cell, and
+    an lm-eval cell with only a perplexity is not scored; a record without a config falls back to any kind."""
+    echo = EchoConfig(BASE, 1.0)
+    key = echo.key()
+    record = {"key": key, "config": config_dict(echo), "result": {"ppl": 3.0}}
+    assert records.kind_of_record(record) is echo_kind
+    assert not records.record_is_complete(record, key)  # a finite ppl is a plain run's score, not an echo's
+    assert records.record_is_complete({**record, "result": {"echo": {"score": 2.0}}}, key)
+    lm = {"key": "k", "config": {"run": config_dict(BASE), "lm_eval": {"tasks": ["x"]}}, "result": {"ppl": 3.0}}
+    assert records.kind_of_record(lm).name == "lm-eval" and not records.record_is_complete(lm, "k")
+    assert records.record_is_complete({"key": "k", "result": {"echo": {"score": 2.0}}}, "k")  # no config
+
+
+def test_a_kind_names_its_report() -> None:
+    from rope_quant.analysis import kind_reports, niah_report, static_report
+
+    assert kind_reports.report_hook("niah") is niah_report.kind_report
+    assert kind_reports.report_hook("static") is static_report.kind_report
+    assert kind_reports.report_hook("long-context") is None and kind_reports.report_hook("run") is None
+    with pytest.raises(SweepError, match="report must be a 'module:function' reference"):
+        register(CellKind("bad-report", tag="bad_report", report="no_colon"))
 
 
 def test_register_refuses_a_taken_name_type_or_tag(echo_kind: CellKind) -> None:
@@ -229,7 +253,7 @@ def test_each_kind_in_a_results_directory_writes_its_report(tmp_path: Path) -> N
 def test_a_foreign_kind_registers_its_report(tmp_path: Path, echo_kind: CellKind) -> None:
     from rope_quant.analysis import kind_reports
 
-    manifest = Manifest([("echo1.0", EchoConfig(BASE.override(seed=s), 1.0)) for s in (0, 1)], kind="echo")
+    manifest = Manifest([("echo1.0", EchoConfig(BASE.override(seed=s), 1.0)) for s in (0, 1)], study="echo")
     run_cells(manifest, tmp_path, cell_fn=lambda cfg: _echo_evaluate(cfg, None))
     kind_reports.register_report("echo", lambda root, opts: kind_reports.KindReport(
         "echo", f"{len(records.complete_records(root))} echoes at level {opts.level}"))
@@ -292,7 +316,7 @@ def test_an_installed_package_declares_a_kind_by_entry_point(tmp_path: Path, mon
         cfg = twice_kind.TwiceConfig(BASE.override(seed=1))
         assert kind_of(cfg).name == "twice"
         out = tmp_path / "res"
-        run_cells(Manifest([("twice", cfg)], kind="twice"), out, cell_fn=lambda c: kind_of(c).evaluate(c, None))
+        run_cells(Manifest([("twice", cfg)], study="twice"), out, cell_fn=lambda c: kind_of(c).evaluate(c, None))
         (again,) = [c for _, c in load_manifest(out)]
         assert again == cfg and records.status(out).done
         assert records.read_record(records.cell_path(out, "twice", cfg))["result"]["ppl"] == 4.0

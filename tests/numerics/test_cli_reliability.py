@@ -175,7 +175,7 @@ def test_changed_flag_refused_with_diff_then_forced(tmp_path: Path, capsys) -> N
     assert len(calls) == 4 and _k_bits(out) == {3}
     # another kind of study into the same directory
     assert cli.main(["support", "--out", str(out), "--seeds", "0", *QUIET], cell_fn=fake_cell(calls)) == 2
-    assert "kind: \"compare\" -> \"support\"" in capsys.readouterr().err
+    assert "study: \"compare\" -> \"support\"" in capsys.readouterr().err
 
 
 def test_same_study_extends_the_manifest(tmp_path: Path, capsys) -> None:

@@ -39,7 +39,7 @@ def results_dir(root: Path, model_dir: Path, name: str = "pairwise_only", comple
     """A results directory holding one cell (manifest + record), as ``rope-quant run`` leaves it."""
     cfg = cell(model=str(model_dir), weights="rtn", a_bits=4, k_bits=16, v_bits=16, **over)
     out = root / "results"
-    write_manifest(out, Manifest(cells=[(name, cfg)], kind="run"))
+    write_manifest(out, Manifest(cells=[(name, cfg)], study="run"))
     if complete:
         rec = records.result_record(name, cfg, {"ppl": 12.5, "n_windows": 1}, 1.0, {})
     else:

@@ -122,7 +122,7 @@ def test_niah_cli_runs_resumes_and_reports_discriminative_lengths(tmp_path):
     assert cli.main(argv, cell_fn=fake) == 0
     assert len(fake.calls) == 8 and sum(c.fp for c in fake.calls) == 2
     man = read_manifest(out)
-    assert man["kind"] == "niah" and [c["name"] for c in man["cells"][:4]] == [
+    assert man["study"] == "niah" and [c["name"] for c in man["cells"][:4]] == [
         "fp", "hadamard", "pairwise_only", "pairwise_plus_hadamard"]
     for entry in man["cells"]:  # the manifest rebuilds the cells with the same keys
         assert config_from_dict(entry["config"]).key() == entry["key"]

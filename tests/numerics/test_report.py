@@ -48,7 +48,7 @@ def fake_cell(cfg: FakeConfig) -> dict:
 
 def make_results(tmp_path: Path, names=("hadamard", *DIFFS), family=None, **kw) -> Path:
     variants = {n: {"r3": n} for n in names}
-    manifest = build_manifest(FakeConfig(), variants, SEEDS, kind="compare", family=family, **kw)
+    manifest = build_manifest(FakeConfig(), variants, SEEDS, study="compare", family=family, **kw)
     run_cells(manifest, tmp_path, cell_fn=fake_cell, log=None)
     return tmp_path
 
@@ -193,7 +193,7 @@ def test_support_and_estimator_tables_and_figures(tmp_path: Path) -> None:
     variants = {"hadamard": {"r3": "hadamard"},
                 **{f"block-b{b}": {"r3": "block", "block": b} for b in blocks}}
     meta = {f"block-b{b}": {"block": b} for b in blocks}
-    manifest = build_manifest(FakeConfig(), variants, SEEDS, kind="support", meta=meta)
+    manifest = build_manifest(FakeConfig(), variants, SEEDS, study="support", meta=meta)
     run_cells(manifest, tmp_path, cell_fn=cell, log=None)
     result = report.write_report(tmp_path)
     with open(tmp_path / "tables" / "mixing-support.csv") as handle:
@@ -208,7 +208,7 @@ def test_support_and_estimator_tables_and_figures(tmp_path: Path) -> None:
     names = ("rows", "k_only")
     variants = {"hadamard": {"r3": "hadamard"},
                 **{n: {"r3": "near" if n == "rows" else "close"} for n in names}}
-    manifest = build_manifest(FakeConfig(), variants, SEEDS, kind="estimators",
+    manifest = build_manifest(FakeConfig(), variants, SEEDS, study="estimators",
                               meta={n: {"estimator": n} for n in names})
     run_cells(manifest, est, cell_fn=fake_cell, log=None)
     report.write_report(est, figures=False)
@@ -231,7 +231,7 @@ def test_crossover_table_and_figure(tmp_path: Path) -> None:
         return {"lengths": lengths}
 
     manifest = build_manifest(FakeConfig(), {"hadamard": {"r3": "hadamard"}, "pairwise_only": {"r3": "p"}},
-                              SEEDS, kind="long-context")
+                              SEEDS, study="long-context")
     run_cells(manifest, tmp_path, cell_fn=cell, log=None)
     result = report.write_report(tmp_path)
     lc = result["summary"]["long_context"]

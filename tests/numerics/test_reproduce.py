@@ -24,7 +24,7 @@ def _results(tmp: Path, diffs: dict[str, list[float]], **base) -> Path:
         return {"ppl": ppl, "n_windows": 4, "n_tokens": 512}
 
     variants = {"hadamard": {"r3": "hadamard"}, **{n: {"r3": n} for n in diffs}}
-    manifest = build_manifest(FakeConfig(**{"seqlen": 512, **base}), variants, (0, 1, 2), kind="compare")
+    manifest = build_manifest(FakeConfig(**{"seqlen": 512, **base}), variants, (0, 1, 2), study="compare")
     run_cells(manifest, tmp, cell_fn=cell, log=None)
     return tmp
 

@@ -19,8 +19,10 @@ from rope_quant.sweep.manifest import (
     ManifestNotFoundError,
     SweepError,
     build_manifest,
+    commit_manifest,
     manifest_from_dict,
     read_manifest,
+    reconcile,
     write_manifest,
 )
 from rope_quant.sweep.records import cell_path, is_complete, status
@@ -54,7 +56,7 @@ class CountingCell:
 
 
 def make_manifest() -> Manifest:
-    return build_manifest(FakeConfig(), CONFIGS, SEEDS, kind="compare")
+    return build_manifest(FakeConfig(), CONFIGS, SEEDS, study="compare")
 
 
 def test_manifest_is_seed_major_and_written(tmp_path: Path) -> None:
@@ -63,7 +65,7 @@ def test_manifest_is_seed_major_and_written(tmp_path: Path) -> None:
     assert all(cfg.r3 == name for name, cfg in manifest)
     run_cells(manifest, tmp_path, cell_fn=CountingCell(), log=None)
     data = json.loads((tmp_path / "manifest.json").read_text())
-    assert data["kind"] == "compare" and data["comparator"] == "hadamard"
+    assert data["study"] == "compare" and "kind" not in data and data["comparator"] == "hadamard"
     assert len(data["cells"]) == 9
     entry = data["cells"][4]
     name, cfg = manifest.cells[4]
@@ -267,17 +269,39 @@ def test_manifest_round_trip_and_merge(tmp_path: Path) -> None:
     assert os.stat(tmp_path / "manifest.json").st_mtime_ns == mtime
     data = read_manifest(tmp_path)
     rebuilt = manifest_from_dict(data, lambda d: FakeConfig(**d))
-    assert rebuilt.cells == manifest.cells and rebuilt.kind == "compare"
+    assert rebuilt.cells == manifest.cells and rebuilt.study == "compare"
     with pytest.raises(SweepError, match="key"):
         manifest_from_dict(data, lambda d: FakeConfig(**{**d, "seqlen": 1}))
-    extra = Manifest(cells=[("block-b4", FakeConfig(r3="block"))], kind="run",
+    extra = Manifest(cells=[("block-b4", FakeConfig(r3="block"))], study="run",
                      meta={"block-b4": {"block": 4}})
     write_manifest(tmp_path, extra, merge=True)
     merged = read_manifest(tmp_path)
-    assert len(merged["cells"]) == 10 and merged["kind"] == "compare"
+    assert len(merged["cells"]) == 10 and merged["study"] == "compare"
     assert merged["meta"]["block-b4"] == {"block": 4}
     with pytest.raises(ManifestNotFoundError):
         read_manifest(tmp_path / "nowhere")
+
+
+def test_a_manifest_written_before_the_study_rename_is_read_and_resumed(tmp_path: Path) -> None:
+    """manifest.json files of earlier versions say ``kind`` for the study: they are the same study, and resume."""
+    from rope_quant.experiment.config import RunConfig
+
+    manifest = build_manifest(RunConfig(), {"hadamard": {"r3": "hadamard"}, "identity": {"r3": "identity"}},
+                              (0, 1), study="compare")
+    data = manifest.to_dict()
+    data["kind"] = data.pop("study")
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    assert manifest_from_dict(read_manifest(tmp_path), RunConfig.from_dict).study == "compare"
+    reconcile(tmp_path, manifest)  # the same study: no mismatch
+    commit_manifest(tmp_path, manifest)  # ... written in the new spelling
+    assert read_manifest(tmp_path)["study"] == "compare"
+    data["kind"] = "support"
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(SweepError, match='study: "support" -> "compare"'):
+        reconcile(tmp_path, manifest)
+    with pytest.warns(DeprecationWarning, match="build_manifest\\(kind=...\\)"):
+        assert build_manifest(FakeConfig(), CONFIGS, SEEDS, kind="support").study == "support"
+    assert manifest.kind == "compare"  # the read-only alias
 
 
 def test_slurm_without_submitit_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -81,4 +81,5 @@ def scored(result: Any) -> bool:
 
 KIND = register(CellKind(CellKindName.NIAH.value, NiahConfig, tag="niah", from_dict=NiahConfig.from_dict,
                          extra_settings=lambda cfg: {"niah": cfg.spec.to_dict(), "fp": cfg.fp}, evaluate=evaluate,
-                         scored=scored, description="needle-in-a-haystack probes (App. G)"))
+                         scored=scored, description="needle-in-a-haystack probes (App. G)",
+                         report="rope_quant.analysis.niah_report:kind_report"))

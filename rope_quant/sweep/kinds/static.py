@@ -170,4 +170,5 @@ def evaluate(cfg: StaticConfig, ctx: CellContext) -> dict[str, Any]:
 KIND = register(CellKind(CellKindName.STATIC.value, StaticConfig, tag="static", from_dict=StaticConfig.from_dict,
                          extra_settings=lambda cfg: cfg.static_fields(), evaluate=evaluate,
                          scored=lambda result: bool(scored_lengths(result)), lengths=lambda cfg: cfg.lengths,
-                         description="the static per-channel control at several lengths (App. A.6)"))
+                         description="the static per-channel control at several lengths (App. A.6)",
+                         report="rope_quant.analysis.static_report:kind_report"))
