@@ -1,4 +1,5 @@
-"""File output shared by every layer: atomic writes, strict JSON, Markdown tables (standard library only).
+"""File output shared by every layer: atomic writes, strict JSON, Markdown tables, the cache (standard library
+only; torch is imported by the cache's tensor reader and writer when they run).
 
 Every result, cache and artefact file is written through :func:`atomic_writer` (or its bytes / text /
 JSON shorthands): the content goes to a temporary file with a unique name (``tempfile.mkstemp``) in the
@@ -6,6 +7,11 @@ target's directory, is flushed and fsync'ed, and is moved into place with ``os.r
 is then fsync'ed where the platform allows. A reader therefore sees either the old file or the complete
 new one, never a partial write, even when several processes or hosts share the directory; a writer
 that fails leaves the old file and no temporary file behind. See docs/ARCHITECTURE.md.
+
+The cache: one root (:func:`cache_root`: ``$ROPE_QUANT_CACHE_DIR``, else ``$XDG_CACHE_HOME/rope_quant``, else
+``~/.cache/rope_quant``), one reader (:func:`read_cache`: the content or None, a damaged file warned about by
+name on one channel, the ``rope_quant.cache`` logger, then rebuilt by the caller) and one writer
+(:func:`save_tensors`, atomic).
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 __all__ = [
     "atomic_writer",
@@ -28,7 +35,19 @@ __all__ = [
     "json_text",
     "to_jsonable",
     "markdown_table",
+    "CACHE_ENV",
+    "cache_log",
+    "cache_root",
+    "read_cache",
+    "load_tensors",
+    "save_tensors",
 ]
+
+#: The environment variable that moves the cache root.
+CACHE_ENV = "ROPE_QUANT_CACHE_DIR"
+#: The one channel of every cache warning (an unreadable file, a failed write).
+cache_log = logging.getLogger("rope_quant.cache")
+_T = TypeVar("_T")
 
 
 def _read_umask() -> int:
@@ -140,3 +159,52 @@ def markdown_table(
     lines = ["| " + " | ".join(labels) + " |", "|" + "---|" * len(labels)]
     lines += ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+def cache_root(env: str = CACHE_ENV, *parts: str) -> Path:
+    """``$<env>``, else ``$XDG_CACHE_HOME/rope_quant/<parts>``, else ``~/.cache/rope_quant/<parts>``."""
+    given = os.environ.get(env)
+    if given:
+        return Path(given).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache").joinpath("rope_quant", *parts)
+
+
+def read_cache(path: str | os.PathLike[str] | None, reader: Callable[[Path], _T], what: str,
+               then: str = "rebuilding it") -> _T | None:
+    """``reader(path)``, or None: a missing file silently, a damaged one (any exception of ``reader``: truncated,
+    garbage, another format) with a warning on :data:`cache_log` naming ``what`` and the file; the caller
+    rebuilds it."""
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        return reader(Path(path))
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt, whatever broke it
+        cache_log.warning("ignoring unreadable %s %s (%s: %s); %s", what, path, type(exc).__name__, exc, then)
+        return None
+
+
+def load_tensors(path: Path, mmap: bool = False) -> Any:
+    """A cache file written by :func:`save_tensors` (tensors and plain containers only: ``weights_only``)."""
+    import torch  # deferred: this module stays importable without torch
+
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def save_tensors(path: str | os.PathLike[str], obj: Any, what: str = "cache") -> bool:
+    """``torch.save(obj)`` atomically (:func:`atomic_writer`); False (warned on :data:`cache_log`) when the file
+    cannot be written: a cache that is not written is recomputed next time."""
+    import torch  # deferred: this module stays importable without torch
+
+    try:
+        with atomic_writer(path) as handle:
+            torch.save(obj, handle)
+        return True
+    except OSError as exc:
+        cache_log.warning("could not write %s %s: %s", what, path, exc)
+        return False

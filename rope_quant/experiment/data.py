@@ -43,11 +43,9 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import pickle
 import re
 import shutil
 import subprocess
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +54,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rope_quant.defaults import DEFAULT_CORPUS
-from rope_quant.io import atomic_writer
+from rope_quant.io import cache_root, load_tensors, read_cache, save_tensors
 
 CALIB_FRACTION = 0.8
 CACHE_FORMAT = 1
@@ -548,12 +546,9 @@ def _tokenize(tokenizer: Any, text: str) -> torch.Tensor:
 
 
 def default_cache_dir() -> Path:
-    """``$ROPE_QUANT_CACHE_DIR`` or ``$XDG_CACHE_HOME/rope_quant`` or ``~/.cache/rope_quant``."""
-    env = os.environ.get("ROPE_QUANT_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "rope_quant"
+    """``$ROPE_QUANT_CACHE_DIR`` or ``$XDG_CACHE_HOME/rope_quant`` or ``~/.cache/rope_quant``
+    (:func:`rope_quant.io.cache_root`)."""
+    return cache_root()
 
 
 def _cache_file(cache_dir: Path, split: TextSplit, tok_fp: str) -> Path:
@@ -568,31 +563,21 @@ def _cache_file(cache_dir: Path, split: TextSplit, tok_fp: str) -> Path:
 
 
 def _read_cache(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+    def read(p: Path) -> tuple[torch.Tensor, torch.Tensor]:
+        blob = load_tensors(p)
         calib, evl = blob["calib_ids"], blob["eval_ids"]
         if blob.get("format") != CACHE_FORMAT or not all(
             isinstance(t, torch.Tensor) and t.dtype == torch.long and t.dim() == 1 for t in (calib, evl)
         ):
             raise TypeError("unexpected cache content")
         return calib, evl
-    except FileNotFoundError:
-        return None
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, KeyError, TypeError,
-            AttributeError) as exc:
-        warnings.warn(f"ignoring unreadable corpus cache {path} ({type(exc).__name__}: {exc})", stacklevel=3)
-        return None
+
+    return read_cache(path, read, "corpus cache", "re-tokenising")
 
 
 def _write_cache(path: Path, blob: dict) -> bool:
-    """Write atomically (:func:`rope_quant.io.atomic_writer`); False on I/O failure."""
-    try:
-        with atomic_writer(path) as handle:
-            torch.save(blob, handle)
-        return True
-    except OSError as exc:
-        warnings.warn(f"could not write corpus cache {path}: {exc}", stacklevel=3)
-        return False
+    """Write atomically (:func:`rope_quant.io.save_tensors`); False on I/O failure."""
+    return save_tensors(path, blob, "corpus cache")
 
 
 def load_corpus(

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any
 import torch
 
 from rope_quant.experiment import data
-from rope_quant.io import atomic_writer
+from rope_quant.io import load_tensors, read_cache, save_tensors
 
 #: Documents of the evaluation split concatenated into the long-context stream (App. A.4).
 EVAL_DOCUMENTS = 64
@@ -98,19 +96,15 @@ def _cache_path(cache_dir: Path, name: str, docs: Sequence[data.Document], tok_f
 
 
 def _read_cached(path: Path) -> torch.Tensor | None:
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+    def read(p: Path) -> torch.Tensor:
+        blob = load_tensors(p)
         ids = blob["ids"]
         if blob.get("format") != CACHE_FORMAT or not (isinstance(ids, torch.Tensor) and ids.dtype == torch.long
                                                      and ids.dim() == 1):
             raise TypeError("unexpected cache content")
         return ids
-    except FileNotFoundError:
-        return None
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, KeyError, TypeError, AttributeError) as exc:
-        warnings.warn(f"ignoring unreadable long-context stream cache {path} ({type(exc).__name__}: {exc})",
-                      stacklevel=3)
-        return None
+
+    return read_cache(path, read, "long-context stream cache", "re-tokenising")
 
 
 def eval_stream(
@@ -139,11 +133,7 @@ def eval_stream(
         if ids.numel() == 0:
             raise data.CorpusFormatError(f"corpus {split.name!r}: the evaluation stream tokenised to nothing")
         if path is not None:
-            try:
-                with atomic_writer(path) as handle:
-                    torch.save({"format": CACHE_FORMAT, "name": split.name, "ids": ids}, handle)
-            except OSError as exc:
-                warnings.warn(f"could not write long-context stream cache {path}: {exc}", stacklevel=2)
+            save_tensors(path, {"format": CACHE_FORMAT, "name": split.name, "ids": ids}, "long-context stream cache")
     return EvalStream(str(name_or_path), ids, tuple(d.id for d in docs), len(split.eval), max_documents)
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rope_quant.experiment.config import WEIGHT_CACHE_FORMAT, PipelineError, RunConfig, versioned_hash
-from rope_quant.io import atomic_writer
+from rope_quant.io import atomic_writer, cache_log, load_tensors, read_cache
 from rope_quant.model import arch
 
 log = logging.getLogger(__name__)
@@ -37,14 +37,12 @@ def r1_cache_path(cache: Path | None, cfg: RunConfig, fingerprint: str, data_fp:
 
 def read_r1_cache(path: Path | None) -> tuple[torch.Tensor, dict] | None:
     """The cached whip R1 and its fit log, or None (missing, or unreadable: warned)."""
-    if path is None or not path.is_file():
-        return None
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+    def read(p: Path) -> tuple[torch.Tensor, dict]:
+        saved = load_tensors(p)
         return saved["r1"], {**saved["log"], "cache_hit": True}
-    except Exception as exc:  # noqa: BLE001 - unreadable cache: rebuilt from the weight cache, or refitted
-        log.warning("ignoring unreadable R1 cache %s (%s); rebuilding it", path, exc)
-        return None
+
+    # a damaged file is rebuilt from the weight cache's copy, or refitted
+    return read_cache(path, read, "R1 cache", "rebuilding it")
 
 
 def hit_fit_log(path: Path | None, payload: dict) -> dict | None:
@@ -213,22 +211,27 @@ def dequantized_state(payload: dict) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_codes(path: Path | None) -> dict[str, Any]:
+    """The integer codes a weight-cache file holds (``{"<module>.weight": packed codes}``), or {} when there is
+    no readable file (what the export reads instead of the dequantised state)."""
+    payload = read_cache(path, lambda p: load_tensors(p, mmap=True), "weight cache", "exporting without its codes")
+    return dict(payload.get("codes") or {}) if isinstance(payload, dict) else {}
+
+
 def read_weight_cache(path: Path | None, cfg: RunConfig) -> dict | None:
-    if path is None or not path.is_file():
-        return None
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable cache (truncated, garbage, wrong pickle): recompute
-        log.warning("ignoring unreadable weight cache %s (%s: %s); recomputing it", path, type(exc).__name__, exc)
+    """The cached weights of ``cfg`` (dequantised state, R1 and its fit log), or None (missing; unreadable or of
+    other fields: warned)."""
+    payload = read_cache(path, lambda p: load_tensors(p, mmap=True), "weight cache", "recomputing it")
+    if payload is None:
         return None
     fields = json.loads(json.dumps(cfg.weight_fields(), default=str))
     if not isinstance(payload, dict) or not isinstance(payload.get("state"), dict) \
             or payload.get("format") != WEIGHT_CACHE_FORMAT or payload.get("weight_fields") != fields:
-        log.warning("ignoring weight cache %s: its fields do not match this configuration", path)
+        cache_log.warning("ignoring weight cache %s: its fields do not match this configuration", path)
         return None
     try:
         payload["state"] = dequantized_state(payload)
     except ValueError as exc:
-        log.warning("ignoring unreadable weight cache %s (%s); recomputing it", path, exc)
+        cache_log.warning("ignoring unreadable weight cache %s (%s); recomputing it", path, exc)
         return None
     return payload

@@ -70,10 +70,9 @@ def _codes(model: nn.Module, cfg: RunConfig, cache_path: Path | None) -> dict[st
     from rope_quant.quant import packing
 
     out: dict[str, Any] = {}
-    saved: dict[str, Any] = {}
-    if cache_path is not None and cache_path.is_file():
-        payload = torch.load(cache_path, map_location="cpu", weights_only=True, mmap=True)
-        saved = payload.get("codes") or {}
+    from rope_quant.experiment.weight_cache import read_codes
+
+    saved = read_codes(cache_path)
     for name, mod in model.named_modules():
         c = getattr(mod, packing.CODES_ATTR, None)
         key = f"{name}.weight"

@@ -12,7 +12,7 @@ saves the converted fp32 model and its tokenizer with ``save_pretrained`` (safet
 into a directory keyed by the GGUF's sha256, this module's format version and the transformers version;
 later loads read that directory (seconds). The directory is renamed into place after it is complete.
 
-Location: ``$ROPE_QUANT_MODEL_CACHE``, default ``~/.cache/rope_quant/models``. Clearing it is always safe
+Location: ``$ROPE_QUANT_MODEL_CACHE``, default ``$XDG_CACHE_HOME/rope_quant/models``. Clearing it is always safe
 (the next load rebuilds it): ``rope-quant models --clear-cache`` or ``rm -rf`` the directory.
 """
 
@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rope_quant.io import cache_root as io_cache_root
 
 __all__ = [
     "CACHE_ENV",
@@ -82,9 +84,9 @@ GEMMA3_270M = SplitGGUF(
 
 
 def cache_root() -> Path:
-    """``$ROPE_QUANT_MODEL_CACHE`` or ``~/.cache/rope_quant/models``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "rope_quant" / "models"
+    """``$ROPE_QUANT_MODEL_CACHE``, else ``$XDG_CACHE_HOME/rope_quant/models``, else ``~/.cache/rope_quant/models``
+    (:func:`rope_quant.io.cache_root`)."""
+    return io_cache_root(CACHE_ENV, "models")
 
 
 def part_paths(model: SplitGGUF) -> list[Path]:

@@ -335,7 +335,6 @@ def _cache_files(out: Path, token_cache: Path) -> dict[str, Path]:
     return {"r1": r1, "weights": weights, "stats": stats, "tokens": tokens[0]}
 
 
-@pytest.mark.filterwarnings("ignore:ignoring unreadable corpus cache:UserWarning")  # the token cache's warning
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
 def test_every_cache_damaged_in_turn_heals_and_the_record_keeps_every_field(healing_study, damage, caplog):
     """Issue 26 wrong case 2 (the R1 file damaged while the weight cache is intact) and the other caches:
