@@ -44,7 +44,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from rope_quant.calib.objectives import GRID_OBJECTIVES, AngleRule, Objective
 from rope_quant.calib.rules import PoolingRule
@@ -344,14 +344,20 @@ class R3Spec:
 
 @dataclass(frozen=True)
 class Budget:
-    """Window length and window counts (``eval_windows=None``: every evaluation window)."""
+    """Window length and window counts (``eval_windows=None``: every evaluation window). A window needs
+    :data:`MIN_SEQLEN` tokens: one to predict from and one to score."""
 
     seqlen: int = 2048
     calib_windows: int = 128
     eval_windows: int | None = field(default=None, metadata={"cell_only": True})
 
+    MIN_SEQLEN: ClassVar[int] = 2
+
     def __post_init__(self) -> None:
         _positive(self.seqlen, "seqlen")
+        if self.seqlen < self.MIN_SEQLEN:
+            raise PipelineError(f"seqlen must be >= {self.MIN_SEQLEN} (a window scores its next tokens), "
+                                f"got {self.seqlen}")
         _positive(self.calib_windows, "calib_windows")
         _positive(self.eval_windows, "eval_windows", optional=True)
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rope_quant.defaults import DEFAULT_COMPARATOR
+from rope_quant.experiment.config import Budget
 from rope_quant.sweep.cellkind import CellKindName, kind_named, kind_of
 from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, build_manifest, with_overrides
 
@@ -345,7 +346,7 @@ BUDGETS: dict[str, dict[str, Any]] = {
 }
 BUDGET_FIELDS = ("seqlen", "calib_windows", "eval_windows", "weights", "w_mse")
 #: Smallest value of the numeric budget fields (a window needs two tokens: one predicts the next).
-BUDGET_MINIMUM = {"seqlen": 2, "calib_windows": 1, "eval_windows": 1}
+BUDGET_MINIMUM = {"seqlen": Budget.MIN_SEQLEN, "calib_windows": 1, "eval_windows": 1}
 LONG_CONTEXT_LENGTHS = {"cpu": (256, 512, 1024), "cuda": (2048, 4096, 8192, 16384)}
 
 

@@ -192,3 +192,15 @@ def test_manifest_with_a_flat_legacy_config_is_rebuilt(tmp_path: Path):
     data["cells"][0]["config"] = json.loads(json.dumps(legacy))
     rebuilt = manifest_from_dict(data, config.RunConfig.from_dict)
     assert rebuilt.cells[0][1] == cfg
+
+
+def test_a_window_needs_two_tokens_everywhere():
+    """One minimum for the window length: the config refuses what the evaluation would refuse after the build,
+    and the CLI's budget check reads the same number."""
+    from rope_quant.experiment.config import Budget, PipelineError, RunConfig
+    from rope_quant.sweep.presets import BUDGET_MINIMUM
+
+    assert Budget.MIN_SEQLEN == BUDGET_MINIMUM["seqlen"] == 2
+    with pytest.raises(PipelineError, match="seqlen must be >= 2"):
+        RunConfig.from_flat(seqlen=1)
+    assert RunConfig.from_flat(seqlen=2).budget.seqlen == 2
