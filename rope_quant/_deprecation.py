@@ -77,6 +77,11 @@ def message(old: str, new: str) -> str:
     return f"{old} is deprecated since rope_quant 0.2.0 and will be removed in {REMOVAL}; use {new}"
 
 
+def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn that ``old`` (a keyword, an attribute) is deprecated for ``new`` (the caller's caller is named)."""
+    warnings.warn(message(old, new), DeprecationWarning, stacklevel=stacklevel)
+
+
 class _MovedFinder:
     """Finds an old path of :data:`MOVED_MODULES`; loading it warns and puts the new module in its place."""
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rope_quant._deprecation import warn_renamed
 from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.io import atomic_write_json, to_jsonable
 from rope_quant.sweep.cellkind import (
@@ -186,12 +187,7 @@ def build_manifest(
     deprecated spelling of ``study``.
     """
     if kind is not None:
-        import warnings
-
-        from rope_quant._deprecation import message
-
-        warnings.warn(message("build_manifest(kind=...)", "build_manifest(study=...)"), DeprecationWarning,
-                      stacklevel=2)
+        warn_renamed("build_manifest(kind=...)", "build_manifest(study=...)")
         study = kind
     if not seeds:
         raise SweepError("no seeds given")

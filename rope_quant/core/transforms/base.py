@@ -91,7 +91,8 @@ def _split(x: torch.Tensor, pairing: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x[..., 0::2], x[..., 1::2]
 
 
-def _merge(ya: torch.Tensor, yb: torch.Tensor, pairing: str) -> torch.Tensor:
+def merge_pairs(ya: torch.Tensor, yb: torch.Tensor, pairing: str) -> torch.Tensor:
+    """The head vector whose pair halves are ``ya`` and ``yb`` (the inverse of splitting it by ``pairing``)."""
     if pairing == "rotate_half":
         return torch.cat([ya, yb], dim=-1)
     return torch.stack([ya, yb], dim=-1).flatten(-2)
@@ -106,7 +107,7 @@ def _block_pairs(u: torch.Tensor, half_block: int) -> torch.Tensor:
     return _hd.hadamard_transform(v).reshape(shape)
 
 
-def _pair_matrix(head_dim: int, pairing: str, a11, a12, a21, a22) -> np.ndarray:
+def pair_matrix(head_dim: int, pairing: str, a11, a12, a21, a22) -> np.ndarray:
     """Dense d×d matrix acting by [[a11, a12], [a21, a22]] (arrays of length K) on every pair."""
     ia, ib = pair_indices(head_dim, pairing)
     m = np.zeros((head_dim, head_dim))
@@ -277,7 +278,7 @@ class Pairwise(R3Transform):
         c, s = self._cos_sin(x)
         a, b = _split(x, self.layout)
         if x.requires_grad and torch.is_grad_enabled():  # out= kernels do not record autograd
-            return _merge(c * a - s * b, s * a + c * b, self.layout)
+            return merge_pairs(c * a - s * b, s * a + c * b, self.layout)
         out = torch.empty(
             torch.broadcast_shapes(x.shape, c.shape[:-1] + (x.shape[-1],)), dtype=x.dtype, device=x.device
         )
@@ -292,7 +293,7 @@ class Pairwise(R3Transform):
     def _matrix(self, row: int) -> np.ndarray:
         phi = self.angles[row] if self.angles.ndim == 2 else self.angles
         c, s = np.cos(phi), np.sin(phi)
-        return _pair_matrix(self.head_dim, self.layout, c, -s, s, c)
+        return pair_matrix(self.head_dim, self.layout, c, -s, s, c)
 
 
 class PairwisePlusHadamard(Pairwise):
@@ -365,7 +366,7 @@ class BlockHadamard(R3Transform):
         else:  # G(π/4) = [[1, -1], [1, 1]]/√2
             ya, yb = (a - b) * _SQRT_HALF, (a + b) * _SQRT_HALF
         half = self.block // 2
-        return _merge(_block_pairs(ya, half), _block_pairs(yb, half), self.pairing)
+        return merge_pairs(_block_pairs(ya, half), _block_pairs(yb, half), self.pairing)
 
     def _matrix(self, row: int) -> np.ndarray:
         d, half = self.head_dim, self.block // 2

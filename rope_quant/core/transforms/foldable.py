@@ -30,8 +30,8 @@ from rope_quant.core.transforms.base import (
     Pairwise,
     R3Transform,
     TransformParamError,
-    _merge,
-    _pair_matrix,
+    merge_pairs,
+    pair_matrix,
 )
 
 __all__ = ["ScaleError", "NotOrthogonalError", "PairwiseScaled", "PreRopeChannelScale", "LearnedOrthogonal"]
@@ -92,7 +92,7 @@ class PairwiseScaled(Pairwise):
                 s = torch.from_numpy(1.0 / self.scales if inverse else self.scales)
                 if rows:
                     s = s.repeat_interleave(n_heads // rows, dim=0)[:, None, :]
-                hit = _merge(s, s, self.layout).to(x.device, x.dtype)
+                hit = merge_pairs(s, s, self.layout).to(x.device, x.dtype)
             self._scale_cache[key] = hit
         return hit
 
@@ -113,7 +113,7 @@ class PairwiseScaled(Pairwise):
         phi = self.angles[row] if self.angles.ndim == 2 else self.angles
         s = scales[row] if scales.ndim == 2 else scales
         c, sn = np.cos(phi), np.sin(phi)
-        return _pair_matrix(self.head_dim, self.layout, s * c, -s * sn, s * sn, s * c)
+        return pair_matrix(self.head_dim, self.layout, s * c, -s * sn, s * sn, s * c)
 
     def query_matrix(self, head: int = 0, n_heads: int | None = None) -> np.ndarray:
         return self._scaled(self._row(head, n_heads), 1.0 / self.scales)
