@@ -14,15 +14,17 @@ from __future__ import annotations
 import json
 import os
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rope_quant.io import atomic_write_json, to_jsonable
 from rope_quant.sweep.cellkind import CellKind, kind_for_dict, registered
 from rope_quant.sweep.manifest import cell_relpath, config_dict, config_seed, read_manifest
 from rope_quant.sweep.scoring import scored_ppl, scored_tasks
+
+_K = TypeVar("_K")
 
 
 def cell_path(out: str | os.PathLike[str], name: str, cfg: Any) -> Path:
@@ -116,15 +118,26 @@ _scored = scored_ppl  # the names this module had before rope_quant.sweep.scorin
 _scored_tasks = scored_tasks
 
 
+def _with_builtin_kinds(find: Callable[[], _K]) -> _K:
+    """``find()``; if it finds nothing (None, or the plain run for a wrapped cell), again with the built-in kinds
+    registered (importing them loads torch: a report of plain runs never pays for it)."""
+    found = find()
+    if found:
+        return found
+    import rope_quant.sweep.kinds.builtin  # noqa: F401  the built-in kinds, registered (NIAH, static import torch)
+
+    return find()
+
+
 def kind_of_record(record: Mapping[str, Any]) -> CellKind | None:
     """The kind of a record's cell, by its config dict (:func:`~rope_quant.sweep.cellkind.kind_for_dict`); None
     for a record without a config (written by hand, or by a version whose records did not carry one)."""
     cfg = record.get("config")
     if not isinstance(cfg, Mapping):
         return None
-    import rope_quant.sweep.kinds.builtin  # noqa: F401  the built-in kinds, registered (NIAH, static import torch)
-
-    return kind_for_dict(cfg)
+    if "run" not in cfg:  # a plain run's own config: no kind tag to look up
+        return kind_for_dict(cfg)
+    return _with_builtin_kinds(lambda: next((k for k in [kind_for_dict(cfg)] if k.tag is not None), None))
 
 
 def result_is_scored(result: Any, kind: CellKind | None = None) -> bool:
@@ -135,9 +148,7 @@ def result_is_scored(result: Any, kind: CellKind | None = None) -> bool:
         return False
     if kind is not None:
         return bool(kind.scored(result))
-    import rope_quant.sweep.kinds.builtin  # noqa: F401  the built-in kinds, registered
-
-    return any(k.scored(result) for k in registered().values())
+    return _with_builtin_kinds(lambda: any(k.scored(result) for k in registered().values()))
 
 
 def incomplete_reason(result: Mapping[str, Any]) -> str:

@@ -276,3 +276,18 @@ def test_summary_without_comparator(tmp_path: Path) -> None:
     assert set(summary["configs"]) == {"pairwise_only", "identity"}
     md = report.write_report(out, figures=False)["markdown"]
     assert "corrected-star" not in md and "pairwise_only" in md
+
+
+def test_the_report_of_plain_runs_loads_no_torch(tmp_path: Path) -> None:
+    """The records ask each record's kind; a plain run's kind is found without importing the built-in kinds
+    (NIAH and static import torch), so reading a compare study stays light."""
+    import subprocess
+    import sys
+
+    out = make_results(tmp_path)
+    code = ("import sys; from rope_quant.analysis import report; "
+            f"report.summarize({str(out)!r}); print('torch' in sys.modules)")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.stdout.strip().splitlines()[-1] == "False"
