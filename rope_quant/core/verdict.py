@@ -365,7 +365,7 @@ def float_order(shifts: Sequence[float], n: int, mean: float, sd: float) -> Floa
 
     bias = sum(d) / k
     sigma = math.sqrt(sum((x - bias) ** 2 for x in d) / (k - 1))
-    half = power.t_quantile(k - 1) * sigma / math.sqrt(k)
+    half = float(power.t_quantile(k - 1)) * sigma / math.sqrt(k)
     low_a, high_a, low_b, high_b = power.union_bounds(mean, sd, n, bias, sigma, k)
     return FloatOrder(k, tuple(d), sigma, bias, bias - half, bias + half, float(low_b), float(high_b))
 
