@@ -40,6 +40,9 @@ _CLAIMS_KEY = "rq_claim"
 _TABLE_KEY = "rq_table"
 _MACHINE_KEY = "rq_machine"
 _STORE = pytest.StashKey["_Collector"]()
+#: The claims JSON's layout: 2 adds ``schema``, ``rule`` and each decision's ``rule`` / ``float_order``
+#: (rope_quant.sweep.reproduce reads both).
+CLAIMS_SCHEMA = 2
 _OPTIONS = pytest.StashKey["RQOptions"]()
 
 
@@ -314,7 +317,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if out and (claims or tables):
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)
-        payload = {"claims": [{**c, "verdict": verdict(c), "budget": budget(c)} for c in claims],
+        from rope_quant.core.verdict import RULE_REPLICATES  # stdlib only
+
+        payload = {"schema": CLAIMS_SCHEMA, "rule": RULE_REPLICATES,
+                   "claims": [{**c, "verdict": verdict(c), "budget": budget(c)} for c in claims],
                    "tables": tables, "machine": store.machine}
         atomic_write_text(directory / "claims.json", json.dumps(payload, indent=2))
         atomic_write_text(directory / "claims.md", claims_markdown(claims) + "\n")
