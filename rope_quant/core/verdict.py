@@ -20,7 +20,8 @@ under another valid float order (its *numerical replicate*, GPTQ in the other fl
   equivalence ``|θ| < margin`` (TOST) holds iff ``−margin < U.low`` and ``U.high < margin``, refuted iff
   ``U.low > margin`` or ``U.high < −margin``.
 
-**Coverage.** ``A`` covers ``θ`` and ``B`` covers ``θ + β`` each with ≥ 95% per side, so a "holds" (or
+**Coverage.** ``A`` covers ``θ`` and ``B`` covers ``θ + β`` each with ≥ 95% per side (``B`` to Welch's
+approximation, made conservative by the covariance left out), so a "holds" (or
 "refuted") is wrong in *either* float order with probability ≤ 5% when the effect of that order lies on the
 boundary, with or without a bias (``tests/theory/test_verdict_replicates.py`` measures it by simulation, with
 the 0.1.x rule beside it). Otherwise the claim is **inconclusive**, with the budget that decides it at 80%

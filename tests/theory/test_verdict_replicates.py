@@ -84,7 +84,7 @@ SCENARIOS = [
     (Form.GREATER, 0.0, 5, 5, 1.0, 0.3, -1.0, "replicate"),
     (Form.NON_SUPERIOR, 0.158, 8, 4, 0.85, 1.0, 0.5, "replicate"),
     (Form.EQUIVALENT, 0.5, 8, 4, 0.5, 0.3, 0.0, "primary"),
-    (Form.EQUIVALENT, 0.5, 8, 4, 0.5, 0.3, -0.4, "replicate"),
+    (Form.EQUIVALENT, 0.5, 8, 4, 0.5, 0.3, 0.4, "replicate"),
 ]
 
 
@@ -103,9 +103,10 @@ def test_false_holds_at_most_five_percent(index: int, form: Form, margin: float,
 
 def test_todays_rule_fails_under_a_bias_and_is_conservative_without() -> None:
     """The 0.1.x rule beside the new one, on the same runs (2026-11-27, this simulation): with a bias β = −1
-    and the replicate order on the boundary (n = 8, k = 4, σ_u = 0.3, σ_e = 1) it says "holds" in 14.5% of
-    runs, the new rule in 2.2%; without a bias (n = 8, σ_u = σ_e = 1) both are conservative (0.6% and 0.6%),
-    and the primary interval alone, blind to the bias, says "holds" in 78% of the biased runs."""
+    and the replicate order on the boundary (n = 8, k = 4, σ_u = 0.3, σ_e = 1) it says "holds" in 14% of
+    runs, the new rule in 2.2% (14.4% and 2.2% measured on these runs); without a bias (n = 8, σ_u = σ_e = 1)
+    both are conservative (0.5% and 0.6%), and the primary interval alone, blind to the bias, says "holds" in
+    79% of the biased runs."""
     primary, shifts = _runs(1.0, -1.0, 0.3, 1.0, 8, 4, seed=31)
     old, (new, _) = _old_rule(Form.GREATER, 0.0, primary, shifts), _rule(Form.GREATER, 0.0, primary, shifts)
     alone = power.union_bounds(primary.mean(1), primary.std(1, ddof=1), 8, 0.0, 1.0, 2)[0] > 0
@@ -117,7 +118,7 @@ def test_todays_rule_fails_under_a_bias_and_is_conservative_without() -> None:
 
 def test_todays_rule_gives_up_on_real_effects() -> None:
     """The 0.1.x rule prints "no budget decides" whenever |mean| < s: with a real effect θ = 1 (σ_u = σ_e = 1,
-    3 seeds) that is 43% of runs (measured); the new rule prints a finite budget in every inconclusive run
+    3 seeds) that is 49% of runs (measured: 0.486); the new rule prints a finite budget in every inconclusive run
     where no bias is established."""
     primary, shifts = _runs(1.0, 0.0, 1.0, 1.0, 3, 2, seed=33)
     no_budget_old = np.abs(primary.mean(1)) < np.abs(shifts[:, 0])
