@@ -40,8 +40,8 @@ _CLAIMS_KEY = "rq_claim"
 _TABLE_KEY = "rq_table"
 _MACHINE_KEY = "rq_machine"
 _STORE = pytest.StashKey["_Collector"]()
-#: The claims JSON's layout: 2 adds ``schema``, ``rule`` and each decision's ``rule`` / ``float_order``
-#: (rope_quant.sweep.reproduce reads both).
+#: The claims JSON's layout: 2 adds ``schema`` and each decision's ``rule`` / ``float_order``
+#: (rope_quant.sweep.reproduce reads both layouts).
 CLAIMS_SCHEMA = 2
 _OPTIONS = pytest.StashKey["RQOptions"]()
 
@@ -317,9 +317,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if out and (claims or tables):
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)
-        from rope_quant.core.verdict import RULE_REPLICATES  # stdlib only
-
-        payload = {"schema": CLAIMS_SCHEMA, "rule": RULE_REPLICATES,
+        payload = {"schema": CLAIMS_SCHEMA,
                    "claims": [{**c, "verdict": verdict(c), "budget": budget(c)} for c in claims],
                    "tables": tables, "machine": store.machine}
         atomic_write_text(directory / "claims.json", json.dumps(payload, indent=2))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from scipy import stats as _st
@@ -121,6 +122,18 @@ def tost_budget(mean: float, sd: float, margin: float, n_now: int, tokens_now: i
 # ----------------------------------------------------------------------------- the replicated rule
 
 
+def masks(side: str, b: float, low: Any, high: Any, noise: Any = 0.0) -> tuple[Any, Any]:
+    """(holds, refuted) of the interval ``[low, high]`` against the bound ``b`` of ``side`` ("lower", "upper" or
+    "equivalent": ``rope_quant.core.verdict._bounds``), every threshold moved by ``noise``. Plain comparisons:
+    floats give bools and numpy arrays give masks (the rule in rope_quant.core.verdict, the power below and the
+    simulation in tests/theory use this one arithmetic)."""
+    if side == "lower":
+        return low > b + noise, high < b - noise
+    if side == "upper":
+        return high < b - noise, low > b + noise
+    return (low > -b + noise) & (high < b - noise), (low > b + noise) | (high < -b - noise)
+
+
 MC_DRAWS = 8000
 """Monte Carlo draws behind :func:`replicated_power` (binomial sd ≤ 0.0056 at power 0.8)."""
 _MC_SEED = 20261127
@@ -170,8 +183,6 @@ def replicated_power(side: str, b: float, towards: str, mean: float, sd: float, 
     orders equally noisy: d_i = e'_i − e_i + β). Monte Carlo on the exact sufficient statistics (Bartlett's
     Wishart for the replicated seeds, χ² for the rest) from fixed uniforms through inverse CDFs, so the
     power is a smooth function of n, k and the sds (common random numbers for the budget's search)."""
-    from rope_quant.core.verdict import masks  # the rule's own thresholds
-
     if not (2 <= k <= n):
         raise ValueError(f"need 2 <= k <= n replicates, got k={k}, n={n}")
     z1, z2, zw, c1, c2, z3, c3 = _quantiles(draws, n, k)

@@ -342,17 +342,6 @@ def equivalence_margin(ppl: float) -> Margin:
                          f"= ±{value:.3f}")
 
 
-def masks(side: str, b: float, low: Any, high: Any, noise: float = 0.0) -> tuple[Any, Any]:
-    """(holds, refuted) of the interval ``[low, high]`` against the bound ``b`` of ``side`` (:func:`_bounds`),
-    every threshold moved by ``noise``: plain comparisons, so floats give bools and numpy arrays give masks
-    (the simulation in tests/theory and the power of :mod:`rope_quant.core.power` use the same arithmetic)."""
-    if side == "lower":
-        return low > b + noise, high < b - noise
-    if side == "upper":
-        return high < b - noise, low > b + noise
-    return (low > -b + noise) & (high < b - noise), (low > b + noise) | (high < -b - noise)
-
-
 def float_order(shifts: Sequence[float], n: int, mean: float, sd: float) -> FloatOrder:
     """The replicates' :class:`FloatOrder` beside the primary ``n``, ``mean``, ``sd`` of the paired effect."""
     d = [float(x) for x in shifts]
@@ -397,6 +386,8 @@ def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float
     v = replace(primary, outcome=Outcome.INCONCLUSIVE, budget=None, noise=fo.sigma, float_order=fo)
     side, b = _bounds(form, margin)
     low, high = v.bounds
+    from rope_quant.core.power import masks  # deferred: numpy
+
     holds, refuted = masks(side, b, low, high)
     if holds:
         return replace(v, outcome=Outcome.HOLDS)

@@ -331,7 +331,7 @@ def test_claims_table_carries_the_decision_rule_and_budget(pytester: pytest.Pyte
     assert payload["machine"] == {"cpu_model": "demo cpu", "threads": 2}
     from rope_quant.core.verdict import RULE_REPLICATES
 
-    assert payload["schema"] == 2 and payload["rule"] == RULE_REPLICATES
+    assert payload["schema"] == 2
     c7 = by["C7 (demo)"]["decision"]
     assert by["C7 (demo)"]["verdict"] == "holds" and c7["rule"] == RULE_REPLICATES
     assert c7["float_order"]["k"] == 2 and c7["float_order"]["bias"] == pytest.approx(0.0, abs=1e-12)

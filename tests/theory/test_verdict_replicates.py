@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from rope_quant.core import power
+from rope_quant.core.power import masks
 from rope_quant.core.verdict import (
     RULE_REPLICATES,
     FloatOrder,
@@ -27,7 +28,6 @@ from rope_quant.core.verdict import (
     _bounds,
     budget_replicated,
     decide_replicated,
-    masks,
     paired_claim,
 )
 
