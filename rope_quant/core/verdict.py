@@ -82,19 +82,22 @@ class Form(StrEnum):
 class Budget:
     """What would decide an inconclusive claim at 80% power: ``seeds`` at today's tokens per cell, or
     ``tokens`` per cell at today's seeds (paired variance ∝ 1/tokens); ``towards`` the outcome it would
-    reach; ``reason`` when no budget can decide."""
+    reach; ``reason`` when no budget can decide; ``replicates``: how many of the ``seeds`` carry a numerical
+    replicate (the replicated rule; None for the single-interval form)."""
 
     seeds: int | None
     tokens: int | None
     towards: Outcome | None
     reason: str = ""
+    replicates: int | None = None
 
     def text(self) -> str:
         if self.seeds is None and self.tokens is None:
             return f"no budget decides: {self.reason}" if self.reason else "no budget decides"
         parts = []
         if self.seeds is not None:
-            parts.append(f"{self.seeds} seeds at today's tokens")
+            parts.append(f"{self.seeds} seeds at today's tokens"
+                         + (f", {self.replicates} of them replicated" if self.replicates is not None else ""))
         if self.tokens is not None:
             parts.append(f"{self.tokens} tokens/cell at today's seeds")
         towards = self.towards.value if self.towards else "decide"
@@ -315,9 +318,10 @@ def combine_all(parts: Iterable[Verdict], note: str = "") -> Verdict:
     seeds = [b.seeds for b in budgets if b is not None]
     toks = [b.tokens for b in budgets if b is not None]
     towards = {b.towards for b in budgets if b is not None}
+    reps = [b.replicates for b in budgets if b is not None and b.replicates is not None]
     merged = Budget(None if None in seeds else max(s for s in seeds if s is not None),
                     None if None in toks else max(t for t in toks if t is not None),
-                    towards.pop() if len(towards) == 1 else None)
+                    towards.pop() if len(towards) == 1 else None, replicates=max(reps) if reps else None)
     return replace(open_[0], budget=merged, note=note)
 
 
@@ -435,7 +439,8 @@ def budget_replicated(form: Form, n: int, mean: float, sd: float, fo: FloatOrder
                       f"{bound}: the claim differs between the float orders")
     towards = Outcome(w_a.rstrip("+-"))
     seeds, toks = power.replicated_budget(side, b, towards.value, mean, sd, bias, fo.sigma, n, fo.k, tokens)
-    return Budget(seeds, toks, towards, "" if seeds else "beyond the search range")
+    reps = power.replicates_at(seeds, n, fo.k) if seeds else None
+    return Budget(seeds, toks, towards, "" if seeds else "beyond the search range", replicates=reps)
 
 
 def paired_claim(form: Form, treatment: Sequence[float], control: Sequence[float], *,

@@ -155,6 +155,7 @@ def test_printed_budget_decides_80_percent(form: Form, margin: float, theta: flo
     side, b = _bounds(form, margin)
     n = budget.seeds
     k = power.replicates_at(n, 3, 2)
+    assert budget.replicates == k and f"{n} seeds at today's tokens, {k} of them replicated" in budget.text()
     rate = _rule(form, margin, *_runs(theta, fo.bias_plug, su, se, n, k, seed=41))[0].mean()
     assert abs(rate - 0.80) <= 0.05, (budget, rate)
     half = _rule(form, margin, *_runs(theta, fo.bias_plug, su, se, n // 2, power.replicates_at(n // 2, 3, 2),
