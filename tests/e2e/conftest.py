@@ -49,6 +49,12 @@ class E2EBudget:
     gptq_float64: bool = False
     replicates: int = 2
 
+    @staticmethod
+    def replicates_for(given: int | None, seeds: tuple[int, ...]) -> int:
+        """``--rq-replicates K`` as given (checked against the seeds), else the default 2, at most the number of
+        seeds (``--rq-seeds 0`` alone: 1 replicate, and the claims say the noise cannot be estimated)."""
+        return int(given) if given is not None else min(E2EBudget.replicates, len(seeds))
+
     def __post_init__(self) -> None:
         if not 0 <= self.replicates <= len(self.seeds):
             raise ValueError(f"--rq-replicates {self.replicates}: must lie in 0 … {len(self.seeds)} (the seeds "
@@ -177,9 +183,7 @@ def e2e_budget(rq_options) -> E2EBudget:
     budget = E2EBudget(gptq_float64=os.environ.get("ROPE_QUANT_E2E_GPTQ_FLOAT64", "") not in ("", "0"))
     if rq_options.seeds is not None:
         budget = dataclasses.replace(budget, seeds=rq_options.seeds)
-    if rq_options.replicates is not None:
-        budget = dataclasses.replace(budget, replicates=rq_options.replicates)
-    return budget
+    return dataclasses.replace(budget, replicates=E2EBudget.replicates_for(rq_options.replicates, budget.seeds))
 
 
 @pytest.fixture(scope="session")

@@ -153,7 +153,9 @@ def niah_gpu_experiment(niah_gpu_model, rq_options, tmp_path_factory, experiment
         base = load_model(niah_gpu_model, device=device)
     except ModelNotFoundError as exc:
         pytest.skip(f"gpu_e2e: model {niah_gpu_model!r} is not available locally: {exc}")
-    budget = E2EBudget(seeds=rq_options.seeds or (0, 1, 2), seqlen=2048, calib_windows=128, eval_windows=None)
+    seeds = rq_options.seeds or (0, 1, 2)
+    budget = E2EBudget(seeds=seeds, seqlen=2048, calib_windows=128, eval_windows=None,
+                       replicates=E2EBudget.replicates_for(rq_options.replicates, seeds))
     cache = tmp_path_factory.mktemp("gpu-niah-cache")
     return Experiment(base, str(cache), budget, rq_options.corpus, model=niah_gpu_model, device=device)
 

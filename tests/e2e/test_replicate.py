@@ -41,6 +41,8 @@ def test_replicates_are_the_first_k_seeds_and_k_is_checked(experiment_factory) -
     assert seen == {0: (4, True), 1: (5, True)}
     assert Experiment(None, "/x", E2EBudget(seeds=(4, 5), replicates=0), "pydoc").over_replicates(
         lambda seed, rep: seed) == {}
+    assert E2EBudget.replicates_for(None, (7,)) == 1 and E2EBudget.replicates_for(None, (1, 2, 3)) == 2
+    assert E2EBudget.replicates_for(3, (1, 2, 3)) == 3
     for bad in (-1, 4):
         with pytest.raises(ValueError, match="--rq-replicates"):
             E2EBudget(seeds=(4, 5, 6), replicates=bad)
