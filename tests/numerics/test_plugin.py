@@ -69,6 +69,16 @@ def test_bad_seeds_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
         result.stderr.fnmatch_lines(["*--rq-seeds: *expected comma-separated integers and inclusive ranges*"])
 
 
+def test_replicates_option(pytester: pytest.Pytester) -> None:
+    """``--rq-replicates K``: a whole number >= 0, or a usage error naming the option."""
+    pytester.makepyfile(test_rqplugin_x="def test_x(rq_options):\n    assert rq_options.replicates == 3\n")
+    pytester.runpytest("--rq-replicates=3").assert_outcomes(passed=1)
+    for bad in ("x", "-1", "1.5"):
+        result = pytester.runpytest(f"--rq-replicates={bad}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, bad
+        result.stderr.fnmatch_lines(["*--rq-replicates: expected a whole number >= 0*"])
+
+
 def test_seed_ranges_are_accepted(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_rqplugin_seeds="def test_x(rq_options):\n    assert rq_options.seeds == (0, 1, 2, 5)\n")
     pytester.runpytest("--rq-seeds=0-2,5").assert_outcomes(passed=1)
