@@ -64,14 +64,14 @@ class WeightCodes:
         """Compact form of integer-valued ``codes`` (out, in) with ``scales`` (out, n_groups) of ``weight``."""
         if not 2 <= bits <= 8:
             raise ValueError(f"integer codes are stored for 2..8 bits, got {bits}")
-        c = codes.detach().to("cpu")
+        # Packed where the codes are (the device), then one copy of the compact form to the host.
+        c = codes.detach()
         packed = pack_nibbles(c, bits) if bits <= 4 else c.reshape(-1).to(torch.int8)
-        w = weight.detach().to("cpu")
-        neg = torch.signbit(w) & (c == 0)
+        neg = torch.signbit(weight.detach().to(c.device)) & (c == 0)
         mask = _pack_bits(neg.reshape(-1)) if bool(neg.any()) else None
         return cls(bits, (int(c.shape[0]), int(c.shape[1])), int(group_size),
-                   scales.detach().to("cpu", torch.float32).contiguous(), packed.contiguous(), mask,
-                   str(weight.dtype).removeprefix("torch."))
+                   scales.detach().to("cpu", torch.float32).contiguous(), packed.to("cpu").contiguous(),
+                   None if mask is None else mask.to("cpu"), str(weight.dtype).removeprefix("torch."))
 
     def dequantize(self) -> torch.Tensor:
         """``codes · s`` as the quantiser computed it (float32 multiply, then the weight's dtype)."""
@@ -122,8 +122,8 @@ _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     n = mask.numel()
     pad = (-n) % 8
-    m = torch.cat([mask.to(torch.uint8), torch.zeros(pad, dtype=torch.uint8)]).reshape(-1, 8)
-    return (m * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+    m = torch.cat([mask.to(torch.uint8), torch.zeros(pad, dtype=torch.uint8, device=mask.device)]).reshape(-1, 8)
+    return (m * _BIT_WEIGHTS.to(mask.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
