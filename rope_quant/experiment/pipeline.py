@@ -570,13 +570,21 @@ def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeomet
 
     name = f"stats-{cfg.stats_key()}-{fingerprint}-{weight_cache.data_fingerprint(calib)}.npz"
     spath = None if cache is None else cache / name
-    stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
-                             sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
-    cached = _read_stats_cache(spath, stats)
+    def fresh() -> CalibrationStats:
+        return CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
+                                sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
+    cached = _read_stats_cache(spath, fresh())
     if cached is not None:
         return cached
-    with attention.calibration_hooks(model, stats):
-        _forward_windows(model, calib, "calibration", progress)
+
+    def collect() -> CalibrationStats:
+        stats = fresh()
+        with attention.calibration_hooks(model, stats):
+            _forward_windows(model, calib, "calibration", progress)
+        return stats
+    # The activation quantisers' checks are read once for the whole pass (recomputed exactly if one asks).
+    from rope_quant.quant import deferred
+    stats = deferred.run_checked(collect)[0]
     counters.calibration_passes += 1
     if spath is not None:
         stats.save(spath)

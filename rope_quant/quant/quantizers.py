@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rope_quant.core.hadamard import NonFloatTensorError
+from rope_quant.quant import deferred
 
 __all__ = [
     "QuantConfigError",
@@ -284,6 +285,11 @@ def fake_quant_per_token(
     check_clip(clip_ratio)
     w = _work(x)
     g = _grouped(w, group_size)
+    win = deferred.current()
+    if win is not None:
+        out, flag = _fq_flagged(g, bits, clip_ratio, symmetric, x.dtype)
+        win.need_exact_if(flag)
+        return out.reshape(x.shape).to(x.dtype)
     if symmetric:
         amax, finite = _sym_amax(g, clip_ratio)
         out = _fq_sym(g, amax, bits)
@@ -298,6 +304,50 @@ def fake_quant_per_token(
     if risky:
         res = _repair_overflow(res, x, group_size, lambda s: _fq_group64(s, bits, clip_ratio, symmetric))
     return res
+
+
+def _quarter_max(dtype: torch.dtype) -> float:
+    lim = _QUARTER_MAX.get(dtype)
+    return _QUARTER_MAX.setdefault(dtype, torch.finfo(dtype).max / 4) if lim is None else lim
+
+
+def _fq_flagged(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dynamic quantiser without a host read (deferred checks, :mod:`rope_quant.quant.deferred`): the
+    result and a 0-d device flag, true when a group's range is non-finite or beyond a quarter of ``dtype``'s
+    maximum (then the exact path may differ: the window is recomputed). Unflagged, the result equals the
+    exact path's bit for bit: ``amin``/``amax`` give its range up to the sign of a zero extreme, and the
+    final ``copysign`` by the input makes every zero's sign the one the scalar clamp gives (the exact
+    result's sign is always the input's while 0 ≤ z ≤ 2^b − 1: a bound is only taken by an input on its
+    side of 0; a zero point beyond 2^b − 1, possible with subnormal steps, is flagged)."""
+    lo = torch.amin(g, dim=-1, keepdim=True)
+    hi = torch.amax(g, dim=-1, keepdim=True)
+    lim = _quarter_max(dtype)
+    flag = ~((hi <= lim) & (lo >= -lim)).all()  # NaN fails both comparisons
+    if symmetric:
+        amax = torch.maximum(hi, lo.neg()) * clip_ratio
+        maxq = (1 << (bits - 1)) - 1
+        if maxq < 1:
+            raise QuantConfigError("symmetric quantisation needs bits ≥ 2")
+        delta = (amax - torch.zeros_like(amax)) / maxq
+        delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+        q = torch.div(g, delta)
+        q.round_()
+        q.clamp_(-maxq - 1, maxq)  # bounds ≠ 0: no sign-of-zero tie
+        return q.mul_(delta), flag
+    else:
+        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+        if clip_ratio != 1.0:
+            lo, hi = lo * clip_ratio, hi * clip_ratio
+        maxq = (1 << bits) - 1
+        delta = (hi - lo) / maxq
+        delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+        zero = torch.round(-lo / delta)
+        flag = flag | (zero > maxq).any()  # a subnormal Δ can put the upper bound below 0: not sign-safe
+        q = torch.div(g, delta)
+        q.round_()
+        q.clamp_min_(-zero).clamp_max_(maxq - zero)
+    return q.mul_(delta).copysign_(g), flag
 
 
 def _fq_group64(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool) -> torch.Tensor:
