@@ -179,8 +179,9 @@ def perplexity(
         for w in range(n_windows):
             window = stream[w * seqlen:(w + 1) * seqlen].to(dev)
             # The quantisers' and diagnostics' checks are read with the NLL: one host read per window.
-            nll_sum = deferred.run_checked(lambda win=window: window_nll_sum(model, win, block_size),
-                                           lambda t: (t,))[1][0]
+            def score(win: torch.Tensor = window) -> torch.Tensor:
+                return window_nll_sum(model, win, block_size)
+            nll_sum = deferred.run_checked(score, lambda t: (t,))[1][0]
             if not math.isfinite(nll_sum):
                 raise NonFiniteNLLError(
                     f"non-finite NLL ({nll_sum}) in window {w} (tokens {w * seqlen}..{(w + 1) * seqlen - 1}, "

@@ -39,7 +39,7 @@ from torch import nn
 
 from rope_quant.model import arch, offload
 from rope_quant.quant import deferred
-from rope_quant.quant.packing import CODES_ATTR, WeightCodes
+from rope_quant.quant.packing import CODES_ATTR, WeightCodes, negzero_flag
 from rope_quant.quant.quantizers import check_bits
 
 log = logging.getLogger(__name__)
@@ -697,7 +697,8 @@ def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: l
     """
     if per_layer_kwargs is not None:  # this layer's own RoPE / mask, not layer 0's
         inputs = [(args, per_layer_kwargs[li][w]) for w, (args, _) in enumerate(inputs)]
-    pending: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    pending: list[tuple[str, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    records: list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for group in _linear_groups(layer, cfg.true_sequential, order):
         group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
         if not group:
@@ -712,19 +713,22 @@ def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: l
             Ws = [m.weight.data for _, m in members]
             for (n, m), W, (Q, codes, scales, finite) in zip(
                     members, Ws, _gptq_stacked(Ws, H, bits, cfg, clip_ratio), strict=True):
-                _record_codes(m, codes, scales, bits, cfg.group_size, Q)
                 Wh = W.to(H.dtype)
                 num = torch.einsum("oi,ij,oj->", Wh - Q.to(H.dtype), H, Wh - Q.to(H.dtype))
                 den = torch.einsum("oi,ij,oj->", Wh, H, Wh)
-                pending.append((n, num, den, finite))
+                neg = negzero_flag(codes, Q) if bits <= 8 else torch.zeros((), dtype=torch.bool, device=Q.device)
+                pending.append((n, m, num, den, finite, neg))
+                records.append((m, codes, scales, Q))
                 m.weight.data.copy_(Q)
     if pending:
-        host = torch.stack([torch.stack([num.double(), den.double(), fin.double()])
-                            for _, num, den, fin in pending]).tolist()
-        for (n, _, _, _), (num, den, fin) in zip(pending, host, strict=True):
+        host = torch.stack([torch.stack([num.double(), den.double(), fin.double(), neg.double()])
+                            for _, _, num, den, fin, neg in pending]).tolist()
+        for (n, _, _, _, _, _), (num, den, fin, _) in zip(pending, host, strict=True):
             if not fin:
                 raise GPTQError(f"GPTQ produced non-finite weights (layers.{li}.{n})")
             errors[f"layers.{li}.{n}"] = num / max(den, 1e-30)
+        for (m, codes, scales, Q), row in zip(records, host, strict=True):
+            _record_codes(m, codes, scales, bits, cfg.group_size, Q, has_negzero=bool(row[3]))
 
     # Inputs of the next layer: this layer, now quantised (with whatever hooks are installed).
     def forward() -> list:
@@ -769,11 +773,11 @@ def _rtn_in_place(w: torch.Tensor, bits: int, group_size: int, mse: bool,
 
 
 def _record_codes(m: nn.Module, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-                  Q: torch.Tensor) -> None:
+                  Q: torch.Tensor, has_negzero: bool | None = None) -> None:
     """Keep the integer codes of ``m``'s new weight on the module (:data:`packing.CODES_ATTR`) for the
     weight cache, which stores them instead of the weight when they dequantise to it bit for bit."""
     if bits <= 8:
-        setattr(m, CODES_ATTR, WeightCodes.from_codes(codes, scales, bits, group_size, Q))
+        setattr(m, CODES_ATTR, WeightCodes.from_codes(codes, scales, bits, group_size, Q, has_negzero))
 
 
 def linear_names(model: nn.Module) -> Sequence[str]:

@@ -40,6 +40,11 @@ def unpack_nibbles(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return (out[:n].to(torch.int16) - off).to(torch.int8)
 
 
+def negzero_flag(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """0-d device bool: does a code 0 carry a -0.0 weight (the mask :meth:`WeightCodes.from_codes` keeps)."""
+    return (torch.signbit(weight.detach().to(codes.device)) & (codes == 0)).any()
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, dtypes and shapes, and equal signs of zero (NaN never compares equal)."""
     return (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
@@ -60,15 +65,20 @@ class WeightCodes:
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-                   weight: torch.Tensor) -> WeightCodes:
-        """Compact form of integer-valued ``codes`` (out, in) with ``scales`` (out, n_groups) of ``weight``."""
+                   weight: torch.Tensor, has_negzero: bool | None = None) -> WeightCodes:
+        """Compact form of integer-valued ``codes`` (out, in) with ``scales`` (out, n_groups) of ``weight``.
+
+        ``has_negzero``: whether any code 0 carries a -0.0 weight, when the caller has read it already
+        (:func:`negzero_flag`, batched with other reads); None reads it here."""
         if not 2 <= bits <= 8:
             raise ValueError(f"integer codes are stored for 2..8 bits, got {bits}")
         # Packed where the codes are (the device), then one copy of the compact form to the host.
         c = codes.detach()
         packed = pack_nibbles(c, bits) if bits <= 4 else c.reshape(-1).to(torch.int8)
         neg = torch.signbit(weight.detach().to(c.device)) & (c == 0)
-        mask = _pack_bits(neg.reshape(-1)) if bool(neg.any()) else None
+        if has_negzero is None:
+            has_negzero = bool(neg.any())
+        mask = _pack_bits(neg.reshape(-1)) if has_negzero else None
         return cls(bits, (int(c.shape[0]), int(c.shape[1])), int(group_size),
                    scales.detach().to("cpu", torch.float32).contiguous(), packed.to("cpu").contiguous(),
                    None if mask is None else mask.to("cpu"), str(weight.dtype).removeprefix("torch."))
