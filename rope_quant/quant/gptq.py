@@ -54,9 +54,6 @@ __all__ = [
     "rtn_quantize",
     "gptq_quantize",
     "gptq_quantize_shared",
-    "proxy_loss",
-    "validate_fast_hessian",
-    "FastHessianCheck",
     "quantize_model_gptq",
     "quantize_model_rtn",
     "GPTQ_CALLS",
@@ -105,7 +102,7 @@ class GPTQConfig:
     #: Hessians and the column loop in float64 (a robustness probe of GPTQ's floating-point order, issue 11 §0).
     float64: bool = False
     #: Hessian products on bfloat16-rounded inputs with float32 accumulation (tensor cores on a GPU). Off
-    #: unless :func:`validate_fast_hessian` passes on the real shapes.
+    #: unless :func:`rope_quant.quant.hessian_check.validate_fast_hessian` passes on the real shapes.
     hessian_bf16: bool = False
 
     @property
@@ -272,8 +269,8 @@ class HessianAccumulator:
 
     ``bf16_inputs``: the product takes the inputs rounded to bfloat16 and accumulates in float32 (tensor
     cores on a GPU, ``torch.mm(..., out_dtype=torch.float32)``; an exact float32 product of the rounded
-    inputs elsewhere). Off by default: use it only where :func:`validate_fast_hessian` passes on the
-    real shapes.
+    inputs elsewhere). Off by default: use it only where
+    :func:`rope_quant.quant.hessian_check.validate_fast_hessian` passes on the real shapes.
     """
 
     n_features: int
@@ -473,54 +470,6 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
         Q, C = Q[:, inv], C[:, inv]
     Q, C = Q.contiguous(), C.contiguous()
     return Q.to(dtype=W.dtype), C, scales, torch.isfinite(Q).all()
-
-
-def proxy_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-    """GPTQ's objective ``tr((W − Q) H (W − Q)^T)`` (Frantar et al. 2022, Eq. 1 with ``H = 2 X X^T / n``),
-    a 0-d float64 tensor on H's device."""
-    D = (W.to(torch.float64) - Q.to(torch.float64)).to(H.device)
-    return torch.einsum("oi,ij,oj->", D, H.to(torch.float64), D)
-
-
-@dataclass(frozen=True)
-class FastHessianCheck:
-    """The outcome of :func:`validate_fast_hessian`: both proxy losses (under the float32 Hessian) and
-    their relative difference; ``ok`` when it is within ``tolerance``."""
-
-    loss_fp32: float
-    loss_fast: float
-    rel_diff: float
-    tolerance: float
-
-    @property
-    def ok(self) -> bool:
-        return math.isfinite(self.rel_diff) and self.rel_diff <= self.tolerance
-
-
-#: The largest relative change of GPTQ's proxy loss the bf16-input Hessian may cause (issue 31's rule).
-FAST_HESSIAN_TOLERANCE = 0.005
-
-
-def validate_fast_hessian(W: torch.Tensor, X: torch.Tensor, bits: int, cfg: GPTQConfig = GPTQConfig(),
-                          clip_ratio: float = 1.0, tolerance: float = FAST_HESSIAN_TOLERANCE,
-                          fast: Callable[[torch.Tensor], torch.Tensor] | None = None) -> FastHessianCheck:
-    """Is the fast Hessian good enough for GPTQ on this layer? ``X`` (n, in): the layer's calibration inputs.
-
-    GPTQ runs twice, with the float32 Hessian and with ``fast(X)`` (default: bf16 inputs, float32
-    accumulation, :meth:`HessianAccumulator.add` with ``bf16_inputs``); both results are scored by the
-    proxy loss ``tr((W − Q) H (W − Q)^T)`` under the float32 Hessian. ``ok`` when the fast Hessian's loss
-    exceeds the float32 one's by at most ``tolerance`` (relative; a lower loss always passes).
-    """
-    def hessian(bf16: bool) -> torch.Tensor:
-        acc = HessianAccumulator(X.shape[-1], X.device, torch.float32, bf16_inputs=bf16)
-        acc.add(X)
-        return acc.H
-    H32 = hessian(False)
-    Hf = fast(X) if fast is not None else hessian(True)
-    l32 = float(proxy_loss(W, gptq_quantize(W, H32, bits, cfg, clip_ratio), H32))
-    lf = float(proxy_loss(W, gptq_quantize(W, Hf, bits, cfg, clip_ratio), H32))
-    rel = (lf - l32) / l32 if l32 > 0 else (0.0 if lf <= 0 else math.inf)
-    return FastHessianCheck(l32, lf, rel, tolerance)
 
 
 # ----------------------------------------------------------------------------- layer-by-layer driver

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rope_quant.quant import gptq
+from rope_quant.quant import gptq, hessian_check
 from rope_quant.quant.gptq import GPTQConfig, GPTQError, HessianAccumulator
 
 # ----------------------------------------------------------------------------- reference (the plain algorithm)
@@ -137,15 +137,15 @@ def test_bf16_hessian_is_off_by_default_and_is_the_product_of_rounded_inputs() -
 
 def test_validate_fast_hessian_passes_bf16_and_catches_a_bad_hessian() -> None:
     W, X, _ = _problem(64, 128, n=1024)
-    check = gptq.validate_fast_hessian(W, X, 4, GPTQConfig(grid=20))
+    check = hessian_check.validate_fast_hessian(W, X, 4, GPTQConfig(grid=20))
     assert check.ok, check
     assert abs(check.rel_diff) < 0.005 and check.loss_fp32 > 0
     # A Hessian from a quarter of the samples: GPTQ's loss rises well past 0.5%, and the check says so.
-    check_bad = gptq.validate_fast_hessian(W, X, 4, GPTQConfig(grid=20),
+    check_bad = hessian_check.validate_fast_hessian(W, X, 4, GPTQConfig(grid=20),
                                            fast=lambda x: 2 * x[:32].T @ x[:32] / 32)
     assert not check_bad.ok and check_bad.rel_diff > 0.005, check_bad
     # identical Hessians: zero difference
-    same = gptq.validate_fast_hessian(W, X, 4, GPTQConfig(grid=20), fast=lambda x: 2 * x.T @ x / x.shape[0])
+    same = hessian_check.validate_fast_hessian(W, X, 4, GPTQConfig(grid=20), fast=lambda x: 2 * x.T @ x / x.shape[0])
     assert abs(same.rel_diff) < 1e-6
 
 
@@ -153,4 +153,5 @@ def test_proxy_loss_is_the_trace_formula() -> None:
     W, _, H = _problem(8, 16, n=64)
     Q = gptq.rtn_quantize(W, 4)
     D = (W - Q).double()
-    assert float(gptq.proxy_loss(W, Q, H)) == pytest.approx(float(torch.trace(D @ H.double() @ D.T)), rel=1e-12)
+    want = float(torch.trace(D @ H.double() @ D.T))
+    assert float(hessian_check.proxy_loss(W, Q, H)) == pytest.approx(want, rel=1e-12)
