@@ -316,10 +316,9 @@ def _fq_flagged(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool,
     """The dynamic quantiser without a host read (deferred checks, :mod:`rope_quant.quant.deferred`): the
     result and a 0-d device flag, true when a group's range is non-finite or beyond a quarter of ``dtype``'s
     maximum (then the exact path may differ: the window is recomputed). Unflagged, the result equals the
-    exact path's bit for bit: ``amin``/``amax`` give its range up to the sign of a zero extreme, and the
-    final ``copysign`` by the input makes every zero's sign the one the scalar clamp gives (the exact
-    result's sign is always the input's while 0 ≤ z ≤ 2^b − 1: a bound is only taken by an input on its
-    side of 0; a zero point beyond 2^b − 1, possible with subnormal steps, is flagged)."""
+    exact path's bit for bit: ``amin``/``amax`` give its range up to the sign of a zero extreme, which
+    reaches only the sign of a ±0 bound, and the clamp is the plain formula's single ``clamp_`` with both
+    bounds (the exact path's vectorised pair is used only where no bound is ±0, where the two agree)."""
     lo = torch.amin(g, dim=-1, keepdim=True)
     hi = torch.amax(g, dim=-1, keepdim=True)
     lim = _quarter_max(dtype)
@@ -343,11 +342,10 @@ def _fq_flagged(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool,
         delta = (hi - lo) / maxq
         delta = torch.where(delta > 0, delta, torch.ones_like(delta))
         zero = torch.round(-lo / delta)
-        flag = flag | (zero > maxq).any()  # a subnormal Δ can put the upper bound below 0: not sign-safe
         q = torch.div(g, delta)
         q.round_()
-        q.clamp_min_(-zero).clamp_max_(maxq - zero)
-    return q.mul_(delta).copysign_(g), flag
+        q.clamp_(min=-zero, max=maxq - zero)  # the plain formula's one clamp: no ±0-tie question to ask
+    return q.mul_(delta), flag
 
 
 def _fq_group64(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool) -> torch.Tensor:
@@ -500,6 +498,11 @@ class StaticChannelQuantizer:
         self._check_channels(x)
         w = _work(x)
         a, b = (t.to(device=w.device, dtype=w.dtype) for t in self._params)  # type: ignore[union-attr]
+        win = deferred.current()
+        if win is not None:
+            res, flag = self._flagged(w, a, b, x.dtype)
+            win.need_exact_if(flag)
+            return res.to(x.dtype)
         out = _fq_sym(w, a, self.bits) if self.symmetric else _fq_asym(w, a, b, self.bits)
         if not _all_finite(w):
             out = _passthrough_nonfinite(out, w)
@@ -507,6 +510,31 @@ class StaticChannelQuantizer:
         if _overflow_risk(a if not self.symmetric else -a, b, x.dtype):
             res = self._repair_overflow(res, x)
         return res
+
+    def _flagged(self, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen-range quantiser without a host read (deferred checks): the result and a 0-d flag, true
+        when the exact path may differ (a non-finite input, a range near ``dtype``'s maximum); unflagged,
+        the exact path's bits (see :func:`_fq_flagged`)."""
+        lim = _quarter_max(dtype)
+        flag = ~torch.isfinite(w.sum()) | (b.amax() > lim)
+        if self.symmetric:
+            maxq = (1 << (self.bits - 1)) - 1
+            delta = (a - torch.zeros_like(a)) / maxq
+            delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+            q = torch.div(w, delta)
+            q.round_()
+            q.clamp_(-maxq - 1, maxq)
+            return q.mul_(delta), flag
+        maxq = (1 << self.bits) - 1
+        flag = flag | (a.amin() < -lim)
+        delta = (b - a) / maxq
+        delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+        zero = torch.round(-a / delta)
+        q = torch.div(w, delta)
+        q.round_()
+        q.clamp_(min=-zero, max=maxq - zero)
+        return q.mul_(delta), flag
 
     def _repair_overflow(self, res: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Elements whose finite input came out ±inf, recomputed in float64 with the same frozen ranges and

@@ -116,3 +116,21 @@ def test_deferred_k_diagnostics_equal_the_direct_ones_and_raise_on_nonfinite_key
     with pytest.raises(NonFiniteKeysError):
         win.read()
     assert lazy.summary()["n_groups"] == before  # the refused window added nothing
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("mode", FINITE + ["nonfinite"])
+def test_deferred_static_quantiser_is_the_exact_path_or_asks_for_it(symmetric: bool, mode: str) -> None:
+    calib = _rows(0, 40, 24, "plain" if mode == "nonfinite" else mode)
+    q = Q.StaticChannelQuantizer(24, bits=4, clip_ratio=0.9, symmetric=symmetric)
+    q.observe(calib)
+    q.finalize()
+    x = _rows(1, 30, 24, mode) * 1.5  # beyond the frozen ranges too
+    want = q(x)
+    with count_host_syncs() as c, deferred.deferred_checks() as win:
+        got = q(x)
+    assert sum(c.values()) == 0
+    rerun = win.read()[1]
+    assert rerun == (mode == "nonfinite")
+    if not rerun:
+        assert _same_bits(got, want), mode
