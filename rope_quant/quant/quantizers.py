@@ -381,6 +381,17 @@ def selected_step(x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
     (..., n_groups), float32 (App. E's diagnostic): the same range, clip and zero-range guard (Δ = 1) as
     the quantiser itself; asymmetric or symmetric as ``cfg`` says."""
     g = _grouped(_work(x), cfg.group_size)
+    win = deferred.current()
+    if win is not None:  # the same Δ without a host read (a zero extreme's sign does not reach Δ's value)
+        lo, hi = torch.amin(g, dim=-1, keepdim=True), torch.amax(g, dim=-1, keepdim=True)
+        if cfg.symmetric:
+            span = torch.maximum(hi, lo.neg()) * cfg.clip_ratio
+            delta = (span - torch.zeros_like(span)) / ((1 << (cfg.bits - 1)) - 1)
+        else:
+            lo, hi = lo.clamp(max=0.0) * cfg.clip_ratio, hi.clamp(min=0.0) * cfg.clip_ratio
+            delta = (hi - lo) / ((1 << cfg.bits) - 1)
+        win.need_exact_if(~torch.isfinite(delta).all())
+        return torch.where(delta > 0, delta, torch.ones_like(delta)).squeeze(-1)
     if cfg.symmetric:
         amax, _ = _sym_amax(g, cfg.clip_ratio)
         delta = _step(amax, torch.zeros_like(amax), (1 << (cfg.bits - 1)) - 1)

@@ -134,3 +134,16 @@ def test_deferred_static_quantiser_is_the_exact_path_or_asks_for_it(symmetric: b
     assert rerun == (mode == "nonfinite")
     if not rerun:
         assert _same_bits(got, want), mode
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_deferred_selected_step_equals_the_direct_one(symmetric: bool) -> None:
+    for mode in FINITE:
+        x = _rows(2, 20, 64, mode)
+        for bits, group, clip in itertools.product((2, 4), (-1, 16), (1.0, 0.8)):
+            cfg = Q.QuantConfig(bits=bits, group_size=group, clip_ratio=clip, symmetric=symmetric)
+            want = Q.selected_step(x, cfg)
+            with count_host_syncs() as c, deferred.deferred_checks() as win:
+                got = Q.selected_step(x, cfg)
+            assert sum(c.values()) == 0 and not win.read()[1]
+            assert torch.equal(got, want), (mode, bits, group, clip)
