@@ -24,6 +24,11 @@ hooks already on that linear: it therefore sees exactly what the linear sees, in
 Hadamard on ``down_proj`` and the activation fake-quantiser when the pipeline has installed them (our
 choice, recorded in the weight cache key). The attention's K/V quantisers and R3 are not active during
 GPTQ: they depend on the R3 choice, which must not influence the weights (paired design).
+
+Linears that share one Hessian (q/k/v, gate/up) are solved together: their rows are stacked under one
+factorisation and one column loop (rows are independent given H). Nothing inside the column loop reads the
+device from the host; a layer's group forwards, factorisations and error estimates read it a fixed number of
+times per layer (tests/numerics/test_host_syncs.py).
 """
 
 from __future__ import annotations
