@@ -147,3 +147,39 @@ def test_deferred_selected_step_equals_the_direct_one(symmetric: bool) -> None:
                 got = Q.selected_step(x, cfg)
             assert sum(c.values()) == 0 and not win.read()[1]
             assert torch.equal(got, want), (mode, bits, group, clip)
+
+
+def _quantised_tiny():  # type: ignore[no-untyped-def]
+    from rope_quant.experiment.pipeline import install_activation_quantizers
+    from rope_quant.rotations import attention
+    from tests._support import tiny_llama
+
+    model = tiny_llama(96, layers=2)
+    install_activation_quantizers(model, Q.QuantConfig(bits=4))
+    diag = KDiagnostics(4, per_layer=True)
+    attention.install_attention(model, k=Q.QuantConfig(bits=4), v=Q.QuantConfig(bits=4), diagnostics=diag)
+    return model, diag
+
+
+def test_perplexity_windows_equal_the_exact_path_and_nonfinite_keys_still_raise() -> None:
+    from rope_quant.experiment.evaluate import perplexity, window_nll_sum
+
+    model, diag = _quantised_tiny()
+    stream = torch.randint(0, 96, (96,), generator=torch.Generator().manual_seed(0))
+    res = perplexity(model, stream, 32, progress=False)
+    lazy = diag.summary()
+    diag.reset()
+    with torch.inference_mode(), deferred.exact_checks():
+        exact = [float(window_nll_sum(model, stream[w * 32:(w + 1) * 32])) / 31 for w in range(3)]
+    assert list(res.window_nll) == exact  # the same floats
+    direct = diag.summary()
+    for key in ("k_range_mean", "k_range_max", "delta_mean", "k_rel_err", "n_groups"):
+        assert lazy[key] == pytest.approx(direct[key], rel=1e-12), key
+    calls = {"n": 0}
+
+    def nan_in_second_window(_m, _i, out):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return out * float("nan") if calls["n"] == 2 else out
+    model.model.layers[1].self_attn.k_proj.register_forward_hook(nan_in_second_window)
+    with pytest.raises(NonFiniteKeysError):
+        perplexity(model, stream, 32, progress=False)
