@@ -311,19 +311,52 @@ def _complete(model: nn.Module, base: tuple[nn.Module, Any] | None) -> None:
         working_copy.fill(model, base[0])
 
 
-def _forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progress: bool) -> None:
-    """Run the decoder stack (no lm_head) over each window, for hooks to observe."""
+def _forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progress: bool, batch: int = 1) -> None:
+    """Run the decoder stack (no lm_head) over the windows, ``batch`` windows per forward, for hooks to observe."""
     from tqdm.auto import tqdm
 
     from rope_quant.model import offload
 
     base = getattr(model, "model", model)
     dev = offload.compute_device(model)
+    batch = max(1, int(batch))
     # no_grad, not inference_mode: tensors cached by hooks/transforms during this pass must stay usable
     # by later forwards that run with autograd enabled.
     with torch.no_grad():
-        for row in tqdm(windows, desc=desc, disable=not progress, leave=False):
-            base(input_ids=row.unsqueeze(0).to(dev), use_cache=False)
+        for rows in tqdm(torch.split(windows, batch), desc=desc, disable=not progress, leave=False):
+            base(input_ids=rows.to(dev), use_cache=False)
+
+
+#: Fraction of the free device memory one calibration forward may fill with its batch of windows.
+CALIB_MEMORY_FRACTION = 0.25
+#: Most windows per calibration forward (beyond this a GPU gains nothing: a window already fills it).
+CALIB_MAX_BATCH = 16
+
+
+def calibration_batch(model: nn.Module, n_windows: int, seqlen: int) -> int:
+    """Windows per calibration forward: 1 on the CPU (a batch there only adds memory; each window's
+    arithmetic is the same), on a GPU as many as fit in :data:`CALIB_MEMORY_FRACTION` of the free memory.
+
+    The per-window estimate: the residual stream and attention outputs (a few hidden-size rows per token in
+    the model's dtype), the MLP's three intermediate-size rows, and the float64 q/k pair channels the
+    statistics widen (about six copies of the q and k outputs).
+    """
+    from rope_quant.model import offload
+
+    dev = offload.compute_device(model)
+    if dev.type != "cuda" or n_windows <= 1:
+        return 1
+    cfg = getattr(model, "config", None)
+    hidden = int(getattr(cfg, "hidden_size", 4096))
+    inter = int(getattr(cfg, "intermediate_size", 4 * hidden))
+    heads = int(getattr(cfg, "num_attention_heads", 32))
+    kv = int(getattr(cfg, "num_key_value_heads", heads))
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    itemsize = next(model.parameters()).element_size()
+    per_token = itemsize * (6 * hidden + 3 * inter) + 8 * 6 * (heads + kv) * head_dim
+    free, _ = torch.cuda.mem_get_info(dev)
+    fit = int(CALIB_MEMORY_FRACTION * free // max(1, per_token * seqlen))
+    return max(1, min(CALIB_MAX_BATCH, n_windows, fit))
 
 
 def _check_rotations(model: nn.Module, cfg: RunConfig) -> None:
@@ -576,7 +609,9 @@ def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeomet
     if cached is not None:
         return cached
     with attention.calibration_hooks(model, stats):
-        _forward_windows(model, calib, "calibration", progress)
+        _forward_windows(model, calib, "calibration", progress,
+                         batch=calibration_batch(model, calib.shape[0], calib.shape[-1]))
+    stats.finalize()  # the one copy of the device accumulators to the host
     counters.calibration_passes += 1
     if spath is not None:
         stats.save(spath)
