@@ -327,36 +327,23 @@ def _forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progres
             base(input_ids=rows.to(dev), use_cache=False)
 
 
-#: Fraction of the free device memory one calibration forward may fill with its batch of windows.
-CALIB_MEMORY_FRACTION = 0.25
-#: Most windows per calibration forward (beyond this a GPU gains nothing: a window already fills it).
-CALIB_MAX_BATCH = 16
-
-
 def calibration_batch(model: nn.Module, n_windows: int, seqlen: int) -> int:
     """Windows per calibration forward: 1 on the CPU (a batch there only adds memory; each window's
-    arithmetic is the same), on a GPU as many as fit in :data:`CALIB_MEMORY_FRACTION` of the free memory.
-
-    The per-window estimate: the residual stream and attention outputs (a few hidden-size rows per token in
-    the model's dtype), the MLP's three intermediate-size rows, and the float64 q/k pair channels the
-    statistics widen (about six copies of the q and k outputs).
-    """
+    arithmetic is the same), on a GPU as many as fit in
+    :data:`rope_quant.experiment.plan_costs.CALIB_MEMORY_FRACTION` of the free memory
+    (:func:`~rope_quant.experiment.plan_costs.calib_window_bytes` per window; the plan counts the same)."""
+    from rope_quant.experiment import plan_costs
     from rope_quant.model import offload
 
     dev = offload.compute_device(model)
     if dev.type != "cuda" or n_windows <= 1:
         return 1
-    cfg = getattr(model, "config", None)
-    hidden = int(getattr(cfg, "hidden_size", 4096))
-    inter = int(getattr(cfg, "intermediate_size", 4 * hidden))
-    heads = int(getattr(cfg, "num_attention_heads", 32))
-    kv = int(getattr(cfg, "num_key_value_heads", heads))
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    d = arch.dims(model)
     itemsize = next(model.parameters()).element_size()
-    per_token = itemsize * (6 * hidden + 3 * inter) + 8 * 6 * (heads + kv) * head_dim
+    window = plan_costs.calib_window_bytes(d.hidden, d.intermediate, d.n_heads, d.n_kv_heads, d.head_dim,
+                                           itemsize, seqlen)
     free, _ = torch.cuda.mem_get_info(dev)
-    fit = int(CALIB_MEMORY_FRACTION * free // max(1, per_token * seqlen))
-    return max(1, min(CALIB_MAX_BATCH, n_windows, fit))
+    return plan_costs.calibration_batch_for(free, window, n_windows)
 
 
 def _check_rotations(model: nn.Module, cfg: RunConfig) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rope_quant.calib.moments import CalibrationStats
-from rope_quant.experiment import pipeline
+from rope_quant.experiment import pipeline, plan_costs
 from rope_quant.model import offload
 from rope_quant.rotations import attention
 from tests._support import tiny_llama
@@ -54,12 +54,12 @@ def test_calibration_batch_is_one_on_the_cpu_and_fills_a_share_of_free_gpu_memor
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _d=None: (free[0], 80 << 30))
     cfg = model.config
     per_window = 2048 * (4 * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) + 8 * 6 * (4 + 2) * 16)
-    free[0] = int(3.5 * per_window / pipeline.CALIB_MEMORY_FRACTION)
+    free[0] = int(3.5 * per_window / plan_costs.CALIB_MEMORY_FRACTION)
     assert pipeline.calibration_batch(model, 128, 2048) == 3
     free[0] = 0  # nothing free: still one window per forward (an OOM is then the stage's to report)
     assert pipeline.calibration_batch(model, 128, 2048) == 1
     free[0] = 1 << 50
-    assert pipeline.calibration_batch(model, 128, 2048) == pipeline.CALIB_MAX_BATCH
+    assert pipeline.calibration_batch(model, 128, 2048) == plan_costs.CALIB_MAX_BATCH
     assert pipeline.calibration_batch(model, 5, 2048) == 5
 
 
