@@ -26,7 +26,7 @@ from rope_quant.experiment import plan_costs as pc
 from rope_quant.experiment.stages import StageName
 from rope_quant.model import arch, shapes
 from rope_quant.rotations.offline import fold_block_rows
-from rope_quant.rotations.whip import AUTO_ANALYTIC_ABOVE
+from rope_quant.rotations.whip import AUTO_ANALYTIC_ABOVE, SAMPLES_GPU_SHARE
 
 __all__ = ["PlanError", "PlanDoesNotFit", "Protocol", "PAPER", "ModelCost", "Stage", "Plan", "read_model",
            "model_cost", "make_plan", "check_fits", "format_plan"]
@@ -218,8 +218,10 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     step = pc.WHIP_STEP_MATMULS_ANALYTIC if mc.hidden > AUTO_ANALYTIC_ABOVE else pc.WHIP_STEP_MATMULS
     whip_s = (calib_tok * (fwd_tok + attn_tok) / rate + steps * step * n3 / dev.flops["float32"]
               + pc.WHIP_FIXED_MATMULS * n3 / rate64)
-    add(StageName.WHIP_R1, act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
-        p.seeds)
+    # on a GPU the samples stay on it where they fit (whip.SAMPLES_GPU_SHARE of the free memory), else on the host
+    on_dev = gpu and not offload and samples_b <= SAMPLES_GPU_SHARE * (dev.memory_bytes - model_b)
+    add(StageName.WHIP_R1, act_window + fit_b + (samples_b if on_dev else min(samples_b, 1 << 28)),
+        (0 if on_dev else samples_b) + (0 if gpu else fit_b), 0, whip_s, p.seeds)
     block = min(mc.largest_rows, fold_block_rows(mc.hidden)) * mc.hidden * (8 + 8 + 4)  # float64 in, out, cast
     k_r4 = k_paley if mc.intermediate > 4096 else mc.intermediate  # the dense R4 matrix at or below 4096
     block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)

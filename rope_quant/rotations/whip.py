@@ -312,6 +312,20 @@ def _loss_float64(x: torch.Tensor, r: torch.Tensor, device: torch.device) -> tor
     return total / x.shape[0]
 
 
+#: Samples are kept on a GPU when they take at most this share of its free memory (else on the host, and each
+#: batch is copied to the GPU).
+SAMPLES_GPU_SHARE = 0.5
+
+
+def _fits_on(device: torch.device, nbytes: int) -> bool:
+    """Whether ``nbytes`` of samples may live on ``device`` (always on the CPU; on a GPU within
+    :data:`SAMPLES_GPU_SHARE` of its free memory)."""
+    if device.type != "cuda":
+        return device.type == "cpu"
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes <= SAMPLES_GPU_SHARE * free
+
+
 def _init_matrix(d: int, groups: int, seed: int, init: str, dtype: torch.dtype) -> torch.Tensor:
     if init == "identity":
         base = torch.eye(d, dtype=torch.float64)
@@ -401,16 +415,17 @@ def fit_rotation(
     done = cfg.max_steps is not None and cfg.max_steps == 0
     # batch losses stay on the device (one read at the end: no host sync per step)
     epoch_batch_losses: list[list[torch.Tensor]] = []
-    if x_all.device != dev:
+    if x_all.device != dev and _fits_on(dev, x_all.numel() * x_all.element_size()):
         x_all = x_all.to(dev)  # the samples live where the fit runs (a GPU: no host gather per batch)
     for _epoch in range(cfg.epochs):
         if done:
             break
-        order = torch.randperm(n_total, generator=gen)[:n_draw].to(dev)
+        order = torch.randperm(n_total, generator=gen)[:n_draw].to(x_all.device)
         losses: list[torch.Tensor] = []
         epoch_batch_losses.append(losses)
         for batch_idx, start in enumerate(range(0, n_draw, cfg.batch_size)):
-            xb = x_all[order[start : start + cfg.batch_size]]
+            idx = order[start : start + cfg.batch_size]
+            xb = x_all[idx].to(dev, non_blocking=True)
             loss = _loss_heads(xb, qr(a)) / cfg.accumulation
             loss.backward()
             pending = True
@@ -497,7 +512,8 @@ def collect_r1_samples(
     seed: int = 0,
     normalize: bool = True,
 ) -> torch.Tensor:
-    """Residual-stream inputs of every layer's input/post-attention norm, pooled: (N, T, hidden) float32.
+    """Residual-stream inputs of every layer's input/post-attention norm, pooled: (N, T, hidden) float32, on the
+    model's device where they fit (:data:`SAMPLES_GPU_SHARE`), else on the host.
 
     One sample per (window, layer, norm) with ``tokens_per_sample`` tokens drawn without replacement
     (all when the window is shorter). ``normalize``: divide by the RMS (``x / sqrt(mean x² + eps)``),
@@ -509,6 +525,10 @@ def collect_r1_samples(
         raise WhipError(f"tokens_per_sample must be positive, got {tokens_per_sample}")
     gen = torch.Generator().manual_seed(int(seed))
     out: list[torch.Tensor] = []
+    device = next(model.parameters()).device
+    n_layers = len(arch.decoder_layers(model))
+    nbytes = ids.shape[0] * 2 * n_layers * min(tokens_per_sample, ids.shape[1]) * arch.dims(model).hidden * 4
+    keep = device if _fits_on(device, nbytes) else torch.device("cpu")  # where the fit will read them
 
     def hook(norm: nn.Module, args: tuple) -> None:
         x = args[0].detach()[0].to(torch.float32)  # (seq, hidden), batch of one window
@@ -516,7 +536,7 @@ def collect_r1_samples(
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _norm_eps(norm))
         k = min(tokens_per_sample, x.shape[0])
         idx = torch.randperm(x.shape[0], generator=gen)[:k].sort().values
-        out.append(x[idx.to(x.device)])  # kept on the model's device (where the fit runs)
+        out.append(x[idx.to(x.device)].to(keep))
 
     handles = []
     for i in range(len(arch.decoder_layers(model))):
