@@ -7,8 +7,8 @@ of windows in a GPU's calibration). On the CPU, time is FLOP count over the meas
 overheads; on a GPU it is per unit of the work (:class:`rope_quant.experiment.plan_costs.GpuCosts`, measured on
 an H100): decoder forwards per layer-window at the measured bf16 rate (quantised: times the measured
 overhead), calibration statistics per layer-window, GPTQ's Hessians at the float32 rate plus its column loop
-per column, whip's steps and checks on the device. :func:`check_fits` raises :class:`PlanDoesNotFit` with the remedy before any expensive
-step.
+per column, whip's steps and checks on the device. :func:`check_fits` raises :class:`PlanDoesNotFit` with the
+remedy before any expensive step.
 """
 
 from __future__ import annotations

@@ -317,7 +317,8 @@ def _annotate(rows: list[Row], plans: dict[str, float], args: argparse.Namespace
         if row.stage == "GPTQ" and "/" in row.note and row.wall_s:
             done = int(row.note.split("/")[0].split()[-1])
             if 0 < done < n_layers:
-                row.note += f"; {row.wall_s / done:.2f} s per layer, {n_layers} layers ≈ {row.wall_s / done * n_layers:.0f} s"
+                per = row.wall_s / done
+                row.note += f"; {per:.2f} s per layer, {n_layers} layers ≈ {per * n_layers:.0f} s"
         if not eight_b:
             continue
         if row.stage == "calibration":
