@@ -4,7 +4,8 @@ The pre-RoPE q/k statistics (moments, top-k candidates, K sample) accumulate on 
 are copied to the host once at the end of the pass (:meth:`CalibrationStats.finalize`). Counted on the CPU with
 :func:`tests._support.host_syncs.count_host_syncs` (each counted call would make a GPU wait for the host) on a
 tiny random Llama at 2 and 4 layers × 2 and 4 windows; the marginal count per added layer-window must be at
-most 2 (before the device path it was about 96: a host copy and a numpy reduction per q/k output).
+most 2 (before the device path, with a host copy and a numpy reduction per q/k output: 4 per layer-window and
+10 per layer at these settings, 23 syncs at 2 layers × 2 windows).
 
 The activation quantisers are off here (``a_bits=16``) so that the count is the statistics' own; the fake
 quantisers that run inside the same forwards with ``a_bits=4`` have their own count in
