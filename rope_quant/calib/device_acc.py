@@ -27,6 +27,12 @@ _RAW = ("sum_a", "sum_b", "sum_aa", "sum_bb", "sum_ab")
 MOMENT_KEYS = _STABLE + _RAW
 
 
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Σ_n x[n] y[n] per column, (N, H, K) -> (H, K): the host's ``einsum("nhk,nhk->hk")`` (fused, no product
+    tensor)."""
+    return torch.linalg.vecdot(x, y, dim=0)
+
+
 @dataclass
 class _Cell:
     """The device state of one (layer, stream): row count (host int), moments, non-finite count."""
@@ -97,11 +103,12 @@ class DeviceAccumulator:
         a = rows[:, :, self._select(sel_a, dev)].to(torch.float64)
         b = rows[:, :, self._select(sel_b, dev)].to(torch.float64)
         cell = self._cells.setdefault((layer, stream), _Cell())
-        bad = (~torch.isfinite(rows)).sum()
-        cell.bad = bad if cell.bad is None else cell.bad + bad
         sum_a, sum_b = a.sum(dim=0), b.sum(dim=0)
-        raw = {"sum_a": sum_a, "sum_b": sum_b, "sum_aa": (a * a).sum(dim=0), "sum_bb": (b * b).sum(dim=0),
-               "sum_ab": (a * b).sum(dim=0)}
+        # A NaN/Inf input makes its (head, pair) column sum non-finite; float64 sums of float32/16-bit inputs
+        # cannot overflow (|x| < 3.4e38), so the column sums are the whole check (no pass over the input).
+        bad = (~torch.isfinite(sum_a + sum_b)).sum()
+        cell.bad = bad if cell.bad is None else cell.bad + bad
+        raw = {"sum_a": sum_a, "sum_b": sum_b, "sum_aa": _dot(a, a), "sum_bb": _dot(b, b), "sum_ab": _dot(a, b)}
         # batch means; a constant column gets its value exactly (as the host's _mean_exact_constant)
         mean_a = torch.where(a.amax(dim=0) == a.amin(dim=0), a[0], sum_a / n_new)
         mean_b = torch.where(b.amax(dim=0) == b.amin(dim=0), b[0], sum_b / n_new)
@@ -110,8 +117,8 @@ class DeviceAccumulator:
         if keys is not None:
             self._push_sample(layer, x.shape, rows, keys)
         da, db = a - mean_a, b - mean_b
-        batch = {"mean_a": mean_a, "mean_b": mean_b, "m2_aa": (da * da).sum(dim=0), "m2_bb": (db * db).sum(dim=0),
-                 "m2_ab": (da * db).sum(dim=0)}
+        batch = {"mean_a": mean_a, "mean_b": mean_b, "m2_aa": _dot(da, da), "m2_bb": _dot(db, db),
+                 "m2_ab": _dot(da, db)}
         if cell.n == 0:
             cell.acc = {**batch, **raw}
         else:  # Chan, Golub & LeVeque pairwise update; the weights are host floats (no device read)

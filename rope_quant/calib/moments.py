@@ -529,8 +529,8 @@ class CalibrationStats:
         drained = self._device.drain()
         bad = {where: count for where, count in drained.bad.items() if count}
         if bad:
-            where = ", ".join(f"layer {layer}, stream {st!r}: {count} non-finite value(s) (NaN/Inf)"
-                              for (layer, st), count in sorted(bad.items()))
+            where = ", ".join(f"layer {layer}, stream {st!r}: non-finite values (NaN/Inf) in {count} "
+                              "(head, pair) column(s)" for (layer, st), count in sorted(bad.items()))
             raise NonFiniteCalibrationError(f"{where} in the calibration input")
         for (layer, stream), (n, arrays) in sorted(drained.moments.items()):
             self._moments.fold(layer, stream, n, arrays)
