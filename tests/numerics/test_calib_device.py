@@ -14,7 +14,7 @@ from rope_quant.calib.moments import CalibrationStats
 from rope_quant.experiment import pipeline, plan_costs
 from rope_quant.model import offload
 from rope_quant.rotations import attention
-from tests._support import tiny_llama
+from tests._support import ByteTokenizer, tiny_llama
 
 
 def _stats(model: torch.nn.Module, windows: torch.Tensor, batch: int) -> CalibrationStats:
@@ -71,3 +71,25 @@ def test_device_statistics_equal_the_cpu_ones_on_cuda() -> None:
     gpu = _stats(model.cuda(), windows, 2)
     for key, value in cpu.moments.to_arrays().items():
         np.testing.assert_allclose(gpu.moments.to_arrays()[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_the_pipeline_calibrates_a_batch_of_windows_like_one_at_a_time(monkeypatch) -> None:
+    """Through the whole build (activation quantisers, R4, the collect-mode attention): two windows per forward
+    give the statistics of one window per forward (the same K-sample tokens; moments to float32 rounding)."""
+    import copy
+
+    from rope_quant.experiment.config import RunConfig
+
+    model = tiny_llama(256, layers=2, tied=True)
+    cfg = RunConfig.from_flat(model="tiny", corpus="pydoc", seed=0, r3="hadamard", weights="rtn", a_bits=4,
+                              k_bits=4, v_bits=4, seqlen=64, calib_windows=4, eval_windows=2)
+    out = {}
+    for batch in (1, 2):
+        monkeypatch.setattr(pipeline, "calibration_batch", lambda *_a, _b=batch: _b)
+        qm = pipeline.build_quantized_model(cfg, base=(copy.deepcopy(model), ByteTokenizer()))
+        out[batch] = qm.stats
+    a, b = out[1].moments.to_arrays(), out[2].moments.to_arrays()
+    for key in a:
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    for layer in range(2):
+        assert np.array_equal(out[1].k_sample(layer)[1], out[2].k_sample(layer)[1])

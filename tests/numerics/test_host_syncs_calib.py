@@ -23,18 +23,8 @@ import pytest
 
 from rope_quant.experiment import pipeline
 from rope_quant.experiment.config import RunConfig
-from tests._support import tiny_llama
+from tests._support import ByteTokenizer, tiny_llama
 from tests._support.host_syncs import count_host_syncs, marginal
-
-
-class _CharTokenizer:
-    """Bytes as token ids (vocabulary 256): enough for the pipeline's corpus windows."""
-
-    def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
-        return {"input_ids": list(text.encode("utf-8"))}
-
-    def get_vocab(self) -> dict[str, int]:
-        return {chr(i): i for i in range(256)}
 
 
 def _calibration_syncs(layers: int, windows: int, a_bits: int, monkeypatch: pytest.MonkeyPatch) -> int:
@@ -52,7 +42,7 @@ def _calibration_syncs(layers: int, windows: int, a_bits: int, monkeypatch: pyte
     model = tiny_llama(256, layers=layers, tied=True)
     cfg = RunConfig.from_flat(model="tiny", corpus="pydoc", seed=0, r3="hadamard", weights="rtn", a_bits=a_bits,
                               k_bits=4, v_bits=4, seqlen=64, calib_windows=windows, eval_windows=2)
-    pipeline.build_quantized_model(cfg, base=(copy.deepcopy(model), _CharTokenizer()))
+    pipeline.build_quantized_model(cfg, base=(copy.deepcopy(model), ByteTokenizer()))
     assert len(counted) == 1  # the pass ran once (no cache)
     return counted[0]
 
