@@ -26,7 +26,7 @@ from rope_quant.experiment import plan_costs as pc
 from rope_quant.experiment.stages import StageName
 from rope_quant.model import arch, shapes
 from rope_quant.rotations.offline import fold_block_rows
-from rope_quant.rotations.whip import AUTO_ANALYTIC_ABOVE, SAMPLES_GPU_SHARE
+from rope_quant.rotations.whip import AUTO_ANALYTIC_ABOVE
 
 __all__ = ["PlanError", "PlanDoesNotFit", "Protocol", "PAPER", "ModelCost", "Stage", "Plan", "read_model",
            "model_cost", "make_plan", "check_fits", "format_plan"]
@@ -218,10 +218,10 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     step = pc.WHIP_STEP_MATMULS_ANALYTIC if mc.hidden > AUTO_ANALYTIC_ABOVE else pc.WHIP_STEP_MATMULS
     whip_s = (calib_tok * (fwd_tok + attn_tok) / rate + steps * step * n3 / dev.flops["float32"]
               + pc.WHIP_FIXED_MATMULS * n3 / rate64)
-    # on a GPU the samples stay on it where they fit (whip.SAMPLES_GPU_SHARE of the free memory), else on the host
-    on_dev = gpu and not offload and samples_b <= SAMPLES_GPU_SHARE * (dev.memory_bytes - model_b)
-    add(StageName.WHIP_R1, act_window + fit_b + (samples_b if on_dev else min(samples_b, 1 << 28)),
-        (0 if on_dev else samples_b) + (0 if gpu else fit_b), 0, whip_s, p.seeds)
+    # the need: samples on the host, scored in 256 MiB pieces on the GPU; the fit moves them onto the GPU only
+    # where they fit in whip.SAMPLES_GPU_SHARE of its free memory (elastic, like the calibration batch)
+    add(StageName.WHIP_R1, act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
+        p.seeds)
     block = min(mc.largest_rows, fold_block_rows(mc.hidden)) * mc.hidden * (8 + 8 + 4)  # float64 in, out, cast
     k_r4 = k_paley if mc.intermediate > 4096 else mc.intermediate  # the dense R4 matrix at or below 4096
     block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
@@ -251,17 +251,17 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     eval_tok = p.eval_windows * p.seqlen
     if gpu:
         # per layer-window: the quantised forward (the measured overhead includes R4 and the R3 attention)
-        # and the device statistics of q and k (scaled by their size); windows batched as the pipeline does
+        # and the device statistics of q and k (scaled by their size). Memory: the need is one window; the
+        # pipeline batches more into a share of what it finds free (pipeline.calibration_batch), so the
+        # allocated peak on a large GPU is higher by design, never a reason not to fit.
         costs = pc.gpu_costs(dev.name)
         q_dim = mc.q_dim or mc.hidden
         win_b = pc.calib_window_bytes(mc.hidden, mc.intermediate, mc.n_heads, mc.n_kv_heads, mc.head_dim, b,
                                       p.seqlen)
-        free = dev.memory_bytes - (layer_b + emb_b * 2 if offload else model_b)
-        batch = pc.calibration_batch_for(free, win_b, p.calib_windows)
         stats_s = costs.stats_s * (q_dim + mc.kv_dim) * p.seqlen / costs.stats_ref_elems
         calib_s = (calib_tok * (fwd_tok + attn_tok) / rate * costs.quant_layer_overhead
                    + p.calib_windows * mc.n_layers * stats_s)
-        add(StageName.CALIBRATION, batch * win_b, 0, 0, calib_s, p.seeds)
+        add(StageName.CALIBRATION, win_b, 0, 0, calib_s, p.seeds)
         eval_s = eval_tok * ((fwd_tok + attn_tok) / rate * costs.quant_layer_overhead + head_tok / rate)
     else:
         add(StageName.CALIBRATION, act_window, act_window + retained, 0,  # the decoder only, no lm_head
