@@ -302,6 +302,9 @@ def run(args: argparse.Namespace) -> list[Row]:
             rec.rows[-1].note = (rec.rows[-1].note + f"; STOPPED: {exc}").lstrip("; ")
         except StageOutOfMemoryError as exc:
             rec.rows[-1].note = (rec.rows[-1].note + f"; OUT OF MEMORY: {exc}").lstrip("; ")
+        except torch.OutOfMemoryError as exc:  # in the bench's own steps (the build, the plain forward)
+            rec.rows[-1].note = (rec.rows[-1].note + f"; OUT OF MEMORY in stage '{rec.rows[-1].stage}': "
+                                 f"{str(exc)[:300]}").lstrip("; ")
     _annotate(rec.rows, locals().get("plans", {}), args, locals().get("n_layers", args.layers or 0),
               locals().get("plain_s"))
     print(f"total wall {time.perf_counter() - t_start:.1f} s ({layers_note})")
