@@ -5,6 +5,7 @@ Import them as ``from tests._support import tiny_llama`` (the repository root is
 fixtures (``tiny_base_model``) are registered by the root conftest.py from :mod:`tests._support.fixtures`.
 
 * :func:`tiny_llama` — the one tiny random Llama builder (2 layers, hidden 64, GQA 4/2, head_dim 16 unless told);
+* :class:`ByteTokenizer` — bytes as token ids, for a random model driven through the pipeline;
 * :func:`tiny_base` — that model with the embedded tokenizer's vocabulary, as the pipeline's ``base``;
 * :data:`TINY` — the smallest pipeline budget the numerics use (64-token windows, 4 calibration, 2 scored);
 * :func:`range_keys` — synthetic heavy-tailed K rows with outlier channels for the range objective;
@@ -12,6 +13,6 @@ fixtures (``tiny_base_model``) are registered by the root conftest.py from :mod:
 """
 
 from tests._support.keys import range_keys
-from tests._support.models import TINY, tiny_base, tiny_llama
+from tests._support.models import TINY, ByteTokenizer, tiny_base, tiny_llama
 
-__all__ = ["TINY", "range_keys", "tiny_base", "tiny_llama"]
+__all__ = ["TINY", "ByteTokenizer", "range_keys", "tiny_base", "tiny_llama"]

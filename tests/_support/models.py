@@ -32,3 +32,13 @@ def tiny_base(embedded_model: tuple[Any, Any], seed: int = 0, max_positions: int
     the ``base`` a pipeline test builds a quantised model from in seconds."""
     model = tiny_llama(embedded_model[0].config.vocab_size, seed=seed, max_positions=max_positions, tied=True)
     return model, embedded_model[1]
+
+
+class ByteTokenizer:
+    """Bytes as token ids (vocabulary 256): enough for the pipeline's corpus windows on a random model."""
+
+    def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(i): i for i in range(256)}
