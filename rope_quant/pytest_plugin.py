@@ -40,6 +40,9 @@ _CLAIMS_KEY = "rq_claim"
 _TABLE_KEY = "rq_table"
 _MACHINE_KEY = "rq_machine"
 _STORE = pytest.StashKey["_Collector"]()
+#: The claims JSON's layout: 2 adds ``schema`` and each decision's ``rule`` / ``float_order``
+#: (rope_quant.analysis.reproduce reads both layouts).
+CLAIMS_SCHEMA = 2
 _OPTIONS = pytest.StashKey["RQOptions"]()
 
 
@@ -52,6 +55,7 @@ class RQOptions:
     seeds: tuple[int, ...] | None = None
     device: str = "auto"
     claims_out: str | None = None
+    replicates: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -79,12 +83,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "or 0-4,7 (default: each test's own budgeted set)",
     )
     group.addoption(
+        "--rq-replicates", default=None, metavar="K",
+        help="numerical replicates: the first K seeds rebuilt with GPTQ in the other float mode (default 2); the "
+        "float-order noise and bias are estimated from them (0 or 1: every replicated claim is inconclusive)",
+    )
+    group.addoption(
         "--rq-device", default="auto", metavar="cpu|cuda|auto", help="device for model tests (default auto)"
     )
     group.addoption(
         "--rq-claims-out", default=None, metavar="DIR",
         help="write the claims table to DIR/claims.json and DIR/claims.md",
     )
+
+
+def _parse_replicates(text: str | None) -> int | None:
+    """``--rq-replicates``: a whole number >= 0 (the e2e budget checks it against the seeds)."""
+    if text is None:
+        return None
+    try:
+        k = int(text)
+    except ValueError:
+        raise pytest.UsageError(f"--rq-replicates: expected a whole number >= 0, got {text!r}") from None
+    if k < 0:
+        raise pytest.UsageError(f"--rq-replicates: expected a whole number >= 0, got {k}")
+    return k
 
 
 def _parse_seeds(text: str | None) -> tuple[int, ...] | None:
@@ -108,6 +130,7 @@ def pytest_configure(config: pytest.Config) -> None:
         seeds=_parse_seeds(config.getoption("--rq-seeds")),
         device=config.getoption("--rq-device"),
         claims_out=config.getoption("--rq-claims-out"),
+        replicates=_parse_replicates(config.getoption("--rq-replicates")),
     )
     config.stash[_STORE] = _Collector()
     config.pluginmanager.register(config.stash[_STORE], "rope_quant_collector")
@@ -294,7 +317,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if out and (claims or tables):
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)
-        payload = {"claims": [{**c, "verdict": verdict(c), "budget": budget(c)} for c in claims],
+        payload = {"schema": CLAIMS_SCHEMA,
+                   "claims": [{**c, "verdict": verdict(c), "budget": budget(c)} for c in claims],
                    "tables": tables, "machine": store.machine}
         atomic_write_text(directory / "claims.json", json.dumps(payload, indent=2))
         atomic_write_text(directory / "claims.md", claims_markdown(claims) + "\n")

@@ -3,8 +3,12 @@
 ``compare_against(this, other)`` takes two results directories (``rope-quant compare`` / ``run`` output) or two
 claims JSONs (``pytest --rq-claims-out DIR``: ``DIR/claims.json``). Each paired number (mean difference with its
 90% interval) is printed beside the other run's, with the difference in units of this run's CI half-width;
-every verdict that flipped is flagged. For directories, a number's verdict is the decision rule's GREATER form
-(:mod:`rope_quant.core.verdict`; no numerical spread) on ``config − comparator``: worse / better / undecided.
+every verdict that flipped is flagged. Claims JSONs name the decision rule they were decided under (``rule``; a
+JSON without one predates the replicated rule: the 0.1.x single-replicate offset); two runs decided under
+different rules are compared, and the header says that a flip may be the rule's. Each claim's float order
+(σ_num and bias over the replicates, where recorded) is shown beside its interval. For directories, a number's
+verdict is the decision rule's GREATER form (:mod:`rope_quant.core.verdict`; no numerical spread) on
+``config − comparator``: worse / better / undecided.
 Directories from another protocol or model are refused with the fields that differ (seeds, device and the
 GPTQ float mode may differ: they are what a reproduction varies).
 """
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from rope_quant.core.verdict import Form, decide_interval
+from rope_quant.core.verdict import RULE_OFFSET, Form, decide_interval
 from rope_quant.io import markdown_table
 from rope_quant.sweep.manifest import study_of
 
@@ -47,6 +51,7 @@ class Number:
     n: int | None
     verdict: str
     outcome: str = ""  # holds / fails / refuted / inconclusive (a flip compares these, not the verdict's text)
+    float_order: str = ""  # σ_num and bias over the numerical replicates, where the claim recorded them
 
     @property
     def half_width(self) -> float | None:
@@ -110,10 +115,35 @@ def _dir_numbers(directory: Path) -> tuple[dict[str, Number], dict[str, Any]]:
     return numbers, env
 
 
+#: The rule of a claims JSON written before rules were named: one replicate seed, thresholds offset by |Δθ|.
+LEGACY_RULE = "0.1.x: thresholds offset by one replicate's spread"
+
+
+def _float_order(d: Mapping[str, Any]) -> str:
+    fo = d.get("float_order") or {}
+    if fo.get("sigma") is not None and fo.get("bias") is not None:
+        return f"k={fo.get('k')}: σ {fo['sigma']:.3g}, bias {fo['bias']:+.3g}"
+    if fo.get("reason"):
+        return str(fo["reason"])
+    return f"spread {d['noise']:.3g}" if isinstance(d.get("noise"), (int, float)) and d.get("noise") else ""
+
+
+def _rule(payload: Mapping[str, Any]) -> str:
+    """The rule a claims JSON was decided under: its top-level ``rule``, else its interval claims', else legacy."""
+    if payload.get("rule"):
+        return str(payload["rule"])
+    rules = {(c.get("decision") or {}).get("rule") for c in payload.get("claims", []) if c.get("decision")}
+    rules.discard(None)
+    rules.discard(RULE_OFFSET)
+    return " + ".join(sorted(str(r) for r in rules)) if rules else LEGACY_RULE
+
+
 def _claims_numbers(path: Path) -> tuple[dict[str, Number], dict[str, Any]]:
     payload = json.loads(path.read_text())
     if not isinstance(payload, Mapping) or "claims" not in payload:
         raise ReproduceError(f"{path} is not a claims JSON (no 'claims' key)")
+    if not isinstance(payload["claims"], list):
+        raise ReproduceError(f"{path}: 'claims' is not a list")
     numbers: dict[str, Number] = {}
     for claim in payload["claims"]:
         label = f"{claim['claim']} [{claim.get('model', '?')}]"
@@ -125,8 +155,8 @@ def _claims_numbers(path: Path) -> tuple[dict[str, Number], dict[str, Any]]:
             pair = _paired_series(claim.get("numbers") or {})
             if pair is not None:
                 label, (mean, low, high, n) = f"{label} ({pair[0]})", pair[1]
-        numbers[label] = Number(label, mean, low, high, n, verdict, outcome)
-    return numbers, payload.get("machine") or {}
+        numbers[label] = Number(label, mean, low, high, n, verdict, outcome, _float_order(d))
+    return numbers, {**(payload.get("machine") or {}), "_rule": _rule(payload)}
 
 
 def _paired_series(numbers: Mapping[str, Any]) -> tuple[str, tuple[float, float, float, int]] | None:
@@ -202,6 +232,9 @@ def compare_against(this: str | Path, other: str | Path) -> str:
         x, y = a.get(label), b.get(label)
         row = {"number": label, "this": _ci(x) if x else "(absent)", "other": _ci(y) if y else "(absent)",
                "Δ": "–", "Δ / half-width": "–", "verdict (this → other)": ""}
+        if a_kind == "claims":
+            row["float order (this → other)"] = " → ".join(
+                dict.fromkeys(z.float_order or "–" for z in (x, y) if z)) if (x or y) else ""
         if x and y:
             if x.mean is not None and y.mean is not None:
                 delta = y.mean - x.mean
@@ -214,8 +247,12 @@ def compare_against(this: str | Path, other: str | Path) -> str:
             row["verdict (this → other)"] = (f"**FLIPPED** {x.verdict} → {y.verdict}" if flip else
                                              x.verdict if same else f"{x.verdict} → {y.verdict}")
         rows.append(row)
+    rules = [env.pop("_rule", None) for env in (a_env, b_env)]
     head = [f"# Reproducibility: {a_path} against {b_path}", "",
             f"- this: {_machine_line(a_env)}", f"- other: {_machine_line(b_env)}",
+            *([f"- rule: {rules[0]}"] if rules[0] and rules[0] == rules[1] else
+              [f"- **different decision rules**: this {rules[0]}; other {rules[1]}: a flip may be the rule's, not "
+               "the data's"] if rules[0] else []),
             f"- {len(rows)} numbers, {flipped} verdict(s) flipped; Δ = other − this, in units of this run's 90% CI "
             "half-width", ""]
     return "\n".join(head) + markdown_table(rows, list(rows[0]) if rows else ["number"]) + "\n"

@@ -13,6 +13,10 @@ For keys ``k`` after R3, shape (..., heads, seq, d), quantised per token (and pe
 Sums are accumulated in float64, so feeding batches (and layers) one at a time gives the same summary
 as one pass over their concatenation; ``per_layer=True`` keeps a breakdown by the ``layer`` passed to
 :meth:`KDiagnostics.update`.
+
+Inside a window with deferred checks (:mod:`rope_quant.quant.deferred`: the evaluation loop) an update reads
+nothing on the host: its sums stay on the device until :meth:`KDiagnostics.summary` (one transfer for all
+of them), and non-finite keys raise :class:`NonFiniteKeysError` when the window is read.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rope_quant.quant import deferred
 from rope_quant.quant.quantizers import fake_quant_per_token, quant_step
 
 
@@ -80,6 +85,49 @@ class KDiagnostics:
         self.per_layer = per_layer
         self.total = KStats()
         self.layers: dict[int, KStats] = {}
+        #: Deferred batches (layer, n_groups, float64 device sums): folded in by :meth:`flush`.
+        self._pending: list[tuple[int | None, int, torch.Tensor]] = []
+
+    def _check(self, k: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if not isinstance(k, torch.Tensor):
+            k = torch.as_tensor(k)
+        if k.ndim < 1 or k.shape[-1] == 0:
+            raise DiagnosticsError(f"keys must have a non-empty last (head_dim) axis, got {tuple(k.shape)}")
+        d = k.shape[-1]
+        if self.group_size != -1 and d % self.group_size:
+            raise DiagnosticsError(f"head_dim {d} is not a multiple of group_size {self.group_size}")
+        return k, d if self.group_size == -1 else self.group_size
+
+    def _device_sums(self, k: torch.Tensor, gs: int) -> torch.Tensor:
+        """(range sum, range max, Δ sum, error², norm²) of finite keys as one float64 device tensor, with no
+        host read (the window checks the keys, and the quantiser's own flags)."""
+        k64 = k.double()
+        lo, hi = torch.aminmax(k64.reshape(-1, gs), dim=-1)
+        rng = hi - lo
+        g = k.reshape(-1, gs).float() if k.dtype in (torch.float16, torch.bfloat16) else k.reshape(-1, gs)
+        levels = (1 << self.bits) - 1
+        glo = torch.amin(g, dim=-1).clamp(max=0.0)
+        ghi = torch.amax(g, dim=-1).clamp(min=0.0)
+        if self.clip_ratio != 1.0:
+            glo, ghi = glo * self.clip_ratio, ghi * self.clip_ratio
+        delta = ((ghi - glo) / levels).double()  # = quant_step's Δ for finite keys (its range, its formula)
+        win = deferred.current()
+        if win is not None:
+            win.need_exact_if(~torch.isfinite(delta).all())  # a range overflowing float: quant_step's other branch
+        err = k64 - fake_quant_per_token(k, self.bits, self.group_size, self.clip_ratio).double()
+        return torch.stack([rng.sum(), rng.max(), delta.sum(), (err * err).sum(), (k64 * k64).sum()])
+
+    def flush(self) -> None:
+        """Fold the deferred batches into the running sums (one host transfer)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        host = torch.stack([t.to(pending[0][2].device) for _, _, t in pending]).tolist()
+        for (layer, n, _), (rs, rm, ds, es, ns) in zip(pending, host, strict=True):
+            batch = KStats(n, rs, rm, ds, es, ns)
+            self.total.add(batch)
+            if self.per_layer and layer is not None:
+                self.layers.setdefault(int(layer), KStats()).add(batch)
 
     def batch_stats(self, k: torch.Tensor) -> KStats:
         """The sums of one batch of keys (..., heads, seq, d), without accumulating them."""
@@ -116,10 +164,21 @@ class KDiagnostics:
             norm_sq=float((k64 * k64).sum()),
         )
 
-    def update(self, k: torch.Tensor, layer: int | None = None) -> KStats:
-        """Accumulate one batch (e.g. one layer's post-R3 keys); returns that batch's sums."""
+    def update(self, k: torch.Tensor, layer: int | None = None) -> KStats | None:
+        """Accumulate one batch (e.g. one layer's post-R3 keys); returns that batch's sums (None inside a
+        deferred window: they stay on the device until :meth:`flush`)."""
         if self.per_layer and layer is None:
             raise DiagnosticsError("per_layer=True needs the layer index in update(k, layer=...)")
+        win = deferred.current()
+        if win is not None:
+            k, gs = self._check(k)
+            if k.numel() == 0:
+                return None
+            k = k.detach()
+            win.raise_if(~torch.isfinite(k).all(), lambda: NonFiniteKeysError("keys contain NaN/Inf values"))
+            entry = (layer, k.numel() // gs, self._device_sums(k, gs))
+            win.on_commit(lambda: self._pending.append(entry))
+            return None
         batch = self.batch_stats(k)
         self.total.add(batch)
         if self.per_layer and layer is not None:  # (per_layer without a layer raised above)
@@ -130,17 +189,21 @@ class KDiagnostics:
         """Fold another accumulator with the same quantiser settings into this one."""
         if (self.bits, self.group_size, self.clip_ratio) != (other.bits, other.group_size, other.clip_ratio):
             raise DiagnosticsError("cannot merge diagnostics of different quantiser settings")
+        self.flush()
+        other.flush()
         self.total.add(other.total)
         for layer, st in other.layers.items():
             self.layers.setdefault(layer, KStats()).add(st)
         return self
 
     def reset(self) -> None:
+        self._pending = []
         self.total = KStats()
         self.layers = {}
 
     def summary(self) -> dict[str, Any]:
         """dict(k_range_mean, k_range_max, delta_mean, k_rel_err, n_groups[, per_layer={layer: ...}])."""
+        self.flush()
         out: dict[str, Any] = self.total.summary()
         out.update(bits=self.bits, group_size=self.group_size, clip_ratio=self.clip_ratio)
         if self.per_layer:

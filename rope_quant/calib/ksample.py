@@ -4,7 +4,9 @@ Each kept row holds every KV head and every channel of one token, stored as floa
 token's position (its index along the sequence axis, the second-to-last axis of the k_proj output): the
 ``range`` objective needs the RoPE phase m·θ_k of every row. Sampling is bottom-k on seeded uniform keys,
 so it is uniform without replacement; merging keeps the smallest keys of the union, again a uniform sample
-of every row either side saw.
+of every row either side saw. Each layer draws its keys from its own generator (seeded by (seed, layer)), so
+the sample does not depend on how many windows a forward holds (the layers of one forward would otherwise
+interleave their draws differently for every batch size).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ class KSample:
             raise CalibrationShapeError(f"sample_rows must be a non-negative integer, got {size!r}")
         self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
         self.size, self.seed = int(size), int(seed)
-        self._rng = np.random.default_rng(self.seed)
+        if self.seed < 0:
+            raise CalibrationShapeError(f"sample_seed must be a non-negative integer, got {seed!r}")
+        self._rngs = [np.random.default_rng([self.seed, layer]) for layer in range(self.n_layers)]
         # per layer: (keys (n,), positions (n,), rows (n, H_kv, d) float32), bottom-k by key
         self._sample: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [
             (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros((0, self.n_kv_heads, self.head_dim), np.float32))
@@ -53,8 +57,16 @@ class KSample:
                 f"layer {layer}: the K sample needs a sequence axis, input (..., seq, H*d), got {shape}"
             )
         positions = np.broadcast_to(np.arange(shape[-2]), shape[:-1]).reshape(-1)
-        keys = self._rng.random(positions.size)
-        self.push(layer, keys, positions, rows)
+        self.push(layer, self.draw_keys(layer, shape), positions, rows)
+
+    def draw_keys(self, layer: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The uniform keys of the rows of one k_proj output of ``shape`` (..., seq, H_kv*d), from the
+        layer's generator (float64, one per row; checks the sequence axis)."""
+        if len(shape) < 2:
+            raise CalibrationShapeError(
+                f"layer {layer}: the K sample needs a sequence axis, input (..., seq, H*d), got {shape}"
+            )
+        return self._rngs[layer].random(int(np.prod(shape[:-1], dtype=np.int64)))
 
     def push(self, layer: int, keys: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
         """Keep the ``size`` rows with the smallest keys of the kept and the new rows (stored as float32).
@@ -97,7 +109,8 @@ class KSample:
 
     def copy_rng_state(self, other: KSample) -> None:
         """Continue ``other``'s key stream (for an exact copy)."""
-        self._rng.bit_generator.state = other._rng.bit_generator.state
+        for mine, theirs in zip(self._rngs, other._rngs, strict=True):
+            mine.bit_generator.state = theirs.bit_generator.state
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The file section: ``sample_{layer}_keys``, ``_pos`` and ``_rows`` per layer (nothing if size = 0)."""

@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from rope_quant.calib.candidates import TopKCandidates
+from rope_quant.calib.device_acc import DeviceAccumulator
 from rope_quant.calib.errors import (
     CalibrationError,
     CalibrationShapeError,
@@ -277,6 +279,18 @@ class PairMoments:
             acc[key][layer] = merged[key]
         self._n[stream][layer] += nb
 
+    def fold(self, layer: int, stream: str, n: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Fold the moments of ``n`` rows accumulated elsewhere (a device accumulator: means, centred
+        co-moments and raw sums, (H, K) each) into (layer, stream), with the same merge as :meth:`update`."""
+        acc = self._acc[stream]
+        for key in _RAW:
+            acc[key][layer] += arrays[key]
+        old = {key: acc[key][layer] for key in _STABLE}
+        merged = _chan_merge(np.int64(self._n[stream][layer]), old, np.int64(n), dict(arrays))
+        for key in _STABLE:
+            acc[key][layer] = merged[key]
+        self._n[stream][layer] += n
+
     @staticmethod
     def _batch_moments(
         a: np.ndarray, b: np.ndarray, sum_a: np.ndarray, sum_b: np.ndarray, overwrite: bool = False
@@ -474,24 +488,67 @@ class CalibrationStats:
         self.layout = check_layout(layout)
         self.n_layers, self.n_q_heads, self.n_kv_heads = int(n_layers), int(n_q_heads), int(n_kv_heads)
         self.head_dim = int(head_dim)
-        self.moments = PairMoments(self.n_layers, self.n_q_heads, self.n_kv_heads, self.n_pairs)
-        self.topk_candidates = TopKCandidates(self.n_layers, self.n_pairs, topk, topk_streams)
-        self.ksample = KSample(self.n_layers, self.n_kv_heads, self.head_dim, sample_rows, sample_seed)
-        self.topk, self.topk_streams = self.topk_candidates.topk, self.topk_candidates.streams
-        self.sample_rows, self.sample_seed = self.ksample.size, self.ksample.seed
+        self._moments = PairMoments(self.n_layers, self.n_q_heads, self.n_kv_heads, self.n_pairs)
+        self._topk_candidates = TopKCandidates(self.n_layers, self.n_pairs, topk, topk_streams)
+        self._ksample = KSample(self.n_layers, self.n_kv_heads, self.head_dim, sample_rows, sample_seed)
+        self.topk, self.topk_streams = self._topk_candidates.topk, self._topk_candidates.streams
+        self.sample_rows, self.sample_seed = self._ksample.size, self._ksample.seed
         self._idx_a, self._idx_b = pair_indices(self.head_dim, self.layout)
         self._sel_a, self._sel_b = _as_slice(self._idx_a), _as_slice(self._idx_b)
+        self._device = DeviceAccumulator(self.n_pairs, self.topk, self.topk_streams, self.sample_rows)
+
+    # ------------------------------------------------------------------ the host components (device rows folded in)
+
+    @property
+    def moments(self) -> PairMoments:
+        """The pair moments (rows accumulated on a device are copied in first)."""
+        self.finalize()
+        return self._moments
+
+    @property
+    def topk_candidates(self) -> TopKCandidates:
+        """The top-k candidate rows (rows accumulated on a device are copied in first)."""
+        self.finalize()
+        return self._topk_candidates
+
+    @property
+    def ksample(self) -> KSample:
+        """The K sample (rows accumulated on a device are copied in first)."""
+        self.finalize()
+        return self._ksample
+
+    def finalize(self) -> None:
+        """Copy what torch batches accumulated on their device to the host (one transfer) and fold it in.
+
+        Every reader calls this first; a calibration pass calls it once at its end. Raises
+        :class:`NonFiniteCalibrationError` naming the (layer, stream) if a device batch held NaN/Inf (the
+        device rows are then dropped: the host statistics keep only what was folded in before).
+        """
+        if self._device.empty():
+            return
+        drained = self._device.drain()
+        bad = {where: count for where, count in drained.bad.items() if count}
+        if bad:
+            where = ", ".join(f"layer {layer}, stream {st!r}: non-finite values (NaN/Inf) in {count} "
+                              "(head, pair) column(s)" for (layer, st), count in sorted(bad.items()))
+            raise NonFiniteCalibrationError(f"{where} in the calibration input")
+        for (layer, stream), (n, arrays) in sorted(drained.moments.items()):
+            self._moments.fold(layer, stream, n, arrays)
+        for layer, rows in sorted(drained.candidates.items()):
+            self._topk_candidates.push(layer, rows)
+        for layer, (keys, positions, rows) in sorted(drained.sample.items()):
+            self._ksample.push(layer, keys, positions, rows)
 
     # ------------------------------------------------------------------ configuration helpers
 
     def heads(self, stream: str) -> int:
         """Number of heads of a stream (Q: n_q_heads, K: n_kv_heads)."""
-        return self.moments.heads(stream)
+        return self._moments.heads(stream)
 
     @property
     def group_size(self) -> int:
         """Q heads per KV head (GQA group size)."""
-        return self.moments.group_size
+        return self._moments.group_size
 
     def config(self) -> dict[str, Any]:
         return {
@@ -513,10 +570,18 @@ class CalibrationStats:
     # ------------------------------------------------------------------ accumulation
 
     def update(self, layer: int, stream: str, x: Any) -> None:
-        """Accumulate one batch of q_proj/k_proj outputs (pre-RoPE), shape (..., H*head_dim)."""
+        """Accumulate one batch of q_proj/k_proj outputs (pre-RoPE), shape (..., H*head_dim).
+
+        A torch tensor is accumulated on its own device (:mod:`rope_quant.calib.device_acc`, no host
+        synchronisation; a NaN/Inf is reported by :meth:`finalize`); anything else on the host in numpy (a
+        NaN/Inf raises at once).
+        """
         stream = check_stream(stream)
         layer = check_layer(layer, self.n_layers)
         H, d = self.heads(stream), self.head_dim
+        if isinstance(x, torch.Tensor):
+            self._update_device(layer, stream, x.detach())
+            return
         arr = _to_numpy_float(x)  # float32 or float64; widened to float64 below while selecting the pairs
         if arr.ndim < 1 or arr.shape[-1] != H * d:
             raise CalibrationShapeError(
@@ -540,10 +605,27 @@ class CalibrationStats:
                     f"layer {layer}, stream {stream!r}: {bad} non-finite value(s) (NaN/Inf) "
                     "in the calibration input"
                 )
-        self.topk_candidates.update(layer, stream, a, b)
+        self.finalize()  # device rows first, so the host sees every batch in order
+        self._topk_candidates.update(layer, stream, a, b)
         if stream == "k":
-            self.ksample.update(layer, arr.shape, rows)  # float32 rows cast exactly as before
-        self.moments.update(layer, stream, a, b, sums=sums, overwrite=True)  # centres a, b in place
+            self._ksample.update(layer, arr.shape, rows)  # float32 rows cast exactly as before
+        self._moments.update(layer, stream, a, b, sums=sums, overwrite=True)  # centres a, b in place
+
+    def _update_device(self, layer: int, stream: str, x: torch.Tensor) -> None:
+        """:meth:`update` for a torch tensor: shape checks on the host, arithmetic on ``x.device``."""
+        H, d = self.heads(stream), self.head_dim
+        if x.ndim < 1 or x.shape[-1] != H * d:
+            raise CalibrationShapeError(
+                f"layer {layer}, stream {stream!r}: expected input of shape (..., {H}*{d}={H * d}) "
+                f"({H} heads of dim {d}), got {tuple(x.shape)}"
+            )
+        rows = x.reshape(-1, H, d)
+        if rows.shape[0] == 0:
+            return
+        keys = None
+        if stream == "k" and self.sample_rows:
+            keys = self._ksample.draw_keys(layer, tuple(x.shape))
+        self._device.update(layer, stream, x, rows, self._sel_a, self._sel_b, keys)
 
     def candidates(self, layer: int) -> np.ndarray:
         """Top-k candidate rows of a layer, shape (n_kept, K, 2) as (a, b), sorted by |a|+|b| descending."""

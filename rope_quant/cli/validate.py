@@ -56,14 +56,19 @@ def check_device(device: str, runs_here: bool = True) -> str:
 
 
 def resolve_dtype(device: str, dtype: str) -> str:
-    """``--dtype auto`` -> bfloat16 on CUDA, float32 on the CPU (so CPU numbers and keys do not move);
-    an explicit dtype is kept."""
+    """``--dtype auto`` -> bfloat16 on CUDA (float16 on a GPU without native bfloat16, with a note saying so),
+    float32 on the CPU (CPU numbers and keys do not move); an explicit dtype is kept
+    (:func:`rope_quant.model.dtypes.auto_dtype`)."""
     from rope_quant.cli.options import AUTO_DTYPE
     from rope_quant.experiment.config import DType
+    from rope_quant.model.dtypes import auto_dtype
 
     if dtype != AUTO_DTYPE:
         return dtype
-    return (DType.BFLOAT16 if device.startswith("cuda") else DType.FLOAT32).value
+    name, note = auto_dtype(device)
+    if note:
+        print(note, file=sys.stderr)
+    return DType(name).value
 
 
 def check_memory(args: argparse.Namespace, configs: int = 1, seeds: int = 1) -> str:

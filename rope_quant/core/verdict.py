@@ -1,33 +1,50 @@
 """The one decision rule of the claims suite: holds, fails, inconclusive (with the budget to decide), refuted.
 
-**The rule** (docs/verdicts.md). A claim about a paired effect ``θ`` (per seed: treatment − control) is read
-from the two-sided 90% paired t interval ``[low, high]`` of the mean difference over the seeds (two one-sided
-tests at α = 0.05) and the run's own *numerical spread* ``s >= 0``: how far the same seed's paired
-difference moved when it was rebuilt under a different, equally valid floating-point order (the numerical
-replicate; :func:`numerical_spread`). Every threshold is moved by ``s`` against the verdict being declared:
+**The rule** (docs/verdicts.md). A claim is about a paired effect ``θ`` (per seed: treatment − control). GPTQ's
+floating-point order (CPU, thread count, float mode) is a second source of variation: the same seed rebuilt
+under another valid float order (its *numerical replicate*, GPTQ in the other float mode) moves ``θ_i`` by
+``d_i = θ_i^rep − θ_i``. The run builds replicates for ``k`` of its ``n`` seeds. Then:
 
-* lower bound ``θ > b`` (``GREATER``, b = 0; ``NON_INFERIOR``, b = −margin):
-  **holds** iff ``low > b + s``; **refuted** iff ``high < b − s``;
-* upper bound ``θ < b`` (``LESS``, b = 0; ``NON_SUPERIOR``, b = +margin): the mirror image;
-* equivalence ``|θ| < margin`` (``EQUIVALENT``, TOST): **holds** iff ``−margin + s < low`` and
-  ``high < margin − s``; **refuted** iff ``low > margin + s`` or ``high < −margin − s``;
-* otherwise **inconclusive**, with the budget that would decide it at 80% power (:mod:`rope_quant.core.power`,
-  at the measured mean and sd), towards the side the mean lies on; no budget when the mean lies within ``s``
-  of the boundary (more seeds cannot beat the floating-point noise) or with fewer than 2 seeds
-  ("needs ≥ 2 seeds": no interval, never a vacuous verdict);
+* the **primary interval** ``A`` is the two-sided 90% paired t interval of the mean of ``θ_i`` over the ``n``
+  seeds. Each ``θ_i`` carries its own float-order perturbation, so ``A`` already contains the float-order
+  *noise* as variance; nothing is added to it for noise;
+* the shifts estimate the float-order noise ``σ_num = sd(d)`` and the float-order **bias** ``β = E d`` with its
+  own 90% t interval on ``k − 1`` degrees of freedom (:class:`FloatOrder`);
+* the **replicate interval** ``B`` is the 90% interval of the effect in the other float order, ``θ + β``:
+  ``mean(θ) + mean(d) ± t_ν · sqrt(s_θ²/n + s_d²/k)`` with Welch–Satterthwaite ``ν``. The covariance of the two
+  means (``−σ_e²/n`` where the seeds overlap) is left out, which only widens ``B``. The bias thus enters only
+  as far as it is established: through its interval, never through a point magnitude;
+* the claim is decided on the **union** ``U = [min(low_A, low_B), max(high_A, high_B)]``, in the forms below,
+  with no offsets: lower bound ``θ > b`` (``GREATER``, b = 0; ``NON_INFERIOR``, b = −margin) **holds** iff
+  ``U.low > b``, **refuted** iff ``U.high < b``; upper bound ``θ < b`` (``LESS``, ``NON_SUPERIOR``) the mirror;
+  equivalence ``|θ| < margin`` (TOST) holds iff ``−margin < U.low`` and ``U.high < margin``, refuted iff
+  ``U.low > margin`` or ``U.high < −margin``.
+
+**Coverage.** ``A`` covers ``θ`` and ``B`` covers ``θ + β`` each with ≥ 95% per side (``B`` to Welch's
+approximation, made conservative by the covariance left out), so a "holds" (or
+"refuted") is wrong in *either* float order with probability ≤ 5% when the effect of that order lies on the
+boundary, with or without a bias (``tests/theory/test_verdict_replicates.py`` measures it by simulation, with
+the 0.1.x rule beside it). Otherwise the claim is **inconclusive**, with the budget that decides it at 80%
+power (:func:`budget_replicated`; seeds with replicates in today's proportion, or tokens per cell) or, where
+none can, the reason: an *established* bias (its interval excludes 0) that puts the two float orders on
+opposite sides of the boundary, or a mean exactly on it. Fewer than 2 seeds ("needs ≥ 2 seeds"), fewer than 2
+replicates (the noise and the bias cannot be estimated; the note says what the primary interval alone reads),
+or a replicate that failed to build (the note gives the reason) are inconclusive too, never a vacuous verdict.
+
 * **fails**: a criterion without sampling error (a closed form, an every-seed sign, a claim's robust part) is
   false (:func:`deterministic`).
 
-Several parts of one claim combine with :func:`combine_all`: fails or refuted if any part is, holds if every
-part holds, else inconclusive with the largest budget of its undecided parts. A test fails on fails and
-refuted, never on inconclusive. Standard library only at import time (the pytest plugin imports this module);
-scipy is imported when a budget is computed.
+:func:`decide` / :func:`decide_interval` apply the same thresholds to one interval with an explicit offset
+``noise`` (0 for a ``rope-quant compare`` sign, which has no replicate). Several parts of one claim combine with
+:func:`combine_all`: fails or refuted if any part is, holds if every part holds, else inconclusive with the
+largest budget of its undecided parts. A test fails on fails and refuted, never on inconclusive. Standard
+library only at import time (the pytest plugin imports this module); numpy/scipy when a number is computed.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -65,23 +82,70 @@ class Form(StrEnum):
 class Budget:
     """What would decide an inconclusive claim at 80% power: ``seeds`` at today's tokens per cell, or
     ``tokens`` per cell at today's seeds (paired variance ∝ 1/tokens); ``towards`` the outcome it would
-    reach; ``reason`` when no budget can decide."""
+    reach; ``reason`` when no budget can decide; ``replicates``: how many of the ``seeds`` carry a numerical
+    replicate (the replicated rule; None for the single-interval form)."""
 
     seeds: int | None
     tokens: int | None
     towards: Outcome | None
     reason: str = ""
+    replicates: int | None = None
 
     def text(self) -> str:
         if self.seeds is None and self.tokens is None:
             return f"no budget decides: {self.reason}" if self.reason else "no budget decides"
         parts = []
         if self.seeds is not None:
-            parts.append(f"{self.seeds} seeds at today's tokens")
+            parts.append(f"{self.seeds} seeds at today's tokens"
+                         + (f", {self.replicates} of them replicated" if self.replicates is not None else ""))
         if self.tokens is not None:
             parts.append(f"{self.tokens} tokens/cell at today's seeds")
         towards = self.towards.value if self.towards else "decide"
         return f"80% power to {'hold' if towards == 'holds' else 'refute'}: " + " or ".join(parts)
+
+
+RULE_OFFSET = "interval, thresholds offset by a fixed noise"
+"""The rule of :func:`decide`: one interval, every threshold moved by ``noise`` (0 for a compare sign)."""
+RULE_REPLICATES = "union of the primary and the float-order replicate intervals"
+"""The rule of :func:`decide_replicated` (module docstring); claims JSONs without a ``rule`` key predate it."""
+
+
+@dataclass(frozen=True)
+class FloatOrder:
+    """What ``k`` numerical replicates say: the shifts ``d_i = θ_i^rep − θ_i``, their sd ``sigma`` (σ_num), the
+    bias (their mean) with its 90% t interval, and the replicate-order interval ``[low_b, high_b]`` of
+    ``θ + β``. ``reason``: why they could not be estimated (then the numbers are None)."""
+
+    k: int
+    shifts: tuple[float, ...] = ()
+    sigma: float | None = None
+    bias: float | None = None
+    bias_low: float | None = None
+    bias_high: float | None = None
+    low_b: float | None = None
+    high_b: float | None = None
+    reason: str = ""
+
+    @property
+    def established(self) -> bool:
+        """The bias's interval excludes 0."""
+        return (self.bias_low is not None and self.bias_low > 0) or (self.bias_high is not None and self.bias_high < 0)
+
+    @property
+    def bias_plug(self) -> float:
+        """The established part of the bias: its interval's point nearest 0 (0 when the interval holds 0)."""
+        if self.bias_low is not None and self.bias_low > 0:
+            return self.bias_low
+        if self.bias_high is not None and self.bias_high < 0:
+            return self.bias_high
+        return 0.0
+
+    def text(self) -> str:
+        if self.sigma is None or self.bias is None:
+            return f"float order: {self.reason}"
+        return (f"float order (k={self.k}): σ_num {self.sigma:.3g}, bias {self.bias:+.3g} "
+                f"(90% CI {self.bias_low:+.3g}, {self.bias_high:+.3g}"
+                + (", established)" if self.established else ")"))
 
 
 @dataclass(frozen=True)
@@ -99,6 +163,8 @@ class Verdict:
     noise: float = 0.0
     budget: Budget | None = None
     note: str = ""
+    float_order: FloatOrder | None = None
+    rule: str = RULE_OFFSET
 
     @property
     def decided(self) -> bool:
@@ -126,6 +192,15 @@ class Verdict:
                              "text": self.budget.text()}
         out["text"] = self.text()
         return out
+
+    @property
+    def bounds(self) -> tuple[float | None, float | None]:
+        """The interval the outcome was read from: the union of the primary and replicate intervals under
+        :data:`RULE_REPLICATES`, else the primary interval."""
+        fo = self.float_order
+        if fo is None or fo.low_b is None or fo.high_b is None or self.low is None or self.high is None:
+            return self.low, self.high
+        return min(self.low, fo.low_b), max(self.high, fo.high_b)
 
 
 def _bounds(form: Form, margin: float) -> tuple[str, float]:
@@ -243,23 +318,11 @@ def combine_all(parts: Iterable[Verdict], note: str = "") -> Verdict:
     seeds = [b.seeds for b in budgets if b is not None]
     toks = [b.tokens for b in budgets if b is not None]
     towards = {b.towards for b in budgets if b is not None}
+    reps = [b.replicates for b in budgets if b is not None and b.replicates is not None]
     merged = Budget(None if None in seeds else max(s for s in seeds if s is not None),
                     None if None in toks else max(t for t in toks if t is not None),
-                    towards.pop() if len(towards) == 1 else None)
+                    towards.pop() if len(towards) == 1 else None, replicates=max(reps) if reps else None)
     return replace(open_[0], budget=merged, note=note)
-
-
-def numerical_spread(primary: float | Sequence[float], replicate: float | Sequence[float]) -> float:
-    """How far a decision statistic moved between a seed and its numerical replicate (the same seed rebuilt
-    under another valid floating-point order): the largest absolute difference, element-wise."""
-    p = [primary] if isinstance(primary, (int, float)) else list(primary)
-    r = [replicate] if isinstance(replicate, (int, float)) else list(replicate)
-    if len(p) != len(r) or not p:
-        raise ValueError(f"primary ({len(p)}) and replicate ({len(r)}) statistics must pair up")
-    spread = max(abs(float(a) - float(b)) for a, b in zip(p, r, strict=True))
-    if not math.isfinite(spread):
-        raise ValueError(f"non-finite numerical spread from {p} and {r}")
-    return spread
 
 
 @dataclass(frozen=True)
@@ -283,20 +346,119 @@ def equivalence_margin(ppl: float) -> Margin:
                          f"= ±{value:.3f}")
 
 
-def paired_claim(form: Form, treatment: Sequence[float], control: Sequence[float], *,
-                 replicate: tuple[float, float] | None, replicate_index: int = 0, margin: float = 0.0,
-                 tokens: int | None = None) -> Verdict:
-    """The rule on a seed-paired comparison with its numerical replicate.
+def float_order(shifts: Sequence[float], n: int, mean: float, sd: float) -> FloatOrder:
+    """The replicates' :class:`FloatOrder` beside the primary ``n``, ``mean``, ``sd`` of the paired effect."""
+    d = [float(x) for x in shifts]
+    k = len(d)
+    if any(not math.isfinite(x) for x in d):
+        raise ValueError(f"replicate shifts must be finite, got {d}")
+    if k < 2:
+        return FloatOrder(k, tuple(d), reason=f"{k} numerical replicate(s): the float-order noise and bias cannot "
+                                              "be estimated (needs ≥ 2)")
+    from rope_quant.core import power  # deferred: scipy
 
-    ``replicate``: (treatment, control) of seed ``treatment[replicate_index]`` rebuilt under another valid
-    floating-point order; the spread is how far that seed's paired difference moved. ``None`` only where no
-    replicate can exist (noise taken as 0, and the note says so).
+    bias = sum(d) / k
+    sigma = math.sqrt(sum((x - bias) ** 2 for x in d) / (k - 1))
+    half = float(power.t_quantile(k - 1)) * sigma / math.sqrt(k)
+    low_a, high_a, low_b, high_b = power.union_bounds(mean, sd, n, bias, sigma, k)
+    return FloatOrder(k, tuple(d), sigma, bias, bias - half, bias + half, float(low_b), float(high_b))
+
+
+def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | None, *,
+                      margin: float = 0.0, tokens: int | None = None) -> Verdict:
+    """The rule (module docstring) on the per-seed paired differences and the replicates' shifts
+    ``d_i = θ_i^rep − θ_i``. ``shifts``: a str is why a replicate failed to build; None, that none exists."""
+    if form in (Form.EQUIVALENT, Form.NON_INFERIOR, Form.NON_SUPERIOR) and not margin > 0:
+        raise ValueError(f"{form.value} needs a positive margin, got {margin!r}")
+    d = [float(x) for x in diffs]
+    if isinstance(shifts, str) or shifts is None:
+        reason = shifts or "no numerical replicate exists for this setting"
+        head = f"float-order replicate: {reason}" if isinstance(shifts, str) else f"float order: {reason}"
+        return _primary_only(form, d, FloatOrder(0, reason=reason), head, margin, tokens)
+    if len(d) < 2:  # no interval
+        return replace(decide(form, d, margin=margin), rule=RULE_REPLICATES,
+                       float_order=FloatOrder(len(shifts), tuple(float(x) for x in shifts)))
+    if any(not math.isfinite(x) for x in d):
+        raise ValueError(f"paired differences must be finite, got {d}")
+    from rope_quant.core import stats  # deferred: scipy
+
+    ci = stats.paired_ci(d, [0.0] * len(d), LEVEL)
+    fo = float_order(shifts, ci.n, ci.mean, ci.sd)
+    if fo.sigma is None:
+        return _primary_only(form, d, fo, fo.reason, margin, tokens)
+    primary = Verdict(Outcome.INCONCLUSIVE, form, ci.n, ci.mean, ci.sd, ci.low, ci.high, margin, rule=RULE_REPLICATES)
+    v = replace(primary, outcome=Outcome.INCONCLUSIVE, budget=None, noise=fo.sigma, float_order=fo)
+    side, b = _bounds(form, margin)
+    low, high = v.bounds
+    from rope_quant.core.power import masks  # deferred: numpy
+
+    holds, refuted = masks(side, b, low, high)
+    if holds:
+        return replace(v, outcome=Outcome.HOLDS)
+    if refuted:
+        return replace(v, outcome=Outcome.REFUTED)
+    return replace(v, budget=budget_replicated(form, ci.n, ci.mean, ci.sd, fo, margin=margin, tokens=tokens))
+
+
+def _primary_only(form: Form, d: list[float], fo: FloatOrder, why: str, margin: float,
+                  tokens: int | None) -> Verdict:
+    """Inconclusive: the float order cannot be estimated; the note says why and what the primary interval alone
+    (the 0.1.x reading without a spread) would read."""
+    alone = decide(form, d, margin=margin, tokens=tokens)
+    return replace(alone, outcome=Outcome.INCONCLUSIVE, budget=None, float_order=fo, rule=RULE_REPLICATES,
+                   note=f"{why}; the primary interval alone reads {alone.text()}")
+
+
+def budget_replicated(form: Form, n: int, mean: float, sd: float, fo: FloatOrder, *, margin: float = 0.0,
+                      tokens: int | None = None) -> Budget:
+    """The budget that decides at 80% power under :data:`RULE_REPLICATES`, at the plug-in values (the measured
+    mean, sd, σ_num, and the bias as far as it is established: :attr:`FloatOrder.bias_plug`), towards the
+    side both float orders' means lie on; seeds with replicates in today's proportion ``k/n``, or tokens per
+    cell at today's seeds (both variances ∝ 1/tokens)."""
+    from rope_quant.core import power  # deferred: scipy
+
+    assert fo.sigma is not None
+    side, b = _bounds(form, margin)
+    bias = fo.bias_plug
+    means = (mean, mean + bias)
+
+    def where(m: float) -> str:
+        if side == "equivalent":
+            return "holds" if abs(m) < b else "refuted+" if m > b else "refuted-" if m < -b else "edge"
+        return "edge" if m == b else "holds" if (m > b) == (side == "lower") else "refuted"
+
+    w_a, w_b = where(means[0]), where(means[1])
+    bound = f"±{b:.4g}" if side == "equivalent" else f"{b:+.4g}"
+    if "edge" in (w_a, w_b):
+        edge = means[0] if w_a == "edge" else means[1]
+        return Budget(None, None, None, f"the mean {edge:+.4g} lies on the boundary {bound}")
+    if w_a != w_b:
+        return Budget(None, None, None,
+                      f"the established float-order bias {fo.bias:+.4g} (90% CI {fo.bias_low:+.4g}, "
+                      f"{fo.bias_high:+.4g}) moves the mean {mean:+.4g} to {mean + bias:+.4g}, across the boundary "
+                      f"{bound}: the claim differs between the float orders")
+    towards = Outcome(w_a.rstrip("+-"))
+    seeds, toks = power.replicated_budget(side, b, towards.value, mean, sd, bias, fo.sigma, n, fo.k, tokens)
+    reps = power.replicates_at(seeds, n, fo.k) if seeds else None
+    return Budget(seeds, toks, towards, "" if seeds else "beyond the search range", replicates=reps)
+
+
+def paired_claim(form: Form, treatment: Sequence[float], control: Sequence[float], *,
+                 replicates: Mapping[int, tuple[float, float]] | str | None, margin: float = 0.0,
+                 tokens: int | None = None) -> Verdict:
+    """The rule on a seed-paired comparison with its numerical replicates.
+
+    ``replicates``: seed index → (treatment, control) of that seed rebuilt under another valid floating-point
+    order (GPTQ in the other float mode); a str is the reason a replicate failed to build (the claim is
+    inconclusive with it); None where no replicate exists (inconclusive: the noise cannot be estimated).
     """
     if len(treatment) != len(control):
         raise ValueError(f"treatment has {len(treatment)} values but control has {len(control)}")
     diffs = [float(t) - float(c) for t, c in zip(treatment, control, strict=True)]
-    noise = 0.0
-    if replicate is not None and diffs:
-        noise = numerical_spread(diffs[replicate_index], float(replicate[0]) - float(replicate[1]))
-    v = decide(form, diffs, margin=margin, noise=noise, tokens=tokens)
-    return v if replicate is not None or v.note else replace(v, note="no numerical replicate: spread taken as 0")
+    if isinstance(replicates, str) or replicates is None:
+        return decide_replicated(form, diffs, replicates, margin=margin, tokens=tokens)
+    bad = [i for i in replicates if not 0 <= i < len(diffs)]
+    if bad:
+        raise ValueError(f"replicate seed indices {bad} are outside the {len(diffs)} seeds")
+    shifts = [float(t) - float(c) - diffs[i] for i, (t, c) in sorted(replicates.items())]
+    return decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens)

@@ -86,6 +86,10 @@ KEY_VERSION = 3
 WEIGHT_CACHE_FORMAT = 1
 #: Pre-RoPE K tokens sampled per layer during calibration (positions kept) for the ``range`` objective.
 K_SAMPLE_ROWS = 2048
+#: How the K sample draws its keys (part of the statistics cache key: a file sampled another way is rebuilt, not
+#: read). "per_layer": one generator per layer, seeded by (seed, layer), so the sample does not depend on how
+#: many windows a calibration forward holds.
+K_SAMPLE_KEYS = "per_layer"
 
 
 class PipelineError(ValueError):
@@ -679,4 +683,5 @@ class RunConfig:
             return keyed.stats_key()
         ref = _default(type(self))
         return versioned_hash({"weights": self.weight_fields(), "calibration": self._calibration(ref),
-                               "activations": self._activations(ref), "k_sample": K_SAMPLE_ROWS})
+                               "activations": self._activations(ref), "k_sample": K_SAMPLE_ROWS,
+                               "k_sample_keys": K_SAMPLE_KEYS})

@@ -6,7 +6,9 @@ token (summed in float64). Logits are never materialised for a whole long window
 (:func:`rope_quant.model.arch.base_model`, which applies the final norm) gives hidden states, and the
 lm_head (:func:`rope_quant.model.arch.lm_head`) is applied in blocks of ``block_size`` rows (default 1024)
 with float32 cross-entropy.
-A non-finite NLL raises :class:`NonFiniteNLLError` naming the window; an empty window set raises
+Each window is one deferred-check window (:mod:`rope_quant.quant.deferred`): its NLL and every check of the
+quantisers inside its forward come to the host in one transfer. A non-finite NLL raises
+:class:`NonFiniteNLLError` naming the window; an empty window set raises
 :class:`EmptyWindowSetError` (never a vacuous perplexity of 1.0).
 """
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rope_quant.model import arch
+from rope_quant.quant import deferred
 
 DEFAULT_SEQLEN = 2048
 DEFAULT_BLOCK = 1024
@@ -175,7 +178,10 @@ def perplexity(
     ) as bar:
         for w in range(n_windows):
             window = stream[w * seqlen:(w + 1) * seqlen].to(dev)
-            nll_sum = float(window_nll_sum(model, window, block_size))
+            # The quantisers' and diagnostics' checks are read with the NLL: one host read per window.
+            def score(win: torch.Tensor = window) -> torch.Tensor:
+                return window_nll_sum(model, win, block_size)
+            nll_sum = deferred.run_checked(score, lambda t: (t,))[1][0]
             if not math.isfinite(nll_sum):
                 raise NonFiniteNLLError(
                     f"non-finite NLL ({nll_sum}) in window {w} (tokens {w * seqlen}..{(w + 1) * seqlen - 1}, "

@@ -311,19 +311,39 @@ def _complete(model: nn.Module, base: tuple[nn.Module, Any] | None) -> None:
         working_copy.fill(model, base[0])
 
 
-def _forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progress: bool) -> None:
-    """Run the decoder stack (no lm_head) over each window, for hooks to observe."""
+def _forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progress: bool, batch: int = 1) -> None:
+    """Run the decoder stack (no lm_head) over the windows, ``batch`` windows per forward, for hooks to observe."""
     from tqdm.auto import tqdm
 
     from rope_quant.model import offload
 
     base = getattr(model, "model", model)
     dev = offload.compute_device(model)
+    batch = max(1, int(batch))
     # no_grad, not inference_mode: tensors cached by hooks/transforms during this pass must stay usable
     # by later forwards that run with autograd enabled.
     with torch.no_grad():
-        for row in tqdm(windows, desc=desc, disable=not progress, leave=False):
-            base(input_ids=row.unsqueeze(0).to(dev), use_cache=False)
+        for rows in tqdm(torch.split(windows, batch), desc=desc, disable=not progress, leave=False):
+            base(input_ids=rows.to(dev), use_cache=False)
+
+
+def calibration_batch(model: nn.Module, n_windows: int, seqlen: int) -> int:
+    """Windows per calibration forward: 1 on the CPU (a batch there only adds memory; each window's
+    arithmetic is the same), on a GPU as many as fit in
+    :data:`rope_quant.experiment.plan_costs.CALIB_MEMORY_FRACTION` of the free memory
+    (:func:`~rope_quant.experiment.plan_costs.calib_window_bytes` per window; the plan counts the same)."""
+    from rope_quant.experiment import plan_costs
+    from rope_quant.model import offload
+
+    dev = offload.compute_device(model)
+    if dev.type != "cuda" or n_windows <= 1:
+        return 1
+    d = arch.dims(model)
+    itemsize = next(model.parameters()).element_size()
+    window = plan_costs.calib_window_bytes(d.hidden, d.intermediate, d.n_heads, d.n_kv_heads, d.head_dim,
+                                           itemsize, seqlen)
+    free, _ = torch.cuda.mem_get_info(dev)
+    return plan_costs.calibration_batch_for(free, window, n_windows)
 
 
 def _check_rotations(model: nn.Module, cfg: RunConfig) -> None:
@@ -570,13 +590,24 @@ def _calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeomet
 
     name = f"stats-{cfg.stats_key()}-{fingerprint}-{weight_cache.data_fingerprint(calib)}.npz"
     spath = None if cache is None else cache / name
-    stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
-                             sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
-    cached = _read_stats_cache(spath, stats)
+
+    def fresh() -> CalibrationStats:
+        return CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
+                                sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
+    cached = _read_stats_cache(spath, fresh())
     if cached is not None:
         return cached
-    with attention.calibration_hooks(model, stats):
-        _forward_windows(model, calib, "calibration", progress)
+
+    def collect() -> CalibrationStats:
+        stats = fresh()
+        with attention.calibration_hooks(model, stats):
+            _forward_windows(model, calib, "calibration", progress,
+                             batch=calibration_batch(model, calib.shape[0], calib.shape[-1]))
+        return stats
+    # The activation quantisers' checks are read once for the whole pass (recomputed exactly if one asks).
+    from rope_quant.quant import deferred
+    stats = deferred.run_checked(collect)[0]
+    stats.finalize()  # the one copy of the device accumulators to the host
     counters.calibration_passes += 1
     if spath is not None:
         stats.save(spath)

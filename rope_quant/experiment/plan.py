@@ -2,10 +2,13 @@
 
 The model is read on the meta device (no weights). Memory is counted from the shapes: the stored model, the
 largest float64 block of the rotation algebra (:mod:`rope_quant.rotations.offline` folds one block at a time),
-the whip samples and fit matrices, GPTQ's layer inputs and Hessians, the activations of one window. Time is
-FLOP count over the device's effective rate (:mod:`rope_quant.experiment.plan_costs`: measured on the CPU,
-extrapolated for GPUs). :func:`check_fits` raises :class:`PlanDoesNotFit` with the remedy before any expensive
-step.
+the whip samples and fit matrices, GPTQ's layer inputs and Hessians, the activations of one window (of a batch
+of windows in a GPU's calibration). On the CPU, time is FLOP count over the measured rates times fitted
+overheads; on a GPU it is per unit of the work (:class:`rope_quant.experiment.plan_costs.GpuCosts`, measured on
+an H100): decoder forwards per layer-window at the measured bf16 rate (quantised: times the measured
+overhead), calibration statistics per layer-window, GPTQ's Hessians at the float32 rate plus its column loop
+per column, whip's steps and checks on the device. :func:`check_fits` raises :class:`PlanDoesNotFit` with the
+remedy before any expensive step.
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ class ModelCost:
     vocab: int
     kv_dim: int
     largest_rows: int  # rows of the largest matrix the rotation algebra folds (embedding / lm_head)
+    q_dim: int = 0  # n_heads * head_dim (0: the hidden size)
+    head_dim: int = 128
+    n_heads: int = 32
+    n_kv_heads: int = 8
 
 
 @dataclass(frozen=True)
@@ -158,7 +165,8 @@ def model_cost(model: Any, name: str = "") -> ModelCost:
     embed: Any = arch.embeddings(model)
     vocab = int(embed.weight.shape[0])
     return ModelCost(name or getattr(model.config, "model_type", "model"), params, layer, d.hidden, d.intermediate,
-                     d.n_layers, vocab, d.n_kv_heads * d.head_dim, max(vocab, d.intermediate))
+                     d.n_layers, vocab, d.n_kv_heads * d.head_dim, max(vocab, d.intermediate),
+                     d.n_heads * d.head_dim, d.head_dim, d.n_heads, d.n_kv_heads)
 
 
 def _stage_gpu(on_gpu: bool, model_bytes: int, layer_bytes: int, work: int, offload: bool) -> int:
@@ -210,6 +218,8 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     step = pc.WHIP_STEP_MATMULS_ANALYTIC if mc.hidden > AUTO_ANALYTIC_ABOVE else pc.WHIP_STEP_MATMULS
     whip_s = (calib_tok * (fwd_tok + attn_tok) / rate + steps * step * n3 / dev.flops["float32"]
               + pc.WHIP_FIXED_MATMULS * n3 / rate64)
+    # the need: samples on the host, scored in 256 MiB pieces on the GPU; the fit moves them onto the GPU only
+    # where they fit in whip.SAMPLES_GPU_SHARE of its free memory (elastic, like the calibration batch)
     add(StageName.WHIP_R1, act_window + fit_b + min(samples_b, 1 << 28), samples_b + (0 if gpu else fit_b), 0, whip_s,
         p.seeds)
     block = min(mc.largest_rows, fold_block_rows(mc.hidden)) * mc.hidden * (8 + 8 + 4)  # float64 in, out, cast
@@ -225,17 +235,38 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
         hess_b = (pc.GPTQ_HESSIAN_COPIES * mc.intermediate ** 2
                   + pc.GPTQ_WEIGHT_COPIES * mc.hidden * mc.intermediate) * 4  # the widest linear (down_proj)
         # the layer forwards at the storage dtype's rate; Hessians, Cholesky and the column loop in float32
-        gptq_s = calib_tok * (fwd_tok + attn_tok) * 2 / rate + mc.n_layers * (
-            2 * calib_tok * (mc.hidden ** 2 * 3 + mc.intermediate ** 2) + 2 * mc.layer_params * mc.hidden
-        ) / dev.flops["float32"]
+        hess_flops = 2 * calib_tok * (mc.hidden ** 2 * 3 + mc.intermediate ** 2)  # per layer, shared Hessians
+        if gpu:  # two quantised forwards per window, the Hessians at float32, the column loop per column
+            gc = pc.gpu_costs(dev.name)
+            columns = 4 * mc.hidden + 2 * mc.hidden + mc.intermediate  # q, k, v, o, gate, up, down inputs
+            gptq_s = (calib_tok * (fwd_tok + attn_tok) * 2 / rate * gc.quant_layer_overhead
+                      + mc.n_layers * (hess_flops / dev.flops["float32"] + columns * gc.gptq_column_s))
+        else:
+            gptq_s = (calib_tok * (fwd_tok + attn_tok) * 2 / rate + mc.n_layers * (
+                hess_flops + 2 * mc.layer_params * mc.hidden) / dev.flops["float32"]) * pc.GPTQ_OVERHEAD
         add(StageName.GPTQ, inputs_b + hess_b, inputs_b + hess_b + retained if not gpu else inputs_b, model_b,
-            gptq_s * pc.GPTQ_OVERHEAD, p.seeds)
+            gptq_s, p.seeds)
     qf = pc.FAKEQUANT_OVERHEAD if gpu else pc.CPU_QUANT_FORWARD_OVERHEAD[dtype]  # the quantised forward
-    add(StageName.CALIBRATION, act_window, 0 if gpu else act_window + retained, 0,  # the decoder only, no lm_head
-        calib_tok * ((fwd_tok + attn_tok) / rate + r4_s) * qf, p.seeds)
     logits_b = p.seqlen * mc.vocab * 4
     eval_tok = p.eval_windows * p.seqlen
-    eval_s = eval_tok * ((fwd_tok + attn_tok + head_tok) / rate + r4_s) * qf
+    if gpu:
+        # per layer-window: the quantised forward (the measured overhead includes R4 and the R3 attention)
+        # and the device statistics of q and k (scaled by their size). Memory: the need is one window; the
+        # pipeline batches more into a share of what it finds free (pipeline.calibration_batch), so the
+        # allocated peak on a large GPU is higher by design, never a reason not to fit.
+        costs = pc.gpu_costs(dev.name)
+        q_dim = mc.q_dim or mc.hidden
+        win_b = pc.calib_window_bytes(mc.hidden, mc.intermediate, mc.n_heads, mc.n_kv_heads, mc.head_dim, b,
+                                      p.seqlen)
+        stats_s = costs.stats_s * (q_dim + mc.kv_dim) * p.seqlen / costs.stats_ref_elems
+        calib_s = (calib_tok * (fwd_tok + attn_tok) / rate * costs.quant_layer_overhead
+                   + p.calib_windows * mc.n_layers * stats_s)
+        add(StageName.CALIBRATION, win_b, 0, 0, calib_s, p.seeds)
+        eval_s = eval_tok * ((fwd_tok + attn_tok) / rate * costs.quant_layer_overhead + head_tok / rate)
+    else:
+        add(StageName.CALIBRATION, act_window, act_window + retained, 0,  # the decoder only, no lm_head
+            calib_tok * ((fwd_tok + attn_tok) / rate + r4_s) * qf, p.seeds)
+        eval_s = eval_tok * ((fwd_tok + attn_tok + head_tok) / rate + r4_s) * qf
     add(StageName.EVALUATION, act_window + logits_b, 0 if gpu else act_window + logits_b + retained, 0, eval_s,
         p.seeds * p.configs)
     for length in p.long_context:

@@ -2,9 +2,14 @@
 
 The CPU's matmul rates are measured when a plan is made (:func:`measure_cpu_flops`: machines differ by 2×
 and more); the constants below are ratios to those rates, fitted on the 1-layer full-width probes
-(``tests/numerics/scale_pipeline_probe.py``, 1 thread, process CPU seconds; docs/paper_scale.md). No GPU has
-been available to this project: every CUDA rate is **extrapolated** from the vendor's dense datasheet figure
-times an assumed efficiency (:attr:`Device.basis` says so, and ``rope-quant plan`` prints it).
+(``tests/numerics/scale_pipeline_probe.py``, 1 thread, process CPU seconds; docs/paper_scale.md).
+
+On a GPU the costs are not FLOP ratios: calibration and evaluation cost per layer-window, GPTQ per column.
+:data:`H100_MEASURED` holds per-unit costs **measured on one NVIDIA H100 80GB (torch 2.11.0+cu130,
+transformers 5.17, 2026-11-27)** at the Llama-3-8B shape (the measurements are listed in the project's issue
+tracker, "The GPU path at its physical floor"); each constant says which measurement it comes from. The H200
+uses them as they are, the A100s scaled by datasheet ratios; the float64 rate is still extrapolated from the
+datasheet (:attr:`Device.basis` says which is which, and ``rope-quant plan`` prints it).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from enum import StrEnum
 __all__ = ["DeviceName", "Device", "DEVICES", "measure_cpu_flops", "cpu_device", "device", "WHIP_STEP_MATMULS",
            "WHIP_STEP_MATMULS_ANALYTIC", "WHIP_FIXED_MATMULS", "ROTATION_OVERHEAD", "GPTQ_OVERHEAD",
            "FAKEQUANT_OVERHEAD", "CPU_QUANT_FORWARD_OVERHEAD", "HOST_BASELINE_BYTES", "HOST_RETAINED_BYTES",
-           "GPTQ_HESSIAN_COPIES", "GPTQ_WEIGHT_COPIES", "MEASURED_ERROR"]
+           "GPTQ_HESSIAN_COPIES", "GPTQ_WEIGHT_COPIES", "MEASURED_ERROR", "GpuCosts", "H100_MEASURED", "gpu_costs",
+           "CALIB_MEMORY_FRACTION", "CALIB_MAX_BATCH", "calib_window_bytes", "calibration_batch_for"]
 
 GIB = 1 << 30
 
@@ -64,7 +70,75 @@ MEASURED_ERROR = ("CPU 1 thread, measured/plan: Llama-2-7B (GPTQ), Llama-3-8B, M
                   "Llama-3-8B (bf16, vocab 128256), fitted: peak RSS x0.87-0.98, whip R1 x0.95-1.06, rotation "
                   "x0.95-1.06, GPTQ x0.96, calibration x0.93-1.03, evaluation x0.91-1.00; Llama-3-70B (bf16, out of "
                   "sample): peak RSS x1.13, whip x0.71, rotation x1.11, calibration x0.93, evaluation x0.96; "
-                  "GPU: unmeasured")
+                  "GPU: per-unit costs measured on an H100 (2026-11-27), the whole-run plan not yet checked "
+                  "against tests/bench/bench_cuda_scale.py")
+
+
+@dataclass(frozen=True)
+class GpuCosts:
+    """Per-unit costs of the pipeline's GPU stages (seconds and FLOP/s), and where they come from."""
+
+    bf16_flops: float  # effective rate of the decoder forward's bf16 matmuls
+    fp32_flops: float  # effective float32 rate (no TF32): Hessian accumulation, whip steps, the fold algebra
+    quant_layer_overhead: float  # a quantised decoder layer's forward (W4A4KV4, R3, R4) over the plain one
+    stats_s: float  # the device calibration statistics of one layer-window (q and k), at stats_ref_elems
+    stats_ref_elems: int  # (n_q + n_kv heads) * head_dim * seqlen of the measured layer-window
+    gptq_column_s: float  # GPTQ's column loop, seconds per column of one linear
+    basis: str
+
+
+# Llama-3-8B arithmetic behind the numbers below: one decoder layer is 218.1M weights, 0.9278 TFLOP per
+# 2048-token window with attention; the 128256-row lm_head is 2.152 TFLOP per window.
+#: Measured on one NVIDIA H100 80GB, torch 2.11.0+cu130, transformers 5.17, 2026-11-27, 2 full-width layers of
+#: the Llama-3-8B shape in bf16 with the full vocabulary:
+#: - ``bf16_flops``: the plain bf16 HF forward of 8 windows of 2048 took 0.054 s: 32.06 TFLOP / 0.054 s;
+#: - ``fp32_flops``: one window's float32 Hessian update of down_proj (14336² x 2048 x 2 FLOP) took 16.7 ms;
+#: - ``quant_layer_overhead``: W4A4KV4 evaluation of those 8 windows took 0.235 s: 12.87 ms per quantised
+#:   layer-window (the lm_head at the plain rate) against 1.562 ms plain;
+#: - ``stats_s``: the moments and top-k of q and k for one window, torch float64 on the device (the path of
+#:   :mod:`rope_quant.calib.device_acc`), 0.84 ms (the host numpy path it replaced: 88.6 ms);
+#: - ``gptq_column_s``: GPTQ measured 17.1 s per layer in the pipeline; less its two quantised forwards per
+#:   window (3.30 s) and its float32 Hessians (2.68 s), 11.1 s over the layer's 38912 columns (the 4096 x 4096
+#:   micro-benchmark: 129 µs per column, 75 µs without the per-column host sync).
+H100_MEASURED = GpuCosts(
+    bf16_flops=5.94e14, fp32_flops=5.04e13, quant_layer_overhead=8.24, stats_s=0.84e-3,
+    stats_ref_elems=(32 + 8) * 128 * 2048, gptq_column_s=2.86e-4,
+    basis="measured on one NVIDIA H100 80GB (torch 2.11.0+cu130, 2026-11-27; Llama-3-8B shape, 2 layers): forward "
+          "5.94e14 bf16 FLOP/s, float32 5.04e13, quantised layer x8.24 the plain one, statistics 0.84 ms per "
+          "layer-window, GPTQ 286 µs per column; float64 extrapolated from the datasheet")
+
+#: Fraction of the free GPU memory one calibration forward may fill with its batch of windows.
+CALIB_MEMORY_FRACTION = 0.25
+#: Most windows per calibration forward (a 2048-token window already fills a GPU's matmuls).
+CALIB_MAX_BATCH = 16
+
+
+def calib_window_bytes(hidden: int, intermediate: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                       itemsize: int, seqlen: int) -> int:
+    """Estimated GPU memory of one calibration window: the residual stream and attention outputs (six
+    hidden-size rows per token at the storage dtype), the MLP's three intermediate-size rows, and the float64
+    q/k pair channels the statistics widen (about six copies of the q and k outputs)."""
+    per_token = itemsize * (6 * hidden + 3 * intermediate) + 8 * 6 * (n_heads + n_kv_heads) * head_dim
+    return per_token * seqlen
+
+
+def calibration_batch_for(free_bytes: int, window_bytes: int, n_windows: int) -> int:
+    """Windows per calibration forward on a GPU with ``free_bytes`` free (at least 1)."""
+    fit = int(CALIB_MEMORY_FRACTION * free_bytes // max(1, window_bytes))
+    return max(1, min(CALIB_MAX_BATCH, n_windows, fit))
+
+
+def gpu_costs(name: DeviceName | str) -> GpuCosts:
+    """The per-unit costs of a GPU: the H100's measured ones (H200: the same chip's compute), the A100s' scaled
+    by datasheet rate ratios (bf16 312/989, float32 19.5/67; the latency-bound terms kept)."""
+    name = DeviceName(name)
+    if name in (DeviceName.H100, DeviceName.H200):
+        return H100_MEASURED
+    m = H100_MEASURED
+    return GpuCosts(m.bf16_flops * 312 / 989, m.fp32_flops * 19.5 / 67, m.quant_layer_overhead, m.stats_s,
+                    m.stats_ref_elems, m.gptq_column_s,
+                    "the H100's measured costs (2026-11-27) scaled by datasheet rate ratios (not measured on an "
+                    "A100); float64 extrapolated from the datasheet")
 
 
 class DeviceName(StrEnum):
@@ -89,14 +163,16 @@ class Device:
     measured: bool
 
 
-def _gpu(name: DeviceName, gib: float, bf16_tflops: float, fp32_tflops: float, fp64_tflops: float) -> Device:
-    eff = 0.35  # assumed share of the datasheet rate reached by the pipeline's unfused matmuls
+def _gpu(name: DeviceName, gib: float, fp64_tflops: float) -> Device:
+    """A GPU: matmul rates from :func:`gpu_costs`, the float64 rate from the datasheet."""
+    eff = 0.35  # assumed share of the datasheet float64 rate (not measured)
+    costs = gpu_costs(name)
     return Device(name, int(gib * GIB),
-                  {"bfloat16": bf16_tflops * 1e12 * eff, "float16": bf16_tflops * 1e12 * eff,
-                   "float32": fp32_tflops * 1e12 * eff}, fp64_tflops * 1e12 * eff,
-                  f"extrapolated: datasheet dense {bf16_tflops:g} TFLOP/s bf16, {fp32_tflops:g} fp32 (not TF32: "
-                  f"torch's default, which rope_quant keeps), {fp64_tflops:g} fp64, x{eff} assumed efficiency, the "
-                  "CPU-fitted overheads (not measured: no GPU has been lent to this project)", False)
+                  {"bfloat16": costs.bf16_flops, "float16": costs.bf16_flops, "float32": costs.fp32_flops},
+                  fp64_tflops * 1e12 * eff,
+                  f"per-unit GPU costs, {gpu_costs(name).basis}; float64 extrapolated: datasheet dense "
+                  f"{fp64_tflops:g} TFLOP/s x{eff} assumed efficiency",
+                  name in (DeviceName.H100, DeviceName.H200))
 
 
 def measure_cpu_flops() -> dict[str, float]:
@@ -147,8 +223,8 @@ def device(name: DeviceName | str) -> Device:
 
 #: The GPUs the plan knows (the CPU: :func:`cpu_device`).
 DEVICES: dict[DeviceName, Device] = {
-    DeviceName.H100: _gpu(DeviceName.H100, 80, 989, 67, 67),  # SXM datasheet; fp64 on tensor cores
-    DeviceName.H200: _gpu(DeviceName.H200, 141, 989, 67, 67),
-    DeviceName.A100_80G: _gpu(DeviceName.A100_80G, 80, 312, 19.5, 19.5),
-    DeviceName.A100_40G: _gpu(DeviceName.A100_40G, 40, 312, 19.5, 19.5),
+    DeviceName.H100: _gpu(DeviceName.H100, 80, 67),  # SXM datasheet fp64 (tensor cores)
+    DeviceName.H200: _gpu(DeviceName.H200, 141, 67),
+    DeviceName.A100_80G: _gpu(DeviceName.A100_80G, 80, 19.5),
+    DeviceName.A100_40G: _gpu(DeviceName.A100_40G, 40, 19.5),
 }

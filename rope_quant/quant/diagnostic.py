@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from rope_quant.quant import deferred
+
 __all__ = ["Stream", "Rule", "StreamStats", "QuantDiagnostic", "recording", "active", "observe"]
 
 
@@ -44,24 +46,44 @@ class Rule(StrEnum):
 
 @dataclass
 class _Moments:
-    """Running count, sum, sum of squares and max (float64) of a stream of values."""
+    """Running count, sum, sum of squares and max (float64) of a stream of values.
+
+    :meth:`add` keeps each batch's four numbers on the device; :meth:`fold` brings the pending ones to the
+    host in one transfer (the quantisers never wait for the host on the diagnostic's account).
+    """
 
     n: int = 0
     total: float = 0.0
     total_sq: float = 0.0
     peak: float = -math.inf
+    pending: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, values: torch.Tensor) -> None:
         v = values.detach().double().flatten()
-        v = v[torch.isfinite(v)]
-        if v.numel() == 0:
-            return
-        self.n += int(v.numel())
-        self.total += float(v.sum())
-        self.total_sq += float((v * v).sum())
-        self.peak = max(self.peak, float(v.max()))
+        ok = torch.isfinite(v)
+        zero = torch.zeros_like(v)
+        self.pending.append(torch.stack([ok.sum().double(), torch.where(ok, v, zero).sum(),
+                                         torch.where(ok, v * v, zero).sum(),
+                                         torch.where(ok, v, torch.full_like(v, -math.inf)).amax()
+                                         if v.numel() else torch.tensor(-math.inf, dtype=torch.float64,
+                                                                        device=v.device)]))
+
+    def fold(self, host: list[list[float]] | None = None) -> None:
+        if host is None:
+            if not self.pending:
+                return
+            host = torch.stack([t.cpu() for t in self.pending]).tolist()
+        self.pending = []
+        for n, total, sq, peak in host:
+            if n == 0:
+                continue
+            self.n += int(n)
+            self.total += total
+            self.total_sq += sq
+            self.peak = max(self.peak, peak)
 
     def summary(self) -> dict[str, Any]:
+        self.fold()
         if self.n == 0:
             return {"n": 0, "mean": None, "sd": None, "max": None}
         mean = self.total / self.n
@@ -78,6 +100,7 @@ class StreamStats:
     rel_mse: _Moments = field(default_factory=_Moments)
     err_sq: float = 0.0
     ref_sq: float = 0.0
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         d, r = self.delta.summary(), self.rel_mse.summary()
@@ -97,20 +120,29 @@ class QuantDiagnostic:
         """One quantiser evaluation: input ``x``, output ``y`` (= x̂), the steps it selected."""
         st = self.streams.setdefault((Stream(stream), Rule(rule)), StreamStats())
         st.evaluations += 1
-        st.delta.add(delta)
         with torch.no_grad():
             ref = x.detach().double()
             err = y.detach().double() - ref
             ok = torch.isfinite(ref) & torch.isfinite(err)
-            e2 = float(torch.where(ok, err * err, torch.zeros_like(err)).sum())
-            r2 = float(torch.where(ok, ref * ref, torch.zeros_like(ref)).sum())
-        st.err_sq += e2
-        st.ref_sq += r2
-        if r2 > 0:
-            st.rel_mse.add(torch.tensor([e2 / r2]))
+            e2 = torch.where(ok, err * err, torch.zeros_like(err)).sum()
+            r2 = torch.where(ok, ref * ref, torch.zeros_like(ref)).sum()
+            d = delta.detach()
+        st.pending.append((d, e2, r2))  # folded in summary(): no host read per call
+
+    def _fold(self) -> None:
+        for st in self.streams.values():
+            pending, st.pending = st.pending, []
+            for d, e2_t, r2_t in pending:
+                st.delta.add(d)
+                e2, r2 = torch.stack([e2_t, r2_t]).tolist()
+                st.err_sq += e2
+                st.ref_sq += r2
+                if r2 > 0:
+                    st.rel_mse.add(torch.tensor([e2 / r2]))
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """``{"<stream>/<rule>": {evaluations, n_steps, delta_mean, delta_sd, delta_max, rel_mse_*}}``."""
+        self._fold()
         return {f"{s.value}/{r.value}": st.summary() for (s, r), st in sorted(self.streams.items())}
 
 
@@ -138,4 +170,9 @@ def observe(stream: Stream | str, rule: Rule | str, x: torch.Tensor, y: torch.Te
     """Record one evaluation into the active recorder, if any (``delta`` is computed only then)."""
     diag = active()
     if diag is not None:
-        diag.observe(stream, rule, x, y, delta())
+        d = delta()
+        win = deferred.current()
+        if win is None:
+            diag.observe(stream, rule, x, y, d)
+        else:  # kept only if the window is not recomputed (its recomputation observes again)
+            win.on_commit(lambda: diag.observe(stream, rule, x, y, d))

@@ -24,6 +24,11 @@ hooks already on that linear: it therefore sees exactly what the linear sees, in
 Hadamard on ``down_proj`` and the activation fake-quantiser when the pipeline has installed them (our
 choice, recorded in the weight cache key). The attention's K/V quantisers and R3 are not active during
 GPTQ: they depend on the R3 choice, which must not influence the weights (paired design).
+
+Linears that share one Hessian (q/k/v, gate/up) are solved together: their rows are stacked under one
+factorisation and one column loop (rows are independent given H). Nothing inside the column loop reads the
+device from the host; a layer's group forwards, factorisations and error estimates read it a fixed number of
+times per layer (tests/numerics/test_host_syncs.py).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import torch
 from torch import nn
 
 from rope_quant.model import arch, offload
-from rope_quant.quant.packing import CODES_ATTR, WeightCodes
+from rope_quant.quant import deferred
+from rope_quant.quant.packing import CODES_ATTR, WeightCodes, negzero_flag
 from rope_quant.quant.quantizers import check_bits
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,7 @@ __all__ = [
     "quantize_with_scales",
     "rtn_quantize",
     "gptq_quantize",
+    "gptq_quantize_shared",
     "quantize_model_gptq",
     "quantize_model_rtn",
     "GPTQ_CALLS",
@@ -64,6 +71,10 @@ EARLY_STOP = True
 #: through the activation quantiser's shared-input memo) share one Hessian instead of accumulating copies of
 #: it (the same additions in the same order: bit-identical, tests/numerics/test_gptq_speed.py).
 SHARE_HESSIANS = True
+
+#: Linears that share a Hessian run ONE GPTQ solve over their stacked rows (one factorisation, one column loop;
+#: rows are independent given H, so each equals its own solve up to float rounding, test_gptq_fast.py).
+STACK_SHARED = True
 
 #: Number of per-linear GPTQ solves run in this process (the weight-cache test checks it does not grow).
 GPTQ_CALLS = {"linear": 0, "model": 0}
@@ -95,6 +106,9 @@ class GPTQConfig:
     max_shrink: float = field(default=0.8, metadata={"rtn": True})
     #: Hessians and the column loop in float64 (a robustness probe of GPTQ's floating-point order).
     float64: bool = False
+    #: Hessian products on bfloat16-rounded inputs with float32 accumulation (tensor cores on a GPU). Off
+    #: unless :func:`rope_quant.quant.hessian_check.validate_fast_hessian` passes on the real shapes.
+    hessian_bf16: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -256,11 +270,18 @@ def _symmetric_grid_rows(src: torch.Tensor, bad: torch.Tensor, scales: torch.Ten
 
 @dataclass
 class HessianAccumulator:
-    """Running ``H = 2/n sum_t x_t x_t^T`` over the rows ``x_t`` of a linear's inputs (float32)."""
+    """Running ``H = 2/n sum_t x_t x_t^T`` over the rows ``x_t`` of a linear's inputs (float32).
+
+    ``bf16_inputs``: the product takes the inputs rounded to bfloat16 and accumulates in float32 (tensor
+    cores on a GPU, ``torch.mm(..., out_dtype=torch.float32)``; an exact float32 product of the rounded
+    inputs elsewhere). Off by default: use it only where
+    :func:`rope_quant.quant.hessian_check.validate_fast_hessian` passes on the real shapes.
+    """
 
     n_features: int
     device: torch.device | str = "cpu"
     dtype: torch.dtype = torch.float32
+    bf16_inputs: bool = False
     H: torch.Tensor = field(init=False)
     n_samples: int = field(init=False, default=0)
 
@@ -269,30 +290,59 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulate a batch of inputs of shape (..., n_features)."""
-        x = x.detach().reshape(-1, x.shape[-1]).to(device=self.H.device, dtype=self.dtype)
         if x.shape[-1] != self.n_features:
             raise GPTQError(f"input has {x.shape[-1]} features, Hessian expects {self.n_features}")
+        x = x.detach().reshape(-1, x.shape[-1])
         m = x.shape[0]
         if m == 0:
             return
         total = self.n_samples + m
         self.H.mul_(self.n_samples / total)
-        x = x * math.sqrt(2.0 / total)
-        self.H.addmm_(x.T, x)
+        if self.bf16_inputs:
+            self.H.add_(_bf16_gram(x.to(device=self.H.device)), alpha=2.0 / total)
+        else:
+            x = x.to(device=self.H.device, dtype=self.dtype) * math.sqrt(2.0 / total)
+            self.H.addmm_(x.T, x)
         self.n_samples = total
+
+
+def _bf16_gram(x: torch.Tensor) -> torch.Tensor:
+    """``x^T x`` of the bfloat16-rounded rows, accumulated in float32."""
+    xb = x.to(torch.bfloat16)
+    if xb.is_cuda:
+        try:
+            return torch.mm(xb.T, xb, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without out_dtype: the float32 product below
+            pass
+    xf = xb.float()
+    return xf.T @ xf
 
 
 # ----------------------------------------------------------------------------- GPTQ for one matrix
 
 
 def _inverse_hessian_factor(H: torch.Tensor, percdamp: float, max_tries: int = 6) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp I)^{-1}``, raising the damping tenfold if H is not PD."""
-    diag_mean = torch.mean(torch.diag(H)).item()
+    """Upper Cholesky factor of ``(H + damp I)^{-1}``, raising the damping tenfold if H is not PD.
+
+    The first attempt reads its outcome in one host transfer (the diagonal mean and both factorisations'
+    status together): one synchronisation per Hessian on an accelerator, not three.
+    """
+    diag_mean_t = torch.mean(torch.diagonal(H))
+    # float64 product, then H's dtype: the value the host float gave before (percdamp * mean, rounded once)
+    damp_t = (diag_mean_t.double() * percdamp).to(H.dtype) if percdamp > 0 else torch.zeros_like(diag_mean_t)
+    Hd = H.clone()
+    Hd.diagonal().add_(damp_t)
+    L, info = torch.linalg.cholesky_ex(Hd)
+    U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+    diag_mean, first, second = torch.stack([diag_mean_t.double(), info.double(), info2.double()]).tolist()
     if not math.isfinite(diag_mean):
         raise GPTQError("Hessian contains NaN or infinite values (did the calibration inputs overflow?)")
+    if first == 0 and second == 0:
+        return U
     damp = percdamp * diag_mean if percdamp > 0 else 0.0
     idx = torch.arange(H.shape[0], device=H.device)
-    for attempt in range(max_tries):
+    for attempt in range(1, max_tries):
+        damp = max(damp, 1e-8 * max(diag_mean, 1e-8)) * 10.0
         Hd = H.clone()
         Hd[idx, idx] += damp
         L, info = torch.linalg.cholesky_ex(Hd)
@@ -300,10 +350,8 @@ def _inverse_hessian_factor(H: torch.Tensor, percdamp: float, max_tries: int = 6
             Hinv = torch.cholesky_inverse(L)
             U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
             if int(info2) == 0:
-                if attempt:
-                    log.warning("GPTQ: Hessian needed damping %.3g (percdamp x %d)", damp, 10**attempt)
+                log.warning("GPTQ: Hessian needed damping %.3g (percdamp x %d)", damp, 10**attempt)
                 return U
-        damp = max(damp, 1e-8 * max(diag_mean, 1e-8)) * 10.0
     raise GPTQError(
         f"Hessian is not positive definite even with damping {damp:.3g}; "
         "increase percdamp or use more calibration data"
@@ -319,9 +367,48 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig =
     return _gptq(W, H, bits, cfg, clip_ratio)[0]
 
 
+def gptq_quantize_shared(Ws: Sequence[torch.Tensor], H: torch.Tensor, bits: int, cfg: GPTQConfig = GPTQConfig(),
+                         clip_ratio: float = 1.0) -> list[torch.Tensor]:
+    """GPTQ of several weights that share one input Hessian (q/k/v, gate/up): one factorisation and one
+    column loop over their stacked rows. GPTQ treats rows independently given ``H``, so each result equals
+    :func:`gptq_quantize` of that weight alone up to floating-point rounding (tests/numerics/test_gptq_fast.py)."""
+    res = _gptq_stacked(list(Ws), H, bits, cfg, clip_ratio)
+    if not bool(torch.stack([r[3] for r in res]).all()):
+        raise GPTQError("GPTQ produced non-finite weights")
+    return [r[0] for r in res]
+
+
+def _gptq_stacked(Ws: list[torch.Tensor], H: torch.Tensor, bits: int, cfg: GPTQConfig, clip_ratio: float
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`_gptq` of the row-stacked ``Ws`` split back per weight (one solve for all)."""
+    if len(Ws) == 1:
+        return [_gptq_flagged(Ws[0], H, bits, cfg, clip_ratio)]
+    if len({(W.ndim, W.shape[1:], W.dtype, W.device) for W in Ws}) != 1:
+        raise GPTQError(f"stacked GPTQ needs weights of one width, dtype and device, got "
+                        f"{[(tuple(W.shape), W.dtype) for W in Ws]}")
+    rows = [W.shape[0] for W in Ws]
+    Q, C, S, _ = _gptq_flagged(torch.cat([W.detach() for W in Ws]), H, bits, cfg, clip_ratio)
+    return [(q, c, s, torch.isfinite(q).all())
+            for q, c, s in zip(Q.split(rows), C.split(rows), S.split(rows), strict=True)]
+
+
 def _gptq(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
           clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`gptq_quantize` with its integer codes (out, in) and scales (out, n_groups), in column order."""
+    Q, C, S, finite = _gptq_flagged(W, H, bits, cfg, clip_ratio)
+    if not bool(finite):
+        raise GPTQError("GPTQ produced non-finite weights")
+    return Q, C, S
+
+
+def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
+                  clip_ratio: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_gptq` with a 0-d device flag
+    "every weight is finite" (read by the caller: no host synchronisation here besides the factorisation's).
+
+    The column loop runs on the transposed weight (a column of W is a contiguous row), with the per-column
+    scales gathered before the loop: ~7 kernels per column and no host read inside the loop.
+    """
     _check_bits(bits)
     if W.ndim != 2 or H.shape != (W.shape[1], W.shape[1]):
         raise GPTQError(f"shape mismatch: W {tuple(W.shape)}, H {tuple(H.shape)}")
@@ -330,9 +417,9 @@ def _gptq(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
     Wf = W.detach().clone().to(cfg.dtype)
     H = H.detach().clone().to(device=Wf.device, dtype=cfg.dtype)
 
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    Wf[:, dead] = 0.0
+    dead = torch.diagonal(H) == 0  # masked ops, not boolean indexing: no host read of the dead count
+    H.diagonal().masked_fill_(dead, 1.0)
+    Wf.masked_fill_(dead[None, :], 0.0)
 
     gs = in_f if cfg.group_size == -1 else cfg.group_size
     n_groups = math.ceil(in_f / gs)
@@ -340,56 +427,54 @@ def _gptq(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
                                    cfg.grid, cfg.max_shrink)
     # Static scales (computed once, on the original contiguous groups) unless groups are formed on the fly.
     lazy_groups = cfg.group_size != -1 and not cfg.act_order
-    scales = None if lazy_groups else grp(Wf)  # (out, n_groups)
+    scales = torch.empty(out_f, n_groups, dtype=cfg.dtype, device=Wf.device) if lazy_groups else grp(Wf)
     group_of_col = torch.arange(in_f, device=Wf.device) // gs
 
     perm = None
     if cfg.act_order:
-        perm = torch.argsort(torch.diag(H), descending=True)
+        perm = torch.argsort(torch.diagonal(H), descending=True)
         Wf = Wf[:, perm]
         H = H[perm][:, perm]
         group_of_col = group_of_col[perm]
 
     U = _inverse_hessian_factor(H, cfg.percdamp)
-    Q = torch.zeros_like(Wf)
-    C = torch.zeros_like(Wf)
-    if lazy_groups:
-        scales = torch.empty(out_f, n_groups, dtype=cfg.dtype, device=Wf.device)
+    # Row j of col_scales: the scales of (permuted) column j, gathered on the device before the loop.
+    col_scales = None if lazy_groups else (scales.T.expand(in_f, out_f) if n_groups == 1
+                                           else scales.T[group_of_col])
+    qmax = _qmax(bits)
+    Wt = Wf.T.contiguous()  # (in, out): the column loop reads and writes contiguous rows
+    Qt = torch.empty_like(Wt)
+    Ct = torch.empty_like(Wt)
 
     for i1 in range(0, in_f, cfg.blocksize):
         i2 = min(i1 + cfg.blocksize, in_f)
-        W1 = Wf[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        C1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
+        W1 = Wt[i1:i2]  # updated in place: these rows are not read after their block
+        Err1 = torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             if lazy_groups and col % gs == 0:
                 # Scales of the group starting here, from the error-updated weights (Frantar et al.).
-                block = torch.cat([W1[:, i:], Wf[:, i2:]], dim=1)[:, :gs]
+                block = torch.cat([W1[i:], Wt[i2:]], dim=0)[:gs].T
                 scales[:, col // gs] = weight_scales(block, bits, cfg.mse, clip_ratio, cfg.grid,
                                                      cfg.max_shrink)[:, 0]
-            w = W1[:, i]
-            s = scales[:, group_of_col[col]]
-            c = _int_codes(w, s, bits)
-            q = c * s  # = quantize_with_scales(w, s, bits)
-            C1[:, i] = c
-            Q1[:, i] = q
-            err = (w - q) / U1[i, i]
-            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
-            Err1[:, i] = err
-        Q[:, i1:i2] = Q1
-        C[:, i1:i2] = C1
+            s = scales[:, col // gs] if col_scales is None else col_scales[col]
+            w, c, q, e = W1[i], Ct[col], Qt[col], Err1[i]
+            torch.div(w, s, out=c)  # = _int_codes(w, s, bits), written in place
+            c.round_().clamp_(-qmax - 1, qmax)
+            torch.mul(c, s, out=q)  # = quantize_with_scales(w, s, bits)
+            torch.sub(w, q, out=e).div_(U1[i, i])
+            if i + 1 < i2 - i1:
+                W1[i + 1:].addr_(U1[i, i + 1:], e, alpha=-1.0)
         if i2 < in_f:
-            Wf[:, i2:] -= Err1 @ U[i1:i2, i2:]
+            Wt[i2:].addmm_(U[i1:i2, i2:].T, Err1, alpha=-1.0)
 
+    Q, C = Qt.T, Ct.T
     if perm is not None:
         inv = torch.argsort(perm)
         Q, C = Q[:, inv], C[:, inv]
-    if not torch.isfinite(Q).all():
-        raise GPTQError("GPTQ produced non-finite weights")
-    return Q.to(dtype=W.dtype), C, scales
+    Q, C = Q.contiguous(), C.contiguous()
+    return Q.to(dtype=W.dtype), C, scales, torch.isfinite(Q).all()
 
 
 # ----------------------------------------------------------------------------- layer-by-layer driver
@@ -481,7 +566,7 @@ def _layer_output(out):
 
 
 def _group_hessians(layer: nn.Module, group: list[tuple[str, nn.Module]], inputs: list, dtype: torch.dtype,
-                    share: bool) -> dict[str, HessianAccumulator]:
+                    share: bool, bf16: bool = False) -> dict[str, HessianAccumulator]:
     """The Hessian of each linear of ``group`` over the layer's ``inputs`` (one layer forward per window,
     stopped early where :data:`EARLY_STOP`).
 
@@ -489,7 +574,7 @@ def _group_hessians(layer: nn.Module, group: list[tuple[str, nn.Module]], inputs
     just read (same object, unchanged) takes that linear's accumulator instead of a copy; if a linear shares
     in some windows but not in others, the forwards run again without sharing.
     """
-    accs = {n: HessianAccumulator(m.in_features, m.weight.device, dtype) for n, m in group}
+    accs = {n: HessianAccumulator(m.in_features, m.weight.device, dtype, bf16) for n, m in group}
     last: dict[str, Any] = {"x": None, "version": None, "name": None}
     source: dict[str, set] = {n: set() for n, _ in group}  # who accumulated n's input, per window
     handles = []
@@ -526,7 +611,7 @@ def _group_hessians(layer: nn.Module, group: list[tuple[str, nn.Module]], inputs
     for n, src in source.items():
         (leader,) = src if len(src) == 1 else (None,)
         if leader is None or source[leader] != {leader}:
-            return _group_hessians(layer, group, inputs, dtype, share=False)
+            return _group_hessians(layer, group, inputs, dtype, share=False, bf16=bf16)
         accs[n] = accs[leader]
     return accs
 
@@ -558,29 +643,52 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
 def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: list | None, order: Any, bits: int,
                     cfg: GPTQConfig, clip_ratio: float, skip: Callable[[str], bool] | None,
                     errors: dict[str, float]) -> list:
-    """GPTQ of one decoder layer (in place); returns the next layer's inputs."""
+    """GPTQ of one decoder layer (in place); returns the next layer's inputs.
+
+    The group forwards run with the quantisers' checks deferred (one host read per group,
+    :mod:`rope_quant.quant.deferred`); the error estimates and finiteness flags of every linear are read in
+    one transfer at the end of the layer.
+    """
     if per_layer_kwargs is not None:  # this layer's own RoPE / mask, not layer 0's
         inputs = [(args, per_layer_kwargs[li][w]) for w, (args, _) in enumerate(inputs)]
+    pending: list[tuple[str, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    records: list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for group in _linear_groups(layer, cfg.true_sequential, order):
         group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
         if not group:
             continue
-        accs = _group_hessians(layer, group, inputs, cfg.dtype, SHARE_HESSIANS)
-        for n, m in group:
-            H = accs[n].H
-            W = m.weight.data
-            Q, codes, scales = _gptq(W, H, bits, cfg, clip_ratio)
-            _record_codes(m, codes, scales, bits, cfg.group_size, Q)
-            D = (W.to(H.dtype) - Q.to(H.dtype))
-            num = torch.einsum("oi,ij,oj->", D, H, D).item()
-            den = torch.einsum("oi,ij,oj->", W.to(H.dtype), H, W.to(H.dtype)).item()
+        accs, _ = deferred.run_checked(
+            lambda g=group: _group_hessians(layer, g, inputs, cfg.dtype, SHARE_HESSIANS, cfg.hessian_bf16))
+        shared: dict[int, list[tuple[str, nn.Module]]] = {}
+        for n, m in group:  # linears with one accumulator: one stacked solve
+            shared.setdefault(id(accs[n]) if STACK_SHARED else id(m), []).append((n, m))
+        for members in shared.values():
+            H = accs[members[0][0]].H
+            Ws = [m.weight.data for _, m in members]
+            for (n, m), W, (Q, codes, scales, finite) in zip(
+                    members, Ws, _gptq_stacked(Ws, H, bits, cfg, clip_ratio), strict=True):
+                Wh = W.to(H.dtype)
+                num = torch.einsum("oi,ij,oj->", Wh - Q.to(H.dtype), H, Wh - Q.to(H.dtype))
+                den = torch.einsum("oi,ij,oj->", Wh, H, Wh)
+                neg = negzero_flag(codes, Q) if bits <= 8 else torch.zeros((), dtype=torch.bool, device=Q.device)
+                pending.append((n, m, num, den, finite, neg))
+                records.append((m, codes, scales, Q))
+                m.weight.data.copy_(Q)
+    if pending:
+        host = torch.stack([torch.stack([num.double(), den.double(), fin.double(), neg.double()])
+                            for _, _, num, den, fin, neg in pending]).tolist()
+        for (n, _, _, _, _, _), (num, den, fin, _) in zip(pending, host, strict=True):
+            if not fin:
+                raise GPTQError(f"GPTQ produced non-finite weights (layers.{li}.{n})")
             errors[f"layers.{li}.{n}"] = num / max(den, 1e-30)
-            m.weight.data.copy_(Q)
+        for (m, codes, scales, Q), row in zip(records, host, strict=True):
+            _record_codes(m, codes, scales, bits, cfg.group_size, Q, has_negzero=bool(row[3]))
+
     # Inputs of the next layer: this layer, now quantised (with whatever hooks are installed).
-    with torch.no_grad():
-        inputs = [((_layer_output(layer(*args, **kwargs)),) + tuple(args[1:]), kwargs)
-                  for args, kwargs in inputs]
-    return inputs
+    def forward() -> list:
+        with torch.no_grad():
+            return [((_layer_output(layer(*args, **kwargs)),) + tuple(args[1:]), kwargs) for args, kwargs in inputs]
+    return deferred.run_checked(forward)[0]
 
 
 def quantize_model_rtn(model: nn.Module, bits: int, group_size: int = -1, mse: bool = True,
@@ -619,11 +727,11 @@ def _rtn_in_place(w: torch.Tensor, bits: int, group_size: int, mse: bool,
 
 
 def _record_codes(m: nn.Module, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-                  Q: torch.Tensor) -> None:
+                  Q: torch.Tensor, has_negzero: bool | None = None) -> None:
     """Keep the integer codes of ``m``'s new weight on the module (:data:`packing.CODES_ATTR`) for the
     weight cache, which stores them instead of the weight when they dequantise to it bit for bit."""
     if bits <= 8:
-        setattr(m, CODES_ATTR, WeightCodes.from_codes(codes, scales, bits, group_size, Q))
+        setattr(m, CODES_ATTR, WeightCodes.from_codes(codes, scales, bits, group_size, Q, has_negzero))
 
 
 def linear_names(model: nn.Module) -> Sequence[str]:

@@ -40,6 +40,11 @@ def unpack_nibbles(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return (out[:n].to(torch.int16) - off).to(torch.int8)
 
 
+def negzero_flag(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """0-d device bool: does a code 0 carry a -0.0 weight (the mask :meth:`WeightCodes.from_codes` keeps)."""
+    return (torch.signbit(weight.detach().to(codes.device)) & (codes == 0)).any()
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, dtypes and shapes, and equal signs of zero (NaN never compares equal)."""
     return (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
@@ -60,18 +65,23 @@ class WeightCodes:
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-                   weight: torch.Tensor) -> WeightCodes:
-        """Compact form of integer-valued ``codes`` (out, in) with ``scales`` (out, n_groups) of ``weight``."""
+                   weight: torch.Tensor, has_negzero: bool | None = None) -> WeightCodes:
+        """Compact form of integer-valued ``codes`` (out, in) with ``scales`` (out, n_groups) of ``weight``.
+
+        ``has_negzero``: whether any code 0 carries a -0.0 weight, when the caller has read it already
+        (:func:`negzero_flag`, batched with other reads); None reads it here."""
         if not 2 <= bits <= 8:
             raise ValueError(f"integer codes are stored for 2..8 bits, got {bits}")
-        c = codes.detach().to("cpu")
+        # Packed where the codes are (the device), then one copy of the compact form to the host.
+        c = codes.detach()
         packed = pack_nibbles(c, bits) if bits <= 4 else c.reshape(-1).to(torch.int8)
-        w = weight.detach().to("cpu")
-        neg = torch.signbit(w) & (c == 0)
-        mask = _pack_bits(neg.reshape(-1)) if bool(neg.any()) else None
+        neg = torch.signbit(weight.detach().to(c.device)) & (c == 0)
+        if has_negzero is None:
+            has_negzero = bool(neg.any())
+        mask = _pack_bits(neg.reshape(-1)) if has_negzero else None
         return cls(bits, (int(c.shape[0]), int(c.shape[1])), int(group_size),
-                   scales.detach().to("cpu", torch.float32).contiguous(), packed.contiguous(), mask,
-                   str(weight.dtype).removeprefix("torch."))
+                   scales.detach().to("cpu", torch.float32).contiguous(), packed.to("cpu").contiguous(),
+                   None if mask is None else mask.to("cpu"), str(weight.dtype).removeprefix("torch."))
 
     def dequantize(self) -> torch.Tensor:
         """``codes · s`` as the quantiser computed it (float32 multiply, then the weight's dtype)."""
@@ -122,8 +132,8 @@ _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     n = mask.numel()
     pad = (-n) % 8
-    m = torch.cat([mask.to(torch.uint8), torch.zeros(pad, dtype=torch.uint8)]).reshape(-1, 8)
-    return (m * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+    m = torch.cat([mask.to(torch.uint8), torch.zeros(pad, dtype=torch.uint8, device=mask.device)]).reshape(-1, 8)
+    return (m * _BIT_WEIGHTS.to(mask.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:

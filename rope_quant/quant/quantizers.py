@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rope_quant.core.hadamard import NonFloatTensorError
+from rope_quant.quant import deferred
 
 __all__ = [
     "QuantConfigError",
@@ -284,6 +285,11 @@ def fake_quant_per_token(
     check_clip(clip_ratio)
     w = _work(x)
     g = _grouped(w, group_size)
+    win = deferred.current()
+    if win is not None:
+        out, flag = _fq_flagged(g, bits, clip_ratio, symmetric, x.dtype)
+        win.need_exact_if(flag)
+        return out.reshape(x.shape).to(x.dtype)
     if symmetric:
         amax, finite = _sym_amax(g, clip_ratio)
         out = _fq_sym(g, amax, bits)
@@ -298,6 +304,48 @@ def fake_quant_per_token(
     if risky:
         res = _repair_overflow(res, x, group_size, lambda s: _fq_group64(s, bits, clip_ratio, symmetric))
     return res
+
+
+def _quarter_max(dtype: torch.dtype) -> float:
+    lim = _QUARTER_MAX.get(dtype)
+    return _QUARTER_MAX.setdefault(dtype, torch.finfo(dtype).max / 4) if lim is None else lim
+
+
+def _fq_flagged(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dynamic quantiser without a host read (deferred checks, :mod:`rope_quant.quant.deferred`): the
+    result and a 0-d device flag, true when a group's range is non-finite or beyond a quarter of ``dtype``'s
+    maximum (then the exact path may differ: the window is recomputed). Unflagged, the result equals the
+    exact path's bit for bit: ``amin``/``amax`` give its range up to the sign of a zero extreme, which
+    reaches only the sign of a ±0 bound, and the clamp is the plain formula's single ``clamp_`` with both
+    bounds (the exact path's vectorised pair is used only where no bound is ±0, where the two agree)."""
+    lo = torch.amin(g, dim=-1, keepdim=True)
+    hi = torch.amax(g, dim=-1, keepdim=True)
+    lim = _quarter_max(dtype)
+    flag = ~((hi <= lim) & (lo >= -lim)).all()  # NaN fails both comparisons
+    if symmetric:
+        amax = torch.maximum(hi, lo.neg()) * clip_ratio
+        maxq = (1 << (bits - 1)) - 1
+        if maxq < 1:
+            raise QuantConfigError("symmetric quantisation needs bits ≥ 2")
+        delta = (amax - torch.zeros_like(amax)) / maxq
+        delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+        q = torch.div(g, delta)
+        q.round_()
+        q.clamp_(-maxq - 1, maxq)  # bounds ≠ 0: no sign-of-zero tie
+        return q.mul_(delta), flag
+    else:
+        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+        if clip_ratio != 1.0:
+            lo, hi = lo * clip_ratio, hi * clip_ratio
+        maxq = (1 << bits) - 1
+        delta = (hi - lo) / maxq
+        delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+        zero = torch.round(-lo / delta)
+        q = torch.div(g, delta)
+        q.round_()
+        q.clamp_(min=-zero, max=maxq - zero)  # the plain formula's one clamp: no ±0-tie question to ask
+    return q.mul_(delta), flag
 
 
 def _fq_group64(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool) -> torch.Tensor:
@@ -333,6 +381,17 @@ def selected_step(x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
     (..., n_groups), float32 (App. E's diagnostic): the same range, clip and zero-range guard (Δ = 1) as
     the quantiser itself; asymmetric or symmetric as ``cfg`` says."""
     g = _grouped(_work(x), cfg.group_size)
+    win = deferred.current()
+    if win is not None:  # the same Δ without a host read (a zero extreme's sign does not reach Δ's value)
+        lo, hi = torch.amin(g, dim=-1, keepdim=True), torch.amax(g, dim=-1, keepdim=True)
+        if cfg.symmetric:
+            span = torch.maximum(hi, lo.neg()) * cfg.clip_ratio
+            delta = (span - torch.zeros_like(span)) / ((1 << (cfg.bits - 1)) - 1)
+        else:
+            lo, hi = lo.clamp(max=0.0) * cfg.clip_ratio, hi.clamp(min=0.0) * cfg.clip_ratio
+            delta = (hi - lo) / ((1 << cfg.bits) - 1)
+        win.need_exact_if(~torch.isfinite(delta).all())
+        return torch.where(delta > 0, delta, torch.ones_like(delta)).squeeze(-1)
     if cfg.symmetric:
         amax, _ = _sym_amax(g, cfg.clip_ratio)
         delta = _step(amax, torch.zeros_like(amax), (1 << (cfg.bits - 1)) - 1)
@@ -450,6 +509,11 @@ class StaticChannelQuantizer:
         self._check_channels(x)
         w = _work(x)
         a, b = (t.to(device=w.device, dtype=w.dtype) for t in self._params)  # type: ignore[union-attr]
+        win = deferred.current()
+        if win is not None:
+            res, flag = self._flagged(w, a, b, x.dtype)
+            win.need_exact_if(flag)
+            return res.to(x.dtype)
         out = _fq_sym(w, a, self.bits) if self.symmetric else _fq_asym(w, a, b, self.bits)
         if not _all_finite(w):
             out = _passthrough_nonfinite(out, w)
@@ -457,6 +521,31 @@ class StaticChannelQuantizer:
         if _overflow_risk(a if not self.symmetric else -a, b, x.dtype):
             res = self._repair_overflow(res, x)
         return res
+
+    def _flagged(self, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen-range quantiser without a host read (deferred checks): the result and a 0-d flag, true
+        when the exact path may differ (a non-finite input, a range near ``dtype``'s maximum); unflagged,
+        the exact path's bits (see :func:`_fq_flagged`)."""
+        lim = _quarter_max(dtype)
+        flag = ~torch.isfinite(w.sum()) | (b.amax() > lim)
+        if self.symmetric:
+            maxq = (1 << (self.bits - 1)) - 1
+            delta = (a - torch.zeros_like(a)) / maxq
+            delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+            q = torch.div(w, delta)
+            q.round_()
+            q.clamp_(-maxq - 1, maxq)
+            return q.mul_(delta), flag
+        maxq = (1 << self.bits) - 1
+        flag = flag | (a.amin() < -lim)
+        delta = (b - a) / maxq
+        delta = torch.where(delta > 0, delta, torch.ones_like(delta))
+        zero = torch.round(-a / delta)
+        q = torch.div(w, delta)
+        q.round_()
+        q.clamp_(min=-zero, max=maxq - zero)
+        return q.mul_(delta), flag
 
     def _repair_overflow(self, res: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Elements whose finite input came out ±inf, recomputed in float64 with the same frozen ranges and

@@ -223,16 +223,21 @@ def _set(param: torch.Tensor, value: torch.Tensor) -> None:
     param.data.copy_(value.to(device=param.device, dtype=param.dtype))
 
 
-def _check_rotation(mat: torch.Tensor, n: int, what: str) -> torch.Tensor:
-    """Validate a (…, n, n) stack of orthogonal matrices; return it as float64 on CPU."""
+def _check_rotation(mat: torch.Tensor, n: int, what: str, device: torch.device | str | None = None) -> torch.Tensor:
+    """Validate a (…, n, n) stack of orthogonal matrices; return it as float64 on ``device`` (default the CPU).
+
+    RᵀR is computed on ``device`` (the weights' device: no host copy of the matrix, one read of the result).
+    """
     if not isinstance(mat, torch.Tensor):
         mat = torch.as_tensor(mat)
     if mat.ndim < 2 or mat.shape[-2:] != (n, n):
         raise RotationShapeError(f"{what} must have trailing shape ({n}, {n}), got {tuple(mat.shape)}")
-    m = mat.detach().to("cpu", torch.float64)
-    if not torch.isfinite(m).all():
+    m = mat.detach().to(device or "cpu", torch.float64)
+    finite = torch.isfinite(m).all()
+    eye = torch.eye(n, dtype=torch.float64, device=m.device)
+    err = torch.where(finite, (m.transpose(-1, -2) @ m - eye).abs().max(), torch.inf).item()
+    if err == float("inf"):
         raise NotOrthogonalError(f"{what} has non-finite entries")
-    err = (m.transpose(-1, -2) @ m - torch.eye(n, dtype=torch.float64)).abs().max().item()
     if err > ORTHO_ATOL:
         raise NotOrthogonalError(f"{what} is not orthogonal: max |RᵀR − I| = {err:.3g} > {ORTHO_ATOL}")
     return m
@@ -328,21 +333,22 @@ def r1_hadamard(hidden: int, seed: int | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def apply_r1(model: nn.Module, q: torch.Tensor) -> None:
+def apply_r1(model: nn.Module, q: torch.Tensor) -> torch.Tensor:
     """Rotate the residual stream by ``Q`` (hidden × hidden orthogonal): ``x ← x Q`` (QuaRot Sec. 4.1, R1).
 
     Embeddings and residual readers ``W ← W Q``; residual writers ``W ← Qᵀ W`` and ``b ← b Q``.
     Requires untied embeddings and fused norms; raises :class:`NotFunctionPreservingError` where the
-    architecture refuses R1 (sandwich norms).
+    architecture refuses R1 (sandwich norms). Returns ``Q`` as checked (float64, on the weights' device).
     """
     _require_preserving(model, "r1")
     dims = model_dims(model)
-    qm = _check_rotation(q, dims.hidden, "R1")
     if embeddings_tied(model):
         raise TiedEmbeddingsError("R1 on tied embeddings would rotate the shared matrix twice; untie first")
     if not norms_fused(model):
         raise NormsNotFusedError("R1 needs unit-weight RMSNorms (they commute with Q); call fuse_norms first")
+    qm = _check_rotation(q, dims.hidden, "R1", device=arch.embeddings(model).weight.device)
     _fold_r1(model, qm)
+    return qm
 
 
 def hadamard_signs(mat: torch.Tensor) -> torch.Tensor | None:
@@ -366,11 +372,12 @@ _SIGNS_MEMO: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
 def _check_hadamard_signs(mat: torch.Tensor, n: int) -> torch.Tensor | None:
-    m = mat.detach().to("cpu", torch.float64)
-    if not bool(((m.abs() - n ** -0.5).abs() < 1e-12).all()):
-        return None
+    """The signs ``s`` of ``mat = diag(s)·H/√n`` or None, checked on the matrix's own device (one read)."""
+    m = mat.detach().to(torch.float64)
     signs = torch.sign(m[:, 0])  # the Sylvester H has a first column of ones
-    if (m - signs[:, None] * online_r4(torch.eye(n, dtype=torch.float64))).abs().max().item() > 1e-12:
+    entries = ((m.abs() - n ** -0.5).abs() < 1e-12).all()
+    eye = torch.eye(n, dtype=torch.float64, device=m.device)
+    if not bool(entries & ((m - signs[:, None] * online_r4(eye)).abs().max() <= 1e-12)):
         return None
     return signs
 
@@ -437,7 +444,7 @@ def rotate_embeddings(model: nn.Module, q: torch.Tensor) -> None:
     (their 227 MB would dominate the file); a cache hit rebuilds them from the loaded model and the cached R1.
     The decoder's norms are left as they are (the cached state holds them, fused).
     """
-    qm = _check_rotation(q, model_dims(model).hidden, "R1")
+    qm = _check_rotation(q, model_dims(model).hidden, "R1", device=arch.embeddings(model).weight.device)
     untie_embeddings(model)
     head = _lm_head(model)
     offset = arch.norm_weight_offset(model)
@@ -654,8 +661,7 @@ def rotate_model(
         q = r1_matrix
         if cfg.r1 in ("random_hadamard", "hadamard"):
             q = r1_hadamard(dims.hidden, cfg.seed if cfg.r1 == "random_hadamard" else None)
-        apply_r1(model, q)
-        result.r1 = _check_rotation(q, dims.hidden, "R1")
+        result.r1 = apply_r1(model, q).cpu()  # checked once, on the weights' device
     if cfg.r2 != "identity":
         spec = r2_matrices
         if cfg.r2 in ("random_hadamard", "hadamard"):

@@ -184,14 +184,19 @@ def _qr_householder(a: torch.Tensor) -> torch.Tensor:
     return q * s.unsqueeze(-2)
 
 
-def _cholesky_pass(a: torch.Tensor) -> torch.Tensor:
-    """One CholeskyQR pass: R = chol(AᵀA)ᵀ (upper, positive diagonal), Q = A R⁻¹."""
-    lower = torch.linalg.cholesky(a.transpose(-1, -2) @ a)  # AᵀA = L Lᵀ, R = Lᵀ
+def _cholesky_pass(a: torch.Tensor, checked: bool = True) -> torch.Tensor:
+    """One CholeskyQR pass: R = chol(AᵀA)ᵀ (upper, positive diagonal), Q = A R⁻¹.
+
+    ``checked=False``: no host read of the factorisation's status (a failure leaves non-finite values,
+    which the caller's device-side check catches)."""
+    gram = a.transpose(-1, -2) @ a
+    lower = torch.linalg.cholesky(gram) if checked else torch.linalg.cholesky_ex(gram).L  # AᵀA = L Lᵀ, R = Lᵀ
     # Q = A L⁻ᵀ  <=>  Qᵀ = L⁻¹ Aᵀ
     return torch.linalg.solve_triangular(lower, a.transpose(-1, -2), upper=False).transpose(-1, -2)
 
 
-def qr_orthogonal(a: torch.Tensor, method: str = "cholesky") -> torch.Tensor:
+def qr_orthogonal(a: torch.Tensor, method: str = "cholesky",
+                  failures: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Q of ``A = QR`` with diag(R) > 0 (unique; Q = A for orthogonal A). Batched over leading dims.
 
     ``"householder"``: LAPACK QR plus the sign fix. ``"cholesky"`` (default): CholeskyQR2, two passes of
@@ -200,11 +205,23 @@ def qr_orthogonal(a: torch.Tensor, method: str = "cholesky") -> torch.Tensor:
     hidden-size matrices here (matmul + Cholesky + triangular solve, all with cheap autograd). It needs a
     full-rank A, which holds along the fit (A starts orthogonal and moves by small steps); if the Cholesky
     factorisation fails it falls back to Householder.
+
+    ``failures``: a list that receives a 0-d device bool per call (True: CholeskyQR2 failed here) instead
+    of the fallback, so nothing is read on the host (the fit loop reads them once at its end and refits with
+    Householder if any is True).
     """
     if method not in QR_METHODS:
         raise WhipError(f"QR method must be one of {QR_METHODS}, got {method!r}")
     if method == "householder":
         return _qr_householder(a)
+    if failures is not None:
+        q = _cholesky_pass(_cholesky_pass(a, checked=False), checked=False)
+        with torch.no_grad():
+            eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
+            err = (q.transpose(-1, -2) @ q - eye).abs().max()
+            tol = 1e-4 if q.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-10
+            failures.append(~(err <= tol))  # NaN (a failed factorisation) counts as a failure
+        return q
     try:
         q = _cholesky_pass(_cholesky_pass(a))
     except torch.linalg.LinAlgError:
@@ -224,17 +241,18 @@ class _QRAnalytic(torch.autograd.Function):
     adjoint of Walter & Lehmann / Seeger et al. with R̄ = 0): three n³ products instead of CholeskyQR2's graph."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        q = qr_orthogonal(a)
+    def forward(ctx, a: torch.Tensor, method: str = "cholesky",  # type: ignore[override]
+                failures: list[torch.Tensor] | None = None) -> torch.Tensor:
+        q = qr_orthogonal(a, method, failures)
         ctx.save_for_backward(q, torch.triu(q.transpose(-1, -2) @ a))
         return q
 
     @staticmethod
-    def backward(ctx, gq: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, gq: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         q, r = ctx.saved_tensors
         m = -(gq.transpose(-1, -2) @ q)
         b = gq + q @ (torch.tril(m) + torch.tril(m, -1).transpose(-1, -2))
-        return torch.linalg.solve_triangular(r.transpose(-1, -2), b, upper=False, left=False)
+        return torch.linalg.solve_triangular(r.transpose(-1, -2), b, upper=False, left=False), None, None
 
 
 # ------------------------------------------------------------------------------------------ fitting
@@ -280,17 +298,32 @@ def _loss_heads(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 LOSS_CHUNK_BYTES = 1 << 28
 
 
-def _loss_float64(x: torch.Tensor, r: torch.Tensor, device: torch.device) -> float:
-    """The whip loss of rotation ``r`` on all samples ``x`` (N, T, H, d), in float64, memory-bounded."""
-    if x.numel() * 8 <= LOSS_CHUNK_BYTES:
-        return _loss_heads(x.to("cpu", torch.float64), r).item()
-    per = max(1, LOSS_CHUNK_BYTES // (8 * x[0].numel()))
+def _loss_float64(x: torch.Tensor, r: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The whip loss of rotation ``r`` on all samples ``x`` (N, T, H, d), in float64 on ``device``,
+    memory-bounded; a 0-d tensor on ``device`` (read by the caller, once for both losses)."""
     rd = r.to(device)
-    total = 0.0
+    if x.numel() * 8 <= LOSS_CHUNK_BYTES:
+        return _loss_heads(x.to(device, torch.float64), rd)
+    per = max(1, LOSS_CHUNK_BYTES // (8 * x[0].numel()))
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, x.shape[0], per):
         chunk = x[start:start + per].to(device=device, dtype=torch.float64)
-        total += _loss_heads(chunk, rd).item() * chunk.shape[0]
+        total = total + _loss_heads(chunk, rd) * chunk.shape[0]
     return total / x.shape[0]
+
+
+#: Samples are kept on a GPU when they take at most this share of its free memory (else on the host, and each
+#: batch is copied to the GPU).
+SAMPLES_GPU_SHARE = 0.5
+
+
+def _fits_on(device: torch.device, nbytes: int) -> bool:
+    """Whether ``nbytes`` of samples may live on ``device`` (always on the CPU; on a GPU within
+    :data:`SAMPLES_GPU_SHARE` of its free memory)."""
+    if device.type != "cuda":
+        return device.type == "cpu"
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes <= SAMPLES_GPU_SHARE * free
 
 
 def _init_matrix(d: int, groups: int, seed: int, init: str, dtype: torch.dtype) -> torch.Tensor:
@@ -312,6 +345,7 @@ def fit_rotation(
     init: torch.Tensor | None = None,
     device: torch.device | str | None = None,
     progress: bool = False,
+    qr_method: str = "cholesky",
     **overrides,
 ) -> WhipResult:
     """Fit a whip-optimal rotation by QR-Orth SGD (DartQuant Sec. 3.3).
@@ -322,9 +356,14 @@ def fit_rotation(
     keyword overrides. ``init``: a (d, d) or (groups, d, d) starting matrix instead of ``cfg.init``.
     ``device``: where the optimisation runs (default: the samples' device); batches are moved there.
     ``progress``: a tqdm bar over the optimiser steps (a step at width 4096 takes seconds on a CPU).
+    ``qr_method``: the QR of every step (:func:`qr_orthogonal`); with ``"cholesky"`` a step where CholeskyQR2
+    fails is noticed on the device and the whole fit is rerun with ``"householder"`` (no host read per step).
     Returns float64 rotations on the CPU, acting on rows (``x @ R``).
     """
     from tqdm.auto import tqdm
+
+    args = dict(samples=samples, n=n, seed=seed, steps=steps, lr=lr, cfg=cfg, groups=groups, init=init,
+                device=device, progress=progress, **overrides)
 
     cfg = cfg or WhipConfig()
     if steps is not None:
@@ -361,24 +400,36 @@ def fit_rotation(
         planned = max(1, min(planned, cfg.max_steps))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=planned) if cfg.cosine else None
 
-    qr = qr_orthogonal if qr_grad_for(cfg, d) == "autograd" else _QRAnalytic.apply
+    failures: list[torch.Tensor] = []
+
+    def qr(m: torch.Tensor) -> torch.Tensor:
+        if qr_grad_for(cfg, d) == "autograd":
+            return qr_orthogonal(m, qr_method, failures)
+        return _QRAnalytic.apply(m, qr_method, failures)
+
     bar = tqdm(total=planned, desc=f"whip fit (n={d})", disable=not progress, leave=False)
     n_steps = 0
     micro = 0  # micro-batches across epochs (working schedule)
     pending = False
     epoch_losses: list[float] = []
     done = cfg.max_steps is not None and cfg.max_steps == 0
+    # batch losses stay on the device (one read at the end: no host sync per step)
+    epoch_batch_losses: list[list[torch.Tensor]] = []
+    if x_all.device != dev and _fits_on(dev, x_all.numel() * x_all.element_size()):
+        x_all = x_all.to(dev)  # the samples live where the fit runs (a GPU: no host gather per batch)
     for _epoch in range(cfg.epochs):
         if done:
             break
-        order = torch.randperm(n_total, generator=gen)[:n_draw]
-        losses = []
+        order = torch.randperm(n_total, generator=gen)[:n_draw].to(x_all.device)
+        losses: list[torch.Tensor] = []
+        epoch_batch_losses.append(losses)
         for batch_idx, start in enumerate(range(0, n_draw, cfg.batch_size)):
-            xb = x_all[order[start : start + cfg.batch_size]].to(dev, non_blocking=True)
+            idx = order[start : start + cfg.batch_size]
+            xb = x_all[idx].to(dev, non_blocking=True)
             loss = _loss_heads(xb, qr(a)) / cfg.accumulation
             loss.backward()
             pending = True
-            losses.append(loss.item() * cfg.accumulation)
+            losses.append(loss.detach())
             counter = batch_idx if cfg.released_schedule else micro
             micro += 1
             if (counter + 1) % cfg.accumulation == 0:
@@ -389,11 +440,11 @@ def fit_rotation(
                 pending = False
                 n_steps += 1
                 bar.update(1)
-                bar.set_postfix(loss=f"{losses[-1]:.4g}", refresh=False)
+                if progress:  # reading the loss waits for the device: only when someone watches
+                    bar.set_postfix(loss=f"{losses[-1].item() * cfg.accumulation:.4g}", refresh=False)
                 if cfg.max_steps is not None and n_steps >= cfg.max_steps:
                     done = True
                     break
-        epoch_losses.append(sum(losses) / len(losses))
     if pending and not cfg.released_schedule and not done:
         opt.step()  # flush the last partial accumulation (working schedule only)
         opt.zero_grad()
@@ -402,10 +453,23 @@ def fit_rotation(
     bar.close()
 
     with torch.no_grad():
-        r_init = qr_orthogonal(a0.to(torch.float64))
-        r_fit = qr_orthogonal(a.detach().to("cpu", torch.float64))
-        init_loss = _loss_float64(x_all, r_init, dev)
-        final_loss = _loss_float64(x_all, r_fit, dev)
+        r_init = qr_orthogonal(a0.to(dev, torch.float64))
+        r_fit = qr_orthogonal(a.detach().to(torch.float64))
+        # one read of every loss: the batch losses (float32, summed on the host in float64 per epoch as
+        # before) and the two float64 losses over all samples
+        flat = [t.to(torch.float64) for batch in epoch_batch_losses for t in batch]
+        ends = torch.stack([_loss_float64(x_all, r_init, dev), _loss_float64(x_all, r_fit, dev)])
+        failed = (torch.stack(failures).any() if failures else torch.zeros((), dtype=torch.bool, device=dev))
+        values = torch.cat([torch.stack(flat) if flat else ends[:0], ends, failed.to(ends).reshape(1)]).tolist()
+        if values[-1]:  # CholeskyQR2 failed at some step: the fit is redone with Householder QR throughout
+            with torch.enable_grad():
+                return fit_rotation(**{**args, "qr_method": "householder"})
+        init_loss, final_loss = values[-3], values[-2]
+        offset = 0
+        for batch in epoch_batch_losses:
+            epoch_losses.append(sum(v * cfg.accumulation for v in values[offset:offset + len(batch)]) / len(batch))
+            offset += len(batch)
+        r_init, r_fit = r_init.cpu(), r_fit.cpu()
     if samples.ndim < 4 and groups == 1:
         r_init, r_fit = r_init[0], r_fit[0]
     return WhipResult(r_fit, r_init, n_steps, micro, epoch_losses, init_loss, final_loss)
@@ -433,10 +497,12 @@ def _check_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(model: nn.Module, ids: torch.Tensor) -> None:
+    """Run the decoder stack only (the hooks read inside the layers; no lm_head, no logits)."""
     device = next(model.parameters()).device
+    base = getattr(model, "model", model)
     with torch.no_grad():
         for row in ids:
-            model(input_ids=row[None].to(device), use_cache=False)
+            base(input_ids=row[None].to(device), use_cache=False)
 
 
 def collect_r1_samples(
@@ -446,7 +512,8 @@ def collect_r1_samples(
     seed: int = 0,
     normalize: bool = True,
 ) -> torch.Tensor:
-    """Residual-stream inputs of every layer's input/post-attention norm, pooled: (N, T, hidden) float32.
+    """Residual-stream inputs of every layer's input/post-attention norm, pooled: (N, T, hidden) float32, on the
+    model's device where they fit (:data:`SAMPLES_GPU_SHARE`), else on the host.
 
     One sample per (window, layer, norm) with ``tokens_per_sample`` tokens drawn without replacement
     (all when the window is shorter). ``normalize``: divide by the RMS (``x / sqrt(mean x² + eps)``),
@@ -458,6 +525,10 @@ def collect_r1_samples(
         raise WhipError(f"tokens_per_sample must be positive, got {tokens_per_sample}")
     gen = torch.Generator().manual_seed(int(seed))
     out: list[torch.Tensor] = []
+    device = next(model.parameters()).device
+    n_layers = len(arch.decoder_layers(model))
+    nbytes = ids.shape[0] * 2 * n_layers * min(tokens_per_sample, ids.shape[1]) * arch.dims(model).hidden * 4
+    keep = device if _fits_on(device, nbytes) else torch.device("cpu")  # where the fit will read them
 
     def hook(norm: nn.Module, args: tuple) -> None:
         x = args[0].detach()[0].to(torch.float32)  # (seq, hidden), batch of one window
@@ -465,7 +536,7 @@ def collect_r1_samples(
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _norm_eps(norm))
         k = min(tokens_per_sample, x.shape[0])
         idx = torch.randperm(x.shape[0], generator=gen)[:k].sort().values
-        out.append(x[idx].cpu())
+        out.append(x[idx.to(x.device)].to(keep))
 
     handles = []
     for i in range(len(arch.decoder_layers(model))):

@@ -75,11 +75,11 @@ def randomise_norms(model: Any, low: float, high: float) -> Any:
     return model
 
 
-class CharTokenizer:
-    """Byte-level stand-in for a HF tokenizer (what ``data.load_corpus`` calls)."""
+class ByteTokenizer:
+    """Bytes as token ids (vocabulary 256): enough for the pipeline's corpus windows on a random model."""
 
-    def __call__(self, text: str, **_: object) -> dict:
+    def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
         return {"input_ids": list(text.encode("utf-8"))}
 
-    def get_vocab(self) -> dict:
+    def get_vocab(self) -> dict[str, int]:
         return {chr(i): i for i in range(256)}

@@ -24,6 +24,7 @@ from _timing import paired_best
 from rope_quant.calib.moments import CalibrationStats
 from rope_quant.experiment import data
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
+from rope_quant.quant import deferred
 from rope_quant.rotations import attention
 
 L_FWD = 2048
@@ -48,11 +49,12 @@ def quantised(embedded_model, corpus):
 
 
 def _forward(model) -> Callable[[torch.Tensor], None]:
+    """The decoder forward as the evaluation runs it: one deferred-check window (its checks read once)."""
     base = model.model
 
     def run(x: torch.Tensor) -> None:
         with torch.inference_mode():
-            base(input_ids=x, use_cache=False)
+            deferred.run_checked(lambda: base(input_ids=x, use_cache=False))
 
     return run
 
@@ -125,6 +127,7 @@ import json, resource, sys, torch
 from rope_quant.experiment import data
 from rope_quant.experiment import evaluate
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
+from rope_quant.quant import deferred
 torch.set_num_threads(int(sys.argv[2]))
 L = int(sys.argv[1])
 cfg = RunConfig.from_flat(w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4, seqlen=256, calib_windows=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,11 @@ class E2EBudget:
     the long-form corpus (Gutenberg plays); the ``slow`` subset adds ``slow_long_lengths``.
     ``gptq_float64``: GPTQ's Hessians and column loop in float64 (``ROPE_QUANT_E2E_GPTQ_FLOAT64=1``).
 
-    The numerical replicate (issue 23): the first seed rebuilt with GPTQ in the other float mode (float64
-    when the run is float32, and back), one GPTQ build per model shared by every claim family; how far a
-    claim's paired difference moves between the seed and its replicate is the numerical spread that the
-    decision rule (:mod:`rope_quant.core.verdict`) adds to every threshold.
+    The numerical replicates: the first ``replicates`` seeds rebuilt with GPTQ in the other float mode (float64
+    when the run is float32, and back; ``--rq-replicates K``), one GPTQ build per replicated seed and model,
+    shared by every claim family. How far each replicated seed's paired difference moves gives the float-order
+    noise and bias that the decision rule (:mod:`rope_quant.core.verdict`) reads; fewer than 2 leave every
+    replicated claim inconclusive ("cannot be estimated").
     """
 
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -45,6 +47,18 @@ class E2EBudget:
     slow_long_lengths: tuple[int, ...] = (8192,)
     long_windows: int = 1
     gptq_float64: bool = False
+    replicates: int = 2
+
+    @staticmethod
+    def replicates_for(given: int | None, seeds: tuple[int, ...]) -> int:
+        """``--rq-replicates K`` as given (checked against the seeds), else the default 2, at most the number of
+        seeds (``--rq-seeds 0`` alone: 1 replicate, and the claims say the noise cannot be estimated)."""
+        return int(given) if given is not None else min(E2EBudget.replicates, len(seeds))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.replicates <= len(self.seeds):
+            raise ValueError(f"--rq-replicates {self.replicates}: must lie in 0 … {len(self.seeds)} (the seeds "
+                             f"{list(self.seeds)}); a replicate is a seed rebuilt in the other float mode")
 
 
 class Experiment:
@@ -70,7 +84,30 @@ class Experiment:
 
     @property
     def replicate_seed(self) -> int:
+        """The first seed (the replicated one when any is)."""
         return self.budget.seeds[0]
+
+    @property
+    def replicate_seeds(self) -> tuple[int, ...]:
+        return tuple(self.budget.seeds[: self.budget.replicates])
+
+    def over_replicates(self, fn: Callable[[int, dict[str, Any]], Any]) -> dict[int, Any] | str:
+        """``fn(seed, overrides)`` for each replicated seed (keyed by its index among the seeds), the overrides
+        flipping GPTQ's float mode; a replicate that fails to build returns the reason instead (its claim reads
+        inconclusive with it; the other claims go on)."""
+        out: dict[int, Any] = {}
+        for index, seed in enumerate(self.replicate_seeds):
+            try:
+                out[index] = fn(seed, self._replicate_overrides({}))
+            except Exception as exc:  # noqa: BLE001 (any build error is the claim's reason, not the session's)
+                return f"replicate of seed {seed} failed to build: {type(exc).__name__}: {exc}"
+        return out
+
+    def replicate_pairs(self, treatment: dict[str, Any], control: dict[str, Any], metric: str = "ppl",
+                        **shared: Any) -> dict[int, tuple[float, float]] | str:
+        """(treatment, control) ``metric`` of every replicated seed: ``paired_claim``'s ``replicates``."""
+        return self.over_replicates(lambda seed, rep: (float(self.cell(seed, **{**shared, **treatment, **rep})[metric]),
+                                                       float(self.cell(seed, **{**shared, **control, **rep})[metric])))
 
     def tokens(self, windows: int | None = None, **overrides: Any) -> int | None:
         """Scored tokens per cell (short context) at ``windows`` (default the budget's evaluation windows); with
@@ -85,15 +122,10 @@ class Experiment:
 
         return {**overrides, "gptq": GPTQConfig(float64=not self.budget.gptq_float64)}
 
-    def replicate(self, metric: str = "ppl", **overrides: Any) -> float:
-        """``metric`` of the numerical replicate: the first seed with GPTQ in the other float mode."""
-        return float(self.cell(self.replicate_seed, **self._replicate_overrides(overrides))[metric])
-
-    def replicate_cell(self, **overrides: Any) -> dict[str, Any]:
-        return self.cell(self.replicate_seed, **self._replicate_overrides(overrides))
-
-    def replicate_long_context(self, lengths: tuple[int, ...] | None = None, **overrides: Any) -> dict[int, Any]:
-        return self.long_context(self.replicate_seed, lengths, **self._replicate_overrides(overrides))
+    def replicate_long_context(self, lengths: tuple[int, ...] | None = None,
+                               **overrides: Any) -> dict[int, dict[int, Any]] | str:
+        """Per replicated seed (index): :meth:`long_context` with GPTQ in the other float mode."""
+        return self.over_replicates(lambda seed, rep: self.long_context(seed, lengths, **{**overrides, **rep}))
 
     def cell(self, seed: int = 0, **overrides: Any) -> dict[str, Any]:
         from rope_quant.experiment.pipeline import run_cell
@@ -151,7 +183,7 @@ def e2e_budget(rq_options) -> E2EBudget:
     budget = E2EBudget(gptq_float64=os.environ.get("ROPE_QUANT_E2E_GPTQ_FLOAT64", "") not in ("", "0"))
     if rq_options.seeds is not None:
         budget = dataclasses.replace(budget, seeds=rq_options.seeds)
-    return budget
+    return dataclasses.replace(budget, replicates=E2EBudget.replicates_for(rq_options.replicates, budget.seeds))
 
 
 @pytest.fixture(scope="session")

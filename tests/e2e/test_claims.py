@@ -8,11 +8,12 @@ Budget: see ``E2EBudget`` (3 seeds, 12 x 512 scored tokens per cell, 16 x 512 ca
 claim runs on the paper's pipeline (App. A.1, A.8): R1 fitted with whip, R2 at its random-Hadamard
 initialisation, R4 online Hadamard, GPTQ weights, dynamic W4A4KV4.
 
-**Verdicts (issue 23).** Every claim is decided by the one rule of :mod:`rope_quant.core.verdict` (holds,
-fails, inconclusive with the budget to decide at 80% power, refuted; docs/verdicts.md). The numerical noise
-that rule adds to every threshold is measured by the run itself: the first seed rebuilt with GPTQ in the other
-float mode (``Experiment.replicate``, one GPTQ build shared by every claim family). A test fails on fails or
-refuted, never on inconclusive, and still asserts each claim's robust part.
+**Verdicts.** Every claim is decided by the one rule of :mod:`rope_quant.core.verdict` (holds, fails,
+inconclusive with the budget to decide at 80% power, refuted; docs/verdicts.md): the union of the paired
+interval over the seeds and its float-order replicate interval. The float-order noise and bias are measured by
+the run itself: the first ``--rq-replicates`` seeds rebuilt with GPTQ in the other float mode
+(``Experiment.replicate_pairs``, one GPTQ build per replicated seed shared by every claim family). A test fails
+on fails or refuted, never on inconclusive, and still asserts each claim's robust part.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _verdict_ci(v: Verdict) -> str:
 
 
 def _spread_text(v: Verdict) -> str:
-    return f"numerical spread {v.noise:.3f}"
+    return v.float_order.text() if v.float_order is not None else "float order: –"
 
 
 def test_c1_pairwise_only_worse_than_hadamard(experiment, rq_claim) -> None:
@@ -65,7 +66,7 @@ def test_c2_pairwise_plus_hadamard_equivalent_to_hadamard(experiment, rq_claim) 
     """C2 (Table 1, TOST): the paired 90% CI of pairwise_plus_hadamard − hadamard lies inside the margin
     (:func:`rope_quant.core.verdict.equivalence_margin`: the paper's ±0.05 PPL scaled by the ppl ratio).
 
-    Decided by the rule with the run's numerical spread; the robust part is asserted: the pairwise+Hadamard
+    Decided by the rule with the run's float-order replicates; the robust part is asserted: the pairwise+Hadamard
     mean sits near the Hadamard's, far closer than pairwise_only's (less than a quarter of C1's gap).
     """
     had = experiment.per_seed(r3="hadamard")
@@ -73,8 +74,7 @@ def test_c2_pairwise_plus_hadamard_equivalent_to_hadamard(experiment, rq_claim) 
     pw = experiment.per_seed(r3="pairwise_only")
     margin = equivalence_margin(float(np.mean(had)))
     equiv = paired_claim(Form.EQUIVALENT, pph, had, margin=margin.value, tokens=experiment.tokens(),
-                         replicate=(experiment.replicate(r3="pairwise_plus_hadamard"),
-                                    experiment.replicate(r3="hadamard")))
+                         replicates=experiment.replicate_pairs({"r3": "pairwise_plus_hadamard"}, {"r3": "hadamard"}))
     mean, c1_gap = float(np.mean(pph) - np.mean(had)), float(np.mean(pw) - np.mean(had))
     robust = abs(mean) < 0.25 * c1_gap
     verdict = combine_all([deterministic(robust, "robust part: |mean| >= C1 gap/4"), equiv])
@@ -89,12 +89,12 @@ def test_c2_pairwise_plus_hadamard_equivalent_to_hadamard(experiment, rq_claim) 
 
 def test_c3_k_only_estimator_beats_rows(experiment, rq_claim) -> None:
     """C3 (App. L): the unadjusted paired 90% interval of ppl(k_only) − ppl(rows) lies below zero (the rule's
-    LESS form, with the run's numerical spread); the mean's sign is asserted."""
+    LESS form, with the run's float-order replicates); the mean's sign is asserted."""
     rows = experiment.per_seed(r3="pairwise_only", estimator="rows")
     k_only = experiment.per_seed(r3="pairwise_only", estimator="k_only")
     verdict = paired_claim(Form.LESS, k_only, rows, tokens=experiment.tokens(),
-                           replicate=(experiment.replicate(r3="pairwise_only", estimator="k_only"),
-                                      experiment.replicate(r3="pairwise_only", estimator="rows")))
+                           replicates=experiment.replicate_pairs({"estimator": "k_only"}, {"estimator": "rows"},
+                                                                 r3="pairwise_only"))
     mean = float(np.mean(k_only) - np.mean(rows))
     rq_claim("C3 (App. L) k_only vs rows estimator", "90% CI of ppl(k_only) − ppl(rows) below 0",
              f"k_only {_fmt(k_only)} vs rows {_fmt(rows)}; diff {_verdict_ci(verdict)}; {_spread_text(verdict)}",
@@ -160,30 +160,27 @@ def test_c4_perplexity_gap_non_increasing_in_block_size(experiment, rq_claim, rq
 
     Each step b → 2b is a paired comparison ppl(2b) − ppl(b) over the seeds, read in the rule's NON_SUPERIOR
     form: no rise larger than C2's equivalence margin (a rise that small is "no rise" by the paper's own
-    tolerance). The steps combine (holds if every step holds); the numerical spread is the largest move of
-    any step at the replicate seed. The robust part is asserted: the gap at b = 2 exceeds the gap at b = d_h.
+    tolerance). The steps combine (holds if every step holds); each step has its own float-order replicates.
+    The robust part is asserted: the gap at b = 2 exceeds the gap at b = d_h.
     """
     gaps = _seed_mean(_support_series(experiment, rq_record)["gap"])
     seeds = experiment.budget.seeds
     ppl = [_support_ppl(_support_rows(experiment, seed)) for seed in seeds]
     w = dict(eval_windows=experiment.budget.support_windows)
-    rep = [experiment.replicate(r3="block_hadamard", r3_block=b, **w) for b in BLOCKS]
-    steps = [[p[i + 1] - p[i] for p in ppl] for i in range(len(BLOCKS) - 1)]
-    rep_steps = [rep[i + 1] - rep[i] for i in range(len(BLOCKS) - 1)]
-    from rope_quant.core.verdict import decide, numerical_spread
-
-    noise = numerical_spread([s[0] for s in steps], rep_steps)
     margin = equivalence_margin(float(np.mean([experiment.cell(seed, r3="hadamard", **w)["ppl"] for seed in seeds])))
-    parts = [decide(Form.NON_SUPERIOR, d, margin=margin.value, noise=noise,
-                    tokens=experiment.tokens(experiment.budget.support_windows)) for d in steps]
+    parts = [paired_claim(Form.NON_SUPERIOR, [p[i + 1] for p in ppl], [p[i] for p in ppl], margin=margin.value,
+                          tokens=experiment.tokens(experiment.budget.support_windows),
+                          replicates=experiment.replicate_pairs({"r3_block": BLOCKS[i + 1]}, {"r3_block": BLOCKS[i]},
+                                                                r3="block_hadamard", **w))
+             for i in range(len(BLOCKS) - 1)]
     robust = gaps[0] > gaps[-1]
     verdict = combine_all([deterministic(robust, "robust part: gap(b=2) <= gap(b=d_h)"), *parts])
     worst_rise = max(gaps[i + 1] - gaps[i] for i in range(len(gaps) - 1))
     rq_claim("C4 (Table M) ppl gap vs b=2…64, W4A4KV4",
              f"no step b → 2b raises ppl by more than ±{margin.value:.3f} ({margin.basis}); robust: gap(2) > gap(64)",
              f"gap {_fmt(gaps)}; largest rise {worst_rise:+.3f}; steps "
-             + ", ".join(f"{_verdict_ci(v)}" for v in parts) + f"; {_spread_text(parts[0])}",
-             verdict=verdict, gaps=gaps, noise=noise, margin=margin.value)
+             + ", ".join(f"{_verdict_ci(v)} [{_spread_text(v)}]" for v in parts),
+             verdict=verdict, gaps=gaps, noise=[v.noise for v in parts], margin=margin.value)
     assert robust, gaps
     assert not verdict.failed, verdict.text()
 
@@ -295,7 +292,7 @@ def test_c6_objective_mismatch(experiment, rq_claim) -> None:
     phi_star = experiment.per_seed(**PHI_STAR)
     margin = equivalence_margin(float(np.mean(control)))
     ppl_part = paired_claim(Form.NON_INFERIOR, phi_star, control, margin=margin.value, tokens=experiment.tokens(),
-                            replicate=(experiment.replicate(**PHI_STAR), experiment.replicate(**PHI_HAT_BM)))
+                            replicates=experiment.replicate_pairs(PHI_STAR, PHI_HAT_BM))
     lower_objective = float(ex["phi_star"].mean()) < float(ex["phi_hat_branch_matched"].mean())
     verdict = combine_all([deterministic(lower_objective, "surrogate part"), ppl_part])
     rq_claim("C6 (§5) objective mismatch: φ* vs branch-matched φ̂",
@@ -308,7 +305,7 @@ def test_c6_objective_mismatch(experiment, rq_claim) -> None:
 
 
 def _long_gaps(experiment, rq_record, lengths: tuple[int, ...], table: str) -> dict[int, Verdict]:
-    """Per length: the rule's GREATER form on pairwise_only − hadamard, with the replicate's spread."""
+    """Per length: the rule's GREATER form on pairwise_only − hadamard, with the float-order replicates."""
     per_seed: dict[int, tuple[list[float], list[float]]] = {length: ([], []) for length in lengths}
     for seed in experiment.budget.seeds:
         had = experiment.long_context(seed, lengths, r3="hadamard")
@@ -322,8 +319,17 @@ def _long_gaps(experiment, rq_record, lengths: tuple[int, ...], table: str) -> d
                       n_windows=h.n_windows, n_tokens=h.n_tokens)
     rep_had = experiment.replicate_long_context(lengths, r3="hadamard")
     rep_pw = experiment.replicate_long_context(lengths, r3="pairwise_only")
+
+    def replicates(length: int) -> dict[int, tuple[float, float]] | str:
+        if isinstance(rep_had, str) or isinstance(rep_pw, str):
+            return rep_had if isinstance(rep_had, str) else str(rep_pw)
+        bad = [r[length] for r in (*rep_had.values(), *rep_pw.values()) if isinstance(r[length], dict)]
+        if bad:
+            return f"a replicate failed at L={length}: {bad[0]}"
+        return {i: (rep_pw[i][length].ppl, rep_had[i][length].ppl) for i in rep_had}
+
     return {length: paired_claim(Form.GREATER, pw_ppl, had_ppl, tokens=experiment.budget.long_windows * length,
-                                 replicate=(rep_pw[length].ppl, rep_had[length].ppl))
+                                 replicates=replicates(length))
             for length, (pw_ppl, had_ppl) in per_seed.items()}
 
 

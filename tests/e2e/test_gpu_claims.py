@@ -47,7 +47,9 @@ def gpu_experiment(gpu_model, rq_options, tmp_path_factory, experiment_factory):
     Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
 
     device = rq_options.resolved_device()
-    budget = E2EBudget(seeds=rq_options.seeds or (0, 1, 2), seqlen=2048, calib_windows=128, eval_windows=None)
+    seeds = rq_options.seeds or (0, 1, 2)
+    budget = E2EBudget(seeds=seeds, seqlen=2048, calib_windows=128, eval_windows=None,
+                       replicates=E2EBudget.replicates_for(rq_options.replicates, seeds))
     try:  # the plan before the model loads (issue 21): stream the layers when only that fits, else stop here
         decision = memory_check.decide(gpu_model, device, "float32", memory_check.protocol_for(
             128, 2048, None, None, configs=4, seeds=len(budget.seeds), gptq=True), offload.OffloadMode.AUTO)
@@ -81,9 +83,10 @@ def table1_tost(exp: Any) -> tuple[Verdict, Margin, str]:
     pph = exp.per_seed(r3="pairwise_plus_hadamard")
     margin = equivalence_margin(float(np.mean(had)))
     verdict = paired_claim(Form.EQUIVALENT, pph, had, margin=margin.value, tokens=exp.tokens(r3="hadamard"),
-                           replicate=(exp.replicate(r3="pairwise_plus_hadamard"), exp.replicate(r3="hadamard")))
+                           replicates=exp.replicate_pairs({"r3": "pairwise_plus_hadamard"}, {"r3": "hadamard"}))
     ci = "" if verdict.low is None else f" (CI {verdict.low:+.4f}, {verdict.high:+.4f})"
-    measured = f"diff {verdict.mean:+.4f}{ci}; n={verdict.n}; numerical spread {verdict.noise:.4f}"
+    fo = verdict.float_order
+    measured = f"diff {verdict.mean:+.4f}{ci}; n={verdict.n}; " + (fo.text() if fo else "float order: –")
     return verdict, margin, measured
 
 
@@ -111,14 +114,17 @@ class StubExperiment:
     """Canned per-seed perplexities in place of a CUDA run (the claim functions' only interface)."""
 
     ppl: dict[str, list[float]]
-    rep: dict[str, float] = field(default_factory=dict)
+    rep: dict[str, list[float]] = field(default_factory=dict)
     model: str = "stub-llama"
 
     def per_seed(self, metric: str = "ppl", **overrides: Any) -> list[float]:
         return list(self.ppl[overrides["r3"]])
 
-    def replicate(self, metric: str = "ppl", **overrides: Any) -> float:
-        return self.rep.get(overrides["r3"], self.ppl[overrides["r3"]][0])
+    def replicate_pairs(self, treatment: dict[str, Any], control: dict[str, Any],
+                        metric: str = "ppl") -> dict[int, tuple[float, float]]:
+        """Two replicated seeds; a configuration without canned replicates reproduces its primary exactly."""
+        t, c = (self.rep.get(o["r3"], self.ppl[o["r3"]]) for o in (treatment, control))
+        return {i: (t[i], c[i]) for i in range(min(2, len(t)))}
 
     def tokens(self, windows: int | None = None, **overrides: Any) -> int:
         return 140 * 2048
@@ -143,7 +149,7 @@ def test_stub_tost_decides_both_ways_and_scales_its_margin() -> None:
     far = StubExperiment({"hadamard": had,
                           "pairwise_plus_hadamard": [h + 1.0 + d for h, d in zip(had, jitter, strict=True)]})
     assert table1_tost(far)[0].outcome is Outcome.REFUTED and table1_tost(far)[0].failed
-    moved = StubExperiment(tight.ppl, rep={"pairwise_plus_hadamard": 23.2})  # the replicate moved seed 0 by 0.2
+    moved = StubExperiment(tight.ppl, rep={"pairwise_plus_hadamard": [23.2, 23.39]})  # seed 0 moved by 0.2
     assert table1_tost(moved)[0].outcome is Outcome.INCONCLUSIVE
 
 

@@ -6,8 +6,8 @@ weights per seed, which is why the claim runs in the ``slow`` subset (``tox -e s
 
 The paper's claim is descriptive: the pairwise_only gap to hadamard is positive at both lower settings and
 larger at W3A3KV3 than at W4A4KV4. Each part is the GREATER form of the rule of :mod:`rope_quant.core.verdict`,
-with the numerical spread measured on the session's replicate (the first seed with GPTQ in the other float
-mode, at each setting: W3A3KV3 adds one replicate GPTQ build); the parts combine.
+with the float-order replicates of the session (the first ``--rq-replicates`` seeds with GPTQ in the other
+float mode, at each setting: W3A3KV3 adds one replicate GPTQ build per replicated seed); the parts combine.
 """
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ def _bits(setting: str) -> dict[str, int]:
 def test_lower_bits_pairwise_only_gap(experiment, rq_claim, rq_record) -> None:
     """App. F: ppl(pairwise_only) − ppl(hadamard) > 0 at W4A3KV4 and W3A3KV3, and larger at W3A3KV3 than at
     W4A4KV4 (seed means, paired within seed)."""
-    per: dict[str, tuple[list[float], list[float], tuple[float, float]]] = {}
+    per: dict[str, tuple[list[float], list[float], dict[int, tuple[float, float]] | str]] = {}
     for setting in LOWER_BIT_SETTINGS:
         had = experiment.per_seed(r3="hadamard", **_bits(setting))
         pw = experiment.per_seed(r3="pairwise_only", **_bits(setting))
         pph = experiment.per_seed(r3="pairwise_plus_hadamard", **_bits(setting))
-        rep = (experiment.replicate(r3="pairwise_only", **_bits(setting)),
-               experiment.replicate(r3="hadamard", **_bits(setting)))
+        rep = experiment.replicate_pairs({"r3": "pairwise_only"}, {"r3": "hadamard"}, **_bits(setting))
         per[setting] = (pw, had, rep)
         for seed, h, p, q in zip(experiment.budget.seeds, had, pw, pph, strict=True):
             rq_record("App. F: lower bits (GPTQ, whip R1)", setting=setting, seed=seed, hadamard=h,
@@ -42,20 +41,23 @@ def test_lower_bits_pairwise_only_gap(experiment, rq_claim, rq_record) -> None:
 
     def gap(setting: str) -> Verdict:
         pw, had, rep = per[setting]
-        return paired_claim(Form.GREATER, pw, had, replicate=rep, tokens=tokens)
+        return paired_claim(Form.GREATER, pw, had, replicates=rep, tokens=tokens)
 
     def gap_of_gaps(hi: str, lo: str) -> Verdict:
         (pw_h, had_h, rep_h), (pw_l, had_l, rep_l) = per[hi], per[lo]
         g_hi = [p - h for p, h in zip(pw_h, had_h, strict=True)]
         g_lo = [p - h for p, h in zip(pw_l, had_l, strict=True)]
-        return paired_claim(Form.GREATER, g_hi, g_lo, tokens=tokens,
-                            replicate=(rep_h[0] - rep_h[1], rep_l[0] - rep_l[1]))
+        if isinstance(rep_h, str) or isinstance(rep_l, str):
+            reps: dict[int, tuple[float, float]] | str = rep_h if isinstance(rep_h, str) else str(rep_l)
+        else:
+            reps = {i: (rep_h[i][0] - rep_h[i][1], rep_l[i][0] - rep_l[i][1]) for i in rep_h}
+        return paired_claim(Form.GREATER, g_hi, g_lo, tokens=tokens, replicates=reps)
 
     parts = {"gap W4A3KV4 > 0": gap("W4A3KV4"), "gap W3A3KV3 > 0": gap("W3A3KV3"),
              "gap W3A3KV3 > gap W4A4KV4": gap_of_gaps("W3A3KV3", "W4A4KV4")}
     verdict = combine_all(parts.values())
     measured = "; ".join(f"{k}: {v.mean:+.3f}" + (f" (90% CI {v.low:+.3f}, {v.high:+.3f})" if v.low is not None
-                                                  else "") + f", spread {v.noise:.3f} → {v.text()}"
+                                                  else "") + f", σ_num {v.noise:.3f} → {v.text()}"
                          for k, v in parts.items())
     rq_claim("App. F lower bits: pairwise_only gap", "gap > 0 at W4A3KV4 and W3A3KV3; larger at W3A3KV3 than "
              "W4A4KV4", measured, verdict=verdict, gaps={k: v.mean for k, v in parts.items()},

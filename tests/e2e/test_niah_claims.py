@@ -9,8 +9,8 @@ R2, online R4; the quantised KV cache is in effect during generation), exact mat
 A length is *discriminative* when FP is near saturation (>= :data:`SATURATION`) and the quantised
 configurations separate (spread >= :data:`SEPARATION`). The claim length comes from the measurement in the
 README ("NIAH retrieval"). The verdict is the one rule of :mod:`rope_quant.core.verdict` in its GREATER form on
-the per-seed accuracy difference hadamard − pairwise_only; its numerical spread is how far that difference
-moved on the session's replicate (the first seed with GPTQ in the other float mode, the same probes).
+the per-seed accuracy difference hadamard − pairwise_only, with the session's float-order replicates (the first
+``--rq-replicates`` seeds with GPTQ in the other float mode, the same probes).
 
 Cost: about 3 x 4 cells x 25 probes of 512 tokens (greedy, a few decoded tokens each): ``slow``.
 
@@ -53,14 +53,14 @@ GPU_PROBES = 20
 
 def niah_accuracies(exp: Any, length: int, probes: int = PROBES, replicate: bool = False) -> dict[str, list[float]]:
     """Accuracy per config (``fp`` and :data:`CONFIGS`) and seed at ``length``; memoised on the experiment.
-    ``replicate``: the first seed only, with GPTQ in the other float mode (the numerical replicate).
+    ``replicate``: the replicated seeds only, with GPTQ in the other float mode (the numerical replicates).
 
     Every R3 variant of a seed reuses one built model (``reconfigure``) and answers the same probes."""
     from rope_quant.experiment.data import load_corpus
     from rope_quant.experiment.pipeline import build_quantized_model
 
     memo = exp.__dict__.setdefault("_niah", {})
-    seeds = (exp.replicate_seed,) if replicate else tuple(exp.budget.seeds)
+    seeds = tuple(exp.replicate_seeds) if replicate else tuple(exp.budget.seeds)
     extra = exp._replicate_overrides({}) if replicate else {}
     key = (length, probes, seeds, replicate)
     if key in memo:
@@ -101,12 +101,17 @@ def niah_claim(exp: Any, length: int, rq_claim: Any, label: str, probes: int = P
     discriminative (FP not saturated, or the quantised configs do not separate)."""
     acc = niah_accuracies(exp, length, probes)
     means, sep, stat, discriminative = summarise(acc)
-    rep = niah_accuracies(exp, length, probes, replicate=True)
-    verdict = paired_claim(Form.GREATER, acc["hadamard"], acc["pairwise_only"],
-                           replicate=(rep["hadamard"][0], rep["pairwise_only"][0]))
+    reps: dict[int, tuple[float, float]] | str
+    try:
+        rep = niah_accuracies(exp, length, probes, replicate=True)
+        reps = {i: (h, p) for i, (h, p) in enumerate(zip(rep["hadamard"], rep["pairwise_only"], strict=True))}
+    except Exception as exc:  # noqa: BLE001 (a replicate that fails to build is this claim's reason)
+        reps = f"replicate failed to build: {type(exc).__name__}: {exc}"
+    verdict = paired_claim(Form.GREATER, acc["hadamard"], acc["pairwise_only"], replicates=reps)
+    fo = verdict.float_order
     measured = (f"L={length}: " + "; ".join(f"{n} {_fmt(acc[n])}" for n in acc)
                 + f"; hadamard − pairwise_only {stat:+.3f}; quantised spread {sep:.3f}; "
-                f"numerical spread {verdict.noise:.3f}")
+                + (fo.text() if fo else "float order: –"))
     if not discriminative:
         verdict = combine_all([deterministic(False, "not a discriminative length"), verdict])
     rq_claim(f"NIAH (App. G) {label}", f"at a discriminative length (FP ≥ {SATURATION}, spread ≥ {SEPARATION}): "
@@ -148,7 +153,9 @@ def niah_gpu_experiment(niah_gpu_model, rq_options, tmp_path_factory, experiment
         base = load_model(niah_gpu_model, device=device)
     except ModelNotFoundError as exc:
         pytest.skip(f"gpu_e2e: model {niah_gpu_model!r} is not available locally: {exc}")
-    budget = E2EBudget(seeds=rq_options.seeds or (0, 1, 2), seqlen=2048, calib_windows=128, eval_windows=None)
+    seeds = rq_options.seeds or (0, 1, 2)
+    budget = E2EBudget(seeds=seeds, seqlen=2048, calib_windows=128, eval_windows=None,
+                       replicates=E2EBudget.replicates_for(rq_options.replicates, seeds))
     cache = tmp_path_factory.mktemp("gpu-niah-cache")
     return Experiment(base, str(cache), budget, rq_options.corpus, model=niah_gpu_model, device=device)
 

@@ -1,9 +1,11 @@
-"""The numerical replicate of the e2e session (tests/e2e/conftest.py): the first seed, GPTQ in the other
+"""The numerical replicates of the e2e session (tests/e2e/conftest.py): the first k seeds, GPTQ in the other
 float mode, every other field unchanged; no model needed."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import pytest
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -28,3 +30,32 @@ def test_replicate_flips_only_the_gptq_float_mode(experiment_factory) -> None:
         assert _diff(primary.to_dict(), replicate.to_dict()) == ["quant.w.gptq.float64"]
         assert replicate.weight_key() != primary.weight_key() and replicate.key() != primary.key()
         assert exp.tokens() == 12 * 512 and exp.tokens(3) == 3 * 512
+
+
+def test_replicates_are_the_first_k_seeds_and_k_is_checked(experiment_factory) -> None:
+    Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
+    assert E2EBudget().replicates == 2  # the default: the noise and bias can be estimated
+    exp = Experiment(None, "/nonexistent", E2EBudget(seeds=(4, 5, 6), replicates=2), "pydoc")
+    assert exp.replicate_seeds == (4, 5)
+    seen = exp.over_replicates(lambda seed, rep: (seed, rep["gptq"].float64))
+    assert seen == {0: (4, True), 1: (5, True)}
+    assert Experiment(None, "/x", E2EBudget(seeds=(4, 5), replicates=0), "pydoc").over_replicates(
+        lambda seed, rep: seed) == {}
+    assert E2EBudget.replicates_for(None, (7,)) == 1 and E2EBudget.replicates_for(None, (1, 2, 3)) == 2
+    assert E2EBudget.replicates_for(3, (1, 2, 3)) == 3
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="--rq-replicates"):
+            E2EBudget(seeds=(4, 5, 6), replicates=bad)
+
+
+def test_a_replicate_that_fails_to_build_is_reported_not_raised(experiment_factory) -> None:
+    Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
+    exp = Experiment(None, "/nonexistent", E2EBudget(seeds=(4, 5)), "pydoc")
+
+    def build(seed: int, rep: dict) -> float:
+        if seed == 5:
+            raise MemoryError("GPTQ float64 Hessian")
+        return 1.0
+
+    reason = exp.over_replicates(build)
+    assert isinstance(reason, str) and "seed 5" in reason and "MemoryError: GPTQ float64 Hessian" in reason

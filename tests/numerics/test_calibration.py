@@ -263,9 +263,11 @@ def test_non_finite_input_names_layer_and_stream(bad):
     x[1, 5] = bad
     with pytest.raises(NonFiniteCalibrationError, match=r"layer 1, stream 'k'"):
         s.update(1, "k", x)
-    with pytest.raises(NonFiniteCalibrationError, match=r"layer 0, stream 'q'"):
-        s.update(0, "q", torch.full((2, HQ * D), float(bad)))
-    assert s.n_rows("k").sum() == 0  # nothing was accumulated
+    s.update(0, "q", torch.full((2, HQ * D), float(bad)))  # a tensor is checked on its device, read at finalize
+    every_column = rf"layer 0, stream 'q': non-finite values \(NaN/Inf\) in {HQ * D // 2} "
+    with pytest.raises(NonFiniteCalibrationError, match=every_column):
+        s.finalize()
+    assert s.n_rows("k").sum() == 0 and s.n_rows("q").sum() == 0  # nothing was accumulated
 
 
 def test_wrong_shapes_and_names_raise_specific_errors(tmp_path):

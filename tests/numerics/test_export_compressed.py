@@ -13,8 +13,9 @@ import torch
 from rope_quant.experiment.pipeline import build_quantized_model
 from rope_quant.export import build as ebuild
 from rope_quant.export import compressed, fold, outdir
+from tests._support import ByteTokenizer
 from tests.numerics.export_isolated import run_isolated
-from tests.numerics.test_export_hf import CharTokenizer, cell, rel, tiny_llama, weights_only
+from tests.numerics.test_export_hf import cell, rel, tiny_llama, weights_only
 
 pytest.importorskip("compressed_tensors")  # the [export] extra; installed in the project venv
 
@@ -51,7 +52,7 @@ print(json.dumps({{"load_s": load_s, "class": type(model).__name__, "has_rope_qu
 
 @pytest.fixture(scope="module")
 def base():
-    return tiny_llama(), CharTokenizer()
+    return tiny_llama(), ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,7 @@ assert len(stored) == {n_layers}, sorted(stored)
 def test_ct_online_r4_not_power_of_two_stores_its_matrix(ids, tmp_path: Path) -> None:
     """An R4 of size 96 (= 12·8, like SmolLM2's 1536 = 12·128): ``random-hadamard`` with our ±1 matrix stored per
     layer; compressed-tensors applies it after loading those weights into its transform modules."""
-    base = (tiny_llama(intermediate=96), CharTokenizer())
+    base = (tiny_llama(intermediate=96), ByteTokenizer())
     cfg = cell(weights="rtn", a_bits=16, k_bits=16, v_bits=16, r4=True, r3="hadamard")
     qm = build_quantized_model(cfg, base=(copy.deepcopy(base[0]), base[1]))
     with torch.no_grad():

@@ -21,7 +21,7 @@ from rope_quant.experiment.config import RunConfig
 from rope_quant.experiment.pipeline import build_quantized_model
 from rope_quant.export import build as ebuild
 from rope_quant.export import fold, hf, outdir
-from tests._support import CharTokenizer, randomise_norms, tiny_gemma3, tiny_llama, tiny_qwen3
+from tests._support import ByteTokenizer, randomise_norms, tiny_gemma3, tiny_llama, tiny_qwen3
 from tests.numerics.export_isolated import hf_logits
 
 REL = 1e-4
@@ -76,18 +76,18 @@ def test_export_computes_the_cell_or_is_refused_with_the_layer(family: str, norm
     if norms == "pair-mixing" and rotates:
         # a pair rotation cannot pass an untied norm weight: refused before the cell is built, layer named
         with pytest.raises(fold.LayoutError, match=r"layer 0: [qk]_norm's weight is not tied"):
-            ebuild.build_export_model(cfg, None, base=(copy.deepcopy(model), CharTokenizer()))
+            ebuild.build_export_model(cfg, None, base=(copy.deepcopy(model), ByteTokenizer()))
         return
-    qm = build_quantized_model(cfg, base=(copy.deepcopy(model), CharTokenizer()))
+    qm = build_quantized_model(cfg, base=(copy.deepcopy(model), ByteTokenizer()))
     with torch.no_grad():
         cell = qm.model(input_ids=ids).logits
         original = model(input_ids=ids).logits
     if family == "qwen3" and r3 in ("pairwise_scaled", "prerope_channel_scale"):
         # the fitted scales differ between KV heads, which share one k_norm weight: refused after the fit
         with pytest.raises(fold.LayoutError, match="layer 0: the k scales differ between heads"):
-            ebuild.build_export_model(cfg, None, base=(copy.deepcopy(model), CharTokenizer()))
+            ebuild.build_export_model(cfg, None, base=(copy.deepcopy(model), ByteTokenizer()))
         return
-    em = ebuild.build_export_model(cfg, None, base=(copy.deepcopy(model), CharTokenizer()))
+    em = ebuild.build_export_model(cfg, None, base=(copy.deepcopy(model), ByteTokenizer()))
     with torch.no_grad():
         exported = em.model(input_ids=ids).logits
     assert _rel(exported, cell) < REL, (family, norms, r3, _rel(exported, cell))
@@ -134,12 +134,12 @@ def test_gemma3_prerope_channel_scale_hf_checkpoint_loads_and_computes_the_cell(
     """The study's best foldable R3 on Gemma 3, written with --format hf and loaded without rope_quant."""
     model = _model("gemma3", "pair-mixing")
     cfg = _cell("prerope_channel_scale")
-    qm = build_quantized_model(cfg, base=(copy.deepcopy(model), CharTokenizer()))
+    qm = build_quantized_model(cfg, base=(copy.deepcopy(model), ByteTokenizer()))
     with torch.no_grad():
         cell = qm.model(input_ids=ids).logits
     out = tmp_path / "hf"
     with outdir.staged(out, overwrite=False) as tmp:
-        em = ebuild.build_export_model(cfg, None, base=(copy.deepcopy(model), CharTokenizer()))
+        em = ebuild.build_export_model(cfg, None, base=(copy.deepcopy(model), ByteTokenizer()))
         hf.write_hf(em, tmp, torch.float32, weights="unquantised", source={"test": True})
     logits, info = hf_logits(out, ids, tmp_path)
     assert info["class"] == "Gemma3ForCausalLM"

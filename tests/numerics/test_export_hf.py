@@ -17,7 +17,7 @@ from rope_quant.export import fold, hf, outdir
 from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
 from tests import _support as support
-from tests._support import CharTokenizer
+from tests._support import ByteTokenizer
 from tests.numerics.export_isolated import hf_logits
 
 REL = 1e-4
@@ -52,7 +52,7 @@ def weights_only(qm) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def base():
-    return tiny_llama(), CharTokenizer()
+    return tiny_llama(), ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_layout_refused_before_the_cell_is_built(monkeypatch) -> None:
     calls: list = []
     monkeypatch.setattr(pipeline, "build_quantized_model", lambda *a, **k: calls.append(1))
     with pytest.raises(fold.LayoutError) as info:
-        ebuild.build_export_model(cell(r1="identity"), None, base=(model, CharTokenizer()))
+        ebuild.build_export_model(cell(r1="identity"), None, base=(model, ByteTokenizer()))
     assert "layer 0: q_norm" in str(info.value) and calls == []
 
 

@@ -214,3 +214,20 @@ def test_a_slurm_submission_from_a_machine_without_a_gpu_plans_against_the_named
         check_memory(args, configs=4, seeds=3)
     monkeypatch.setenv(memory_check.ENV_GPU, "80")
     assert check_memory(args, configs=4, seeds=3) == "none"
+
+
+def test_auto_dtype_picks_float16_on_a_gpu_without_bfloat16_and_says_why(monkeypatch, capsys):
+    """A pre-Ampere GPU (capability < 8.0) has no native bfloat16: ``--dtype auto`` takes float16 with a note."""
+    from rope_quant.model import dtypes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _i=None: "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _i=None: (7, 0))
+    name, note = dtypes.auto_dtype("cuda:0")
+    assert name == "float16" and "V100" in note and "7.0" in note and "--dtype float32" in note
+    assert resolve_dtype("cuda", "auto") == "float16"
+    assert "no native bfloat16" in capsys.readouterr().err
+    assert resolve_dtype("cuda", "bfloat16") == "bfloat16"  # an explicit choice is kept
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert dtypes.auto_dtype("cuda") == ("bfloat16", "") and dtypes.auto_dtype("cpu") == ("float32", "")

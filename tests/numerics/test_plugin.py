@@ -69,6 +69,16 @@ def test_bad_seeds_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
         result.stderr.fnmatch_lines(["*--rq-seeds: *expected comma-separated integers and inclusive ranges*"])
 
 
+def test_replicates_option(pytester: pytest.Pytester) -> None:
+    """``--rq-replicates K``: a whole number >= 0, or a usage error naming the option."""
+    pytester.makepyfile(test_rqplugin_x="def test_x(rq_options):\n    assert rq_options.replicates == 3\n")
+    pytester.runpytest("--rq-replicates=3").assert_outcomes(passed=1)
+    for bad in ("x", "-1", "1.5"):
+        result = pytester.runpytest(f"--rq-replicates={bad}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, bad
+        result.stderr.fnmatch_lines(["*--rq-replicates: expected a whole number >= 0*"])
+
+
 def test_seed_ranges_are_accepted(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_rqplugin_seeds="def test_x(rq_options):\n    assert rq_options.seeds == (0, 1, 2, 5)\n")
     pytester.runpytest("--rq-seeds=0-2,5").assert_outcomes(passed=1)
@@ -293,7 +303,7 @@ def test_this_suites_gpu_tests_are_ours() -> None:
 
 
 VERDICT_TESTS = """
-from rope_quant.core.verdict import Form, decide
+from rope_quant.core.verdict import Form, decide, paired_claim
 
 def test_open(rq_claim, rq_machine):
     rq_machine({"cpu_model": "demo cpu", "threads": 2})
@@ -307,6 +317,12 @@ def test_refuted(rq_claim):
 
 def test_one_seed(rq_claim):
     rq_claim("C3 (demo)", "less", "one seed", verdict=decide(Form.LESS, [-1.0]))
+
+def test_replicated(rq_claim):
+    v = paired_claim(Form.GREATER, [3.0, 3.1, 2.9], [0.0, 0.0, 0.0], replicates={0: (3.1, 0.0), 1: (3.0, 0.0)})
+    rq_claim("C7 (demo)", "greater", "replicated", verdict=v)
+    w = paired_claim(Form.GREATER, [3.0, 3.1, 2.9], [0.0, 0.0, 0.0], replicates="seed 0: OOM")
+    rq_claim("C8 (demo)", "greater", "replicate failed", verdict=w)
 """
 
 
@@ -314,7 +330,7 @@ def test_claims_table_carries_the_decision_rule_and_budget(pytester: pytest.Pyte
     pytester.makepyfile(test_rqplugin_verdicts=VERDICT_TESTS)
     out = pytester.path / "claims"
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--rq-claims-out={out}")
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*budget to decide*", "*C2 (demo)*inconclusive*seeds at today's tokens*"])
     payload = json.loads((out / "claims.json").read_text())
     by = {c["claim"]: c for c in payload["claims"]}
@@ -323,3 +339,10 @@ def test_claims_table_carries_the_decision_rule_and_budget(pytester: pytest.Pyte
     assert "tokens/cell at today's seeds" in by["C2 (demo)"]["budget"]
     assert by["C3 (demo)"]["verdict"] == "inconclusive: needs ≥ 2 seeds for an interval"
     assert payload["machine"] == {"cpu_model": "demo cpu", "threads": 2}
+    from rope_quant.core.verdict import RULE_REPLICATES
+
+    assert payload["schema"] == 2
+    c7 = by["C7 (demo)"]["decision"]
+    assert by["C7 (demo)"]["verdict"] == "holds" and c7["rule"] == RULE_REPLICATES
+    assert c7["float_order"]["k"] == 2 and c7["float_order"]["bias"] == pytest.approx(0.0, abs=1e-12)
+    assert by["C8 (demo)"]["verdict"].startswith("inconclusive: float-order replicate: seed 0: OOM")

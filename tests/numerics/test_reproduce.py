@@ -138,3 +138,23 @@ def test_the_free_fields_of_a_real_run_config() -> None:
     free = sorted(k for k in fields if _free(k))
     assert free == ["quant.w.gptq.float64", "runtime.device", "seed"]
     assert "model" in fields and not _free("model") and not _free("budget.seqlen")
+
+
+def test_claims_jsons_of_the_replicated_rule_and_of_the_legacy_one(tmp_path: Path) -> None:
+    """A schema-2 claims JSON (written by the plugin: each decision's ``rule`` and ``float_order``) reads beside
+    another and beside a legacy one; the header names the rule, and says when the two differ."""
+    from rope_quant.core.verdict import RULE_REPLICATES, Form, paired_claim
+
+    def write(path: Path, shift: float) -> Path:
+        v = paired_claim(Form.LESS, [9.0, 9.2, 8.9], [10.0, 10.1, 10.2], replicates={0: (9.0 + shift, 10.0),
+                                                                                     1: (9.2, 10.1 - shift)})
+        claim = {"claim": "C3", "model": "m", "verdict": v.text(), "decision": v.to_dict()}
+        path.write_text(json.dumps({"schema": 2, "claims": [claim], "machine": {}}))
+        return path
+
+    a, b = write(tmp_path / "a.json", 0.05), write(tmp_path / "b.json", 0.4)
+    text = compare_against(a, b)
+    assert f"- rule: {RULE_REPLICATES}" in text and "k=2: σ" in text and "bias" in text, text
+    legacy = _claims(tmp_path / "old.json", "holds", -1.0, -1.5, -0.5, {})
+    text = compare_against(a, legacy)
+    assert "**different decision rules**" in text and "0.1.x" in text, text

@@ -36,7 +36,8 @@ def test_every_shape_has_every_stage(name):
 def test_the_8b_paper_protocol_fits_an_h100_and_70b_needs_offload(capsys):
     assert _run(["llama-3-8b", "--device", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "GPU-hours" in out and "extrapolated" in out and "| GPTQ |" in out
+    assert "GPU-hours" in out and "| GPTQ |" in out
+    assert "measured on one NVIDIA H100 80GB" in out and "2026-11-27" in out  # the GPU constants' provenance
     assert _run(["llama-3-70b", "--device", "h100"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: stage 'load' needs 131.4 GiB") and "--offload cpu" in err
@@ -87,3 +88,30 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
     assert "cannot read the config" in capsys.readouterr().err
     with pytest.raises(planning.PlanError, match="unknown device 'tpu'"):
         planning.make_plan(planning.model_cost(planning.read_model("llama-2-7b")), "tpu")
+
+
+def test_gpu_plan_prices_layer_windows_and_columns_from_the_h100_measurements():
+    """On a GPU the plan is per layer-window (forward, statistics) and per column (GPTQ), with the H100's
+    measured constants: at the measured setting (Llama-3-8B shape cut to 2 layers, full vocabulary, 128 x 2048
+    calibration, 8 evaluation windows) it returns the measured evaluation (0.235 s per config) and GPTQ
+    (34.2 s), and calibration grows with layers x windows, not with FLOPs alone."""
+    import dataclasses
+
+    from rope_quant.experiment import plan_costs as pc
+
+    mc = planning.model_cost(planning.read_model("llama-3-8b"))
+    two = dataclasses.replace(mc, n_layers=2, params=mc.params - 30 * mc.layer_params)
+    plan = planning.make_plan(two, "h100", protocol=planning.Protocol(configs=2, seeds=1, eval_windows=8))
+    secs = {s.name: s.seconds for s in plan.stages}
+    assert secs["evaluation (per config)"] == pytest.approx(0.235, rel=0.02)
+    assert secs["GPTQ"] == pytest.approx(34.2, rel=0.02)
+    calib = {(layers, windows): planning.make_plan(
+        dataclasses.replace(mc, n_layers=layers), "h100",
+        protocol=planning.Protocol(calib_windows=windows, seeds=1)).stages for layers in (2, 4)
+        for windows in (8, 16)}
+    t = {k: next(s.seconds for s in v if s.name == "calibration") for k, v in calib.items()}
+    per_lw = (t[(4, 16)] - t[(4, 8)] - t[(2, 16)] + t[(2, 8)]) / (2 * 8)
+    fwd = 2 * 2048 * (mc.layer_params + 2048 * mc.hidden) / pc.H100_MEASURED.bf16_flops
+    want = fwd * pc.H100_MEASURED.quant_layer_overhead + pc.H100_MEASURED.stats_s  # the 8B q/k is the reference
+    assert per_lw == pytest.approx(want, rel=1e-6)
+    assert "2026-11-27" in plan.device.basis and plan.device.measured

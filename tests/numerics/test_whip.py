@@ -285,3 +285,57 @@ def test_whip_r1_on_embedded_model_beats_hadamard_on_held_out_text(embedded_mode
     assert _ortho_err(res.rotation) < ORTHO_TOL
     assert lw < lh
     assert tw < th
+
+
+def test_r1_samples_come_from_the_decoder_without_lm_head() -> None:
+    """Whip reads the norms' inputs inside the layers: the collection never computes logits."""
+    model = tiny_llama(96, layers=2)
+    calls = []
+    handle = model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+        samples = whip.collect_r1_samples(model, ids, tokens_per_sample=8)
+        whip.collect_r2_samples(model, ids)
+    finally:
+        handle.remove()
+    assert calls == []
+    assert samples.shape == (2 * 2 * 2, 8, 64)
+
+
+def test_fit_loop_reads_nothing_on_the_host_per_step() -> None:
+    """The batch losses stay on the device until the fit ends: the host syncs do not grow with the steps."""
+    from tests._support.host_syncs import count_host_syncs
+
+    x = _outlier_data(0, n_samples=16, tokens=8, n=16)
+    counts = {}
+    for epochs in (1, 4):
+        with count_host_syncs() as c:
+            res = whip.fit_rotation(x, n=16, seed=0, cfg=WhipConfig(epochs=epochs, batch_size=4))
+        counts[epochs] = sum(c.values())
+        assert len(res.epoch_losses) == epochs and res.n_steps == 4 * epochs
+    assert counts[4] == counts[1], counts  # 12 more steps, not one more sync
+
+
+def test_a_cholesky_failure_noticed_on_the_device_refits_with_householder(monkeypatch) -> None:
+    """No per-step fallback read: a failed CholeskyQR2 step is flagged on the device, and the fit is redone
+    with Householder QR throughout (the same result as asking for Householder)."""
+    fails: list[torch.Tensor] = []
+    singular = torch.zeros(1, 8, 8)
+    singular[0, :, 0] = 1.0  # rank one: AᵀA is not positive definite
+    whip.qr_orthogonal(singular, failures=fails)
+    whip.qr_orthogonal(torch.eye(8)[None], failures=fails)
+    assert [bool(f) for f in fails] == [True, False]
+
+    x = _outlier_data(1, n_samples=8, tokens=8, n=16)
+    want = whip.fit_rotation(x, n=16, seed=0, cfg=WhipConfig(epochs=2, batch_size=4), qr_method="householder")
+    real = whip._cholesky_pass
+    calls = [0]
+
+    def flaky(a: torch.Tensor, checked: bool = True) -> torch.Tensor:
+        calls[0] += 1
+        out = real(a, checked)
+        return out * float("nan") if calls[0] == 3 else out  # the second step's factorisation fails
+
+    monkeypatch.setattr(whip, "_cholesky_pass", flaky)
+    got = whip.fit_rotation(x, n=16, seed=0, cfg=WhipConfig(epochs=2, batch_size=4))
+    assert torch.equal(got.rotation, want.rotation) and got.epoch_losses == want.epoch_losses

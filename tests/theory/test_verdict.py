@@ -1,4 +1,6 @@
-"""The decision rule (rope_quant.core.verdict) and its budget to decide (rope_quant.core.power).
+"""The single-interval form of the decision rule (rope_quant.core.verdict.decide, with an explicit offset: a
+``rope-quant compare`` sign has no replicate, offset 0) and its budget (rope_quant.core.power). The claims'
+replicated rule is in test_verdict_replicates.py.
 
 The power simulation: on synthetic paired data with a known effect, the predicted budget decides 80% ± 5% of
 2000 replicates, for the one-sided and the TOST forms, in seeds and in tokens per cell (variance ∝ 1/tokens).
@@ -20,7 +22,6 @@ from rope_quant.core.verdict import (
     decide_interval,
     deterministic,
     equivalence_margin,
-    numerical_spread,
 )
 
 REPLICATES = 2000
@@ -144,8 +145,6 @@ def test_bad_inputs_are_refused() -> None:
         decide(Form.GREATER, [1.0, 2.0], noise=-1.0)
     with pytest.raises(ValueError, match="finite"):
         decide(Form.GREATER, [1.0, float("nan")])
-    with pytest.raises(ValueError, match="pair up"):
-        numerical_spread([1.0, 2.0], [1.0])
 
 
 def test_combine_all() -> None:
@@ -162,9 +161,7 @@ def test_combine_all() -> None:
     assert both.budget.tokens == max(open_a.budget.tokens or 0, open_b.budget.tokens or 0)
 
 
-def test_numerical_spread_and_margin() -> None:
-    assert numerical_spread(1.0, 1.25) == pytest.approx(0.25)
-    assert numerical_spread([1.0, 2.0], [1.5, 1.0]) == pytest.approx(1.0)
+def test_equivalence_margin() -> None:
     on_scale = equivalence_margin(7.5)
     assert on_scale.value == 0.05 and "paper's ±0.05" in on_scale.basis
     scaled = equivalence_margin(23.0)
@@ -177,14 +174,3 @@ def test_verdict_serialises() -> None:
     assert d["outcome"] == "inconclusive" and d["form"] == "equivalent" and d["budget"]["seeds"] == v.budget.seeds
     assert "seeds at today's tokens" in d["text"] and "tokens/cell at today's seeds" in d["text"]
     assert Budget(None, None, None, "x").text() == "no budget decides: x"
-
-
-def test_paired_claim_takes_its_spread_from_the_replicate() -> None:
-    from rope_quant.core.verdict import paired_claim
-
-    t, c = [11.0, 11.1, 10.9], [10.0, 10.0, 10.0]  # diffs 1.0, 1.1, 0.9
-    tight = paired_claim(Form.GREATER, t, c, replicate=(11.05, 10.0))
-    assert tight.outcome is Outcome.HOLDS and tight.noise == pytest.approx(0.05)
-    moved = paired_claim(Form.GREATER, t, c, replicate=(10.1, 10.0))  # seed 0's diff moved 1.0 -> 0.1
-    assert moved.outcome is Outcome.INCONCLUSIVE and moved.noise == pytest.approx(0.9)
-    assert "no numerical replicate" in paired_claim(Form.GREATER, t, c, replicate=None).text()
