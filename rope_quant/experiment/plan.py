@@ -252,7 +252,7 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     if gpu:
         # per layer-window: the quantised forward (the measured overhead includes R4 and the R3 attention)
         # and the device statistics of q and k (scaled by their size). Memory: the need is one window; the
-        # pipeline batches more into a share of what it finds free (pipeline.calibration_batch), so the
+        # pipeline batches more into a share of what it finds free (calibrate.calibration_batch), so the
         # allocated peak on a large GPU is higher by design, never a reason not to fit.
         costs = pc.gpu_costs(dev.name)
         q_dim = mc.q_dim or mc.hidden

@@ -115,7 +115,7 @@ def estimate_scales(qm: Any, windows: torch.Tensor, scope: StaticScope | str, pr
     The quantisers in scope are off during the pass (their inputs are observed), the others stay dynamic;
     everything is restored afterwards (the model computes what it computed before).
     """
-    from rope_quant.experiment import pipeline
+    from rope_quant.experiment import act_quant
 
     _check(qm)
     scope = StaticScope(scope)
@@ -130,10 +130,10 @@ def estimate_scales(qm: Any, windows: torch.Tensor, scope: StaticScope | str, pr
     try:
         if act_on:
             a = cfg.quant.a
-            pipeline.remove_activation_quantizers(model, qm.act_handles)
+            act_quant.remove_activation_quantizers(model, qm.act_handles)
             qm.act_handles = []
             scales.act = {}
-            for name, mod in pipeline._decoder_linears(model):
+            for name, mod in act_quant.decoder_linears(model):
                 q = StaticChannelQuantizer(mod.in_features, bits=a.bits, clip_ratio=a.clip_ratio,
                                            symmetric=a.symmetric)
                 scales.act[name] = q
@@ -147,13 +147,13 @@ def estimate_scales(qm: Any, windows: torch.Tensor, scope: StaticScope | str, pr
                                          symmetric=cfg.quant.v.symmetric) for _ in states]
 
             def observe_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-                ks[layer].observe(pipeline._heads_last(k))
-                vs[layer].observe(pipeline._heads_last(v))
+                ks[layer].observe(act_quant.heads_last(k))
+                vs[layer].observe(act_quant.heads_last(v))
 
             for s in states:
                 s.k = s.v = QuantConfig()
                 s.observers.append(observe_kv)
-        pipeline._forward_windows(model, windows, f"static {scope.value} scales (L={windows.shape[1]})", progress)
+        act_quant.forward_windows(model, windows, f"static {scope.value} scales (L={windows.shape[1]})", progress)
     finally:
         for h in handles:
             h.remove()
@@ -163,14 +163,14 @@ def estimate_scales(qm: Any, windows: torch.Tensor, scope: StaticScope | str, pr
         for s, (kq, vq) in zip(states, saved_kv, strict=True):
             s.k, s.v = kq, vq
         if act_on:
-            qm.act_handles = pipeline.install_activation_quantizers(model, cfg.quant.a)
+            qm.act_handles = act_quant.install_activation_quantizers(model, cfg.quant.a)
     for q in (scales.act or {}).values():
         q.finalize()
     if kv_on:
         for q in ks + vs:
             q.finalize()
-        scales.k = [pipeline._HeadsQuantizer(q) for q in ks]
-        scales.v = [pipeline._HeadsQuantizer(q) for q in vs]
+        scales.k = [act_quant.HeadsQuantizer(q) for q in ks]
+        scales.v = [act_quant.HeadsQuantizer(q) for q in vs]
     scales.estimate_s = time.perf_counter() - t
     return scales
 
@@ -179,7 +179,7 @@ def estimate_scales(qm: Any, windows: torch.Tensor, scope: StaticScope | str, pr
 def applied(qm: Any, scales: StaticScales | None) -> Iterator[Any]:
     """Within the block, ``qm.model`` quantises with the frozen static quantisers of ``scales`` in their scope
     (the others stay dynamic); on exit the dynamic quantisers are back. ``scales=None``: dynamic throughout."""
-    from rope_quant.experiment import pipeline
+    from rope_quant.experiment import act_quant
 
     if scales is None:
         yield qm
@@ -190,8 +190,8 @@ def applied(qm: Any, scales: StaticScales | None) -> Iterator[Any]:
     swapped = False
     try:
         if scales.act is not None:
-            pipeline.remove_activation_quantizers(model, qm.act_handles)
-            qm.act_handles = pipeline.install_activation_quantizers(model, cfg.quant.a, static=scales.act)
+            act_quant.remove_activation_quantizers(model, qm.act_handles)
+            qm.act_handles = act_quant.install_activation_quantizers(model, cfg.quant.a, static=scales.act)
             swapped = True
         if scales.k is not None and scales.v is not None:
             for s, kq, vq in zip(states, scales.k, scales.v, strict=True):
@@ -201,5 +201,5 @@ def applied(qm: Any, scales: StaticScales | None) -> Iterator[Any]:
         for s, (kq, vq) in zip(states, saved, strict=True):
             s.k_static, s.v_static = kq, vq
         if swapped:
-            pipeline.remove_activation_quantizers(model, qm.act_handles)
-            qm.act_handles = pipeline.install_activation_quantizers(model, cfg.quant.a)
+            act_quant.remove_activation_quantizers(model, qm.act_handles)
+            qm.act_handles = act_quant.install_activation_quantizers(model, cfg.quant.a)

@@ -83,22 +83,6 @@ def _codes(model: nn.Module, cfg: RunConfig, cache_path: Path | None) -> dict[st
     return out
 
 
-def _strip(qm: Any, keep_r4_hook: bool) -> nn.Module:
-    """Remove every rope_quant hook and the custom attention from ``qm.model`` (in place) and return it."""
-    from rope_quant.experiment.pipeline import remove_activation_quantizers
-    from rope_quant.rotations import attention
-
-    model = qm.model
-    remove_activation_quantizers(model, qm.act_handles)
-    qm.act_handles = []
-    attention.uninstall_attention(model)
-    if qm.rotation is not None and not keep_r4_hook:
-        for h in qm.rotation.r4_handles:
-            h.remove()
-        qm.rotation.r4_handles = []
-    return model
-
-
 def drop_loader_quantization(model: Any) -> None:
     """Forget how the source checkpoint was stored (e.g. GGUF): its weights were dequantised at load, and what
     an export saves is described by the export's own config (a GGUF quantizer also blocks ``save_pretrained``)."""
@@ -127,7 +111,7 @@ def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = Non
     if weights == WeightSource.DEQUANTISED and cfg.quant.w.mode == WeightMode.NONE:
         raise ExportError("--weights dequantised needs a cell with quantised weights (this one has weights=none)")
     if base is None:
-        base = pipeline._load(cfg, None)
+        base = pipeline.load_base(cfg, None)
     model0, tokenizer = base
     notes: list[str] = []
     if corpus is None:
@@ -147,10 +131,10 @@ def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = Non
     r4_online = bool(cfg.rotation.r4) and keep_r4_hook
     if weights == WeightSource.DEQUANTISED:
         codes = _codes(qm.model, cfg, wpath)
-        model = _strip(qm, keep_r4_hook)
+        model = qm.strip_hooks(keep_r4_hook)
     else:
         codes = {}
-        _strip(qm, keep_r4_hook=False)
+        qm.strip_hooks(keep_r4_hook=False)
         model = copy.deepcopy(model0).to(cfg.runtime.device, cfg.runtime.dtype.torch).eval()
         kwargs: dict[str, Any] = {}
         rot = qm.rotation

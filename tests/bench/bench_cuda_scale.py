@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                         seqlen=args.seqlen, calib_windows=args.calib_windows, eval_windows=args.eval_windows,
                         whip_epochs=args.whip_epochs, device=args.device, dtype=dtype_name, r3=configs[0])
             cfg = RunConfig.from_flat(**flat)
-            real_stage, real_load = pipeline.stage, pipeline._load
+            real_stage, real_load = pipeline.stage, pipeline.load_base
 
             @contextlib.contextmanager
             def timed_stage(name: StageName) -> Iterator[None]:
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                     yield
 
             pipeline.stage = timed_stage  # type: ignore[assignment]
-            pipeline._load = lambda *_a, **_k: (model, tok)  # type: ignore[assignment]
+            pipeline.load_base = lambda *_a, **_k: (model, tok)  # type: ignore[assignment]
             try:
                 qm = pipeline.build_quantized_model(cfg, base=(model, tok), corpus=corpus, offload="none")
                 eval_rows = []
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                     finally:
                         gptq._quantize_layer = real_layer  # type: ignore[assignment]
             finally:
-                pipeline.stage, pipeline._load = real_stage, real_load  # type: ignore[assignment]
+                pipeline.stage, pipeline.load_base = real_stage, real_load  # type: ignore[assignment]
         except BudgetExceeded as exc:
             rec.rows[-1].note = (rec.rows[-1].note + f"; STOPPED: {exc}").lstrip("; ")
         except StageOutOfMemoryError as exc:

@@ -26,7 +26,7 @@ def _best(f: Callable[[], Any], n: int = 3) -> float:
 
 
 def main() -> None:
-    from rope_quant.experiment import pipeline
+    from rope_quant.experiment import base_model
     from rope_quant.model import working_copy
     from rope_quant.model.loading import load_model
 
@@ -41,7 +41,7 @@ def main() -> None:
 
     def hit() -> tuple[Any, list[str]]:
         model = working_copy.skeleton(base, "cpu", torch.float32)
-        names = pipeline._eager_names(model)
+        names = base_model.eager_names(model)
         working_copy.fill(model, base, names)
         return model, names
 

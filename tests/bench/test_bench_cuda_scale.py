@@ -46,7 +46,7 @@ def test_a_stage_out_of_memory_is_reported_by_name_not_raised():
         "from rope_quant.experiment import pipeline\n"
         "def oom(*a, **k):\n"
         "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB')\n"
-        "pipeline._calibrate = oom\n"
+        "pipeline.calibrate = oom\n"
         f"sys.argv = [{str(BENCH)!r}, *{SMOKE!r}]\n"
         f"runpy.run_path({str(BENCH)!r}, run_name='__main__')\n"
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rope_quant.calib.moments import CalibrationStats
-from rope_quant.experiment import pipeline, plan_costs
+from rope_quant.experiment import act_quant, calibrate, pipeline, plan_costs
 from rope_quant.model import offload
 from rope_quant.rotations import attention
 from tests._support import ByteTokenizer, tiny_llama
@@ -22,7 +22,7 @@ def _stats(model: torch.nn.Module, windows: torch.Tensor, batch: int) -> Calibra
     stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim, topk=8,
                              sample_rows=40, sample_seed=3)
     with attention.calibration_hooks(model, stats):
-        pipeline._forward_windows(model, windows, "calibration", False, batch=batch)
+        act_quant.forward_windows(model, windows, "calibration", False, batch=batch)
     stats.finalize()
     return stats
 
@@ -48,19 +48,19 @@ def test_windows_per_forward_do_not_change_the_statistics() -> None:
 
 def test_calibration_batch_is_one_on_the_cpu_and_fills_a_share_of_free_gpu_memory(monkeypatch) -> None:
     model = tiny_llama(96, layers=2)
-    assert pipeline.calibration_batch(model, 128, 2048) == 1
+    assert calibrate.calibration_batch(model, 128, 2048) == 1
     monkeypatch.setattr(offload, "compute_device", lambda _m: torch.device("cuda"))
     free = [0]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _d=None: (free[0], 80 << 30))
     cfg = model.config
     per_window = 2048 * (4 * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) + 8 * 6 * (4 + 2) * 16)
     free[0] = int(3.5 * per_window / plan_costs.CALIB_MEMORY_FRACTION)
-    assert pipeline.calibration_batch(model, 128, 2048) == 3
+    assert calibrate.calibration_batch(model, 128, 2048) == 3
     free[0] = 0  # nothing free: still one window per forward (an OOM is then the stage's to report)
-    assert pipeline.calibration_batch(model, 128, 2048) == 1
+    assert calibrate.calibration_batch(model, 128, 2048) == 1
     free[0] = 1 << 50
-    assert pipeline.calibration_batch(model, 128, 2048) == plan_costs.CALIB_MAX_BATCH
-    assert pipeline.calibration_batch(model, 5, 2048) == 5
+    assert calibrate.calibration_batch(model, 128, 2048) == plan_costs.CALIB_MAX_BATCH
+    assert calibrate.calibration_batch(model, 5, 2048) == 5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU case is tested above)")
@@ -85,7 +85,7 @@ def test_the_pipeline_calibrates_a_batch_of_windows_like_one_at_a_time(monkeypat
                               k_bits=4, v_bits=4, seqlen=64, calib_windows=4, eval_windows=2)
     out = {}
     for batch in (1, 2):
-        monkeypatch.setattr(pipeline, "calibration_batch", lambda *_a, _b=batch: _b)
+        monkeypatch.setattr(calibrate, "calibration_batch", lambda *_a, _b=batch: _b)
         qm = pipeline.build_quantized_model(cfg, base=(copy.deepcopy(model), ByteTokenizer()))
         out[batch] = qm.stats
     a, b = out[1].moments.to_arrays(), out[2].moments.to_arrays()

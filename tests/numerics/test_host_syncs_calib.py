@@ -30,7 +30,7 @@ from tests._support.host_syncs import count_host_syncs, marginal
 def _calibration_syncs(layers: int, windows: int, a_bits: int, monkeypatch: pytest.MonkeyPatch) -> int:
     """Host syncs counted inside the calibration pass (step 5) of one build."""
     counted: list[int] = []
-    real = pipeline._calibrate
+    real = pipeline.calibrate
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         with count_host_syncs() as counts:
@@ -38,7 +38,7 @@ def _calibration_syncs(layers: int, windows: int, a_bits: int, monkeypatch: pyte
         counted.append(sum(counts.values()))
         return out
 
-    monkeypatch.setattr(pipeline, "_calibrate", counting)
+    monkeypatch.setattr(pipeline, "calibrate", counting)
     model = tiny_llama(256, layers=layers, tied=True)
     cfg = RunConfig.from_flat(model="tiny", corpus="pydoc", seed=0, r3="hadamard", weights="rtn", a_bits=a_bits,
                               k_bits=4, v_bits=4, seqlen=64, calib_windows=windows, eval_windows=2)

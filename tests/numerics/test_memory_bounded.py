@@ -64,7 +64,7 @@ def test_dtype_help_names_the_auto_rule(capsys) -> None:
 
 
 def _old_load(cfg, base, partial=False, stream=False):
-    """The earlier ``pipeline._load``: a deep copy of the base per cell (the reference for bit-identity)."""
+    """The earlier ``pipeline.load_base``: a deep copy of the base per cell (the reference for bit-identity)."""
     model = copy.deepcopy(base[0]).to(device=cfg.runtime.device, dtype=cfg.runtime.dtype.torch)
     return model.eval(), base[1]
 
@@ -88,7 +88,7 @@ def test_cells_need_no_model_deepcopy_and_match_the_old_path_bit_for_bit(embedde
     new = [pipeline.run_cell(c, cache_dir=tmp_path / "new", base=base, corpus=corpus) for c in cfgs]
     assert module_copies == []  # no deepcopy of the model, neither per cell nor per seed
     assert [r["weight_cache_hit"] for r in new] == [False, True, True, False, True, True]
-    monkeypatch.setattr(pipeline, "_load", _old_load)
+    monkeypatch.setattr(pipeline, "load_base", _old_load)
     old = [pipeline.run_cell(c, cache_dir=tmp_path / "old", base=base, corpus=corpus) for c in cfgs]
     assert len(module_copies) == len(cfgs)  # the old path copies the whole model once per cell
     for a, b in zip(new, old, strict=True):

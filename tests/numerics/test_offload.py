@@ -76,7 +76,7 @@ def test_the_pipeline_streams_whip_gptq_calibration_and_evaluation_with_equal_re
         return streamers[-1]
 
     monkeypatch.setattr(offload, "enable", recording)
-    monkeypatch.setattr(pipeline, "_streams", lambda cfg, mode: True)  # stream on the CPU: the same hook path
+    monkeypatch.setattr(pipeline, "streams", lambda cfg, mode: True)  # stream on the CPU: the same hook path
     streamed = pipeline.run_cell(cfg, base=base, corpus=corpus)
     assert len(streamers) == 1 and streamers[0].max_resident == 1
     assert streamed["ppl"] == plain["ppl"] and streamed["window_nll"] == plain["window_nll"]
@@ -93,12 +93,12 @@ def test_the_pipeline_streams_whip_gptq_calibration_and_evaluation_with_equal_re
 
 def test_offload_on_the_cpu_is_a_validated_no_op():
     cfg = RunConfig.from_flat(**TINY)
-    assert pipeline._streams(cfg, "cpu") is False and pipeline._streams(cfg, "none") is False
-    assert pipeline._streams(cfg.override(device="cuda"), "cpu") is True
+    assert pipeline.streams(cfg, "cpu") is False and pipeline.streams(cfg, "none") is False
+    assert pipeline.streams(cfg.override(device="cuda"), "cpu") is True
     with pytest.raises(ValueError):
-        pipeline._streams(cfg, "disk")
+        pipeline.streams(cfg, "disk")
     with pytest.raises(pipeline.PipelineError, match="resolved"):
-        pipeline._streams(cfg, "auto")
+        pipeline.streams(cfg, "auto")
     with offload.set_default_mode("cpu"):
         assert offload.default_mode() == offload.OffloadMode.CPU
         assert os.environ[offload.ENV_OFFLOAD] == "cpu"  # inherited by Slurm / submitit workers

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from rope_quant.core import rope
-from rope_quant.experiment import data, evaluate, pipeline
+from rope_quant.experiment import act_quant, data, evaluate, pipeline
 from rope_quant.experiment.pipeline import GPTQConfig, PipelineError, RunConfig, build_quantized_model, run_cell
 from rope_quant.quant import gptq
 from rope_quant.quant.quantizers import QuantConfig, fake_quant_per_token
@@ -125,7 +125,7 @@ def test_shared_inputs_are_quantised_once_with_bit_identical_outputs(embedded_mo
     pipeline.remove_activation_quantizers(model, handles)
 
     each = [m.register_forward_pre_hook(lambda _m, a: (real(a[0], spec),) + tuple(a[1:]))
-            for _, m in pipeline._decoder_linears(model)]
+            for _, m in act_quant.decoder_linears(model)]
     with torch.no_grad():
         per_linear = model(ids).logits
     for h in each:

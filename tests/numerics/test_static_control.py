@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rope_quant import cli
-from rope_quant.experiment import pipeline, static_control
+from rope_quant.experiment import act_quant, pipeline, static_control
 from rope_quant.experiment.config import PipelineError, StaticScope
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 from rope_quant.experiment.static_control import StaticProtocol, StaticWindowsError
@@ -67,7 +67,7 @@ def test_source_is_the_evaluation_stream_unless_calibration_split(qm) -> None:
 def _reference_act_ranges(qm, windows: torch.Tensor, names: list[str]) -> dict[str, tuple]:
     """Per-channel min/max over every token of each linear's input, with the activation quantisers removed
     and K/V dynamic (what the act-scope estimation pass sees), computed independently."""
-    mods = dict(pipeline._decoder_linears(qm.model))
+    mods = dict(act_quant.decoder_linears(qm.model))
     pipeline.remove_activation_quantizers(qm.model, qm.act_handles)
     seen: dict[str, list] = {n: [] for n in names}
     hooks = [mods[n].register_forward_pre_hook(lambda m, a, _n=n: seen[_n].append(a[0].detach().clone()))
@@ -91,7 +91,7 @@ def test_act_scales_are_per_channel_min_max_across_tokens_of_the_windows(qm) -> 
     scales = static_control.estimate_scales(qm, windows, "act")
     names = ["layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "layers.1.self_attn.o_proj"]
     ref = _reference_act_ranges(qm, windows, names)
-    mods = dict(pipeline._decoder_linears(qm.model))
+    mods = dict(act_quant.decoder_linears(qm.model))
     assert set(scales.act) == set(mods) and scales.k is None and scales.v is None
     for n in names:
         q = scales.act[n]
@@ -116,7 +116,7 @@ def test_kv_scales_are_per_channel_over_post_r3_keys(qm) -> None:
 
     for s in states:
         s.k = s.v = QuantConfig()
-        s.observers.append(lambda layer, k, v: seen.append((layer, pipeline._heads_last(k).reshape(-1, width))))
+        s.observers.append(lambda layer, k, v: seen.append((layer, act_quant.heads_last(k).reshape(-1, width))))
     try:
         for row in windows:
             _logits(qm, row.unsqueeze(0))
