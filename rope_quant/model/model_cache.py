@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rope_quant.io import cache_log
 from rope_quant.io import cache_root as io_cache_root
 
 __all__ = [
@@ -194,7 +195,9 @@ def load_cached_state(model: SplitGGUF, gguf: Path, read_gguf: Callable[[], tupl
             tok = AutoTokenizer.from_pretrained(state)
             net = AutoModelForCausalLM.from_pretrained(state, **dtype_kwarg)
             return net, tok
-        except Exception:  # noqa: BLE001 - an unreadable cache is rebuilt from the GGUF
+        except Exception as exc:  # noqa: BLE001 - an unreadable cache is rebuilt from the GGUF
+            cache_log.warning("ignoring unreadable model cache %s (%s: %s); rebuilding it from the GGUF", state,
+                              type(exc).__name__, exc)
             shutil.rmtree(state, ignore_errors=True)
     net, tok = read_gguf()
     state.parent.mkdir(parents=True, exist_ok=True)
