@@ -86,11 +86,11 @@ def setup_from(cells: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str
     """
     runs = [_run_dict(c.get("config") or {}) for c in cells]
     lengths = [tuple(c["config"]["lengths"]) for c in cells if isinstance((c.get("config") or {}).get("lengths"), list)]
-    for key in ("static", "niah"):
-        lengths += [tuple(c["config"][key]["lengths"]) for c in cells
-                    if isinstance((c.get("config") or {}).get(key), Mapping)]
-    probes = [c["config"]["niah"].get("probes") for c in cells
-              if isinstance((c.get("config") or {}).get("niah"), Mapping)]
+    # a wrapping kind's own settings sit beside "run" under its tag (static, NIAH, a plug-in's): whatever lengths
+    # or probes a kind declares there, the title shows, without naming the kind
+    own = [v for c in cells for k, v in (c.get("config") or {}).items() if k != "run" and isinstance(v, Mapping)]
+    lengths += [tuple(v["lengths"]) for v in own if isinstance(v.get("lengths"), list)]
+    probes = [v.get("probes") for v in own if v.get("probes") is not None]
     length_text = ",".join(str(v) for v in sorted({v for ls in lengths for v in ls}))
     if length_text and "," in length_text:
         length_text = "{" + length_text + "}"
