@@ -29,9 +29,10 @@ from rope_quant.analysis.titles import Setup
 from rope_quant.core.verdict import LEVEL
 from rope_quant.io import atomic_writer
 
-COMPARE_KINDS = ("compare", "beyond")
-LONG_CONTEXT_KIND = "long-context"
-LM_EVAL_KIND = "lm-eval"
+#: The studies (``summary["kind"]``, the manifest's study) each figure draws; not cell kinds.
+COMPARE_STUDIES = ("compare", "beyond")
+LONG_CONTEXT_STUDY = "long-context"
+LM_EVAL_STUDY = "lm-eval"
 #: Headline metric of an lm-eval task, first found.
 HEADLINE_METRICS = ("acc", "acc_norm", "exact_match", "word_perplexity", "bits_per_byte")
 _SEED_MARKERS = "os^Dv<>p*h"
@@ -396,15 +397,15 @@ def plot_beyond(table: Any, path: str | os.PathLike[str], setup: Setup | None = 
 
 def write_figures(summary: Mapping[str, Any], directory: str | os.PathLike[str],
                   setup: Setup | None = None) -> list[Path]:
-    """The figure of the summary's job kind under ``directory`` (none when it has no data); ``setup`` titles it
+    """The figure of the summary's study under ``directory`` (none when it has no data); ``setup`` titles it
     (:func:`rope_quant.analysis.titles.describe`)."""
     directory = Path(directory)
-    kind = summary.get("kind")
+    study = summary.get("kind")  # summary.json keeps the manifest's study under its earlier key
     out: list[Path] = []
-    if kind in COMPARE_KINDS and summary.get("configs"):
+    if study in COMPARE_STUDIES and summary.get("configs"):
         out.append(plot_compare(summary, directory / "compare.png", setup))
-    if kind == LONG_CONTEXT_KIND and (summary.get("long_context") or {}).get("configs"):
+    if study == LONG_CONTEXT_STUDY and (summary.get("long_context") or {}).get("configs"):
         out.append(plot_long_context(summary, directory / "long-context.png", setup))
-    if kind == LM_EVAL_KIND and (summary.get("lm_eval") or {}).get("configs"):
+    if study == LM_EVAL_STUDY and (summary.get("lm_eval") or {}).get("configs"):
         out.append(plot_lm_eval(summary, directory / "lm-eval.png", setup))
     return out
