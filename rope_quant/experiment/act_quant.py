@@ -111,7 +111,7 @@ def forward_windows(model: nn.Module, windows: torch.Tensor, desc: str, progress
 
 
 def static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, progress: bool,
-                       saved: dict | None = None) -> dict:
+                      saved: dict | None = None) -> dict:
     """One static per-channel activation quantiser per decoder linear (App. A.6, D).
 
     Calibrated on the rotated full-precision model over the calibration windows (running per-channel
@@ -147,7 +147,7 @@ def static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, pro
 
 
 def kv_static_quantizers(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry,
-                          calib: torch.Tensor, progress: bool) -> tuple[list, list]:
+                         calib: torch.Tensor, progress: bool) -> tuple[list, list]:
     """Calibrate per-layer static per-channel K and V quantisers on post-R3 keys / values (App. A.6, D)."""
     from rope_quant.quant.quantizers import StaticChannelQuantizer
 

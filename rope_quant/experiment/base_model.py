@@ -20,12 +20,12 @@ __all__ = ["load_base", "streams", "eager_names", "complete_copy"]
 
 
 def load_base(cfg: RunConfig, base: tuple[nn.Module, Any] | None, partial: bool = False,
-          stream: bool = False) -> tuple[nn.Module, Any]:
+              stream: bool = False) -> tuple[nn.Module, Any]:
     """The cell's model: loaded from ``cfg.model``, or a working copy of ``base`` (never written).
 
     The copy is rebuilt from the base's config (:mod:`rope_quant.model.working_copy`, no ``deepcopy``); with
-    ``partial`` only the parameters a weight-cache hit reads are copied (:func:`eager_names`), and the
-    caller completes it with :func:`complete_copy` on a miss. With ``stream`` the weights stay in host RAM and each
+    ``partial`` only the parameters a weight-cache hit reads are copied (:func:`eager_names`), and the caller
+    completes it with :func:`complete_copy` on a miss. With ``stream`` the weights stay in host RAM and each
     decoder layer visits ``cfg.runtime.device`` only for its forward (:mod:`rope_quant.model.offload`)."""
     device, dtype = ("cpu" if stream else cfg.runtime.device), cfg.runtime.dtype.torch
     if base is not None:

@@ -39,7 +39,7 @@ def rope_frequencies(model: nn.Module, head_dim: int) -> tuple[np.ndarray, str]:
 
 
 def build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray,
-                      stats: Any = None, model: nn.Module | None = None) -> list[Any]:
+                     stats: Any = None, model: nn.Module | None = None) -> list[Any]:
     from rope_quant.core import transforms
 
     r3 = cfg.online
@@ -63,7 +63,7 @@ def build_transforms(cfg: RunConfig, geom: attention.AttentionGeometry, angles: 
 
 
 def fit_transform_params(cfg: RunConfig, geom: attention.AttentionGeometry, angles: np.ndarray, stats: Any,
-                          model: nn.Module | None) -> list[dict[str, Any]]:
+                         model: nn.Module | None) -> list[dict[str, Any]]:
     """Step 8 for a fitted R3: per-layer parameters from the K sample (:mod:`rope_quant.calib.foldable`)."""
     from rope_quant.calib.foldable import fit_for
     from rope_quant.calib.objectives import resolve_layer_inv_freq
