@@ -99,8 +99,9 @@ class GPTQConfig:
     execution order groups. ``grid``/``max_shrink``: the MSE search grid ``1, 1 - 1/grid, ...,
     1 - max_shrink``. ``norm``: the exponent p of the search's error ``sum |w - q|^p``; ``objective``:
     the weights' own error or GPTQ's diagonal proxy (:class:`ScaleObjective`). ``full_range``: the unclipped
-    scale is ``max|w| / (2^(b-1) - 1/2)`` instead of ``max|w| / (2^(b-1) - 1)``, so the lowest code
-    ``-2^(b-1)`` is used too (a weight at ``+max|w|`` rounds to ``2^(b-1) - 1``, half a step short). Fields
+    scale is ``max|w| / (2^(b-1) - 1/2)`` instead of ``max|w| / (2^(b-1) - 1)``: the grid's 2^b codes span
+    the row (``+max|w|`` half a step above ``2^(b-1) - 1``, ``-max|w|`` at the tie with ``-2^(b-1)``), a step
+    1 - 1/(2^b - 1) as wide (llm-compressor's symmetric scale). Fields
     marked ``rtn`` in their metadata also shape the RTN baseline's scales (:func:`rtn_quantize`); the others
     matter to GPTQ only.
     """

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
     r.add_argument("--settings", nargs="+", default=["smollm2:none:4:-1"],
-                   help="model:rotation:bits:group, model in %s, rotation none|rh" % sorted(MODELS))
+                   help=f"model:rotation:bits:group, model in {sorted(MODELS)}, rotation none|rh")
     r.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     r.add_argument("--candidates", nargs="+", default=["default", "llmc", "proxy"], choices=sorted(CANDIDATES))
     r.add_argument("--calib", type=int, default=16)
