@@ -4,7 +4,8 @@ Every cell is weights-only GPTQ (A16, KV16: no activation or K/V quantiser, no R
 ``--calib`` × 512 ``pydoc`` calibration windows drawn with the seed, ``--eval`` × 512 evaluation windows, fp32,
 the project's loader. A *setting* is (model, rotation, bits, group size); within a setting and a seed every
 candidate sees the same calibration windows and the same rotated model (paired design), so the paired
-difference ``ppl(candidate) - ppl(default)`` over the seeds gets a Student-t 90% interval.
+difference ``ppl(candidate) - ppl(default)`` (``default``: the search of 0.1.0, :data:`REFERENCE`) over the
+seeds gets a Student-t 90% interval.
 
 Rotations: ``none`` (R1 = R2 = identity, no R4) and ``rh`` (seeded random Hadamards: R1, R2 and the online R4
 where the architecture allows them; Gemma 3 refuses R1, so its ``rh`` is R2 + R4).
@@ -42,9 +43,13 @@ import torch  # noqa: E402
 from rope_quant.io import atomic_write_json  # noqa: E402
 from rope_quant.quant.gptq import GPTQConfig, ScaleObjective  # noqa: E402
 
-#: The candidates: GPTQConfig fields over the shared protocol (act_order, percdamp 0.01, per channel or g128).
+#: The reference every candidate is paired with: the scale search of 0.1.0 (the weights' own L2 error, ratios
+#: 1 .. 0.2, max|w|/7), spelled out so that a change of GPTQConfig's defaults never changes what it measures.
+REFERENCE: dict[str, Any] = {"mse": True, "grid": 100, "max_shrink": 0.8, "norm": 2.0,
+                             "objective": ScaleObjective.WEIGHT, "full_range": False}
+#: The candidates: changes to the reference (act_order, percdamp 0.01, per channel or g128 in every cell).
 CANDIDATES: dict[str, dict[str, Any]] = {
-    "default": {},                                                     # today: L2, shrink down to 0.2, max/7
+    "default": {},                                                     # the reference itself
     "off": {"mse": False},                                             # no search: max|w|/7
     "p2.4": {"norm": 2.4},
     "shrink0.8": {"max_shrink": 0.2},                                  # ratios 1 .. 0.8
@@ -60,7 +65,7 @@ SEQLEN = 512
 
 def gptq_config(candidate: str, group_size: int) -> GPTQConfig:
     """The candidate's GPTQConfig at the protocol's settings."""
-    return GPTQConfig(percdamp=0.01, act_order=True, group_size=group_size, **CANDIDATES[candidate])
+    return GPTQConfig(percdamp=0.01, act_order=True, group_size=group_size, **{**REFERENCE, **CANDIDATES[candidate]})
 
 
 def _rotate(base: torch.nn.Module, model_key: str, rotation: str, seed: int) -> torch.nn.Module:
