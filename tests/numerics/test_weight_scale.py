@@ -182,8 +182,9 @@ def test_weight_keys_follow_every_search_option():
     """A stale weight cache is never reused: each option changes the GPTQ weight key; RTN's key follows the
     options that shape RTN's scales and ignores the Hessian objective (RTN has none)."""
     gp, rtn = RunConfig(), RunConfig().override(weights="rtn")
+    other_objective = next(o for o in ScaleObjective if o != GPTQConfig().objective)
     for opts, shapes_rtn in (({"norm": 2.4}, True), ({"full_range": True}, True), ({"max_shrink": 0.2}, True),
-                             ({"objective": "hessian_diag"}, False)):
+                             ({"objective": other_objective.value}, False)):
         changed = GPTQConfig(**opts)
         assert gp.override(gptq=changed).weight_key() != gp.weight_key(), opts
         assert gp.override(gptq=changed).key() != gp.key(), opts
