@@ -12,8 +12,10 @@ columns, using the inverse of the layer Hessian ``H = 2 X X^T / n`` (the Hessian
    block's errors update all later columns in one matmul (lazy batch update).
 
 The quantiser is symmetric INT-b per output channel (or per group of ``group_size`` input columns), with
-an optional MSE clip search: for every output channel (group) the clip ratio minimising ``||w - q(w)||^2``
-over a grid is used (QuaRot/DartQuant ``w_clip``).
+an optional clip search: for every output channel (group) the clip ratio over a grid minimising GPTQ's proxy
+loss with the Hessian's diagonal, ``sum_j H_jj (w_j - q_j)^2`` (the default, :class:`ScaleObjective`), or the
+weights' own error ``||w - q(w)||^2`` (QuaRot/DartQuant ``w_clip``). Without rotations the weights' own error
+clips outlier weights that the layer's inputs need (docs/protocol.md, "The weight scale search").
 
 :func:`quantize_model_gptq` runs GPTQ layer by layer through a decoder: the inputs of layer 0 are captured
 by a pre-hook that stops the forward, and every quantised layer is run to produce the next layer's inputs.
@@ -115,7 +117,7 @@ class GPTQConfig:
     grid: int = field(default=100, metadata={"rtn": True})
     max_shrink: float = field(default=0.8, metadata={"rtn": True})
     norm: float = field(default=2.0, metadata={"rtn": True})
-    objective: ScaleObjective = ScaleObjective.WEIGHT
+    objective: ScaleObjective = ScaleObjective.HESSIAN_DIAG
     full_range: bool = field(default=False, metadata={"rtn": True})
     #: Hessians and the column loop in float64 (a robustness probe of GPTQ's floating-point order, issue 11 §0).
     float64: bool = False
