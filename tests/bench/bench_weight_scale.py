@@ -155,9 +155,11 @@ def _t_interval(diffs: list[float], level: float = 0.90) -> tuple[float, float, 
 
 
 def report(args: argparse.Namespace) -> None:
-    """Markdown table: per setting and candidate, the mean perplexity and the paired difference to ``default``."""
-    doc = json.loads(Path(args.out).read_text())
-    cells = doc["cells"].values()
+    """Markdown table: per setting and candidate, the mean perplexity and the paired difference to ``default``
+    (cells of several result files merged, e.g. from runs in parallel processes, each with its own file)."""
+    docs = [json.loads(Path(o).read_text()) for o in args.out]
+    doc = {"meta": docs[-1].get("meta", {}), "cells": {k: v for d in docs for k, v in d["cells"].items()}}
+    cells = list(doc["cells"].values())
     settings = list(dict.fromkeys(c["setting"] for c in cells))
     print(f"meta: {json.dumps(doc.get('meta', {}))}")
     print("| setting | candidate | seeds | mean ppl | Δ vs default (90% t interval) |")
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--eval", type=int, default=12)
     r.add_argument("--threads", type=int, default=1)
     p = sub.add_parser("report")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, nargs="+", help="one or more result files (cells merged)")
     args = parser.parse_args(argv)
     for s in getattr(args, "settings", []):
         parts = s.split(":")
