@@ -175,7 +175,7 @@ def report(args: argparse.Namespace) -> None:
                 delta = "–"
             else:
                 m, lo, hi = _t_interval([mine[k] - ref[k] for k in seeds])
-                delta = f"{m:+.3f} ({lo:+.3f}, {hi:+.3f})"
+                delta = f"{m:+.3f} ({lo:+.3f}, {hi:+.3f})" if len(seeds) > 1 else f"{m:+.3f} (one seed)"
             per = ", ".join(f"{mine[k]:.2f}" for k in sorted(mine))
             print(f"| {s} | {cand} | {len(mine)} | {mean_ppl:.3f} ({per}) | {delta} |")
 
