@@ -81,7 +81,7 @@ __all__ = [
 #: Version of the key scheme, carried by every key (``v4-…``). 1 hashed every flat field; 2 hashed the
 #: non-default fields; 3: the paper's rotations became the default (R1 whip, R2 random_hadamard), the
 #: random Hadamard became QuaRot's diag(s)·H, and φ̂/φ* became the ``angle`` rule. 4: GPTQ's scale search
-#: minimises the Hessian-diagonal proxy by default (``GPTQConfig.objective``).
+#: minimises the Hessian-diagonal proxy by default where R1 is identity (``GPTQConfig.objective="auto"``).
 KEY_VERSION = 4
 #: Format of the on-disk weight cache (part of the weight key).
 WEIGHT_CACHE_FORMAT = 1

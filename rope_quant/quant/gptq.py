@@ -13,9 +13,10 @@ columns, using the inverse of the layer Hessian ``H = 2 X X^T / n`` (the Hessian
 
 The quantiser is symmetric INT-b per output channel (or per group of ``group_size`` input columns), with
 an optional clip search: for every output channel (group) the clip ratio over a grid minimising GPTQ's proxy
-loss with the Hessian's diagonal, ``sum_j H_jj (w_j - q_j)^2`` (the default, :class:`ScaleObjective`), or the
-weights' own error ``||w - q(w)||^2`` (QuaRot/DartQuant ``w_clip``). Without rotations the weights' own error
-clips outlier weights that the layer's inputs need (docs/protocol.md, "The weight scale search").
+loss with the Hessian's diagonal, ``sum_j H_jj (w_j - q_j)^2``, or the weights' own error ``||w - q(w)||^2``
+(QuaRot/DartQuant ``w_clip``); by default the first without R1, the second with it (:class:`ScaleObjective`).
+Without rotations the weights' own error clips outlier weights that the layer's inputs need
+(docs/protocol.md, "The weight scale search").
 
 :func:`quantize_model_gptq` runs GPTQ layer by layer through a decoder: the inputs of layer 0 are captured
 by a pre-hook that stops the forward, and every quantised layer is run to produce the next layer's inputs.
@@ -30,6 +31,7 @@ GPTQ: they depend on the R3 choice, which must not influence the weights (paired
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "GPTQConfig",
     "ScaleObjective",
+    "resolve_objective",
     "GPTQError",
     "HessianAccumulator",
     "LayerGroups",
@@ -83,12 +86,16 @@ class ScaleObjective(StrEnum):
     ``weight``: the weights' own error ``sum_j |w_j - q_j|^p``. ``hessian_diag``: GPTQ's proxy loss
     ``(w - q) H (w - q)^T`` (Frantar et al. 2022, Eq. 1-2) with ``H`` replaced by its diagonal,
     ``sum_j H_jj |w_j - q_j|^p``: the exact per-row proxy costs one (in x in) product per candidate ratio
-    (81 ratios x every linear), the diagonal one the same as ``weight``. RTN has no Hessian and always uses
-    ``weight``.
+    (81 ratios x every linear), the diagonal one the same as ``weight``. ``auto`` (the default):
+    ``weight`` on a model whose residual stream is rotated (R1 applied, ``model.rq_rotation.r1`` not
+    ``identity``), ``hessian_diag`` otherwise, and for a bare matrix (:func:`gptq_quantize`). Measured
+    (docs/protocol.md): the proxy wins by 4.8 perplexity without rotations and loses up to 0.6 at 3 bits with
+    them. RTN has no Hessian and always uses ``weight``.
     """
 
     WEIGHT = "weight"
     HESSIAN_DIAG = "hessian_diag"
+    AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,7 @@ class GPTQConfig:
     grid: int = field(default=100, metadata={"rtn": True})
     max_shrink: float = field(default=0.8, metadata={"rtn": True})
     norm: float = field(default=2.0, metadata={"rtn": True})
-    objective: ScaleObjective = ScaleObjective.HESSIAN_DIAG
+    objective: ScaleObjective = ScaleObjective.AUTO
     full_range: bool = field(default=False, metadata={"rtn": True})
     #: Hessians and the column loop in float64 (a robustness probe of GPTQ's floating-point order, issue 11 §0).
     float64: bool = False
@@ -390,7 +397,7 @@ def _gptq(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
     gs = in_f if cfg.group_size == -1 else cfg.group_size
     n_groups = math.ceil(in_f / gs)
     # The search's per-column weights: GPTQ's proxy loss with H's diagonal (ScaleObjective), or none.
-    hdiag = torch.diag(H).float() if cfg.objective == ScaleObjective.HESSIAN_DIAG else None
+    hdiag = torch.diag(H).float() if cfg.objective != ScaleObjective.WEIGHT else None
     grp = lambda W_: _group_scales(W_, bits, cfg.group_size, cfg.mse, clip_ratio,  # noqa: E731
                                    cfg.grid, cfg.max_shrink, norm=cfg.norm, full_range=cfg.full_range,
                                    col_weight=hdiag)
@@ -588,6 +595,16 @@ def _group_hessians(layer: nn.Module, group: list[tuple[str, nn.Module]], inputs
     return accs
 
 
+def resolve_objective(cfg: GPTQConfig, model: nn.Module) -> GPTQConfig:
+    """``cfg`` with :attr:`ScaleObjective.AUTO` resolved for ``model``: the weights' own error when R1 rotated
+    its residual stream (``model.rq_rotation``, set by the offline rotations), GPTQ's diagonal proxy otherwise."""
+    if cfg.objective != ScaleObjective.AUTO:
+        return cfg
+    r1 = getattr(getattr(model, "rq_rotation", None), "r1", "identity")
+    return dataclasses.replace(
+        cfg, objective=ScaleObjective.WEIGHT if r1 != "identity" else ScaleObjective.HESSIAN_DIAG)
+
+
 def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg: GPTQConfig = GPTQConfig(),
                         clip_ratio: float = 1.0, progress: bool = True,
                         skip: Callable[[str], bool] | None = None) -> dict[str, float]:
@@ -601,6 +618,7 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
 
     _check_bits(bits)
     GPTQ_CALLS["model"] += 1
+    cfg = resolve_objective(cfg, model)
     layers = _decoder_layers(model)
     order = arch.layer_linear_groups(model)
     inputs = capture_layer_inputs(model, windows)

@@ -178,6 +178,31 @@ def test_rtn_follows_the_configured_search():
         assert torch.equal(scales, want)
 
 
+def test_auto_objective_follows_r1():
+    """``auto``: the weights' own error on an R1-rotated model (bit for bit the explicit ``weight``), GPTQ's
+    diagonal proxy on an unrotated one (bit for bit ``hessian_diag``)."""
+    from rope_quant.rotations.offline import RotationConfig, rotate_model
+    from tests._support import tiny_llama
+
+    windows = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(7))
+    assert GPTQConfig().objective is ScaleObjective.AUTO
+
+    def quantised(r1: str | None, objective: ScaleObjective) -> list[torch.Tensor]:
+        model = tiny_llama()
+        if r1 is not None:
+            rotate_model(model, RotationConfig(r1=r1, r2="identity", r4=False, seed=0))
+        gptq.quantize_model_gptq(model, windows, 3, GPTQConfig(objective=objective), progress=False)
+        return [m.weight.detach().clone() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    for r1, explicit in ((None, ScaleObjective.HESSIAN_DIAG), ("identity", ScaleObjective.HESSIAN_DIAG),
+                         ("random_hadamard", ScaleObjective.WEIGHT)):
+        auto, want = quantised(r1, ScaleObjective.AUTO), quantised(r1, explicit)
+        assert all(torch.equal(a, b) for a, b in zip(auto, want, strict=True)), r1
+    # The two objectives do differ on this model (the check above can fail).
+    other = quantised(None, ScaleObjective.WEIGHT)
+    assert not all(torch.equal(a, b) for a, b in zip(quantised(None, ScaleObjective.AUTO), other, strict=True))
+
+
 def test_weight_keys_follow_every_search_option():
     """A stale weight cache is never reused: each option changes the GPTQ weight key; RTN's key follows the
     options that shape RTN's scales and ignores the Hessian objective (RTN has none)."""
