@@ -27,7 +27,7 @@ does not.
 
 **Keys.** :meth:`RunConfig.key` (cell identity), :meth:`RunConfig.weight_key` (quantised weights) and
 :meth:`RunConfig.stats_key` (calibration statistics) hash only the fields that differ from the default
-``RunConfig()``, prefixed with :data:`KEY_VERSION` (``v3-<16 hex>``): adding a field with a default keeps
+``RunConfig()``, prefixed with :data:`KEY_VERSION` (``v4-<16 hex>``): adding a field with a default keeps
 every existing key. Changing a default value (or what a key covers) needs a new :data:`KEY_VERSION`.
 The weight and statistics keys are derived from the specs that shape them, never from the R3 spec, so
 every R3 variant of a seed shares them (paired design). Fields marked ``cell_only`` (evaluation windows,
@@ -78,10 +78,11 @@ __all__ = [
     "versioned_hash",
 ]
 
-#: Version of the key scheme, carried by every key (``v3-…``). 1 hashed every flat field; 2 hashed the
+#: Version of the key scheme, carried by every key (``v4-…``). 1 hashed every flat field; 2 hashed the
 #: non-default fields; 3: the paper's rotations became the default (R1 whip, R2 random_hadamard), the
-#: random Hadamard became QuaRot's diag(s)·H, and φ̂/φ* became the ``angle`` rule.
-KEY_VERSION = 3
+#: random Hadamard became QuaRot's diag(s)·H, and φ̂/φ* became the ``angle`` rule. 4: GPTQ's scale search
+#: minimises the Hessian-diagonal proxy by default where R1 is identity (``GPTQConfig.objective="auto"``).
+KEY_VERSION = 4
 #: Format of the on-disk weight cache (part of the weight key).
 WEIGHT_CACHE_FORMAT = 1
 #: Pre-RoPE K tokens sampled per layer during calibration (positions kept) for the ``range`` objective.

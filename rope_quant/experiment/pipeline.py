@@ -345,7 +345,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
             counters.weight_quantizations += 1
         elif w.mode == WeightMode.RTN:
             with stage(StageName.RTN):
-                gptq.quantize_model_rtn(model, w.bits, w.gptq.group_size, w.gptq.mse, w.clip)
+                gptq.quantize_model_rtn(model, w.bits, w.gptq.group_size, w.gptq.mse, w.clip, cfg=w.gptq)
             counters.weight_quantizations += 1
         if wpath is not None:
             weight_cache.save_weights(wpath, cfg, model, rotation, errors, static_act, rotation_fit)

@@ -202,25 +202,36 @@ def test_model_gptq_hessian_sees_the_pre_hooked_input():
     assert torch.any(model.model.layers[1].mlp.down_proj.weight != 0)
 
 
-def test_model_gptq_in_float64_runs_in_float64_and_agrees_with_float32():
-    """GPTQConfig(float64=True) (the cross-machine spread probe): the Hessians and the column loop
-    run in float64, the weights come back in the parameter's dtype, and agree with the float32 run up to a
-    few flipped rounding decisions."""
+@pytest.mark.parametrize("objective", ["weight", "hessian_diag"])
+def test_model_gptq_in_float64_runs_in_float64_and_agrees_with_float32(objective):
+    """GPTQConfig(float64=True) (the cross-machine spread probe): the Hessians and the column loop run in
+    float64, the weights come back in the parameter's dtype, and agree with the float32 run up to a few flipped
+    rounding decisions.
+
+    With the weights' own error as the scale objective (the default under R1) H does not enter the scale search:
+    every linear's error within 5% and > 99% of the weights identical (measured: 5e-7 and ~100%). With the
+    Hessian-diagonal objective (the default without R1) H's rounding can flip a near-tied argmin and with it a
+    whole row's scale: measured on this tiny model, per-linear errors up to 7.8% apart and 93.1% of the weights
+    identical, the total error 0.2% apart. So there the bound is on the total (1%) and on the share (≥ 90%)."""
     acc = gptq.HessianAccumulator(8, dtype=GPTQConfig(float64=True).dtype)
     acc.add(torch.randn(5, 8))
     assert acc.H.dtype == torch.float64
     calib = torch.randint(0, 96, (8, 48), generator=torch.Generator().manual_seed(1))
     f32, f64 = _tiny_llama(), _tiny_llama()
-    e32 = gptq.quantize_model_gptq(f32, calib, 4, GPTQConfig(), progress=False)
-    e64 = gptq.quantize_model_gptq(f64, calib, 4, GPTQConfig(float64=True), progress=False)
+    e32 = gptq.quantize_model_gptq(f32, calib, 4, GPTQConfig(objective=objective), progress=False)
+    e64 = gptq.quantize_model_gptq(f64, calib, 4, GPTQConfig(objective=objective, float64=True), progress=False)
     assert set(e32) == set(e64) and all(0 <= e < 1 for e in e64.values())
-    for name in e32:
-        assert abs(e64[name] - e32[name]) <= 0.05 * e32[name] + 1e-9, name
     pairs = [(a, b) for (n, a), (_, b) in zip(f32.named_parameters(), f64.named_parameters(), strict=True)
              if n.endswith("proj.weight")]
     assert all(b.dtype == torch.float32 for _, b in pairs)
     same = sum(float((a == b).float().sum()) for a, b in pairs) / sum(a.numel() for a, _ in pairs)
-    assert same > 0.99, same
+    if objective == "weight":
+        for name in e32:
+            assert abs(e64[name] - e32[name]) <= 0.05 * e32[name] + 1e-9, name
+        assert same > 0.99, same
+    else:
+        assert abs(sum(e64.values()) - sum(e32.values())) <= 0.01 * sum(e32.values())
+        assert same >= 0.90, same
 
 
 @pytest.mark.parametrize("group_size", [-1, 8])

@@ -40,7 +40,7 @@ def corpus(embedded_model):
 
 def test_run_config_keys_separate_weights_from_r3():
     cfg = RunConfig()
-    assert cfg.key() == RunConfig().key() and cfg.key().startswith("v3-") and len(cfg.key()) == 19
+    assert cfg.key() == RunConfig().key() and cfg.key().startswith("v4-") and len(cfg.key()) == 19
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     r3_changes = [dict(r3="pairwise_only"), dict(r3="block_hadamard", r3_block=8), dict(estimator="per_head"),
                   dict(objective="linf", estimator="k_only"), dict(position_average=True, average_length=512),
