@@ -48,6 +48,13 @@ COMPAT = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.inipath is None:
+        # pytest fixes its rootdir before plugin options are known, so `--rq-claims-out DIR` (a space, not `=`)
+        # makes DIR look like a test path: the rootdir moves there and pytest.ini (strict xfail, markers) is lost.
+        raise pytest.UsageError(
+            f"pytest found no pytest.ini (rootdir {config.rootpath}): a path-valued --rq-* option was probably "
+            "written with a space (`--rq-claims-out DIR`); write it with `=` (`--rq-claims-out=DIR`) or name the "
+            "tests to run (`pytest tests -m e2e --rq-claims-out DIR`)")
     config.addinivalue_line("markers", COMPAT)
     config.addinivalue_line("markers", SLOW)
 

@@ -12,7 +12,7 @@ selected and needs a CUDA check. Per-session state lives in ``config.stash``.
 
 Tests attach measurements with the ``rq_claim`` / ``rq_record`` fixtures. The data travels on
 ``report.user_properties`` (so it survives pytest-xdist) and is printed by
-``pytest_terminal_summary``; ``--rq-claims-out DIR`` also writes it as JSON and Markdown.
+``pytest_terminal_summary``; ``--rq-claims-out=DIR`` also writes it as JSON and Markdown.
 """
 
 from __future__ import annotations

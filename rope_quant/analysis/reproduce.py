@@ -1,7 +1,7 @@
 """The reproducibility report (do the digits survive another machine?): this run's numbers beside another run's.
 
 ``compare_against(this, other)`` takes two results directories (``rope-quant compare`` / ``run`` output) or two
-claims JSONs (``pytest --rq-claims-out DIR``: ``DIR/claims.json``). Each paired number (mean difference with its
+claims JSONs (``pytest --rq-claims-out=DIR``: ``DIR/claims.json``). Each paired number (mean difference with its
 90% interval) is printed beside the other run's, with the difference in units of this run's CI half-width;
 every verdict that flipped is flagged. Claims JSONs name the decision rule they were decided under (``rule``; a
 JSON without one predates the replicated rule: the 0.1.x single-replicate offset); two runs decided under

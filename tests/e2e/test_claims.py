@@ -2,7 +2,7 @@
 
 Each test names its claim (table or section), runs the paired experiment through ``tests/e2e/conftest.py``'s
 session ``experiment`` (``pipeline.run_cell``), attaches the measured numbers with ``rq_claim`` and asserts.
-The plugin prints the claims table at the end of the session (``--rq-claims-out DIR`` writes it).
+The plugin prints the claims table at the end of the session (``--rq-claims-out=DIR`` writes it).
 
 Budget: see ``E2EBudget`` (3 seeds, 12 x 512 scored tokens per cell, 16 x 512 calibration tokens). Every
 claim runs on the paper's pipeline (App. A.1, A.8): R1 fitted with whip, R2 at its random-Hadamard
