@@ -3,7 +3,7 @@
 Run on a CUDA node with local checkpoints (nothing is downloaded)::
 
     pytest -m gpu_e2e --rq-model /ckpt/Llama-3.2-1B --rq-model /ckpt/Mistral-7B-v0.3 \
-           --rq-corpus /data/wikitext-2-raw --rq-seeds 0-2
+           --rq-corpus=/data/wikitext-2-raw --rq-seeds 0-2
 
 Protocol: 128 x 2048 calibration tokens, seqlen 2048, every evaluation window, W4A4KV4 with GPTQ weights, the
 paper's rotations (R1 fitted with whip, R2 random Hadamard, R4 online Hadamard). Without ``--rq-model`` the
