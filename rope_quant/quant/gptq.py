@@ -117,7 +117,7 @@ class GPTQConfig:
     ``act_order``: quantise columns by decreasing Hessian diagonal (groups then use static scales computed
     on the original contiguous column groups). ``true_sequential``: quantise a layer's linears in
     execution order groups. ``grid``/``max_shrink``: the MSE search grid ``1, 1 - 1/grid, ...,
-    1 - max_shrink``. ``norm``: the exponent p of the search's error ``sum |w - q|^p``; ``objective``:
+    1 - max_shrink``. ``p_norm``: the exponent p of the search's error ``sum |w - q|^p``; ``objective``:
     the weights' own error or GPTQ's diagonal proxy (:class:`ScaleObjective`). ``full_range``: the unclipped
     scale is ``max|w| / (2^(b-1) - 1/2)`` instead of ``max|w| / (2^(b-1) - 1)``: the grid's 2^b codes span
     the row (``+max|w|`` half a step above ``2^(b-1) - 1``, ``-max|w|`` at the tie with ``-2^(b-1)``), a step
@@ -134,7 +134,7 @@ class GPTQConfig:
     true_sequential: bool = True
     grid: int = field(default=100, metadata={"rtn": True})
     max_shrink: float = field(default=0.8, metadata={"rtn": True})
-    norm: float = field(default=2.0, metadata={"rtn": True})
+    p_norm: float = field(default=2.0, metadata={"rtn": True})
     objective: ScaleObjective = ScaleObjective.AUTO
     full_range: bool = field(default=False, metadata={"rtn": True})
     #: Hessians and the column loop in float64 (a robustness probe of GPTQ's floating-point order).
@@ -157,8 +157,8 @@ class GPTQConfig:
             raise GPTQError(f"group_size must be -1 or positive, got {self.group_size}")
         if self.grid < 1 or not (0.0 <= self.max_shrink < 1.0):
             raise GPTQError(f"bad MSE grid: grid={self.grid}, max_shrink={self.max_shrink}")
-        if isinstance(self.norm, bool) or not isinstance(self.norm, (int, float)) or not (1.0 <= self.norm < math.inf):
-            raise GPTQError(f"norm must be a finite number >= 1, got {self.norm!r}")
+        if isinstance(self.p_norm, bool) or not isinstance(self.p_norm, (int, float)) or not (1.0 <= self.p_norm < math.inf):
+            raise GPTQError(f"p_norm must be a finite number >= 1, got {self.p_norm!r}")
         try:
             object.__setattr__(self, "objective", ScaleObjective(self.objective))
         except ValueError:
@@ -486,7 +486,7 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
     # The search's per-column weights: GPTQ's proxy loss with H's diagonal (ScaleObjective), or none.
     hdiag = torch.diag(H).float() if cfg.objective != ScaleObjective.WEIGHT else None
     grp = lambda W_: _group_scales(W_, bits, cfg.group_size, cfg.mse, clip_ratio,  # noqa: E731
-                                   cfg.grid, cfg.max_shrink, norm=cfg.norm, full_range=cfg.full_range,
+                                   cfg.grid, cfg.max_shrink, norm=cfg.p_norm, full_range=cfg.full_range,
                                    col_weight=hdiag)
     # Static scales (computed once, on the original contiguous groups) unless groups are formed on the fly.
     lazy_groups = cfg.group_size != -1 and not cfg.act_order
@@ -520,7 +520,7 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
                 # Scales of the group starting here, from the error-updated weights (Frantar et al.).
                 block = torch.cat([W1[i:], Wt[i2:]], dim=0)[:gs].T
                 scales[:, col // gs] = weight_scales(
-                    block, bits, cfg.mse, clip_ratio, cfg.grid, cfg.max_shrink, norm=cfg.norm,
+                    block, bits, cfg.mse, clip_ratio, cfg.grid, cfg.max_shrink, norm=cfg.p_norm,
                     full_range=cfg.full_range, col_weight=None if hdiag is None else hdiag[col:col + gs])[:, 0]
             s = scales[:, col // gs] if col_scales is None else col_scales[col]
             w, c, q, e = W1[i], Ct[col], Qt[col], Err1[i]
@@ -798,7 +798,7 @@ def _rtn_in_place(w: torch.Tensor, bits: int, group_size: int, mse: bool,
     codes, scales = [], []
     for r0 in range(0, w.shape[0], RTN_BLOCK_ROWS):
         rows = w[r0:r0 + RTN_BLOCK_ROWS]
-        q, c, sc = _rtn(rows, bits, group_size, mse, clip_ratio, g.grid, g.max_shrink, g.norm, g.full_range)
+        q, c, sc = _rtn(rows, bits, group_size, mse, clip_ratio, g.grid, g.max_shrink, g.p_norm, g.full_range)
         rows.copy_(q)
         codes.append(c.to(torch.int8) if bits <= 8 else c)
         scales.append(sc)

@@ -45,17 +45,17 @@ from rope_quant.quant.gptq import GPTQConfig, ScaleObjective  # noqa: E402
 
 #: The reference every candidate is paired with: the scale search of 0.1.0 (the weights' own L2 error, ratios
 #: 1 .. 0.2, max|w|/7), spelled out so that a change of GPTQConfig's defaults never changes what it measures.
-REFERENCE: dict[str, Any] = {"mse": True, "grid": 100, "max_shrink": 0.8, "norm": 2.0,
+REFERENCE: dict[str, Any] = {"mse": True, "grid": 100, "max_shrink": 0.8, "p_norm": 2.0,
                              "objective": ScaleObjective.WEIGHT, "full_range": False}
 #: The candidates: changes to the reference (act_order, percdamp 0.01, per channel or g128 in every cell).
 CANDIDATES: dict[str, dict[str, Any]] = {
     "default": {},                                                     # the reference itself
     "off": {"mse": False},                                             # no search: max|w|/7
-    "p2.4": {"norm": 2.4},
+    "p2.4": {"p_norm": 2.4},
     "shrink0.8": {"max_shrink": 0.2},                                  # ratios 1 .. 0.8
     "half": {"full_range": True},                                      # base max|w|/7.5, search as today
     "half_off": {"mse": False, "full_range": True},                    # max|w|/7.5, no search
-    "llmc": {"norm": 2.4, "max_shrink": 0.2, "full_range": True},      # llm-compressor's observer settings
+    "llmc": {"p_norm": 2.4, "max_shrink": 0.2, "full_range": True},      # llm-compressor's observer settings
     "proxy": {"objective": ScaleObjective.HESSIAN_DIAG},               # GPTQ's proxy loss, H's diagonal
     "proxy0.8": {"objective": ScaleObjective.HESSIAN_DIAG, "max_shrink": 0.2, "full_range": True},
 }

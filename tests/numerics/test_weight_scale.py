@@ -19,12 +19,12 @@ from rope_quant.quant.gptq import GPTQConfig, GPTQError, ScaleObjective, weight_
 OPTIONS = [
     {},
     {"mse": False},
-    {"norm": 2.4},
+    {"p_norm": 2.4},
     {"max_shrink": 0.2},
     {"full_range": True},
     {"mse": False, "full_range": True},
     {"objective": ScaleObjective.HESSIAN_DIAG},
-    {"norm": 2.4, "max_shrink": 0.2, "full_range": True, "objective": ScaleObjective.HESSIAN_DIAG},
+    {"p_norm": 2.4, "max_shrink": 0.2, "full_range": True, "objective": ScaleObjective.HESSIAN_DIAG},
 ]
 
 
@@ -57,7 +57,7 @@ def test_zero_and_outlier_rows_give_finite_scales_within_the_shrink(bits, opts):
     cfg = GPTQConfig(**opts)
     w = _bad_rows()
     hdiag = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(4)) + 0.1
-    s = weight_scales(w, bits, cfg.mse, 1.0, cfg.grid, cfg.max_shrink, norm=cfg.norm, full_range=cfg.full_range,
+    s = weight_scales(w, bits, cfg.mse, 1.0, cfg.grid, cfg.max_shrink, norm=cfg.p_norm, full_range=cfg.full_range,
                       col_weight=hdiag if cfg.objective == ScaleObjective.HESSIAN_DIAG else None)
     _check_scales(w, s, bits, cfg, w.shape[1])
     # The outlier itself stays representable to within half a step: its code is in range and not clipped away.
@@ -109,7 +109,7 @@ def _brute_force_ratio(row: torch.Tensor, bits: int, cfg: GPTQConfig, weight: to
         r = 1.0 - i / cfg.grid
         s = r * amax / _denominator(bits, cfg)
         q = torch.clamp(torch.round(row.double() / s), -qmax - 1, qmax) * s
-        err = float((c * (row.double() - q).abs() ** cfg.norm).sum())
+        err = float((c * (row.double() - q).abs() ** cfg.p_norm).sum())
         if err < best_err * (1 - 1e-9):
             best, best_err = r, err
     return best
@@ -119,7 +119,7 @@ def _brute_force_ratio(row: torch.Tensor, bits: int, cfg: GPTQConfig, weight: to
     [3, 4], [2.0, 2.4, 3.0], [ScaleObjective.WEIGHT, ScaleObjective.HESSIAN_DIAG])))
 def test_search_minimises_the_configured_objective(bits, norm, objective):
     """The chosen ratio is the float64 argmin of sum_j c_j |w_j - q_j|^p (c = H's diagonal or 1)."""
-    cfg = GPTQConfig(norm=norm, objective=objective, grid=50, max_shrink=0.5)
+    cfg = GPTQConfig(p_norm=norm, objective=objective, grid=50, max_shrink=0.5)
     g = torch.Generator().manual_seed(int(norm * 10) + bits)
     w = torch.randn(24, 96, generator=g) * torch.linspace(0.2, 3.0, 96) ** 2  # heavy-tailed columns
     weight = torch.rand(96, generator=g) ** 4 if objective == ScaleObjective.HESSIAN_DIAG else None
@@ -154,7 +154,7 @@ def test_full_range_scale_is_max_over_qmax_plus_half():
 
 
 def test_bad_search_settings_raise():
-    for bad in ({"norm": 0.5}, {"norm": float("inf")}, {"norm": True}, {"objective": "hessian"},
+    for bad in ({"p_norm": 0.5}, {"p_norm": float("inf")}, {"p_norm": True}, {"objective": "hessian"},
                 {"full_range": 1}, {"max_shrink": 1.0}, {"grid": 0}):
         with pytest.raises(GPTQError):
             GPTQConfig(**bad)
@@ -169,12 +169,12 @@ def test_rtn_follows_the_configured_search():
     w = torch.randn(64, 128, generator=g) * torch.linspace(0.1, 4.0, 128)
     base = w.clone()
     gptq._rtn_in_place(base, 4, -1, True, 1.0)
-    for opts in ({"norm": 3.0}, {"max_shrink": 0.1}, {"full_range": True}):
+    for opts in ({"p_norm": 3.0}, {"max_shrink": 0.1}, {"full_range": True}):
         other = w.clone()
         _, scales = gptq._rtn_in_place(other, 4, -1, True, 1.0, GPTQConfig(**opts))
         assert not torch.equal(other, base), opts
         want = gptq._group_scales(w, 4, -1, True, 1.0, 100, opts.get("max_shrink", 0.8),
-                                  norm=opts.get("norm", 2.0), full_range=opts.get("full_range", False))
+                                  norm=opts.get("p_norm", 2.0), full_range=opts.get("full_range", False))
         assert torch.equal(scales, want)
 
 
@@ -208,13 +208,13 @@ def test_weight_keys_follow_every_search_option():
     options that shape RTN's scales and ignores the Hessian objective (RTN has none)."""
     gp, rtn = RunConfig(), RunConfig().override(weights="rtn")
     other_objective = next(o for o in ScaleObjective if o != GPTQConfig().objective)
-    for opts, shapes_rtn in (({"norm": 2.4}, True), ({"full_range": True}, True), ({"max_shrink": 0.2}, True),
+    for opts, shapes_rtn in (({"p_norm": 2.4}, True), ({"full_range": True}, True), ({"max_shrink": 0.2}, True),
                              ({"objective": other_objective.value}, False)):
         changed = GPTQConfig(**opts)
         assert gp.override(gptq=changed).weight_key() != gp.weight_key(), opts
         assert gp.override(gptq=changed).key() != gp.key(), opts
         assert (rtn.override(gptq=changed).weight_key() != rtn.weight_key()) == shapes_rtn, opts
     # Round trip through the flat (JSON) form keeps the enum and the key.
-    cfg = gp.override(gptq=GPTQConfig(objective=ScaleObjective.HESSIAN_DIAG, norm=2.4))
+    cfg = gp.override(gptq=GPTQConfig(objective=ScaleObjective.HESSIAN_DIAG, p_norm=2.4))
     again = RunConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg and again.weight_key() == cfg.weight_key()
