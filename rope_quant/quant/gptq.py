@@ -157,7 +157,8 @@ class GPTQConfig:
             raise GPTQError(f"group_size must be -1 or positive, got {self.group_size}")
         if self.grid < 1 or not (0.0 <= self.max_shrink < 1.0):
             raise GPTQError(f"bad MSE grid: grid={self.grid}, max_shrink={self.max_shrink}")
-        if isinstance(self.p_norm, bool) or not isinstance(self.p_norm, (int, float)) or not (1.0 <= self.p_norm < math.inf):
+        p = self.p_norm
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (1.0 <= p < math.inf):
             raise GPTQError(f"p_norm must be a finite number >= 1, got {self.p_norm!r}")
         try:
             object.__setattr__(self, "objective", ScaleObjective(self.objective))
