@@ -131,19 +131,12 @@ class KDiagnostics:
 
     def batch_stats(self, k: torch.Tensor) -> KStats:
         """The sums of one batch of keys (..., heads, seq, d), without accumulating them."""
-        if not isinstance(k, torch.Tensor):
-            k = torch.as_tensor(k)
-        if k.ndim < 1 or k.shape[-1] == 0:
-            raise DiagnosticsError(f"keys must have a non-empty last (head_dim) axis, got {tuple(k.shape)}")
-        d = k.shape[-1]
-        if self.group_size != -1 and d % self.group_size:
-            raise DiagnosticsError(f"head_dim {d} is not a multiple of group_size {self.group_size}")
+        k, gs = self._check(k)
         if not torch.isfinite(k).all():
             raise NonFiniteKeysError("keys contain NaN/Inf values")
         k = k.detach()
         if k.numel() == 0:
             return KStats()
-        gs = d if self.group_size == -1 else self.group_size
         k64 = k.double()
         lo, hi = torch.aminmax(k64.reshape(-1, gs), dim=-1)
         rng = hi - lo
