@@ -583,11 +583,7 @@ class CalibrationStats:
             self._update_device(layer, stream, x.detach())
             return
         arr = _to_numpy_float(x)  # float32 or float64; widened to float64 below while selecting the pairs
-        if arr.ndim < 1 or arr.shape[-1] != H * d:
-            raise CalibrationShapeError(
-                f"layer {layer}, stream {stream!r}: expected input of shape (..., {H}*{d}={H * d}) "
-                f"({H} heads of dim {d}), got {tuple(arr.shape)}"
-            )
+        self._check_shape(layer, stream, arr.shape)
         rows = arr.reshape(-1, H, d)
         if rows.shape[0] == 0:
             return
@@ -611,14 +607,18 @@ class CalibrationStats:
             self._ksample.update(layer, arr.shape, rows)  # float32 rows cast exactly as before
         self._moments.update(layer, stream, a, b, sums=sums, overwrite=True)  # centres a, b in place
 
+    def _check_shape(self, layer: int, stream: str, shape: tuple[int, ...]) -> None:
+        H, d = self.heads(stream), self.head_dim
+        if len(shape) < 1 or shape[-1] != H * d:
+            raise CalibrationShapeError(
+                f"layer {layer}, stream {stream!r}: expected input of shape (..., {H}*{d}={H * d}) "
+                f"({H} heads of dim {d}), got {tuple(shape)}"
+            )
+
     def _update_device(self, layer: int, stream: str, x: torch.Tensor) -> None:
         """:meth:`update` for a torch tensor: shape checks on the host, arithmetic on ``x.device``."""
         H, d = self.heads(stream), self.head_dim
-        if x.ndim < 1 or x.shape[-1] != H * d:
-            raise CalibrationShapeError(
-                f"layer {layer}, stream {stream!r}: expected input of shape (..., {H}*{d}={H * d}) "
-                f"({H} heads of dim {d}), got {tuple(x.shape)}"
-            )
+        self._check_shape(layer, stream, x.shape)
         rows = x.reshape(-1, H, d)
         if rows.shape[0] == 0:
             return
