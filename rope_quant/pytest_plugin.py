@@ -84,7 +84,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--rq-replicates", default=None, metavar="K",
-        help="numerical replicates: the first K seeds rebuilt with GPTQ in the other float mode (default 2); the "
+        help="numerical replicates: the first K seeds rebuilt with GPTQ in the other float mode (default 3); the "
         "float-order noise and bias are estimated from them (0 or 1: every replicated claim is inconclusive)",
     )
     group.addoption(

@@ -8,7 +8,6 @@ That is what makes the comparisons paired, and what keeps the whole marker withi
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,11 +46,11 @@ class E2EBudget:
     slow_long_lengths: tuple[int, ...] = (8192,)
     long_windows: int = 1
     gptq_float64: bool = False
-    replicates: int = 2
+    replicates: int = 3
 
     @staticmethod
     def replicates_for(given: int | None, seeds: tuple[int, ...]) -> int:
-        """``--rq-replicates K`` as given (checked against the seeds), else the default 2, at most the number of
+        """``--rq-replicates K`` as given (checked against the seeds), else the default 3, at most the number of
         seeds (``--rq-seeds 0`` alone: 1 replicate, and the claims say the noise cannot be estimated)."""
         return int(given) if given is not None else min(E2EBudget.replicates, len(seeds))
 
@@ -180,10 +179,9 @@ def experiment_factory():
 
 @pytest.fixture(scope="session")
 def e2e_budget(rq_options) -> E2EBudget:
-    budget = E2EBudget(gptq_float64=os.environ.get("ROPE_QUANT_E2E_GPTQ_FLOAT64", "") not in ("", "0"))
-    if rq_options.seeds is not None:
-        budget = dataclasses.replace(budget, seeds=rq_options.seeds)
-    return dataclasses.replace(budget, replicates=E2EBudget.replicates_for(rq_options.replicates, budget.seeds))
+    seeds = rq_options.seeds if rq_options.seeds is not None else E2EBudget.seeds
+    return E2EBudget(seeds=seeds, replicates=E2EBudget.replicates_for(rq_options.replicates, seeds),
+                     gptq_float64=os.environ.get("ROPE_QUANT_E2E_GPTQ_FLOAT64", "") not in ("", "0"))
 
 
 @pytest.fixture(scope="session")

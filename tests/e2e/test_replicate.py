@@ -22,7 +22,7 @@ def _diff(a: dict, b: dict) -> list[str]:
 def test_replicate_flips_only_the_gptq_float_mode(experiment_factory) -> None:
     Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
     for float64 in (False, True):
-        exp = Experiment(None, "/nonexistent", E2EBudget(seeds=(4, 5), gptq_float64=float64), "pydoc")
+        exp = Experiment(None, "/nonexistent", E2EBudget(seeds=(4, 5), gptq_float64=float64, replicates=2), "pydoc")
         primary = exp.config(exp.replicate_seed, r3="hadamard")
         replicate = exp.config(exp.replicate_seed, **exp._replicate_overrides({"r3": "hadamard"}))
         assert exp.replicate_seed == 4
@@ -34,14 +34,15 @@ def test_replicate_flips_only_the_gptq_float_mode(experiment_factory) -> None:
 
 def test_replicates_are_the_first_k_seeds_and_k_is_checked(experiment_factory) -> None:
     Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
-    assert E2EBudget().replicates == 2  # the default: the noise and bias can be estimated
+    assert E2EBudget().replicates == 3  # the default: the noise and bias can be estimated
     exp = Experiment(None, "/nonexistent", E2EBudget(seeds=(4, 5, 6), replicates=2), "pydoc")
     assert exp.replicate_seeds == (4, 5)
     seen = exp.over_replicates(lambda seed, rep: (seed, rep["gptq"].float64))
     assert seen == {0: (4, True), 1: (5, True)}
     assert Experiment(None, "/x", E2EBudget(seeds=(4, 5), replicates=0), "pydoc").over_replicates(
         lambda seed, rep: seed) == {}
-    assert E2EBudget.replicates_for(None, (7,)) == 1 and E2EBudget.replicates_for(None, (1, 2, 3)) == 2
+    assert E2EBudget.replicates_for(None, (7,)) == 1 and E2EBudget.replicates_for(None, (1, 2, 3)) == 3
+    assert E2EBudget.replicates_for(None, (1, 2, 3, 4)) == 3
     assert E2EBudget.replicates_for(3, (1, 2, 3)) == 3
     for bad in (-1, 4):
         with pytest.raises(ValueError, match="--rq-replicates"):
@@ -50,7 +51,7 @@ def test_replicates_are_the_first_k_seeds_and_k_is_checked(experiment_factory) -
 
 def test_a_replicate_that_fails_to_build_is_reported_not_raised(experiment_factory) -> None:
     Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
-    exp = Experiment(None, "/nonexistent", E2EBudget(seeds=(4, 5)), "pydoc")
+    exp = Experiment(None, "/nonexistent", E2EBudget(seeds=(4, 5), replicates=2), "pydoc")
 
     def build(seed: int, rep: dict) -> float:
         if seed == 5:
