@@ -145,12 +145,20 @@ def t_quantile(df: float | np.ndarray, level: float = 1.0 - ALPHA) -> float | np
     return float(out) if np.ndim(out) == 0 else out
 
 
-def union_bounds(mean, sd, n, bias, sd_d, k, alpha: float = ALPHA):
+def union_bounds(mean, sd, n, bias, sd_d, k, alpha: float = ALPHA, sd_rep=None):
     """(low_A, high_A, low_B, high_B): the primary paired t interval of θ over ``n`` seeds and the replicate
-    interval of θ + β, ``mean + bias ± t_ν · sqrt(sd²/n + sd_d²/k)`` with Welch–Satterthwaite ``ν``
-    (rope_quant.core.verdict's rule). Elementwise: scalars or numpy arrays."""
+    interval of θ + β (rope_quant.core.verdict's rule). With every seed replicated (``k == n`` and ``sd_rep``,
+    the sd of the replicate order's own differences ``θ_i + d_i``) B is that order's paired t interval,
+    ``mean + bias ± t_{n-1} · sd_rep/√n`` (exact); otherwise ``mean + bias ± t_ν · sqrt(sd²/n + sd_d²/k)`` with
+    Welch–Satterthwaite ``ν``. Elementwise: scalars or numpy arrays."""
     mean, sd, bias, sd_d = (np.asarray(x, dtype=np.float64) for x in (mean, sd, bias, sd_d))
-    half_a = _st.t.ppf(1.0 - alpha, n - 1) * sd / math.sqrt(n)
+    t_n = _st.t.ppf(1.0 - alpha, n - 1)
+    half_a = t_n * sd / math.sqrt(n)
+    if sd_rep is not None:
+        if k != n:
+            raise ValueError(f"the replicate order's own interval needs every seed replicated, got k={k}, n={n}")
+        half_b = t_n * np.asarray(sd_rep, dtype=np.float64) / math.sqrt(n)
+        return mean - half_a, mean + half_a, mean + bias - half_b, mean + bias + half_b
     va, vd = sd**2 / n, sd_d**2 / k
     v = va + vd
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -194,17 +202,20 @@ def replicated_power(side: str, b: float, towards: str, mean: float, sd: float, 
     # W = L A Aᵀ Lᵀ, A = [[√c1, 0], [zw, √c2]]: the replicated seeds' scatter of (θ, d)
     a11, a21, a22 = c1, np.sqrt(c1) * zw, zw**2 + c2
     w11 = l11**2 * a11
+    w21 = l11 * (l21 * a11 + l22 * a21)
     w22 = l21**2 * a11 + 2 * l21 * l22 * a21 + l22**2 * a22
     r = n - k
+    s_rep = None
     if r:
         m3 = mean + sd * z3 / math.sqrt(r)
         ss3 = sd**2 * c3
         theta = (k * m1 + r * m3) / n
         ss_a = w11 + ss3 + k * r / n * (m1 - m3) ** 2
-    else:
+    else:  # every seed replicated: the replicate order's own scatter, θ_i + d_i
         theta, ss_a = m1, w11
+        s_rep = np.sqrt(np.maximum(w11 + 2 * w21 + w22, 0.0) / (n - 1))
     s_a, s_d = np.sqrt(ss_a / (n - 1)), np.sqrt(w22 / (k - 1))
-    low_a, high_a, low_b, high_b = union_bounds(theta, s_a, n, m2, s_d, k)
+    low_a, high_a, low_b, high_b = union_bounds(theta, s_a, n, m2, s_d, k, sd_rep=s_rep)
     holds, refuted = masks(side, b, np.minimum(low_a, low_b), np.maximum(high_a, high_b))
     return float(np.mean(holds if towards == "holds" else refuted))
 

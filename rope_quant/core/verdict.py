@@ -10,8 +10,10 @@ under another valid float order (its *numerical replicate*, GPTQ in the other fl
   *noise* as variance; nothing is added to it for noise;
 * the shifts estimate the float-order noise ``σ_num = sd(d)`` and the float-order **bias** ``β = E d`` with its
   own 90% t interval on ``k − 1`` degrees of freedom (:class:`FloatOrder`);
-* the **replicate interval** ``B`` is the 90% interval of the effect in the other float order, ``θ + β``:
-  ``mean(θ) + mean(d) ± t_ν · sqrt(s_θ²/n + s_d²/k)`` with Welch–Satterthwaite ``ν``. The covariance of the two
+* the **replicate interval** ``B`` is the 90% interval of the effect in the other float order, ``θ + β``. With
+  every seed replicated (``k = n``, the default budget) it is that order's own paired t interval, over
+  ``θ_i^rep = θ_i + d_i`` (exact, ``n − 1`` degrees of freedom). With ``k < n`` it is
+  ``mean(θ) + mean(d) ± t_ν · sqrt(s_θ²/n + s_d²/k)`` with Welch–Satterthwaite ``ν``; the covariance of the two
   means (``−σ_e²/n`` where the seeds overlap) is left out, which only widens ``B``. The bias thus enters only
   as far as it is established: through its interval, never through a point magnitude;
 * the claim is decided on the **union** ``U = [min(low_A, low_B), max(high_A, high_B)]``, in the forms below,
@@ -20,8 +22,8 @@ under another valid float order (its *numerical replicate*, GPTQ in the other fl
   equivalence ``|θ| < margin`` (TOST) holds iff ``−margin < U.low`` and ``U.high < margin``, refuted iff
   ``U.low > margin`` or ``U.high < −margin``.
 
-**Coverage.** ``A`` covers ``θ`` and ``B`` covers ``θ + β`` each with ≥ 95% per side (``B`` to Welch's
-approximation, made conservative by the covariance left out), so a "holds" (or
+**Coverage.** ``A`` covers ``θ`` and ``B`` covers ``θ + β`` each with ≥ 95% per side (``B`` exactly with every
+seed replicated, else to Welch's approximation, made conservative by the covariance left out), so a "holds" (or
 "refuted") is wrong in *either* float order with probability ≤ 5% when the effect of that order lies on the
 boundary, with or without a bias (``tests/theory/test_verdict_replicates.py`` measures it by simulation, with
 the 0.1.x rule beside it). Otherwise the claim is **inconclusive**, with the budget that decides it at 80%
@@ -114,7 +116,8 @@ RULE_REPLICATES = "union of the primary and the float-order replicate intervals"
 class FloatOrder:
     """What ``k`` numerical replicates say: the shifts ``d_i = θ_i^rep − θ_i``, their sd ``sigma`` (σ_num), the
     bias (their mean) with its 90% t interval, and the replicate-order interval ``[low_b, high_b]`` of
-    ``θ + β``. ``reason``: why they could not be estimated (then the numbers are None)."""
+    ``θ + β``: ``paired`` when every seed is replicated (the replicate order's own paired t interval), else
+    Welch's. ``reason``: why they could not be estimated (then the numbers are None)."""
 
     k: int
     shifts: tuple[float, ...] = ()
@@ -125,6 +128,7 @@ class FloatOrder:
     low_b: float | None = None
     high_b: float | None = None
     reason: str = ""
+    paired: bool = False
 
     @property
     def established(self) -> bool:
@@ -346,8 +350,10 @@ def equivalence_margin(ppl: float) -> Margin:
                          f"= ±{value:.3f}")
 
 
-def float_order(shifts: Sequence[float], n: int, mean: float, sd: float) -> FloatOrder:
-    """The replicates' :class:`FloatOrder` beside the primary ``n``, ``mean``, ``sd`` of the paired effect."""
+def float_order(shifts: Sequence[float], n: int, mean: float, sd: float, sd_rep: float | None = None) -> FloatOrder:
+    """The replicates' :class:`FloatOrder` beside the primary ``n``, ``mean``, ``sd`` of the paired effect;
+    ``sd_rep``: with every seed replicated, the sd of the replicate order's differences ``θ_i + d_i`` (then B is
+    that order's own paired t interval)."""
     d = [float(x) for x in shifts]
     k = len(d)
     if any(not math.isfinite(x) for x in d):
@@ -360,8 +366,9 @@ def float_order(shifts: Sequence[float], n: int, mean: float, sd: float) -> Floa
     bias = sum(d) / k
     sigma = math.sqrt(sum((x - bias) ** 2 for x in d) / (k - 1))
     half = float(power.t_quantile(k - 1)) * sigma / math.sqrt(k)
-    low_a, high_a, low_b, high_b = power.union_bounds(mean, sd, n, bias, sigma, k)
-    return FloatOrder(k, tuple(d), sigma, bias, bias - half, bias + half, float(low_b), float(high_b))
+    low_a, high_a, low_b, high_b = power.union_bounds(mean, sd, n, bias, sigma, k, sd_rep=sd_rep)
+    return FloatOrder(k, tuple(d), sigma, bias, bias - half, bias + half, float(low_b), float(high_b),
+                      paired=sd_rep is not None)
 
 
 def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | None, *,
@@ -383,7 +390,9 @@ def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float
     from rope_quant.core import stats  # deferred: scipy
 
     ci = stats.paired_ci(d, [0.0] * len(d), LEVEL)
-    fo = float_order(shifts, ci.n, ci.mean, ci.sd)
+    every = len(shifts) == len(d) and len(d) >= 2  # every seed replicated: shifts[i] is seed i's
+    sd_rep = stats.sample_sd([x + float(y) for x, y in zip(d, shifts, strict=True)]) if every else None
+    fo = float_order(shifts, ci.n, ci.mean, ci.sd, sd_rep)
     if fo.sigma is None:
         return _primary_only(form, d, fo, fo.reason, margin, tokens)
     primary = Verdict(Outcome.INCONCLUSIVE, form, ci.n, ci.mean, ci.sd, ci.low, ci.high, margin, rule=RULE_REPLICATES)

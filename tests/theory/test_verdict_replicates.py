@@ -47,8 +47,9 @@ def _runs(theta: float, beta: float, su: float, se: float, n: int, k: int, seed:
 def _rule(form: Form, margin: float, primary: np.ndarray, shifts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(holds, refuted) of the rule, vectorised over runs: the same interval arithmetic and thresholds."""
     n, k = primary.shape[1], shifts.shape[1]
+    sd_rep = (primary + shifts).std(1, ddof=1) if k == n else None  # every seed replicated: B is paired
     la, ha, lb, hb = power.union_bounds(primary.mean(1), primary.std(1, ddof=1), n, shifts.mean(1),
-                                        shifts.std(1, ddof=1), k)
+                                        shifts.std(1, ddof=1), k, sd_rep=sd_rep)
     side, b = _bounds(form, margin)
     return masks(side, b, np.minimum(la, lb), np.maximum(ha, hb))
 
@@ -61,13 +62,15 @@ def _old_rule(form: Form, margin: float, primary: np.ndarray, shifts: np.ndarray
     return masks(side, b, la, ha, np.abs(shifts[:, 0]))[0]
 
 
-def test_the_vectorised_rule_is_the_rule() -> None:
-    """The simulation's vectorised decision equals decide_replicated, run by run."""
-    primary, shifts = _runs(0.8, -0.3, 1.0, 0.8, 4, 3, seed=1, runs=40)
+@pytest.mark.parametrize("k", [3, 4])
+def test_the_vectorised_rule_is_the_rule(k: int) -> None:
+    """The simulation's vectorised decision equals decide_replicated, run by run (Welch's B with k < n, the
+    replicate order's paired B with k = n)."""
+    primary, shifts = _runs(0.8, -0.3, 1.0, 0.8, 4, k, seed=1, runs=40)
     holds, refuted = _rule(Form.GREATER, 0.0, primary, shifts)
     for i in range(40):
         v = decide_replicated(Form.GREATER, primary[i], shifts[i])
-        assert v.rule == RULE_REPLICATES
+        assert v.rule == RULE_REPLICATES and v.float_order is not None and v.float_order.paired == (k == 4)
         assert (v.outcome is Outcome.HOLDS) == holds[i] and (v.outcome is Outcome.REFUTED) == refuted[i], i
     assert 0 < holds.sum() < 40  # both branches exercised
 
@@ -82,6 +85,10 @@ SCENARIOS = [
     (Form.GREATER, 0.0, 8, 4, 0.3, 1.0, -1.0, "replicate"),
     (Form.GREATER, 0.0, 8, 4, 1.0, 0.3, 1.0, "primary"),
     (Form.GREATER, 0.0, 5, 5, 1.0, 0.3, -1.0, "replicate"),
+    (Form.GREATER, 0.0, 3, 3, 1.0, 1.0, 0.0, "primary"),  # the default budget: every seed replicated
+    (Form.GREATER, 0.0, 3, 3, 0.3, 1.0, -1.0, "replicate"),
+    (Form.LESS, 0.0, 3, 3, 1.0, 1.0, 1.0, "replicate"),
+    (Form.EQUIVALENT, 0.5, 3, 3, 0.3, 0.3, 0.4, "replicate"),
     (Form.NON_SUPERIOR, 0.158, 8, 4, 0.85, 1.0, 0.5, "replicate"),
     (Form.EQUIVALENT, 0.5, 8, 4, 0.5, 0.3, 0.0, "primary"),
     (Form.EQUIVALENT, 0.5, 8, 4, 0.5, 0.3, 0.4, "replicate"),
@@ -140,29 +147,29 @@ BUDGETS = [  # (form, margin, θ, β (established), σ_u, σ_e)
 ]
 
 
+@pytest.mark.parametrize("k_now", [2, 3])
 @pytest.mark.parametrize(("form", "margin", "theta", "beta", "su", "se"), BUDGETS)
 def test_printed_budget_decides_80_percent(form: Form, margin: float, theta: float, beta: float, su: float,
-                                           se: float) -> None:
-    """(b) The budget at the true values (n = 3 seeds, k = 2 replicates today) decides 80% ± 5% of runs in
-    seeds (replicates in today's proportion) and in tokens per cell (both variances ∝ 1/tokens); half the
-    seeds decide clearly fewer."""
+                                           se: float, k_now: int) -> None:
+    """(b) The budget at the true values (n = 3 seeds today, k = 2 or every seed replicated) decides 80% ± 5%
+    of runs in seeds (replicates in today's proportion) and in tokens per cell (both variances ∝ 1/tokens);
+    half the seeds decide clearly fewer."""
     sd, sd_d = math.hypot(su, se), math.sqrt(2) * se
     interval = (beta - 0.01, beta) if beta > 0 else (beta, beta + 0.01) if beta < 0 else (-1.0, 1.0)
-    fo = FloatOrder(2, (), sd_d, beta, *interval, 0.0, 0.0)
+    fo = FloatOrder(k_now, (), sd_d, beta, *interval, 0.0, 0.0)
     assert fo.bias_plug == pytest.approx(beta, abs=0.011)
     budget = budget_replicated(form, 3, theta, sd, fo, margin=margin, tokens=6144)
     assert budget.towards is Outcome.HOLDS and budget.seeds is not None and budget.tokens is not None, budget
-    side, b = _bounds(form, margin)
     n = budget.seeds
-    k = power.replicates_at(n, 3, 2)
+    k = power.replicates_at(n, 3, k_now)
     assert budget.replicates == k and f"{n} seeds at today's tokens, {k} of them replicated" in budget.text()
     rate = _rule(form, margin, *_runs(theta, fo.bias_plug, su, se, n, k, seed=41))[0].mean()
     assert abs(rate - 0.80) <= 0.05, (budget, rate)
-    half = _rule(form, margin, *_runs(theta, fo.bias_plug, su, se, n // 2, power.replicates_at(n // 2, 3, 2),
+    half = _rule(form, margin, *_runs(theta, fo.bias_plug, su, se, n // 2, power.replicates_at(n // 2, 3, k_now),
                                       seed=42))[0].mean()
     assert half < 0.75, (budget, half)
     f = math.sqrt(6144 / budget.tokens)
-    rate = _rule(form, margin, *_runs(theta, fo.bias_plug, su * f, se * f, 3, 2, seed=43))[0].mean()
+    rate = _rule(form, margin, *_runs(theta, fo.bias_plug, su * f, se * f, 3, k_now, seed=43))[0].mean()
     assert abs(rate - 0.80) <= 0.05, (budget, rate)
 
 
