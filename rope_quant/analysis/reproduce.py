@@ -213,6 +213,17 @@ def _machine_line(machine: Mapping[str, Any]) -> str:
             f"transformers {pk.get('transformers', '?')}")
 
 
+#: Outcomes that are decisions, by direction: a "holds" against a "refuted"/"fails" (or, for directories, a
+#: "worse" against a "better") is a contradiction; either against "inconclusive"/"undecided" is not.
+_DIRECTION = {"holds": 1, "refuted": -1, "fails": -1, "worse": 1, "better": -1}
+
+
+def _contradicts(a: str, b: str) -> bool:
+    """Two outcomes decided in opposite directions (the rule's ≤ 5% per float order says this should not happen)."""
+    da, db = _DIRECTION.get(a.split(" ")[0]), _DIRECTION.get(b.split(" ")[0])
+    return da is not None and db is not None and da != db
+
+
 def compare_against(this: str | Path, other: str | Path) -> str:
     """Markdown: each number of ``this`` beside ``other``'s, Δ in units of this run's CI half-width, flipped
     verdicts flagged. Raises :class:`ReproduceError` for runs that cannot be compared."""
@@ -227,7 +238,7 @@ def compare_against(this: str | Path, other: str | Path) -> str:
         if diff:
             raise ReproduceError(f"{b_path} is from another protocol or model; fields that differ: " + "; ".join(diff))
     rows: list[dict[str, str]] = []
-    flipped = 0
+    flipped, contradictions = 0, 0
     for label in [*a, *(k for k in b if k not in a)]:
         x, y = a.get(label), b.get(label)
         row = {"number": label, "this": _ci(x) if x else "(absent)", "other": _ci(y) if y else "(absent)",
@@ -242,9 +253,12 @@ def compare_against(this: str | Path, other: str | Path) -> str:
                 hw = x.half_width
                 row["Δ / half-width"] = f"{delta / hw:+.2f}" if hw else "–"
             flip = (x.outcome or x.verdict) != (y.outcome or y.verdict)
+            clash = flip and _contradicts(x.outcome or x.verdict, y.outcome or y.verdict)
             flipped += flip
+            contradictions += clash
             same = x.verdict == y.verdict
-            row["verdict (this → other)"] = (f"**FLIPPED** {x.verdict} → {y.verdict}" if flip else
+            kind = "**CONTRADICTION**" if clash else "**FLIPPED** (decided ↔ inconclusive)"
+            row["verdict (this → other)"] = (f"{kind} {x.verdict} → {y.verdict}" if flip else
                                              x.verdict if same else f"{x.verdict} → {y.verdict}")
         rows.append(row)
     rules = [env.pop("_rule", None) for env in (a_env, b_env)]
@@ -253,8 +267,9 @@ def compare_against(this: str | Path, other: str | Path) -> str:
             *([f"- rule: {rules[0]}"] if rules[0] and rules[0] == rules[1] else
               [f"- **different decision rules**: this {rules[0]}; other {rules[1]}: a flip may be the rule's, not "
                "the data's"] if rules[0] else []),
-            f"- {len(rows)} numbers, {flipped} verdict(s) flipped; Δ = other − this, in units of this run's 90% CI "
-            "half-width", ""]
+            f"- {len(rows)} numbers, {flipped} verdict(s) flipped ({contradictions} contradiction(s): one run decided "
+            "what the other decided the opposite way; the rest between a decision and inconclusive); Δ = other − "
+            "this, in units of this run's 90% CI half-width", ""]
     return "\n".join(head) + markdown_table(rows, list(rows[0]) if rows else ["number"]) + "\n"
 
 

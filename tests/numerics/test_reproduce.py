@@ -37,8 +37,8 @@ def test_two_directories_side_by_side_with_a_flip(tmp_path: Path) -> None:
     po = lines["pairwise_only − hadamard"]
     # a: mean 0.2, 90% CI half-width 2.92 * 0.1 / sqrt(3) = 0.1686; b: mean 0.2333 -> Δ +0.033 = +0.20 half-widths
     assert "+0.200 (+0.031, +0.369)" in po and "+0.033" in po and "+0.20" in po and "FLIPPED" not in po
-    assert "**FLIPPED** worse (CI > 0) → undecided" in lines["near − hadamard"]
-    assert "1 verdict(s) flipped" in text
+    assert "**FLIPPED** (decided ↔ inconclusive) worse (CI > 0) → undecided" in lines["near − hadamard"]
+    assert "1 verdict(s) flipped (0 contradiction(s)" in text
 
 
 def test_another_protocol_is_refused_with_the_fields(tmp_path: Path) -> None:
@@ -69,7 +69,17 @@ def test_two_claims_jsons(tmp_path: Path) -> None:
     assert run_against(str(a), str(b), out=out) == 0
     text = out.getvalue()
     assert "AMD EPYC, 1 threads" in text and "AMD EPYC, 2 threads" in text and "GPTQ float32" in text
-    assert "+0.400" in text and "+0.80" in text and "**FLIPPED** holds → inconclusive: 9 seeds" in text
+    assert "+0.400" in text and "+0.80" in text
+    assert "**FLIPPED** (decided ↔ inconclusive) holds → inconclusive: 9 seeds" in text and "CONTRADICTION" not in text
+
+
+def test_opposite_decisions_are_a_contradiction(tmp_path: Path) -> None:
+    """holds in one run and refuted (or fails) in the other is flagged apart from a decided ↔ inconclusive flip."""
+    a = _claims(tmp_path / "a.json", "holds", -1.0, -1.5, -0.5, {})
+    for outcome in ("refuted", "fails"):
+        b = _claims(tmp_path / f"{outcome}.json", outcome, 0.6, 0.2, 1.0, {})
+        text = compare_against(a, b)
+        assert f"**CONTRADICTION** holds → {outcome}" in text and "1 verdict(s) flipped (1 contradiction(s)" in text
 
 
 def test_bad_inputs(tmp_path: Path) -> None:
