@@ -103,7 +103,8 @@ class Budget:
         if self.tokens is not None:
             parts.append(f"{self.tokens} tokens/cell at today's seeds")
         towards = self.towards.value if self.towards else "decide"
-        return f"80% power to {'hold' if towards == 'holds' else 'refute'}: " + " or ".join(parts)
+        return (f"80% power to {'hold' if towards == 'holds' else 'refute'}: " + " or ".join(parts)
+                + (f" ({self.reason})" if self.reason else ""))
 
 
 RULE_OFFSET = "interval, thresholds offset by a fixed noise"
@@ -247,9 +248,33 @@ def decide_interval(form: Form, n: int, mean: float, sd: float, low: float, high
     return replace(base, budget=budget_to_decide(form, n, mean, sd, margin=margin, noise=noise, tokens=tokens))
 
 
+PAST_TODAY = "today's budget already has ≥ 80% power at the measured values; this run fell in the undecided rest"
+"""Why a budget reads today's seeds + 1 (:func:`past_today`)."""
+
+
+def past_today(budget: Budget, n: int, tokens: int | None, k: int | None = None) -> Budget:
+    """A budget to decide is more than today's (this run did not decide): where the plug-in power at today's
+    seeds (or tokens) already reaches 80%, the budget becomes today's seeds + 1 (replicates in today's proportion
+    ``k/n``), the tokens are dropped, and the budget says why (:data:`PAST_TODAY`)."""
+    short = (budget.seeds is not None and budget.seeds <= n) or (
+        budget.tokens is not None and tokens is not None and budget.tokens <= tokens)
+    if not short:
+        return budget
+    from rope_quant.core import power  # deferred: scipy
+
+    reps = power.replicates_at(n + 1, n, k) if k is not None else None
+    return replace(budget, seeds=n + 1, tokens=None, reason=PAST_TODAY, replicates=reps)
+
+
 def budget_to_decide(form: Form, n: int, mean: float, sd: float, *, margin: float = 0.0, noise: float = 0.0,
                      tokens: int | None = None) -> Budget:
-    """The budget that decides at 80% power, towards the side the measured mean lies on."""
+    """The budget that decides at 80% power, towards the side the measured mean lies on (more than today's:
+    :func:`past_today`)."""
+    return past_today(_budget_to_decide(form, n, mean, sd, margin=margin, noise=noise, tokens=tokens), n, tokens)
+
+
+def _budget_to_decide(form: Form, n: int, mean: float, sd: float, *, margin: float, noise: float,
+                      tokens: int | None) -> Budget:
     from rope_quant.core import power  # deferred: scipy
 
     side, b = _bounds(form, margin)
@@ -259,18 +284,18 @@ def budget_to_decide(form: Form, n: int, mean: float, sd: float, *, margin: floa
     if side == "lower":
         if mean > b + noise:
             seeds, toks = power.one_sided_budget(mean - b - noise, sd, n, tokens)
-            return Budget(seeds, toks, Outcome.HOLDS, "" if seeds else "beyond the search range")
+            return Budget(seeds, toks, Outcome.HOLDS, "" if seeds else "seeds beyond the search range")
         if mean < b - noise:
             seeds, toks = power.one_sided_budget(b - noise - mean, sd, n, tokens)
-            return Budget(seeds, toks, Outcome.REFUTED, "" if seeds else "beyond the search range")
+            return Budget(seeds, toks, Outcome.REFUTED, "" if seeds else "seeds beyond the search range")
         return Budget(None, None, None, f"the mean {shown_mean:+.4g} lies within the numerical spread {noise:.3g} "
                                         f"of the boundary {shown_b:+.4g}")
     if abs(mean) < b - noise:
         seeds, toks = power.tost_budget(mean, sd, b - noise, n, tokens)
-        return Budget(seeds, toks, Outcome.HOLDS, "" if seeds else "beyond the search range")
+        return Budget(seeds, toks, Outcome.HOLDS, "" if seeds else "seeds beyond the search range")
     if abs(mean) > b + noise:
         seeds, toks = power.one_sided_budget(abs(mean) - b - noise, sd, n, tokens)
-        return Budget(seeds, toks, Outcome.REFUTED, "" if seeds else "beyond the search range")
+        return Budget(seeds, toks, Outcome.REFUTED, "" if seeds else "seeds beyond the search range")
     reason = (f"the margin {b:.3g} is not wider than the numerical spread {noise:.3g}" if b <= noise else
               f"|mean| {abs(mean):.4g} lies within the numerical spread {noise:.3g} of the margin {b:.3g}")
     return Budget(None, None, None, reason)
@@ -449,7 +474,8 @@ def budget_replicated(form: Form, n: int, mean: float, sd: float, fo: FloatOrder
     towards = Outcome(w_a.rstrip("+-"))
     seeds, toks = power.replicated_budget(side, b, towards.value, mean, sd, bias, fo.sigma, n, fo.k, tokens)
     reps = power.replicates_at(seeds, n, fo.k) if seeds else None
-    return Budget(seeds, toks, towards, "" if seeds else "beyond the search range", replicates=reps)
+    return past_today(Budget(seeds, toks, towards, "" if seeds else "seeds beyond the search range", replicates=reps),
+                      n, tokens, fo.k)
 
 
 def paired_claim(form: Form, treatment: Sequence[float], control: Sequence[float], *,

@@ -218,3 +218,17 @@ def test_paired_claim_pairs_replicates_by_seed_and_refuses_bad_input() -> None:
     assert one.outcome is Outcome.INCONCLUSIVE and "needs ≥ 2 seeds" in one.text()
     d = v.to_dict()
     assert d["rule"] == RULE_REPLICATES and d["float_order"]["k"] == 2 and d["float_order"]["low_b"] is not None
+
+
+def test_an_undecided_run_never_prints_todays_budget() -> None:
+    """A run can fail to decide even where the plug-in power at today's seeds is ≥ 80% (it fell in the rest):
+    the budget then reads today's seeds + 1, every one replicated, with the reason, never today's own budget
+    (C7 at 2 threads, commit 88ffc1e, printed "3 seeds at today's tokens" before this)."""
+    primary, shifts = [5.7, 4.4, 5.1], [0.2, -4.2, -1.8]  # the primary interval clears 0; the replicate order's not
+    v = decide_replicated(Form.GREATER, primary, shifts, tokens=1024)
+    assert v.outcome is Outcome.INCONCLUSIVE and v.budget is not None, v.text()
+    assert v.budget.seeds == 4 and v.budget.replicates == 4 and v.budget.tokens is None, v.budget
+    assert "4 seeds at today's tokens, 4 of them replicated" in v.text() and "undecided rest" in v.text()
+    far = decide_replicated(Form.GREATER, [1.0, 2.5, 0.2], [-3.0, 1.0, 0.5], tokens=1024)
+    assert far.budget is not None and far.budget.seeds is not None and far.budget.seeds > 4
+    assert "undecided rest" not in far.text() and far.budget.tokens is not None and far.budget.tokens > 1024
