@@ -348,9 +348,11 @@ def combine_all(parts: Iterable[Verdict], note: str = "") -> Verdict:
     toks = [b.tokens for b in budgets if b is not None]
     towards = {b.towards for b in budgets if b is not None}
     reps = [b.replicates for b in budgets if b is not None and b.replicates is not None]
-    merged = Budget(None if None in seeds else max(s for s in seeds if s is not None),
-                    None if None in toks else max(t for t in toks if t is not None),
-                    towards.pop() if len(towards) == 1 else None, replicates=max(reps) if reps else None)
+    most = None if None in seeds else max(s for s in seeds if s is not None)
+    merged = Budget(most, None if None in toks else max(t for t in toks if t is not None),
+                    towards.pop() if len(towards) == 1 else None,
+                    reason=next((b.reason for b in budgets if b is not None and b.seeds == most and b.reason), ""),
+                    replicates=max(reps) if reps else None)
     return replace(open_[0], budget=merged, note=note)
 
 
@@ -415,7 +417,7 @@ def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float
     from rope_quant.core import stats  # deferred: scipy
 
     ci = stats.paired_ci(d, [0.0] * len(d), LEVEL)
-    every = len(shifts) == len(d) and len(d) >= 2  # every seed replicated: shifts[i] is seed i's
+    every = len(shifts) == len(d)  # every seed replicated: shifts[i] is seed i's
     sd_rep = stats.sample_sd([x + float(y) for x, y in zip(d, shifts, strict=True)]) if every else None
     fo = float_order(shifts, ci.n, ci.mean, ci.sd, sd_rep)
     if fo.sigma is None:

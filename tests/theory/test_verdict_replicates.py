@@ -27,6 +27,7 @@ from rope_quant.core.verdict import (
     Outcome,
     _bounds,
     budget_replicated,
+    combine_all,
     decide_replicated,
     paired_claim,
 )
@@ -229,6 +230,8 @@ def test_an_undecided_run_never_prints_todays_budget() -> None:
     assert v.outcome is Outcome.INCONCLUSIVE and v.budget is not None, v.text()
     assert v.budget.seeds == 4 and v.budget.replicates == 4 and v.budget.tokens is None, v.budget
     assert "4 seeds at today's tokens, 4 of them replicated" in v.text() and "undecided rest" in v.text()
+    merged = combine_all([decide_replicated(Form.GREATER, [9.0, 8.0, 8.5], [0.1, -0.2, 0.1], tokens=1024), v])
+    assert merged.budget is not None and merged.budget.seeds == 4 and "undecided rest" in merged.text()
     far = decide_replicated(Form.GREATER, [1.0, 2.5, 0.2], [-3.0, 1.0, 0.5], tokens=1024)
     assert far.budget is not None and far.budget.seeds is not None and far.budget.seeds > 4
     assert "undecided rest" not in far.text() and far.budget.tokens is not None and far.budget.tokens > 1024
