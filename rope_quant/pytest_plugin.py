@@ -18,6 +18,7 @@ Tests attach measurements with the ``rq_claim`` / ``rq_record`` fixtures. The da
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,20 +202,23 @@ def rq_claim(request: pytest.FixtureRequest):
     it, ``holds`` True / False reads holds / fails, and None a measurement recorded without a claim ("recorded
     (no claim)"; an undecided claim passes its ``verdict``, which carries the budget). The verdict column
     combines it with the test outcome (a failed test whose claim was not decided against reads FAILED).
-    ``model``: the model the claim was measured on (default the embedded model).
+    ``model``: the model the claim was measured on (default the embedded model). ``parts``: a claim made of
+    parts (C4's steps, C7's lengths, App. F's settings) names each part's Verdict, so that ``report --against``
+    compares the runs part by part.
     """
 
     def record(claim: str, expected: str, measured: str, holds: bool | None = None, model: str | None = None,
-               verdict: Any = None, **numbers: Any) -> None:
+               verdict: Any = None, parts: Mapping[str, Any] | None = None, **numbers: Any) -> None:
         decided = None
         if verdict is not None:
-            decided = _jsonable(verdict.to_dict() if hasattr(verdict, "to_dict") else verdict)
+            decided = _decision(verdict)
             holds = {"holds": True, "fails": False, "refuted": False}.get(decided["outcome"])
-        request.node.user_properties.append(
-            (_CLAIMS_KEY, {"claim": claim, "model": model or EMBEDDED_MODEL, "expected": expected,
-                           "measured": measured, "holds": None if holds is None else bool(holds),
-                           "decision": decided, "numbers": _jsonable(numbers), "test": request.node.nodeid})
-        )
+        entry = {"claim": claim, "model": model or EMBEDDED_MODEL, "expected": expected, "measured": measured,
+                 "holds": None if holds is None else bool(holds), "decision": decided,
+                 "numbers": _jsonable(numbers), "test": request.node.nodeid}
+        if parts:
+            entry["parts"] = {str(name): _decision(v) for name, v in parts.items()}
+        request.node.user_properties.append((_CLAIMS_KEY, entry))
 
     return record
 
@@ -238,6 +242,11 @@ def rq_record(request: pytest.FixtureRequest):
         request.node.user_properties.append((_TABLE_KEY, {"table": table, "row": _jsonable(row)}))
 
     return record
+
+
+def _decision(verdict: Any) -> dict[str, Any]:
+    """A Verdict (or its ``to_dict()``) as plain JSON."""
+    return dict(_jsonable(verdict.to_dict() if hasattr(verdict, "to_dict") else verdict))
 
 
 def _jsonable(obj: Any) -> Any:

@@ -156,6 +156,11 @@ def _claims_numbers(path: Path) -> tuple[dict[str, Number], dict[str, Any]]:
             if pair is not None:
                 label, (mean, low, high, n) = f"{label} ({pair[0]})", pair[1]
         numbers[label] = Number(label, mean, low, high, n, verdict, outcome, _float_order(d))
+        for name, part in (claim.get("parts") or {}).items():  # a claim of parts: each part its own row
+            if isinstance(part, Mapping) and part.get("outcome"):
+                numbers[f"{label} · {name}"] = Number(
+                    f"{label} · {name}", part.get("mean"), part.get("low"), part.get("high"), int(part.get("n") or 0),
+                    str(part.get("text") or part["outcome"]), str(part["outcome"]), _float_order(part))
     return numbers, {**(payload.get("machine") or {}), "_rule": _rule(payload)}
 
 

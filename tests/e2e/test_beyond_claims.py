@@ -60,7 +60,7 @@ def test_no_commuting_r3_matches_hadamard(experiment, rq_claim) -> None:
     measured += f"; hadamard K range {_fmt(had_range)}"
     rq_claim("Beyond: best commuting R3 vs hadamard, W4A4KV4",
              "ppl gap > 0 (the rule) and K range > hadamard's every seed, every commuting R3", measured,
-             verdict=verdict, hadamard=had)
+             verdict=verdict, parts=parts, hadamard=had)
     assert not verdict.failed, measured
 
 

@@ -180,7 +180,8 @@ def test_c4_perplexity_gap_non_increasing_in_block_size(experiment, rq_claim, rq
              f"no step b → 2b raises ppl by more than ±{margin.value:.3f} ({margin.basis}); robust: gap(2) > gap(64)",
              f"gap {_fmt(gaps)}; largest rise {worst_rise:+.3f}; steps "
              + ", ".join(f"{_verdict_ci(v)} [{_spread_text(v)}]" for v in parts),
-             verdict=verdict, gaps=gaps, noise=[v.noise for v in parts], margin=margin.value)
+             verdict=verdict, parts={f"b={BLOCKS[i]}→{BLOCKS[i + 1]}": v for i, v in enumerate(parts)}, gaps=gaps,
+             noise=[v.noise for v in parts], margin=margin.value)
     assert robust, gaps
     assert not verdict.failed, verdict.text()
 
@@ -338,7 +339,7 @@ def _c7_claim(parts: dict[int, Verdict], rq_claim, what: str) -> None:
     verdict = combine_all([deterministic(robust, "robust part: mean gap > 0 at every L"), *parts.values()])
     rq_claim(what, "paired 90% CI of pairwise_only − hadamard above 0 at every L",
              "; ".join(f"L={k}: {_verdict_ci(v)}, {_spread_text(v)}" for k, v in parts.items()), verdict=verdict,
-             **{str(k): v.mean for k, v in parts.items()}, noise={str(k): v.noise for k, v in parts.items()})
+             parts={f"L={k}": v for k, v in parts.items()}, **{str(k): v.mean for k, v in parts.items()}, noise={str(k): v.noise for k, v in parts.items()})
     assert robust, {k: v.mean for k, v in parts.items()}
     assert not verdict.failed, verdict.text()
 

@@ -61,5 +61,5 @@ def test_lower_bits_pairwise_only_gap(experiment, rq_claim, rq_record) -> None:
                          for k, v in parts.items())
     rq_claim("App. F lower bits: pairwise_only gap", "gap > 0 at W4A3KV4 and W3A3KV3; larger at W3A3KV3 than "
              "W4A4KV4", measured, verdict=verdict, gaps={k: v.mean for k, v in parts.items()},
-             parts={k: v.outcome.value for k, v in parts.items()})
+             parts=parts)
     assert not verdict.failed, {k: v.text() for k, v in parts.items()}

@@ -323,6 +323,7 @@ def test_replicated(rq_claim):
     rq_claim("C7 (demo)", "greater", "replicated", verdict=v)
     w = paired_claim(Form.GREATER, [3.0, 3.1, 2.9], [0.0, 0.0, 0.0], replicates="seed 0: OOM")
     rq_claim("C8 (demo)", "greater", "replicate failed", verdict=w)
+    rq_claim("C9 (demo)", "both", "parts", verdict=w, parts={"L=1": v, "L=2": w})
 """
 
 
@@ -346,3 +347,6 @@ def test_claims_table_carries_the_decision_rule_and_budget(pytester: pytest.Pyte
     assert by["C7 (demo)"]["verdict"] == "holds" and c7["rule"] == RULE_REPLICATES
     assert c7["float_order"]["k"] == 2 and c7["float_order"]["bias"] == pytest.approx(0.0, abs=1e-12)
     assert by["C8 (demo)"]["verdict"].startswith("inconclusive: float-order replicate: seed 0: OOM")
+    assert "parts" not in by["C8 (demo)"]
+    assert {k: p["outcome"] for k, p in by["C9 (demo)"]["parts"].items()} == {"L=1": "holds", "L=2": "inconclusive"}
+    assert by["C9 (demo)"]["parts"]["L=1"]["mean"] == pytest.approx(3.0)

@@ -168,3 +168,28 @@ def test_claims_jsons_of_the_replicated_rule_and_of_the_legacy_one(tmp_path: Pat
     legacy = _claims(tmp_path / "old.json", "holds", -1.0, -1.5, -0.5, {})
     text = compare_against(a, legacy)
     assert "**different decision rules**" in text and "0.1.x" in text, text
+
+
+def test_a_claim_of_parts_is_compared_part_by_part(tmp_path: Path) -> None:
+    """A claim whose parts the test named (C7's lengths) gets one row per part: the combined decision of one run
+    may come from L = 1024 and the other's from L = 4096, so only the parts compare like with like."""
+
+    def part(outcome: str, mean: float, low: float, high: float) -> dict:
+        return {"outcome": outcome, "mean": mean, "low": low, "high": high, "n": 3, "text": outcome}
+
+    def claims(path: Path, short: dict, long: dict, first: dict) -> Path:
+        c7 = {"claim": "C7", "model": "m", "verdict": first["text"], "decision": first,
+              "parts": {"L=1024": short, "L=4096": long}, "numbers": {}}
+        path.write_text(json.dumps({"claims": [c7], "machine": {}}))
+        return path
+
+    a_short, a_long = part("inconclusive", 3.5, -1.2, 8.1), part("holds", 5.6, 1.3, 9.9)
+    b_short, b_long = part("holds", 5.1, 4.4, 5.7), part("inconclusive", 8.1, -1.3, 12.3)
+    text = compare_against(claims(tmp_path / "a.json", a_short, a_long, a_short),
+                           claims(tmp_path / "b.json", b_short, b_long, b_long))
+    rows = {x.split("|")[1].strip(): x for x in text.splitlines() if x.startswith("| C7")}
+    assert set(rows) == {"C7 [m]", "C7 [m] · L=1024", "C7 [m] · L=4096"}, rows
+    assert "+3.500 (−1.200, +8.100)".replace("−", "-") in rows["C7 [m] · L=1024"]
+    assert "+1.600" in rows["C7 [m] · L=1024"] and "+2.500" in rows["C7 [m] · L=4096"]
+    assert "FLIPPED" in rows["C7 [m] · L=1024"] and "FLIPPED" in rows["C7 [m] · L=4096"]
+    assert "2 verdict(s) flipped" in text  # the parts flip; the combined claim (inconclusive both) does not
