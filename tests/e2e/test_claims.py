@@ -339,7 +339,8 @@ def _c7_claim(parts: dict[int, Verdict], rq_claim, what: str) -> None:
     verdict = combine_all([deterministic(robust, "robust part: mean gap > 0 at every L"), *parts.values()])
     rq_claim(what, "paired 90% CI of pairwise_only − hadamard above 0 at every L",
              "; ".join(f"L={k}: {_verdict_ci(v)}, {_spread_text(v)}" for k, v in parts.items()), verdict=verdict,
-             parts={f"L={k}": v for k, v in parts.items()}, **{str(k): v.mean for k, v in parts.items()}, noise={str(k): v.noise for k, v in parts.items()})
+             parts={f"L={k}": v for k, v in parts.items()}, **{str(k): v.mean for k, v in parts.items()},
+             noise={str(k): v.noise for k, v in parts.items()})
     assert robust, {k: v.mean for k, v in parts.items()}
     assert not verdict.failed, verdict.text()
 
