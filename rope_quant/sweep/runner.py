@@ -26,7 +26,7 @@ from typing import Any
 
 from rope_quant.experiment.envinfo import env_info, write_env
 from rope_quant.sweep import records
-from rope_quant.sweep.cells import CellFn, pipeline_cell_fn
+from rope_quant.sweep.cells import CellFn, artifact_dir, pipeline_cell_fn
 from rope_quant.sweep.loaded_models import ModelCache
 from rope_quant.sweep.lock import CellClaim
 from rope_quant.sweep.manifest import Manifest, SweepError, commit_manifest, config_seed, load_manifest, run_of
@@ -219,6 +219,7 @@ def run_cells(
             if done_elsewhere(path, cfg.key()):  # completed by another run before our claim
                 report.skipped.append(i)
                 return
+            _remove_stale_temporaries(path, artifact_dir(out, cfg))
             if log:
                 log(f"[{count}/{len(chosen)}] {name} seed {config_seed(cfg)} ...")
             t0 = time.perf_counter()
@@ -251,6 +252,16 @@ def run_cells(
         run_one(count, i, claim)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _remove_stale_temporaries(record: Path, artifacts: Path) -> None:
+    """Remove the temporary files a killed writer of this cell left (``.<name>.*.tmp``: :func:`atomic_writer`'s),
+    beside its record and in its artefact directory. Called under the cell's claim, so no live run writes them."""
+    stale = [*record.parent.glob(f".{record.name}.*.tmp")]
+    if artifacts.is_dir():
+        stale += [p for p in artifacts.glob(".*.tmp") if p.is_file()]
+    for tmp in stale:
+        tmp.unlink(missing_ok=True)
 
 
 def run_shard(

@@ -631,3 +631,29 @@ def test_out_of_memory_in_a_stage_is_recorded_with_its_name_and_the_other_cells_
     assert cli.main(_compare_argv(model, corpus, out), models=ModelCache()) == 0
     assert all((out / p).read_bytes() == b for p, b in ok_before.items())  # only the failed cell ran again
     assert all(json.loads((out / e["path"]).read_text())["status"] == "ok" for e in read_manifest(out)["cells"])
+
+
+def test_a_rerun_cell_removes_the_temporaries_its_killed_writer_left(tmp_path):
+    """kill -9 inside an atomic write leaves ``.<name>.*.tmp`` beside the record or in the artefact directory; the
+    run that takes the cell over removes them (under the claim), and leaves a complete cell's files alone."""
+    from rope_quant.sweep.cells import artifact_dir
+    from rope_quant.sweep.records import cell_path
+    from rope_quant.sweep.runner import run_cells
+    from tests._support import FakeConfig
+
+    manifest = build_manifest(FakeConfig(seqlen=64), {"hadamard": {"r3": "hadamard"}}, (0, 1), study="compare")
+    run_cells(manifest, tmp_path, [0], cell_fn=lambda cfg: {"ppl": 10.0, "n_windows": 1, "n_tokens": 64}, log=None)
+    (name0, cfg0), (name1, cfg1) = manifest.cells
+    leftovers = []
+    for name, cfg in ((name0, cfg0), (name1, cfg1)):
+        record, art = cell_path(tmp_path, name, cfg), artifact_dir(tmp_path, cfg)
+        art.mkdir(parents=True, exist_ok=True)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        leftovers.append((record.parent / f".{record.name}.abc123.tmp", art / ".angles.npy.xyz789.tmp"))
+        for tmp in leftovers[-1]:
+            tmp.write_bytes(b"half a file")
+    report = run_cells(manifest, tmp_path, cell_fn=lambda cfg: {"ppl": 11.0, "n_windows": 1, "n_tokens": 64},
+                       log=None)
+    assert report.ran == [1] and report.skipped == [0]
+    assert all(tmp.exists() for tmp in leftovers[0])  # a complete cell is not touched
+    assert not any(tmp.exists() for tmp in leftovers[1])
