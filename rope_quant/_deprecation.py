@@ -115,8 +115,9 @@ class _MovedFinder:
             sys.modules[old] = importlib.import_module(new)
             return
         module.__doc__ = f"rope_quant 0.1.0's {old}, deprecated: its names now live in {', '.join(homes)}."
-        module.__all__ = sorted({n for h in homes for n in getattr(importlib.import_module(h), "__all__", ())})
-        module.__getattr__ = functools.partial(_split_attribute, old, homes)  # type: ignore[attr-defined]
+        names = sorted({n for h in homes for n in getattr(importlib.import_module(h), "__all__", ())})
+        setattr(module, "__all__", names)  # noqa: B010 (a placeholder module: no __all__ to type-check)
+        setattr(module, "__getattr__", functools.partial(_split_attribute, old, homes))  # noqa: B010 (PEP 562)
 
 
 def install() -> None:
