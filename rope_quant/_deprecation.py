@@ -10,6 +10,7 @@ importing an old path costs what importing its target costs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import pkgutil
@@ -52,6 +53,14 @@ MOVED_MODULES: dict[str, str] = {
     "sweep.report": "rope_quant.analysis.report",
     "sweep.reproduce": "rope_quant.analysis.reproduce",
     "sweep.titles": "rope_quant.analysis.titles",
+}
+
+# 0.1.0 modules that a later split spread over more than one module: old path -> the homes beside its
+# MOVED_MODULES target. The old path is then a module of its own whose names resolve from the target, then
+# these (PEP 562 ``__getattr__``); it is not the same object as any of them, so patch the new path.
+SPLIT_MODULES: dict[str, tuple[str, ...]] = {
+    "calibration": ("rope_quant.calib.stats",),
+    "gptq": ("rope_quant.quant.rtn",),
 }
 
 # The public names of the old flat modules that are packages now, as 0.1.0 had them.
@@ -97,9 +106,18 @@ class _MovedFinder:
     def exec_module(self, module: ModuleType) -> None:
         old = module.__name__
         new = MOVED_MODULES[old.removeprefix("rope_quant.")]
-        warnings.warn(message(f"module {old}", new), DeprecationWarning, stacklevel=_caller_level())
-        # the import system returns sys.modules[old] after exec_module: the new module itself
-        sys.modules[old] = importlib.import_module(new)
+        key = old.removeprefix("rope_quant.")
+        homes = (new, *SPLIT_MODULES.get(key, ()))
+        warnings.warn(message(f"module {old}", " and ".join(homes)), DeprecationWarning,
+                      stacklevel=_caller_level())
+        if len(homes) == 1:
+            # the import system returns sys.modules[old] after exec_module: the new module itself
+            sys.modules[old] = importlib.import_module(new)
+            return
+        module.__doc__ = f"rope_quant 0.1.0's {old}, deprecated: its names now live in {', '.join(homes)}."
+        names = sorted({n for h in homes for n in getattr(importlib.import_module(h), "__all__", ())})
+        setattr(module, "__all__", names)  # noqa: B010 (a placeholder module: no __all__ to type-check)
+        setattr(module, "__getattr__", functools.partial(_split_attribute, old, homes))  # noqa: B010 (PEP 562)
 
 
 def install() -> None:
@@ -142,6 +160,17 @@ def moved_attribute(package: str, name: str, modules: Iterable[str]) -> Any:
             warnings.warn(message(f"{package}.{name}", f"{mod_name}.{name}"), DeprecationWarning, stacklevel=3)
             return vars(module)[name]
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+
+def _split_attribute(old: str, homes: Sequence[str], name: str) -> Any:
+    """A split old module's ``__getattr__``: its 0.1.0 names from their homes (no dunder: it is no package)."""
+    if name.startswith("__"):
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+    for home in homes:  # the module that defines it, not one that imports it
+        value = vars(importlib.import_module(home)).get(name)
+        if value is not None and getattr(value, "__module__", home) == home:
+            return moved_attribute(old, name, (home,))
+    return moved_attribute(old, name, homes)
 
 
 def _submodules(package: str) -> list[str]:

@@ -181,7 +181,7 @@ def extra_report(root: Path, figures: bool = True) -> tuple[list[Table], list[Pa
     """The protocol and intra-band tables  and the |ρ| figure
     of ``root``, and the extra files written."""
     from rope_quant.calib.errors import CalibrationError
-    from rope_quant.calib.moments import CalibrationStats
+    from rope_quant.calib.stats import CalibrationStats
 
     tables: list[Table] = []
     files: list[Path] = []

@@ -1,7 +1,7 @@
 """Calibration statistics accumulated on the device of the activations (App. A.2.1), copied to the host once.
 
 :class:`DeviceAccumulator` is the torch twin of the host (numpy) update of
-:class:`rope_quant.calib.moments.CalibrationStats`: for each (layer, stream) it keeps float64 raw sums, the
+:class:`rope_quant.calib.stats.CalibrationStats`: for each (layer, stream) it keeps float64 raw sums, the
 means and centred co-moments (the same per-batch moments and Chan et al. merge as the host), the top-k candidate
 rows by |a|+|b| and the bottom-k K sample, all on the device the q/k outputs live on. Nothing in
 :meth:`DeviceAccumulator.update` reads a device value on the host (row counts come from shapes, the non-finite

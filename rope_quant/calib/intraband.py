@@ -2,7 +2,7 @@
 
 For each frequency pair k the two channels (a, b) that RoPE rotates together have standard deviations
 σ1 = √Σ11, σ2 = √Σ22 and correlation ρ = Σ12 / (σ1 σ2), from the calibration accumulators
-(:class:`rope_quant.calib.moments.CalibrationStats`, centred float64 moments). They are reported
+(:class:`rope_quant.calib.stats.CalibrationStats`, centred float64 moments). They are reported
 
 - separately for the Q stream (every Q head) and the K stream (every KV head): ``scope`` ``q`` / ``k``;
 - pooled the way the pairwise angles pool them: ``pooled`` (the ``rows`` rule, one per layer) and

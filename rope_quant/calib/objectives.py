@@ -8,7 +8,7 @@
 - ``branch_matched=True``: the φ̂ control with φ*'s wrap, wrap(φ̂).
 
 ``objective`` in ``linf``/``l2max``/``quantile``: a 200-point grid over (-π/4, π/4], scored on the
-per-(layer, pair) top-k candidate rows kept by :class:`~rope_quant.calib.moments.CalibrationStats`
+per-(layer, pair) top-k candidate rows kept by :class:`~rope_quant.calib.stats.CalibrationStats`
 (y = G(φ)[a; b]):
 
 - ``linf``: max |y| over both outputs and all candidates;
@@ -50,8 +50,9 @@ import numpy as np
 import torch
 
 from rope_quant.calib import range_fast
-from rope_quant.calib.moments import CalibrationError, CalibrationStats
+from rope_quant.calib.errors import CalibrationError
 from rope_quant.calib.rules import POOLING, pool_spec
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core.angles import PairCov, as_pair_cov, equalising_angle, jacobi_angle, wrap_angle
 from rope_quant.core.rope import check_frequencies, find_inv_freq, pair_indices, phase_averages
 from rope_quant.model import arch

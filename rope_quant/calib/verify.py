@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rope_quant.calib.moments import CalibrationStats
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core.angles import PairCov, as_pair_cov, jacobi_angle
 from rope_quant.core.rope import check_frequencies, find_inv_freq
 from rope_quant.io import atomic_write_text

@@ -145,7 +145,7 @@ def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
     import dataclasses
 
     from rope_quant.experiment import config
-    from rope_quant.quant.gptq import GPTQConfig
+    from rope_quant.quant.rtn import GPTQConfig
 
     budget, _ = resolve_budget(args)
     w_mse = budget.pop("w_mse")

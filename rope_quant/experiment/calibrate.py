@@ -102,7 +102,7 @@ def angles_for(cfg: RunConfig, stats: Any, model: nn.Module) -> np.ndarray:
 def read_stats_cache(path: Path | None, expected: Any) -> Any:
     """The cached statistics at ``path``, or None (missing; or unreadable / of another shape: warned on the
     cache's one channel, :data:`rope_quant.io.cache_log`)."""
-    from rope_quant.calib.moments import CalibrationStats
+    from rope_quant.calib.stats import CalibrationStats
 
     stats = read_cache(path, CalibrationStats.load, "statistics cache", "recomputing it")
     if stats is not None and stats.config() != expected.config():
@@ -138,7 +138,7 @@ def calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometr
     Cached per (stats_key, model fingerprint, calibration-window hash); a corrupt cache is warned about,
     recomputed and rewritten.
     """
-    from rope_quant.calib.moments import CalibrationStats
+    from rope_quant.calib.stats import CalibrationStats
 
     name = f"stats-{cfg.stats_key()}-{fingerprint}-{weight_cache.data_fingerprint(calib)}.npz"
     spath = None if cache is None else cache / name

@@ -49,8 +49,8 @@ from typing import Any, ClassVar
 from rope_quant.calib.objectives import GRID_OBJECTIVES, AngleRule, Objective
 from rope_quant.calib.rules import PoolingRule
 from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
-from rope_quant.quant.gptq import GPTQConfig, GPTQError
 from rope_quant.quant.quantizers import QuantConfig, QuantConfigError, check_bits, check_clip
+from rope_quant.quant.rtn import GPTQConfig, GPTQError
 from rope_quant.rotations.offline import RotationConfig, RotationKind
 from rope_quant.rotations.whip import WhipConfig
 

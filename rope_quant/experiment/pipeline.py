@@ -73,8 +73,8 @@ from rope_quant.experiment.config import (
 )
 from rope_quant.experiment.stages import StageName, stage
 from rope_quant.io import save_tensors
-from rope_quant.quant import gptq
-from rope_quant.quant.gptq import GPTQConfig
+from rope_quant.quant import gptq, rtn
+from rope_quant.quant.rtn import GPTQConfig
 from rope_quant.rotations import attention
 from rope_quant.rotations.offline import RotationKind
 
@@ -345,7 +345,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
             counters.weight_quantizations += 1
         elif w.mode == WeightMode.RTN:
             with stage(StageName.RTN):
-                gptq.quantize_model_rtn(model, w.bits, w.gptq.group_size, w.gptq.mse, w.clip, cfg=w.gptq)
+                rtn.quantize_model_rtn(model, w.bits, w.gptq.group_size, w.gptq.mse, w.clip, cfg=w.gptq)
             counters.weight_quantizations += 1
         if wpath is not None:
             weight_cache.save_weights(wpath, cfg, model, rotation, errors, static_act, rotation_fit)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_quant.quant.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
+from rope_quant.quant.gptq import HessianAccumulator, gptq_quantize
+from rope_quant.quant.rtn import GPTQConfig
 
 __all__ = ["FAST_HESSIAN_TOLERANCE", "FastHessianCheck", "proxy_loss", "validate_fast_hessian"]
 

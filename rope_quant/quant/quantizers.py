@@ -1,4 +1,4 @@
-"""Fake quantisers: dynamic per-token activations/KV and a static per-channel control (weight RTN: gptq.py).
+"""Fake quantisers: dynamic per-token activations/KV and a static per-channel control (weight RTN: rtn.py).
 
 Conventions follow the rotation-PTQ baselines the paper builds on (QuaRot/SpinQuant, Sec. 4 and App. A.6):
 

@@ -24,7 +24,7 @@ re-applies R3 and the per-token quantiser to it: both are token-local, so this e
 token once when it enters the cache.
 
 Calibration mode (:func:`calibration_hooks`) streams the pre-RoPE q/k (projection or q/k-norm outputs) into
-:class:`rope_quant.calib.moments.CalibrationStats` through forward hooks that are removed afterwards.
+:class:`rope_quant.calib.stats.CalibrationStats` through forward hooks that are removed afterwards.
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ def calibration_hooks(model: nn.Module, stats: Any) -> Iterator[Any]:
 
     Forward hooks (public API) are registered on every layer's pre-RoPE q/k module and removed on exit.
     """
-    from rope_quant.calib.moments import register_projection_hooks
+    from rope_quant.calib.stats import register_projection_hooks
 
     check_model(model)
     handles = register_projection_hooks(model, stats)

@@ -75,7 +75,7 @@ def bench_eval(base, rows: list) -> None:
 
 
 def bench_calib(base, rows: list, seqlen: int) -> None:
-    from rope_quant.calib.moments import CalibrationStats
+    from rope_quant.calib.stats import CalibrationStats
     from rope_quant.experiment import data
     from rope_quant.experiment.pipeline import K_SAMPLE_ROWS
     from rope_quant.rotations import attention
@@ -106,7 +106,8 @@ def _tiny_llama(hidden: int, seed: int = 0):
 
 
 def bench_gptq(rows: list) -> None:
-    from rope_quant.quant.gptq import GPTQConfig, quantize_model_gptq
+    from rope_quant.quant.gptq import quantize_model_gptq
+    from rope_quant.quant.rtn import GPTQConfig
 
     windows = torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(0))
     quantize_model_gptq(_tiny_llama(64), windows, 4, GPTQConfig(), progress=False)  # warm-up

@@ -31,7 +31,7 @@ def forward(model):
 
 
 def bench_calib(base, ids, rounds: int = 3) -> dict:
-    from rope_quant.calib.moments import CalibrationStats
+    from rope_quant.calib.stats import CalibrationStats
     from rope_quant.rotations import attention
 
     model = base[0]
@@ -58,8 +58,8 @@ def bench_fq(base, corpus, ids, rounds: int = 3) -> dict:
 
 
 def bench_range(base, corpus) -> dict:
-    from rope_quant.calib.moments import CalibrationStats
     from rope_quant.calib.objectives import estimate_angles
+    from rope_quant.calib.stats import CalibrationStats
     from rope_quant.experiment import data
     from rope_quant.rotations import attention
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from rope_quant.io import atomic_write_json  # noqa: E402
-from rope_quant.quant.gptq import GPTQConfig, ScaleObjective  # noqa: E402
+from rope_quant.quant.rtn import GPTQConfig, ScaleObjective  # noqa: E402
 
 #: The reference every candidate is paired with: the scale search of 0.1.0 (the weights' own L2 error, ratios
 #: 1 .. 0.2, max|w|/7), spelled out so that a change of GPTQConfig's defaults never changes what it measures.

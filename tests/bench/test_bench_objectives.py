@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from _timing import best_of
 
-from rope_quant.calib.moments import CalibrationStats
 from rope_quant.calib.objectives import RANGE_GRID_SIZE, RANGE_REFINE, RANGE_SWEEPS, estimate_angles, fit_range_angles
+from rope_quant.calib.stats import CalibrationStats
 
 N, H_Q, H_KV, D = 2048, 9, 3, 64
 INV_FREQ = 100000.0 ** (-np.arange(0, D, 2) / D)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from _timing import paired_best
 
-from rope_quant.calib.moments import CalibrationStats
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.experiment import data
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 from rope_quant.quant import deferred

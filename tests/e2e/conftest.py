@@ -71,7 +71,7 @@ class Experiment:
 
     def config(self, seed: int = 0, **overrides: Any):
         from rope_quant.experiment.pipeline import RunConfig
-        from rope_quant.quant.gptq import GPTQConfig
+        from rope_quant.quant.rtn import GPTQConfig
 
         b = self.budget
         fields = dict(model=self.model, corpus=self.corpus, seed=seed, seqlen=b.seqlen, device=self.device,
@@ -117,7 +117,7 @@ class Experiment:
         return w * self.budget.seqlen
 
     def _replicate_overrides(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        from rope_quant.quant.gptq import GPTQConfig
+        from rope_quant.quant.rtn import GPTQConfig
 
         return {**overrides, "gptq": GPTQConfig(float64=not self.budget.gptq_float64)}
 

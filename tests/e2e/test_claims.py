@@ -230,7 +230,7 @@ def test_c4_block_endpoints_match(experiment, rq_claim) -> None:
 
 def _excess_table(experiment) -> dict[str, Any]:
     """Relative excess over λ̄ per angle rule, on the embedded model's own calibration statistics (App. J)."""
-    from rope_quant.calib.moments import CalibrationStats
+    from rope_quant.calib.stats import CalibrationStats
     from rope_quant.core import angles, rope
     from rope_quant.experiment.pipeline import build_quantized_model
 

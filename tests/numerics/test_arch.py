@@ -24,11 +24,11 @@ from packaging.version import Version
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import rope_quant
-from rope_quant.calib.moments import CalibrationStats
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core import transforms as T
 from rope_quant.model import arch
 from rope_quant.quant import gptq
-from rope_quant.quant.gptq import GPTQConfig
+from rope_quant.quant.rtn import GPTQConfig
 from rope_quant.rotations import attention
 from rope_quant.rotations import offline as rotation
 from tests import _support as support

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rope_quant.calib.moments import CalibrationStats
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core import rope
 from rope_quant.core import transforms as T
 from rope_quant.quant.quantizers import QuantConfig, QuantConfigError

@@ -13,14 +13,13 @@ from rope_quant.calib.candidates import TopKCandidates
 from rope_quant.calib.ksample import KSample
 from rope_quant.calib.moments import (
     CalibrationShapeError,
-    CalibrationStats,
     IncompatibleStatsError,
     PairMoments,
     StatsFileError,
     UnknownPoolingRuleError,
-    merge_all,
 )
 from rope_quant.calib.rules import POOLING, POOLING_RULES, STREAMS, PoolingRule, PoolSpec, pool_spec
+from rope_quant.calib.stats import CalibrationStats, merge_all
 from rope_quant.core.rope import pair_indices
 
 L, HQ, HK, D = 2, 6, 2, 8

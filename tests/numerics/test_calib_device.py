@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant.calib.moments import CalibrationStats
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.experiment import act_quant, calibrate, pipeline, plan_costs
 from rope_quant.model import offload
 from rope_quant.rotations import attention

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant.calib.moments import CalibrationStats, NonFiniteCalibrationError
+from rope_quant.calib.moments import NonFiniteCalibrationError
+from rope_quant.calib.stats import CalibrationStats
 from tests._support.calib_reference import ReferenceStats
 
 L, HQ, HK, D = 2, 4, 2, 8

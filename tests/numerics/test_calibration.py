@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from rope_quant.calib.moments import (
     CalibrationShapeError,
-    CalibrationStats,
     EmptyStatisticsError,
     IncompatibleStatsError,
     MissingStatsFileError,
@@ -18,8 +17,8 @@ from rope_quant.calib.moments import (
     StatsFileError,
     UnknownPoolingRuleError,
     UnknownStreamError,
-    merge_all,
 )
+from rope_quant.calib.stats import CalibrationStats, merge_all
 from rope_quant.core.rope import OddHeadDimError, UnsupportedLayoutError, layout_permutation, pair_indices
 
 L, HQ, HK, D = 2, 9, 3, 8

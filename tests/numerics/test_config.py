@@ -24,7 +24,7 @@ from rope_quant.experiment.config import (
     WeightMode,
     flat_fields,
 )
-from rope_quant.quant.gptq import GPTQConfig
+from rope_quant.quant.rtn import GPTQConfig
 from rope_quant.sweep import presets
 from rope_quant.sweep.manifest import load_manifest, manifest_from_dict, read_manifest
 from rope_quant.sweep.runner import run_cells

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from rope_quant import cli
 from rope_quant.experiment.config import RunConfig
 from rope_quant.model.loading import CheckpointError, ModelNotFoundError, check_checkpoint, load_model
-from rope_quant.quant.gptq import GPTQError, _rtn, rtn_quantize
 from rope_quant.quant.quantizers import StaticChannelQuantizer, fake_quant_per_token
+from rope_quant.quant.rtn import GPTQError, _rtn, rtn_quantize
 from rope_quant.sweep.loaded_models import ModelCache
 from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, claim_study, read_manifest, reconcile
 from rope_quant.sweep.records import status
@@ -602,14 +602,14 @@ def test_out_of_memory_in_a_stage_is_recorded_with_its_name_and_the_other_cells_
     """Issue 21: an OOM in the middle of a stage (here RTN, first call only) makes that cell's record name the
     stage; the study's other cells complete, and a rerun computes only the failed cell."""
     from rope_quant.experiment.stages import StageName
-    from rope_quant.quant import gptq
+    from rope_quant.quant import rtn
 
     monkeypatch.setenv("ROPE_QUANT_CACHE_DIR", str(tmp_path / "token-cache"))
     model = save_tiny_model(tmp_path / "tiny")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(corpus_text(1))
     out = tmp_path / "out"
-    real_rtn, calls = gptq.quantize_model_rtn, []
+    real_rtn, calls = rtn.quantize_model_rtn, []
 
     def rtn_once_out_of_memory(*args, **kwargs):
         calls.append(1)
@@ -617,7 +617,7 @@ def test_out_of_memory_in_a_stage_is_recorded_with_its_name_and_the_other_cells_
             raise oom("Tried to allocate 20.00 GiB")
         return real_rtn(*args, **kwargs)
 
-    monkeypatch.setattr(gptq, "quantize_model_rtn", rtn_once_out_of_memory)
+    monkeypatch.setattr(rtn, "quantize_model_rtn", rtn_once_out_of_memory)
     assert cli.main(_compare_argv(model, corpus, out), models=ModelCache()) == 1  # some cells failed
     recs = [json.loads((out / e["path"]).read_text()) for e in read_manifest(out)["cells"]]
     failed = [r for r in recs if r["status"] == "error"]

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rope_quant.calib import foldable as F
-from rope_quant.calib.moments import CalibrationStats
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core import transforms as T
 from rope_quant.core.rope import OddHeadDimError, rope_matrix
 from rope_quant.rotations import attention

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from rope_quant.calib import foldable as F
-from rope_quant.calib.moments import CalibrationStats
 from rope_quant.calib.objectives import resolve_layer_inv_freq
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core import transforms as T
 from rope_quant.model import arch
 from rope_quant.rotations import attention

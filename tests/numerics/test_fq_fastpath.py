@@ -299,7 +299,7 @@ def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 
 def _w4a4kv4_logits(a_cfg: Q.QuantConfig, kv_cfg: Q.QuantConfig) -> torch.Tensor:
     from rope_quant.experiment.pipeline import install_activation_quantizers
-    from rope_quant.quant.gptq import quantize_model_rtn
+    from rope_quant.quant.rtn import quantize_model_rtn
     from rope_quant.rotations import attention
 
     model = _tiny_llama()

@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant.calib.moments import CalibrationStats
 from rope_quant.calib.objectives import estimate_angles, fit_range_angles
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.calib.verify import verify_phi_star
 from rope_quant.core import hadamard
 from rope_quant.core import transforms as T

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from rope_quant.quant import gptq
-from rope_quant.quant.gptq import GPTQConfig, GPTQError, HessianAccumulator, gptq_quantize, rtn_quantize
+from rope_quant.quant import gptq, rtn
+from rope_quant.quant.gptq import HessianAccumulator, gptq_quantize
+from rope_quant.quant.rtn import GPTQConfig, GPTQError, rtn_quantize
 from tests._support import tiny_llama
 
 
@@ -182,7 +183,7 @@ def test_model_gptq_is_layer_sequential_and_beats_rtn():
     torch.testing.assert_close(seen_by_layer1[0], out0)
 
     r_model = _tiny_llama()
-    assert gptq.quantize_model_rtn(r_model, 3) == len(errors)
+    assert rtn.quantize_model_rtn(r_model, 3) == len(errors)
     with torch.no_grad():
         e_g = float(((g_model(test).logits - logits) ** 2).mean())
         e_r = float(((r_model(test).logits - logits) ** 2).mean())
@@ -243,11 +244,11 @@ def test_rtn_in_row_blocks_gives_the_whole_matrix_bits(monkeypatch, group_size):
     w = torch.randn(21, 32, dtype=torch.float16)
     w[9] = torch.linspace(-65000, 65504, 32).half()  # codes * scale overflow fp16: requantised
     w[17, 4] = float("inf")
-    g = gptq.GPTQConfig()
-    whole_q, whole_codes, whole_scales = gptq._rtn(w.clone(), 4, group_size, True, 1.0, g.grid, g.max_shrink)
-    monkeypatch.setattr(gptq, "RTN_BLOCK_ROWS", 4)  # 6 blocks, the last of 1 row
+    g = rtn.GPTQConfig()
+    whole_q, whole_codes, whole_scales = rtn._rtn(w.clone(), 4, group_size, True, 1.0, g.grid, g.max_shrink)
+    monkeypatch.setattr(rtn, "RTN_BLOCK_ROWS", 4)  # 6 blocks, the last of 1 row
     got = w.clone()
-    codes, scales = gptq._rtn_in_place(got, 4, group_size, True, 1.0)
+    codes, scales = rtn._rtn_in_place(got, 4, group_size, True, 1.0)
     assert torch.equal(got.view(torch.int16), whole_q.view(torch.int16))  # the same bits, ±0 and inf included
     assert codes.dtype == torch.int8 and torch.equal(codes.float(), whole_codes)
     assert torch.equal(scales, whole_scales) and bool(torch.isfinite(got[9]).all())

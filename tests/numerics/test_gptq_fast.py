@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from rope_quant.quant import gptq, hessian_check
-from rope_quant.quant.gptq import GPTQConfig, GPTQError, HessianAccumulator
+from rope_quant.quant import gptq, hessian_check, rtn
+from rope_quant.quant.gptq import HessianAccumulator
+from rope_quant.quant.rtn import GPTQConfig, GPTQError
 
 # ----------------------------------------------------------------------------- reference (the plain algorithm)
 
@@ -23,7 +24,7 @@ def ref_gptq(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig) -> to
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     gs = n if cfg.group_size == -1 else cfg.group_size
-    scales = gptq._group_scales(W, bits, cfg.group_size, cfg.mse, 1.0, cfg.grid, cfg.max_shrink)
+    scales = rtn._group_scales(W, bits, cfg.group_size, cfg.mse, 1.0, cfg.grid, cfg.max_shrink)
     group = torch.arange(n) // gs
     perm = torch.argsort(torch.diag(H), descending=True) if cfg.act_order else torch.arange(n)
     W, H, group = W[:, perm], H[perm][:, perm], group[perm]
@@ -33,7 +34,7 @@ def ref_gptq(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig) -> to
     Q = torch.zeros_like(W)
     for j in range(n):
         s = scales[:, int(group[j])]
-        Q[:, j] = gptq.quantize_with_scales(W[:, j], s, bits)
+        Q[:, j] = rtn.quantize_with_scales(W[:, j], s, bits)
         err = (W[:, j] - Q[:, j]) / U[j, j]
         W[:, j:] -= torch.outer(err, U[j, j:])
     return Q[:, torch.argsort(perm)]
@@ -153,7 +154,7 @@ def test_validate_fast_hessian_passes_bf16_and_catches_a_bad_hessian() -> None:
 
 def test_proxy_loss_is_the_trace_formula() -> None:
     W, _, H = _problem(8, 16, n=64)
-    Q = gptq.rtn_quantize(W, 4)
+    Q = rtn.rtn_quantize(W, 4)
     D = (W - Q).double()
     want = float(torch.trace(D @ H.double() @ D.T))
     assert float(hessian_check.proxy_loss(W, Q, H)) == pytest.approx(want, rel=1e-12)

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from rope_quant.quant import gptq, packing
+from rope_quant.quant import gptq, packing, rtn
 from rope_quant.quant.quantizers import QuantConfig
 from tests._support import tiny_llama
 
@@ -21,9 +21,9 @@ def test_early_stop_keeps_the_weights_bit_identical(monkeypatch):
     calls = {"n": 0}
     for layer in fast.model.layers:
         layer.mlp.down_proj.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
-    err_fast = gptq.quantize_model_gptq(fast, windows, 4, gptq.GPTQConfig(grid=10), progress=False)
+    err_fast = gptq.quantize_model_gptq(fast, windows, 4, rtn.GPTQConfig(grid=10), progress=False)
     monkeypatch.setattr(gptq, "EARLY_STOP", False)
-    err_full = gptq.quantize_model_gptq(model, windows, 4, gptq.GPTQConfig(grid=10), progress=False)
+    err_full = gptq.quantize_model_gptq(model, windows, 4, rtn.GPTQConfig(grid=10), progress=False)
     assert err_fast == err_full
     for (n, a), b in zip(fast.state_dict().items(), model.state_dict().values(), strict=True):
         assert packing.bitwise_equal(a, b), n
@@ -53,10 +53,10 @@ def test_shared_hessians_keep_the_weights_bit_identical(monkeypatch):
         fast = copy.deepcopy(model)
         adds["n"] = 0
         monkeypatch.setattr(gptq.HessianAccumulator, "add", counting_add)
-        err_fast = gptq.quantize_model_gptq(fast, windows, 4, gptq.GPTQConfig(grid=10), progress=False)
+        err_fast = gptq.quantize_model_gptq(fast, windows, 4, rtn.GPTQConfig(grid=10), progress=False)
         shared_adds, adds["n"] = adds["n"], 0
         monkeypatch.setattr(gptq, "SHARE_HESSIANS", False)
-        err_full = gptq.quantize_model_gptq(model, windows, 4, gptq.GPTQConfig(grid=10), progress=False)
+        err_full = gptq.quantize_model_gptq(model, windows, 4, rtn.GPTQConfig(grid=10), progress=False)
         monkeypatch.setattr(gptq, "SHARE_HESSIANS", True)
         assert err_fast == err_full
         for (n, a), b in zip(fast.state_dict().items(), model.state_dict().values(), strict=True):
@@ -77,8 +77,8 @@ def test_a_linear_that_shares_only_sometimes_falls_back_to_its_own_hessian(monke
     layer.self_attn.k_proj.register_forward_pre_hook(fresh_input_every_other_call)
     windows = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
     ref = copy.deepcopy(model)
-    gptq.quantize_model_gptq(model, windows, 4, gptq.GPTQConfig(grid=10), progress=False)
+    gptq.quantize_model_gptq(model, windows, 4, rtn.GPTQConfig(grid=10), progress=False)
     monkeypatch.setattr(gptq, "SHARE_HESSIANS", False)
-    gptq.quantize_model_gptq(ref, windows, 4, gptq.GPTQConfig(grid=10), progress=False)
+    gptq.quantize_model_gptq(ref, windows, 4, rtn.GPTQConfig(grid=10), progress=False)
     for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
         assert packing.bitwise_equal(a, b), n

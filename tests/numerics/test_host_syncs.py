@@ -16,7 +16,7 @@ import torch
 
 from rope_quant.experiment import pipeline
 from rope_quant.experiment.config import RunConfig
-from rope_quant.quant import gptq
+from rope_quant.quant import gptq, rtn
 from rope_quant.quant.quantizers import QuantConfig
 from tests._support import tiny_llama
 from tests._support.host_syncs import count_host_syncs, marginal
@@ -59,7 +59,7 @@ def _gptq_syncs(layers: int, windows: int) -> int:
     pipeline.install_activation_quantizers(model, QuantConfig(bits=4))  # as the pipeline quantises with A4
     ids = torch.randint(0, 128, (windows, 32), generator=torch.Generator().manual_seed(0))
     with count_host_syncs() as c:
-        gptq.quantize_model_gptq(model, ids, 4, gptq.GPTQConfig(grid=10), progress=False)
+        gptq.quantize_model_gptq(model, ids, 4, rtn.GPTQConfig(grid=10), progress=False)
     return sum(c.values())
 
 

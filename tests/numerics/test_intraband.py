@@ -13,7 +13,7 @@ import pytest
 from rope_quant import cli
 from rope_quant.analysis import report
 from rope_quant.calib import intraband
-from rope_quant.calib.moments import CalibrationStats
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core.rope import pair_indices
 from rope_quant.sweep.manifest import read_manifest
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from rope_quant.calib.errors import CalibrationError
-from rope_quant.calib.moments import CalibrationStats
 from rope_quant.calib.objectives import (
     AngleEstimationError,
     GridEstimatorError,
@@ -20,6 +19,7 @@ from rope_quant.calib.objectives import (
     grid_search,
     objective_scores,
 )
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core.angles import jacobi_angle, wrap_angle
 from rope_quant.core.rope import NonDistinctFrequencyError
 

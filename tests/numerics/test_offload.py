@@ -11,7 +11,7 @@ import torch
 from rope_quant.experiment import data, pipeline
 from rope_quant.experiment.config import RunConfig
 from rope_quant.model import offload
-from rope_quant.quant import gptq
+from rope_quant.quant import gptq, rtn
 from tests._support import TINY, tiny_base
 from tests._support.models import tiny_llama
 
@@ -50,7 +50,7 @@ def test_a_forward_stopped_inside_a_unit_is_evicted_by_the_next_unit():
 def test_gptq_streams_one_pinned_layer_and_gives_the_same_weights():
     ref, streamed = tiny_llama(96, layers=3), tiny_llama(96, layers=3)
     ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(2))
-    cfg = gptq.GPTQConfig(grid=20)
+    cfg = rtn.GPTQConfig(grid=20)
     err_ref = gptq.quantize_model_gptq(ref, ids, 4, cfg, progress=False)
     st = offload.enable(streamed, "cpu")
     err = gptq.quantize_model_gptq(streamed, ids, 4, cfg, progress=False)
@@ -66,7 +66,7 @@ def test_the_pipeline_streams_whip_gptq_calibration_and_evaluation_with_equal_re
                                                                                         monkeypatch):
     base = tiny_base(embedded_model)
     corpus = data.load_corpus("pydoc", base[1])
-    cfg = RunConfig.from_flat(**TINY, r3="pairwise_only", weights="gptq", gptq=gptq.GPTQConfig(grid=20))
+    cfg = RunConfig.from_flat(**TINY, r3="pairwise_only", weights="gptq", gptq=rtn.GPTQConfig(grid=20))
     plain = pipeline.run_cell(cfg, base=base, corpus=corpus)
     streamers: list[offload.Streamer] = []
     real_enable = offload.enable

@@ -53,7 +53,7 @@ def _forget(name: str) -> None:
     """Make the next ``import name`` go through the import hook again (a module warns on its first import only)."""
     sys.modules.pop(name, None)
     parent, _, child = name.rpartition(".")
-    vars(sys.modules[parent]).pop(child, None)
+    vars(importlib.import_module(parent)).pop(child, None)
 
 
 # ---- the public API ------------------------------------------------------------------------------------
@@ -158,7 +158,35 @@ def test_an_old_path_fails_under_error_and_works_without():
     assert failed.returncode != 0 and "DeprecationWarning: module rope_quant.stats" in failed.stderr
 
 
-@pytest.mark.parametrize("old", sorted(MOVED_BY_2DA0636))
+# 0.1.0 names that a later split moved out of the module the old path serves (git show 2da0636^:rope_quant/...).
+SPLIT_OUT = {
+    "calibration": {"calib.stats": ("CalibrationStats", "merge_all", "register_projection_hooks")},
+    "gptq": {"quant.rtn": ("GPTQConfig", "GPTQError", "weight_scales", "quantize_with_scales", "rtn_quantize",
+                           "quantize_model_rtn")},
+}
+
+
+@pytest.mark.parametrize("old", sorted(SPLIT_OUT))
+def test_a_split_old_module_serves_every_0_1_0_name_from_its_new_home(old):
+    """An old path whose module was later split is a module of its own: each name warns with its new home and
+    is that home's object; the names that stayed come from the MOVED_MODULES target."""
+    assert {h.removeprefix("rope_quant.") for h in _deprecation.SPLIT_MODULES[old]} == set(SPLIT_OUT[old])
+    _forget(f"rope_quant.{old}")
+    with pytest.warns(DeprecationWarning, match=r"module rope_quant\.\w+ is deprecated .*0\.3\.0.* and "):
+        shimmed = importlib.import_module(f"rope_quant.{old}")
+    for home, names in {**SPLIT_OUT[old], MOVED_BY_2DA0636[old]: ("PairMoments" if old == "calibration"
+                                                                    else "quantize_model_gptq",)}.items():
+        module = importlib.import_module(f"rope_quant.{home}")
+        for name in names:
+            with pytest.warns(DeprecationWarning, match=rf"rope_quant\.{old}\.{name} .*use {module.__name__}"):
+                value = getattr(shimmed, name)
+            assert value is vars(module)[name], (old, name)
+            assert name in shimmed.__all__
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        shimmed.not_a_name  # noqa: B018
+
+
+@pytest.mark.parametrize("old", sorted(set(MOVED_BY_2DA0636) - set(SPLIT_OUT)))
 def test_an_old_module_path_warns_and_is_the_new_module(old):
     new = importlib.import_module(f"rope_quant.{_now(MOVED_BY_2DA0636[old])}")
     _forget(f"rope_quant.{old}")

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from rope_quant.quant.gptq import rtn_quantize
 from rope_quant.quant.quantizers import (
     NotCalibratedError,
     QuantConfig,
@@ -17,6 +16,7 @@ from rope_quant.quant.quantizers import (
     fake_quant_per_token,
     quant_step,
 )
+from rope_quant.quant.rtn import rtn_quantize
 
 
 def _x(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -346,7 +346,7 @@ def test_finite_fast_path_is_bit_identical_to_the_plain_formulas(bits):
 
 @pytest.mark.parametrize("mse", [False, True])
 def test_rtn_weight_nan_policy_matches_the_dynamic_quantiser(mse):
-    """RTN (gptq.rtn_quantize): NaN stays where it was, the rest of the row keeps its finite-row scale."""
+    """RTN (rtn.rtn_quantize): NaN stays where it was, the rest of the row keeps its finite-row scale."""
     w = torch.tensor([_NAN_ROW, [1.0, -2.0, 0.5, 0.0, 3.0, -1.0]])
     y = rtn_quantize(w, 4, mse=mse)
     assert bool(y[0, 1].isnan()) and int(y.isnan().sum()) == 1

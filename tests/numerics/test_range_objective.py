@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from rope_quant import cli
-from rope_quant.calib.moments import CalibrationError, CalibrationShapeError, CalibrationStats
+from rope_quant.calib.moments import CalibrationError, CalibrationShapeError
 from rope_quant.calib.objectives import (
     AngleEstimationError,
     estimate_angles,
     fit_range_angles,
     mean_group_range,
 )
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core import transforms
 from rope_quant.core.rope import NonDistinctFrequencyError, rope_matrix
 from rope_quant.experiment.pipeline import PipelineError, RunConfig

@@ -222,7 +222,7 @@ def test_verify_counts_only_complete_cells(tmp_path, capsys):
 
 
 def test_truncated_statistics_cache_is_warned_rebuilt_and_the_cell_succeeds(tmp_path, tiny_model, caplog, capsys):
-    from rope_quant.calib.moments import CalibrationStats
+    from rope_quant.calib.stats import CalibrationStats
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(corpus_text(1))
@@ -243,7 +243,7 @@ def test_truncated_statistics_cache_is_warned_rebuilt_and_the_cell_succeeds(tmp_
 
 def test_statistics_file_errors_name_the_file(tmp_path):
     from rope_quant.calib.errors import StatsFileError
-    from rope_quant.calib.moments import CalibrationStats
+    from rope_quant.calib.stats import CalibrationStats
 
     path = tmp_path / "stats.npz"
     for content in (b"", b"PK\3\4 truncated", b"not a zip at all"):

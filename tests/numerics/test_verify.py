@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant.calib.moments import CalibrationStats, register_projection_hooks
 from rope_quant.calib.objectives import estimate_angles
+from rope_quant.calib.stats import CalibrationStats, register_projection_hooks
 from rope_quant.calib.verify import (
     CSV_COLUMNS,
     MissingArtifactError,

@@ -10,7 +10,7 @@ import torch
 
 from rope_quant.experiment import data, weight_cache
 from rope_quant.experiment.pipeline import GPTQConfig, RunConfig, build_quantized_model
-from rope_quant.quant import gptq, packing
+from rope_quant.quant import gptq, packing, rtn
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
@@ -55,8 +55,8 @@ def test_gptq_and_rtn_codes_dequantise_bit_for_bit(cfg, bits):
     assert packing.bitwise_equal(Q, gptq.gptq_quantize(W, H, bits, cfg))  # the public path is unchanged
     wc = packing.WeightCodes.from_codes(codes, scales, bits, cfg.group_size, Q)
     assert packing.encode(Q, wc) is wc
-    R, rcodes, rscales = gptq._rtn(W, bits, cfg.group_size, cfg.mse, 1.0, cfg.grid, cfg.max_shrink)
-    assert packing.bitwise_equal(R, gptq.rtn_quantize(W, bits, cfg.group_size, cfg.mse, 1.0, cfg.grid, cfg.max_shrink))
+    R, rcodes, rscales = rtn._rtn(W, bits, cfg.group_size, cfg.mse, 1.0, cfg.grid, cfg.max_shrink)
+    assert packing.bitwise_equal(R, rtn.rtn_quantize(W, bits, cfg.group_size, cfg.mse, 1.0, cfg.grid, cfg.max_shrink))
     assert packing.encode(R, packing.WeightCodes.from_codes(rcodes, rscales, bits, cfg.group_size, R)) is not None
 
 

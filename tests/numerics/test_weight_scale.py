@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rope_quant.experiment.config import RunConfig
-from rope_quant.quant import gptq
-from rope_quant.quant.gptq import GPTQConfig, GPTQError, ScaleObjective, weight_scales
+from rope_quant.quant import gptq, rtn
+from rope_quant.quant.rtn import GPTQConfig, GPTQError, ScaleObjective, weight_scales
 
 #: Every search option the config offers, alone and combined (the bad-input tests run each of them).
 OPTIONS = [
@@ -61,7 +61,7 @@ def test_zero_and_outlier_rows_give_finite_scales_within_the_shrink(bits, opts):
                       col_weight=hdiag if cfg.objective == ScaleObjective.HESSIAN_DIAG else None)
     _check_scales(w, s, bits, cfg, w.shape[1])
     # The outlier itself stays representable to within half a step: its code is in range and not clipped away.
-    codes = gptq._int_codes(w, s, bits)
+    codes = rtn._int_codes(w, s, bits)
     qmax = 2 ** (bits - 1) - 1
     assert codes.min() >= -qmax - 1 and codes.max() <= qmax
     assert float((codes[1, 17] * s[1, 0] - w[1, 17]).abs() / w[1, 17].abs()) <= cfg.max_shrink + 1e-6
@@ -142,7 +142,7 @@ def test_full_range_scale_is_max_over_qmax_plus_half():
         qmax = 2 ** (bits - 1) - 1
         s = weight_scales(w, bits, mse=False, full_range=True)
         assert torch.allclose(s[:, 0], w.abs().amax(dim=1) / (qmax + 0.5))
-        codes = gptq._int_codes(w, s, bits)
+        codes = rtn._int_codes(w, s, bits)
         assert codes.min() >= -qmax - 1 and codes.max() <= qmax
         err = (codes * s - w).abs()
         assert torch.all(err <= s / 2 * (1 + 1e-5))
@@ -150,7 +150,7 @@ def test_full_range_scale_is_max_over_qmax_plus_half():
         assert torch.all(s < plain)
         # A search ratio below (2^(b-1) - 1/2) / 2^(b-1) puts -max|w| past the tie: the code -2^(b-1) is spent.
         r = 0.9
-        assert gptq._int_codes(w, s * r, bits)[0, 0] == -qmax - 1
+        assert rtn._int_codes(w, s * r, bits)[0, 0] == -qmax - 1
 
 
 def test_bad_search_settings_raise():
@@ -168,12 +168,12 @@ def test_rtn_follows_the_configured_search():
     g = torch.Generator().manual_seed(6)
     w = torch.randn(64, 128, generator=g) * torch.linspace(0.1, 4.0, 128)
     base = w.clone()
-    gptq._rtn_in_place(base, 4, -1, True, 1.0)
+    rtn._rtn_in_place(base, 4, -1, True, 1.0)
     for opts in ({"p_norm": 3.0}, {"max_shrink": 0.1}, {"full_range": True}):
         other = w.clone()
-        _, scales = gptq._rtn_in_place(other, 4, -1, True, 1.0, GPTQConfig(**opts))
+        _, scales = rtn._rtn_in_place(other, 4, -1, True, 1.0, GPTQConfig(**opts))
         assert not torch.equal(other, base), opts
-        want = gptq._group_scales(w, 4, -1, True, 1.0, 100, opts.get("max_shrink", 0.8),
+        want = rtn._group_scales(w, 4, -1, True, 1.0, 100, opts.get("max_shrink", 0.8),
                                   norm=opts.get("p_norm", 2.0), full_range=opts.get("full_range", False))
         assert torch.equal(scales, want)
 

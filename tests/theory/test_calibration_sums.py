@@ -2,9 +2,9 @@
 hence phi_hat and phi*, independently of how the calibration stream is chunked.
 
 The statement is checked in plain numpy (``five_sums``, ``cov_from_sums``); the bridge tests then hold
-rope_quant.calib.moments (PairMoments, CalibrationStats) to those same helpers: its raw sums are the five
-sums, its pooled covariances (stable and raw) are ``cov_from_sums`` of them, and chunking / merging does
-not change them.
+rope_quant.calib.moments.PairMoments and rope_quant.calib.stats.CalibrationStats to those same helpers: their
+raw sums are the five sums, their pooled covariances (stable and raw) are ``cov_from_sums`` of them, and
+chunking / merging does not change them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_quant.calib.moments import CalibrationStats, PairMoments
+from rope_quant.calib.moments import PairMoments
+from rope_quant.calib.stats import CalibrationStats
 from rope_quant.core.angles import PairCov, equalising_angle, jacobi_angle
 from rope_quant.core.rope import pair_indices
 
@@ -80,7 +81,7 @@ def test_chunk_order_does_not_matter():
     assert not np.allclose(naive, cov_from_sums(whole).s11)
 
 
-# ----------------------------------------------------------------------------- bridges to calib.moments
+# ----------------------------------------------------------------------------- bridges to calib.moments and calib.stats
 
 
 def _chunks(n: int, cuts: list[int]) -> list[tuple[int, int]]:

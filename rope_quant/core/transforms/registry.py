@@ -84,7 +84,7 @@ class RegistryWarning(UserWarning):
 
 @dataclass(frozen=True)
 class FitContext:
-    """What a fit sees (pipeline step 8). ``stats``: :class:`rope_quant.calib.moments.CalibrationStats` with
+    """What a fit sees (pipeline step 8). ``stats``: :class:`rope_quant.calib.stats.CalibrationStats` with
     the pre-RoPE K sample (``stats.k_sample(layer)``); ``inv_freq`` (n_layers, K) RoPE frequencies per layer;
     ``angles``: the angle estimator's output, (n_layers, K) or (n_layers, H_kv, K), or None; ``k_bits``: the K
     quantiser's bit width (4 when K is not quantised); ``seed``: the cell's seed; ``options``: free settings."""
