@@ -251,6 +251,9 @@ def compare_against(this: str | Path, other: str | Path) -> str:
         if a_kind == "claims":
             row["float order (this → other)"] = " → ".join(
                 dict.fromkeys(z.float_order or "–" for z in (x, y) if z)) if (x or y) else ""
+        only = x or y
+        if only is not None and not (x and y):  # a number only one run has (a part the other did not record)
+            row["verdict (this → other)"] = only.verdict
         if x and y:
             if x.mean is not None and y.mean is not None:
                 delta = y.mean - x.mean

@@ -193,3 +193,9 @@ def test_a_claim_of_parts_is_compared_part_by_part(tmp_path: Path) -> None:
     assert "+1.600" in rows["C7 [m] · L=1024"] and "+2.500" in rows["C7 [m] · L=4096"]
     assert "FLIPPED" in rows["C7 [m] · L=1024"] and "FLIPPED" in rows["C7 [m] · L=4096"]
     assert "2 verdict(s) flipped" in text  # the parts flip; the combined claim (inconclusive both) does not
+    older = tmp_path / "older.json"  # a run from before parts were recorded: its parts rows read (absent)
+    older.write_text(json.dumps({"claims": [{"claim": "C7", "model": "m", "verdict": "inconclusive",
+                                             "decision": a_short, "numbers": {}}], "machine": {}}))
+    rows = {x.split("|")[1].strip(): x for x in compare_against(tmp_path / "a.json", older).splitlines()
+            if x.startswith("| C7")}
+    assert "(absent)" in rows["C7 [m] · L=4096"] and "| holds |" in rows["C7 [m] · L=4096"]
