@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["GenerationError", "Generation", "new_cache", "greedy_generate"]
+__all__ = ["GenerationError", "Generation", "new_cache", "cache_keyword", "greedy_generate"]
 
 
 class GenerationError(ValueError):
@@ -66,6 +66,12 @@ def _last_logits_kwargs(model: nn.Module) -> dict[str, int]:
     return {}
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The KV cache's name in ``forward`` and its output: ``cache`` in transformers ≥ 5.x (where
+    ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def greedy_generate(model: nn.Module, prompt: torch.Tensor | Sequence[int], max_new_tokens: int, *,
                     eos_token_id: int | Sequence[int] | None = None,
@@ -86,15 +92,16 @@ def greedy_generate(model: nn.Module, prompt: torch.Tensor | Sequence[int], max_
         {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id})
     device = next(model.parameters()).device
     extra = _last_logits_kwargs(model)
+    cache_kw = cache_keyword(model)
     cache = new_cache(model)
     n = ids.numel()
     out = Generation(tokens=[])
     step_ids = ids.unsqueeze(0).to(device)
     positions = torch.arange(n, device=device)
     for _ in range(max_new_tokens):
-        res = model(input_ids=step_ids, past_key_values=cache, use_cache=True, cache_position=positions,
-                    position_ids=positions.unsqueeze(0), **extra)
-        cache = res.past_key_values
+        res = model(input_ids=step_ids, use_cache=True, cache_position=positions,
+                    position_ids=positions.unsqueeze(0), **{cache_kw: cache}, **extra)
+        cache = getattr(res, cache_kw)
         logits = res.logits[0, -1].float()
         token = int(torch.argmax(logits))
         out.tokens.append(token)

@@ -81,12 +81,15 @@ class _QOnly:
 
 def _cached_steps(model, ids: torch.Tensor, n: int) -> list[torch.Tensor]:
     """Prefill, then n greedy decode steps through the KV cache; the logits of every step."""
+    from rope_quant.experiment.generate import cache_keyword
+
+    kw = cache_keyword(model)
     out = model(ids, use_cache=True)
-    past, logits = out.past_key_values, [out.logits[:, -1]]
+    past, logits = getattr(out, kw), [out.logits[:, -1]]
     for _ in range(n):
         nxt = logits[-1].argmax(-1, keepdim=True)
-        out = model(nxt, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(nxt, use_cache=True, **{kw: past})
+        past = getattr(out, kw)
         logits.append(out.logits[:, -1])
     return logits
 

@@ -24,6 +24,9 @@ from rope_quant.rotations import attention
 from tests._support import tiny_gemma3 as _shared_tiny_gemma3
 from tests._support import tiny_llama as _shared_tiny_llama
 
+# the decoding loop passes the KV cache under the name this transformers reads (5.x deprecates past_key_values)
+pytestmark = pytest.mark.filterwarnings("error:`past_key_values` is deprecated:FutureWarning")
+
 OFF = dict(w_bits=16, a_bits=16, k_bits=16, v_bits=16, weights="none")
 TINY = dict(seqlen=64, calib_windows=2, eval_windows=1)
 
