@@ -105,8 +105,8 @@ class _MovedFinder:
 
     def exec_module(self, module: ModuleType) -> None:
         old = module.__name__
-        new = MOVED_MODULES[old.removeprefix("rope_quant.")]
         key = old.removeprefix("rope_quant.")
+        new = MOVED_MODULES[key]
         homes = (new, *SPLIT_MODULES.get(key, ()))
         warnings.warn(message(f"module {old}", " and ".join(homes)), DeprecationWarning,
                       stacklevel=_caller_level())
