@@ -257,3 +257,66 @@ def expected_seeds(form: Form, margin: float, theta: float, beta: float, su: flo
     out = simulate(form, margin, p, q, plan.first, plan.alpha_look)
     return Expected(float(out["seeds"].mean()), float((out["first_holds"] | out["first_refuted"]).mean()),
                     float(out["first_holds"].mean()), float(out["first_refuted"].mean()))
+
+
+# ----------------------------------------------------------------------------- adding seeds until decided
+
+
+@dataclass(frozen=True)
+class Looked:
+    """What :func:`until_decided` did: the last evaluation, the seeds it used, why it stopped, the progress."""
+
+    result: Any
+    seeds: tuple[int, ...]
+    stopped: str
+    lines: tuple[str, ...]
+
+
+def open_at(v: Verdict, n: int, plan: Plan) -> bool:
+    """Still open: inconclusive below the last look (a claim of parts is open while any part is)."""
+    return v.outcome is Outcome.INCONCLUSIVE and n < plan.max_seeds
+
+
+def until_decided(evaluate: Any, verdict_of: Any, seeds: Sequence[int], plan: Plan, *,
+                  time_budget: float | None = None, started: float | None = None, clock: Any = None,
+                  log: Any = None, name: str = "claim") -> Looked:
+    """``evaluate(seeds)`` at the seeds given, then, while ``verdict_of(result)`` is open (:func:`open_at`), at one
+    more seed (the next integer after the largest) until the claim is decided, reaches ``plan.max_seeds``, or the
+    next seed would pass ``time_budget`` seconds since ``started`` (default now; ``clock`` default
+    ``time.perf_counter``). ``evaluate`` builds and memoises its own cells (every seed replicated), so only the
+    new seed's cells are computed at each look. ``log(line)``: the progress (seeds so far, the measured seconds
+    per seed, an ETA to M)."""
+    import time
+
+    now = clock or time.perf_counter
+    t_start = now() if started is None else started
+    current = tuple(int(s) for s in seeds)
+    t0 = now()
+    result = evaluate(current)
+    lines: list[str] = []
+    per_seed: float | None = None
+    added = 0
+    spent = 0.0
+    while True:
+        v = verdict_of(result)
+        if not open_at(v, len(current), plan):
+            stopped = ("decided" if v.decided else f"open at the last look ({plan.max_seeds} seeds)")
+            break
+        if per_seed is not None and time_budget is not None and now() - t_start + per_seed > time_budget:
+            stopped = f"time budget {time_budget:g} s: the next seed would pass it (open at {len(current)} seeds)"
+            break
+        if time_budget is not None and now() - t_start > time_budget:
+            stopped = f"time budget {time_budget:g} s spent (open at {len(current)} seeds)"
+            break
+        current = (*current, max(current) + 1)
+        t0 = now()
+        result = evaluate(current)
+        spent += now() - t0
+        added += 1
+        per_seed = spent / added
+        line = (f"{name}: open, seeds so far {len(current)} of {plan.max_seeds}; {per_seed:.1f} s per seed "
+                f"measured; ETA ≤ {per_seed * (plan.max_seeds - len(current)) / 60:.1f} min")
+        lines.append(line)
+        if log is not None:
+            log(line)
+    return Looked(result, current, stopped, tuple(lines))

@@ -62,28 +62,37 @@ def test_c1_pairwise_only_worse_than_hadamard(experiment, rq_claim) -> None:
     assert holds, f"pairwise_only {pw} not above hadamard {had} in every seed"
 
 
+def _c2(experiment) -> tuple[Verdict, Verdict, Any, dict[str, Any]]:
+    """C2 at the experiment's seeds: (combined verdict, the equivalence part, the margin, the numbers)."""
+    had = experiment.per_seed(r3="hadamard")
+    pph = experiment.per_seed(r3="pairwise_plus_hadamard")
+    pw = experiment.per_seed(r3="pairwise_only")
+    margin = equivalence_margin(float(np.mean(had)))
+    equiv = experiment.paired_claim(Form.EQUIVALENT, pph, had, margin=margin.value, tokens=experiment.tokens(),
+                                    replicates=experiment.replicate_pairs({"r3": "pairwise_plus_hadamard"},
+                                                                          {"r3": "hadamard"}))
+    mean, c1_gap = float(np.mean(pph) - np.mean(had)), float(np.mean(pw) - np.mean(had))
+    robust = abs(mean) < 0.25 * c1_gap
+    verdict = combine_all([deterministic(robust, "robust part: |mean| >= C1 gap/4"), equiv])
+    return verdict, equiv, margin, dict(had=had, pph=pph, mean=mean, c1_gap=c1_gap, robust=robust)
+
+
 def test_c2_pairwise_plus_hadamard_equivalent_to_hadamard(experiment, rq_claim) -> None:
     """C2 (Table 1, TOST): the paired 90% CI of pairwise_plus_hadamard − hadamard lies inside the margin
     (:func:`rope_quant.core.verdict.equivalence_margin`: the paper's ±0.05 PPL scaled by the ppl ratio).
 
     Decided by the rule with the run's float-order replicates; the robust part is asserted: the pairwise+Hadamard
-    mean sits near the Hadamard's, far closer than pairwise_only's (less than a quarter of C1's gap).
+    mean sits near the Hadamard's, far closer than pairwise_only's (less than a quarter of C1's gap). With
+    ``--rq-until-decided`` seeds are added (every one replicated) while the equivalence is inconclusive, under
+    the sequential rule (``Experiment.decided``).
     """
-    had = experiment.per_seed(r3="hadamard")
-    pph = experiment.per_seed(r3="pairwise_plus_hadamard")
-    pw = experiment.per_seed(r3="pairwise_only")
-    margin = equivalence_margin(float(np.mean(had)))
-    equiv = paired_claim(Form.EQUIVALENT, pph, had, margin=margin.value, tokens=experiment.tokens(),
-                         replicates=experiment.replicate_pairs({"r3": "pairwise_plus_hadamard"}, {"r3": "hadamard"}))
-    mean, c1_gap = float(np.mean(pph) - np.mean(had)), float(np.mean(pw) - np.mean(had))
-    robust = abs(mean) < 0.25 * c1_gap
-    verdict = combine_all([deterministic(robust, "robust part: |mean| >= C1 gap/4"), equiv])
+    (verdict, equiv, margin, x), _ = experiment.decided(_c2, "C2")
     rq_claim("C2 (Table 1, TOST) pairwise+hadamard ≡ hadamard",
              f"90% CI within ±{margin.value:.3f} PPL ({margin.basis}); robust part: |mean| < C1 gap/4",
-             f"diff {_verdict_ci(equiv)}; C1 gap {c1_gap:+.3f}; {_spread_text(equiv)}", verdict=verdict,
+             f"diff {_verdict_ci(equiv)}; C1 gap {x['c1_gap']:+.3f}; {_spread_text(equiv)}", verdict=verdict,
              margin=margin.value, margin_basis=margin.basis,
-             pairwise_plus_hadamard=pph, hadamard=had, noise=equiv.noise, mean=mean)
-    assert robust, f"pairwise+hadamard mean diff {mean:+.3f} not small against C1's gap {c1_gap:+.3f}"
+             pairwise_plus_hadamard=x["pph"], hadamard=x["had"], noise=equiv.noise, mean=x["mean"])
+    assert x["robust"], f"pairwise+hadamard mean diff {x['mean']:+.3f} not small against C1's gap {x['c1_gap']:+.3f}"
     assert not verdict.failed, verdict.text()
 
 

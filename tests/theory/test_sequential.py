@@ -153,3 +153,38 @@ def test_bad_plans_and_missing_replicates() -> None:
         sequential.decide(Form.GREATER, [1.0] * 7, [0.0] * 7, Plan(3, 6))
     v = sequential.decide(Form.GREATER, [3.0, 3.1, 2.9], [0.1, 0.0], Plan(3, 6))
     assert v.outcome is Outcome.INCONCLUSIVE and "needs every seed replicated" in v.text()
+
+
+def _synthetic_claim(theta: float, computed: list[int]):
+    """evaluate(seeds) of a claim whose per-seed cells are memoised: ``computed`` records each seed built once."""
+    memo: dict[int, tuple[float, float]] = {}
+
+    def evaluate(seeds: tuple[int, ...]):
+        for s in seeds:
+            if s not in memo:
+                computed.append(s)
+                rng = np.random.default_rng(s)
+                d = theta + rng.normal(0, 1.0)
+                memo[s] = (d, rng.normal(0, 0.3))
+        diffs = [memo[s][0] for s in seeds]
+        shifts = [memo[s][1] for s in seeds]
+        return (sequential.decide(Form.GREATER, diffs, shifts, Plan(3, 12)), len(seeds))
+
+    return evaluate
+
+
+def test_until_decided_adds_one_seed_per_look_and_stops() -> None:
+    """A real effect (θ = 2 sd) is decided before M, each seed built once; a null effect runs to M = 12 and stops
+    with its reason; a time budget stops between looks and says so."""
+    built: list[int] = []
+    looked = sequential.until_decided(_synthetic_claim(2.0, built), lambda r: r[0], (0, 1, 2), Plan(3, 12))
+    assert looked.result[0].outcome is Outcome.HOLDS and looked.stopped == "decided" and len(looked.seeds) < 12
+    assert built == list(range(len(looked.seeds)))  # one new seed per look, none rebuilt
+    assert all("seeds so far" in line and "s per seed measured" in line for line in looked.lines)
+    null: list[int] = []
+    looked = sequential.until_decided(_synthetic_claim(0.0, null), lambda r: r[0], (0, 1, 2), Plan(3, 12))
+    assert looked.seeds == tuple(range(12)) and looked.result[0].stop and "last look" in looked.stopped
+    ticks = iter(range(0, 10_000, 10))  # a clock: 10 s per reading
+    timed = sequential.until_decided(_synthetic_claim(0.0, []), lambda r: r[0], (0, 1, 2), Plan(3, 12),
+                                     time_budget=45.0, started=0.0, clock=lambda: float(next(ticks)))
+    assert timed.stopped.startswith("time budget 45 s") and 3 < len(timed.seeds) < 12, timed
