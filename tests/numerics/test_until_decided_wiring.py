@@ -34,14 +34,15 @@ def _load(name: str, path: Path, monkeypatch):
 def wiring(monkeypatch, tmp_path):
     conftest = _load("rq_e2e_conftest_wiring", E2E / "conftest.py", monkeypatch)
     claims = _load("rq_e2e_claims_wiring", E2E / "test_claims.py", monkeypatch)
-    built: list[tuple[int, str, bool]] = []
+    built: list[tuple[int, str, bool, str]] = []
 
     def fake_run_cell(cfg, cache_dir=None, base=None, **_):
         flat = cfg.flat()
-        built.append((flat["seed"], flat["r3"], flat["gptq"].float64))
+        built.append((flat["seed"], flat["r3"], flat["gptq"].float64, flat["estimator"]))
         shared = np.random.default_rng(flat["seed"]).normal(0, 1.0)  # the seed's weights and windows
         noise = np.random.default_rng([flat["seed"], int(flat["gptq"].float64), len(flat["r3"])]).normal(0, 0.03)
         step = {"hadamard": 0.0, "pairwise_plus_hadamard": 0.0, "pairwise_only": 3.0}[flat["r3"]]
+        step -= 0.4 if flat["estimator"] == "k_only" else 0.0
         return {"ppl": 22.0 + shared + step + noise, "n_tokens": 6144}
 
     monkeypatch.setattr("rope_quant.experiment.pipeline.run_cell", fake_run_cell)
@@ -65,12 +66,22 @@ def test_c2_until_decided_adds_replicated_seeds_only_while_open(wiring) -> None:
     assert len(set(built)) == len(built), "a cell was computed twice"
     for seed in range(n):
         for r3 in ("hadamard", "pairwise_plus_hadamard"):
-            assert (seed, r3, True) in built and (seed, r3, False) in built
-    assert max(s for s, _, _ in built) == n - 1  # no seed past the decision
+            assert {f for s, r, f, _ in built if (s, r) == (seed, r3)} == {True, False}
+    assert max(s for s, *_ in built) == n - 1  # no seed past the decision
 
 
 def test_without_the_mode_the_fixed_rule_reads_the_requested_seeds(wiring) -> None:
     experiment, claims, built = wiring
     (verdict, equiv, margin, x), at = experiment(None).decided(claims._c2, "C2")
     assert equiv.rule == RULE_REPLICATES and at.budget.seeds == (0, 1, 2) and equiv.n == 3
-    assert max(s for s, _, _ in built) == 2
+    assert max(s for s, *_ in built) == 2
+
+
+def test_c3_until_decided_only_builds_its_own_cells(wiring) -> None:
+    """C3 (k_only 0.4 PPL below rows, noise 0.03 per cell): decided by the sequential rule; the cells built are
+    C3's own (pairwise_only under both estimators, both float orders), none of C2's."""
+    experiment, claims, built = wiring
+    (verdict, k_only, rows), at = experiment(Plan(3, 10)).decided(claims._c3, "C3")
+    assert verdict.rule == RULE_SEQUENTIAL and verdict.outcome is Outcome.HOLDS, verdict.text()
+    assert {r3 for _, r3, _, _ in built} == {"pairwise_only"}
+    assert len(set(built)) == len(built) == 4 * len(at.budget.seeds)  # decided at the first look here
