@@ -29,7 +29,7 @@ from typing import Any
 from rope_quant.core import sequential
 from rope_quant.core.verdict import Form, Outcome, Verdict
 from rope_quant.io import atomic_write_json
-from rope_quant.sweep.cellkind import SweepError, config_seed, run_of, with_overrides
+from rope_quant.sweep.cellkind import CellKindName, SweepError, config_seed, kind_of, run_of, with_overrides
 from rope_quant.sweep.manifest import Manifest
 
 STATE_FILE = "decide.json"
@@ -121,6 +121,11 @@ def check_inputs(manifest: Manifest, max_seeds: int, time_budget: float | None,
         raise DecideError(f"--max-seeds {max_seeds}: the rule needs at least 2 seeds")
     if time_budget is not None and not time_budget > 0:
         raise DecideError(f"--time-budget {time_budget:g}: must be a positive number of seconds")
+    other = sorted({kind_of(cfg).name for _, cfg in manifest.cells} - {CellKindName.RUN.value})
+    if other:
+        raise DecideError(f"cells of kind {', '.join(other)}: decide reads the perplexity of plain run cells (a "
+                          "`rope-quant compare`, `support` or `estimators` directory); decide that study's claims "
+                          "with `pytest -m e2e --rq-until-decided`")
     claims = claims_of(manifest)
     if not claims:
         raise DecideError("the directory has no paired comparison to decide (one config and its comparator at "

@@ -202,3 +202,22 @@ def test_cli_decides_a_real_manifest_with_fake_cells(tmp_path: Path, capsys) -> 
     assert {f for _, _, f in seen} == {False, True} and len(set(seen)) == len(seen)  # each cell once, both orders
     assert main(["decide", str(out), "--max-seeds", "5"], cell_fn=cell) == 0
     assert "no open claim" in capsys.readouterr().out
+
+
+def test_cells_of_another_kind_are_refused(tmp_path: Path, capsys) -> None:
+    """A long-context (or NIAH, static, lm-eval) directory has no per-cell perplexity for decide to read: exit 2
+    before anything is built, naming the kind and where its claims are decided."""
+    from rope_quant.cli import main
+    from rope_quant.experiment.config import RunConfig
+    from rope_quant.sweep.kinds.long_context import LongContextConfig
+    from rope_quant.sweep.manifest import Manifest, write_manifest
+
+    run = RunConfig.from_flat(model="smollm2-135m", weights="gptq")
+    cells = [(n, LongContextConfig(run.override(r3=n, seed=s), (1024,))) for s in (0, 1) for n in ("hadamard",
+                                                                                                    "pairwise_only")]
+    out = tmp_path / "lc"
+    write_manifest(out, Manifest(cells=cells, study="long-context"))
+    before = sorted(p.name for p in out.rglob("*"))
+    assert main(["decide", str(out)]) == 2
+    assert "error: cells of kind long-context" in capsys.readouterr().err
+    assert sorted(p.name for p in out.rglob("*")) == before
