@@ -221,3 +221,37 @@ def test_cells_of_another_kind_are_refused(tmp_path: Path, capsys) -> None:
     assert main(["decide", str(out)]) == 2
     assert "error: cells of kind long-context" in capsys.readouterr().err
     assert sorted(p.name for p in out.rglob("*")) == before
+
+
+def test_the_real_pipeline_on_a_tiny_llama_builds_float_order_replicates(embedded_model, tmp_path: Path) -> None:
+    """decide over a GPTQ compare directory on a 2-layer Llama (the embedded tokenizer) through the real cell
+    function: the replicate cells are the same cells with ``gptq.float64`` flipped (their records say so and their
+    weight keys differ), every claim gets a sequential verdict, and each cell record is written once."""
+    from rope_quant.experiment import data
+    from rope_quant.experiment.config import RunConfig
+    from rope_quant.sweep.cells import pipeline_cell_fn
+    from rope_quant.sweep.loaded_models import ModelCache
+    from tests._support.models import tiny_base
+
+    base = tiny_base(embedded_model)
+    models = ModelCache()
+    models.put("tiny", "cpu", base, {"pydoc": data.load_corpus("pydoc", base[1])})
+    run = RunConfig.from_flat(model="tiny", weights="gptq", r1="random_hadamard", seqlen=64, calib_windows=2,
+                              eval_windows=2)
+    manifest = build_manifest(run, {"hadamard": {"r3": "hadamard"}, "pairwise_only": {"r3": "pairwise_only"}},
+                              (0, 1), study="compare")
+    out = tmp_path / "tiny"
+    try:
+        fn = pipeline_cell_fn(out / "cache", artifacts=out, models=models)
+        result = decide.decide_directory(out, manifest, max_seeds=3, cell_fn=fn, log=None)
+    finally:
+        models.clear()
+    v = result.verdicts["pairwise_only"]
+    assert v.rule == decide.sequential.RULE_SEQUENTIAL and v.n == result.seeds["pairwise_only"] >= 2, v.text()
+    assert v.decided or v.stop, v.text()  # decided, or stopped at M = 3 with its reason
+    recs = complete_records(out)
+    by = {(r["name"], r["seed"]): r for r in recs}
+    assert len(by) == len(recs) == 4 * result.seeds["pairwise_only"]
+    for (name, seed), rec in by.items():
+        float64 = rec["config"]["quant"]["w"]["gptq"]["float64"]
+        assert float64 is name.endswith(decide.REPLICATE_SUFFIX), (name, seed)
