@@ -152,6 +152,7 @@ def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
     fields = dict(model=args.model, corpus=args.corpus, w_bits=args.w_bits, a_bits=args.a_bits,
                   k_bits=args.k_bits, v_bits=args.v_bits, estimator=args.estimator, objective=args.objective,
                   angle=args.angle, r1=args.r1 or config.RotationKind.WHIP.value, r2=args.r2,
+                  r4=getattr(args, "r4", True),
                   **({} if args.whip_epochs is None else {"whip_epochs": args.whip_epochs}),
                   device=args.device, dtype=args.dtype, gptq=dataclasses.replace(GPTQConfig(), mse=bool(w_mse)),
                   **budget)
