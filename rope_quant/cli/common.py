@@ -20,9 +20,10 @@ FLAGGED_FIELDS = ("whip_epochs", "calib_windows", "eval_windows", "average_lengt
                   "k_bits", "v_bits", "r3_block")
 
 
-def flags_for_fields(message: str) -> str:
-    """``"whip_epochs must be >= 1"`` -> ``"--whip-epochs must be >= 1"`` (config errors name the flag)."""
-    names = "|".join(FLAGGED_FIELDS)
+def flags_for_fields(message: str, fields: tuple[str, ...] = FLAGGED_FIELDS) -> str:
+    """``"whip_epochs must be >= 1"`` -> ``"--whip-epochs must be >= 1"`` (config errors name the flag); ``fields``:
+    the field names that have a flag of the same name."""
+    names = "|".join(fields)
     return re.sub(rf"(?<![-\w])({names})(?!\w)",
                   lambda m: "--block" if m.group(1) == "r3_block" else flag(m.group(1)), message)
 

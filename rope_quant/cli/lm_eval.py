@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rope_quant.cli.args import CLIError, flag
+from rope_quant.cli.args import CLIError, did_you_mean, flag
 from rope_quant.cli.common import base_config, check_comparator, parse_configs
 from rope_quant.cli.execute import Cells, sweep
 from rope_quant.cli.options import add_sweep
@@ -48,13 +48,20 @@ def _check(args: argparse.Namespace, cells: Cells) -> tuple[str, ...]:
             raise CLIError(f"{flag(field)} must be a positive integer, got {value}")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    if cells.cell_fn is None:  # the real pipeline needs lm-eval: say so before any cell runs
-        from rope_quant.experiment.lm_eval import LmEvalMissingError, require_lm_eval
+    if cells.cell_fn is None:  # the real pipeline needs lm-eval and the tasks: say so before any cell runs
+        from rope_quant.experiment.lm_eval import LmEvalMissingError, require_lm_eval, task_manager
 
         try:
             require_lm_eval()
         except LmEvalMissingError as exc:
             raise CLIError(str(exc)) from None
+        known = task_manager(args.include_path, include_defaults=not args.only_include_path).all_tasks
+        unknown = [t for t in tasks if t not in known]
+        if unknown:
+            where = f"--include-path {args.include_path}" if args.only_include_path else (
+                "lm-eval's task index" + (f" and --include-path {args.include_path}" if args.include_path else ""))
+            raise CLIError(f"unknown --tasks {', '.join(map(repr, unknown))}"
+                           f"{''.join(did_you_mean(t, known) for t in unknown)}; not in {where}")
     return tasks
 
 

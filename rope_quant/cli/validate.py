@@ -33,8 +33,13 @@ def check_model(name: str) -> str:
     from types import SimpleNamespace
 
     from rope_quant.model import arch
-    from rope_quant.model.loading import (EMBEDDED_MODELS, ModelLoadError, ModelNotFoundError, check_checkpoint,
-                                          load_config)
+    from rope_quant.model.loading import (
+        EMBEDDED_MODELS,
+        ModelLoadError,
+        ModelNotFoundError,
+        check_checkpoint,
+        load_config,
+    )
 
     looks_like_path = "/" in name or "\\" in name or name.endswith(".gguf")
     if name.lower() not in EMBEDDED_MODELS and not looks_like_path and not Path(name).expanduser().exists():

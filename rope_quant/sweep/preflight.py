@@ -42,7 +42,8 @@ def hadamard_needs(cfg: Any, dims: Any) -> list[tuple[int, str]]:
     if rot.r2 in built:
         needs.append((dims.head_dim, f"R2 (r2={rot.r2.value}) needs head_dim={dims.head_dim}"))
     if rot.r4:
-        needs.append((dims.intermediate, f"the online R4 (r4=on; --no-r4 turns it off) needs intermediate_size={dims.intermediate}"))
+        needs.append((dims.intermediate, f"the online R4 (r4=on; --no-r4 turns it off) needs "
+                                         f"intermediate_size={dims.intermediate}"))
     return needs
 
 
