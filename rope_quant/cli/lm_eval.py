@@ -49,20 +49,27 @@ def _check(args: argparse.Namespace, cells: Cells) -> tuple[str, ...]:
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if cells.cell_fn is None:  # the real pipeline needs lm-eval and the tasks: say so before any cell runs
-        from rope_quant.experiment.lm_eval import LmEvalMissingError, require_lm_eval, task_manager
+        from rope_quant.experiment.lm_eval import LmEvalMissingError, require_lm_eval
 
         try:
             require_lm_eval()
         except LmEvalMissingError as exc:
             raise CLIError(str(exc)) from None
-        known = task_manager(args.include_path, include_defaults=not args.only_include_path).all_tasks
-        unknown = [t for t in tasks if t not in known]
-        if unknown:
-            where = f"--include-path {args.include_path}" if args.only_include_path else (
-                "lm-eval's task index" + (f" and --include-path {args.include_path}" if args.include_path else ""))
-            raise CLIError(f"unknown --tasks {', '.join(map(repr, unknown))}"
-                           f"{''.join(did_you_mean(t, known) for t in unknown)}; not in {where}")
     return tasks
+
+
+def _check_task_names(args: argparse.Namespace, tasks: tuple[str, ...]) -> None:
+    """Every task is in lm-eval's index (built-in and/or --include-path): before any model loads, after the
+    cheaper checks (indexing the built-in tasks takes seconds)."""
+    from rope_quant.experiment.lm_eval import task_manager
+
+    known = task_manager(args.include_path, include_defaults=not args.only_include_path).all_tasks
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        where = f"--include-path {args.include_path}" if args.only_include_path else (
+            "lm-eval's task index" + (f" or --include-path {args.include_path}" if args.include_path else ""))
+        raise CLIError(f"unknown --tasks {', '.join(map(repr, unknown))}"
+                       f"{''.join(did_you_mean(t, known) for t in unknown)}; not in {where}")
 
 
 def run(args: argparse.Namespace, cells: Cells) -> int:
@@ -74,6 +81,8 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     check_comparator(args.comparator, configs)
 
     def build(args: argparse.Namespace, seeds: tuple[int, ...], used: list[str]) -> Any:
+        if cells.cell_fn is None:  # after validate_common's cheaper checks, before any model loads
+            _check_task_names(args, tasks)
         manifest = lm_eval_manifest(base_config(args), configs, seeds, tasks, include_path=args.include_path,
                                     include_defaults=not args.only_include_path, limit=args.limit,
                                     num_fewshot=args.num_fewshot, batch_size=args.batch_size,
