@@ -290,3 +290,68 @@ def test_every_sweep_command_refuses_an_unsupported_architecture_before_loading(
     line = refused(rope_quant(_sweep_argv(command, str(gpt2), out), tmp_path, inject=GUARD), command)
     assert "model type 'gpt2' is not supported" in line and str(gpt2) in line, line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fault", ["read-only", "disk full"])
+@pytest.mark.parametrize("command", SWEEPS)
+def test_every_sweep_command_refuses_an_unwritable_out_before_loading(tmp_path: Path, tiny: Path, command: str,
+                                                                      fault: str, capsys, monkeypatch) -> None:
+    """In process (the CLI's ``main``; a subprocess per case would cost seconds each): the same check for all."""
+    import errno
+    import tempfile
+
+    from rope_quant import cli
+    from rope_quant.sweep.loaded_models import ModelCache
+
+    def no_load(model: str, device: str):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    if fault == "read-only":
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, m, **k: False if Path(p) == parent else real(p, m, **k))
+    else:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(tempfile, "mkstemp", full)
+    out = parent / "out"
+    quiet = [] if command == "run" else ["--quiet"]
+    code = cli.main([*_sweep_argv(command, str(tiny), out), *quiet], models=ModelCache(no_load))
+    err = capsys.readouterr().err
+    lines = [s for s in err.splitlines() if s.strip() and not s.startswith("note:")]
+    assert code == 2 and len(lines) == 1, err
+    assert f"rope-quant {command}: error: --out {out}: " in lines[0], lines[0]
+    assert ("is not writable" if fault == "read-only" else "the disk is full (errno ENOSPC)") in lines[0]
+    assert not out.exists()
+
+
+def test_lm_eval_refuses_an_unknown_task_before_loading(tmp_path: Path, tiny: Path) -> None:
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "mine.yaml").write_text(textwrap.dedent(f"""\
+        task: my_local_task
+        dataset_path: json
+        dataset_kwargs:
+          data_files: {tasks / 'data.jsonl'}
+        output_type: loglikelihood_rolling
+        test_split: train
+        doc_to_text: ""
+        doc_to_target: "{{{{text}}}}"
+        metric_list:
+          - metric: word_perplexity
+        """))
+    out = tmp_path / "out"
+    argv = [*_sweep_argv("lm-eval", str(tiny), out)[:-2], "--tasks", "my_local_tsk", "--include-path", str(tasks),
+            "--only-include-path"]
+    line = refused(rope_quant(argv, tmp_path, inject=GUARD), "lm-eval")
+    assert "unknown --tasks 'my_local_tsk' (did you mean 'my_local_task'?)" in line, line
+    assert not out.exists()
+
+
+def test_niah_errors_name_the_flags(tmp_path: Path, tiny: Path) -> None:
+    out = tmp_path / "out"
+    line = refused(rope_quant([*_sweep_argv("niah", str(tiny), out), "--depths", "0,2"], tmp_path, inject=GUARD),
+                   "niah")
+    assert "--depths must be distinct fractions in [0, 1]" in line, line
