@@ -76,7 +76,7 @@ def resolve_cell(args: argparse.Namespace) -> tuple[Any, Path | None, str]:
     """(RunConfig, cache dir, a description of the cell) from the flags; :class:`CLIError` naming the cell.
     Names (R3, model, corpus) are checked against their registries and files here, before any model loads."""
     from rope_quant.cli.common import valid_configs
-    from rope_quant.cli.validate import check_corpus, check_model
+    from rope_quant.cli.validate import check_corpus, check_corpus_text, check_model
     from rope_quant.experiment.config import PipelineError, RunConfig
 
     if args.results is None:
@@ -85,10 +85,9 @@ def resolve_cell(args: argparse.Namespace) -> tuple[Any, Path | None, str]:
         if args.model is None or args.config is None:
             raise CLIError("give --from DIR --cell NAME, or --model and --config (with --set FIELD=VALUE)")
         check_name(args.config, "config", valid_configs())
-        check_model(args.model)
         flat: dict[str, Any] = {"model": args.model, "r3": args.config, "seed": args.seed}
         if args.corpus is not None:
-            flat["corpus"] = check_corpus(args.corpus)
+            flat["corpus"] = args.corpus
         if args.r4 is not None:
             flat["r4"] = args.r4
         for item in args.set:
@@ -100,6 +99,9 @@ def resolve_cell(args: argparse.Namespace) -> tuple[Any, Path | None, str]:
             cfg = RunConfig.from_flat(**flat)
         except PipelineError as exc:
             raise CLIError(str(exc)) from None
+        check_model(cfg.model)  # the files and the architecture, from the config alone
+        check_corpus(cfg.corpus)
+        check_corpus_text(cfg.corpus, cfg.budget.seqlen)  # a local corpus: text, and one window of it
         return cfg, None if args.cache_dir is None else Path(args.cache_dir), f"{args.config} seed {args.seed}"
     return _cell_from_results(args)
 
