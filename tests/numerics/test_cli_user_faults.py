@@ -355,3 +355,46 @@ def test_niah_errors_name_the_flags(tmp_path: Path, tiny: Path) -> None:
     line = refused(rope_quant([*_sweep_argv("niah", str(tiny), out), "--depths", "0,2"], tmp_path, inject=GUARD),
                    "niah")
     assert "--depths must be distinct fractions in [0, 1]" in line, line
+
+
+@pytest.mark.parametrize("fault", ["read-only", "disk full"])
+@pytest.mark.parametrize("command", ["report", "verify", "models"])
+def test_the_other_writers_on_a_read_only_or_full_disk(tmp_path: Path, command: str, fault: str, capsys,
+                                                       monkeypatch) -> None:
+    """report and verify write into the results directory, models --clear-cache deletes the model cache: a
+    read-only or full disk there is one line naming the file, exit 2 (in process, faults injected)."""
+    import errno
+    import shutil
+
+    from rope_quant import cli, io
+
+    code_ = errno.EROFS if fault == "read-only" else errno.ENOSPC
+    out = tmp_path / "results"
+    assert cli.main(["compare", "--out", str(out), "--configs", "hadamard,identity", "--seeds", "0",
+                     "--no-figures", "--quiet"],
+                    cell_fn=lambda cfg: {"ppl": 12.0 + (cfg.r3 != "hadamard"), "n_windows": 1, "n_tokens": 10}) == 0
+    capsys.readouterr()
+    cache = tmp_path / "model-cache"
+    (cache / "some-model").mkdir(parents=True)
+    monkeypatch.setenv("ROPE_QUANT_MODEL_CACHE", str(cache))
+    real = io.atomic_writer
+
+    def failing(path):
+        if str(path).startswith(str(out)):
+            raise OSError(code_, os.strerror(code_), str(path))
+        return real(path)
+
+    def rmtree(path, *args, **kwargs):
+        raise OSError(code_, os.strerror(code_), str(path))
+
+    monkeypatch.setattr(io, "atomic_writer", failing)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    argv = {"report": ["report", str(out), "--no-figures"], "verify": ["verify", str(out), "--all"],
+            "models": ["models", "--clear-cache"]}[command]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [s for s in err.splitlines() if s.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"rope-quant {command}: error: ")
+    assert ("read-only (errno EROFS)" if fault == "read-only" else "the disk is full (errno ENOSPC)") in lines[0]
+    assert str(out if command != "models" else cache) in lines[0], lines[0]
