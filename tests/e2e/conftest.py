@@ -162,7 +162,7 @@ _MACHINE: dict[str, Any] = {}
 
 @pytest.fixture(autouse=True)
 def _record_machine(rq_machine) -> None:
-    """Every e2e report carries the machine; the claims JSON records it (issue 23 item 4)."""
+    """Every e2e report carries the machine; the claims JSON records it (since 0.2.0)."""
     if not _MACHINE:
         from rope_quant.experiment.envinfo import machine_info
 

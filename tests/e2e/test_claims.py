@@ -187,7 +187,7 @@ def test_c4_perplexity_gap_non_increasing_in_block_size(experiment, rq_claim, rq
 
 
 #: b = d_h against the full Hadamard, relative perplexity, on 4-bit keys alone (W16A16K4V16), where the cause is
-#: measured (issue 11 §4): b = d_h is P·H with P the swap inside each rotate_half pair; its 4-bit K codes equal
+#: measured (2026-11-23, 2bbd27c): b = d_h is P·H with P the swap inside each rotate_half pair; its 4-bit K codes equal
 #: the Hadamard's, and with 16-bit keys the perplexities agree to 8e-8. With 4-bit keys any ulp-level difference
 #: (the kernel, the q·k summation order that P changes, even a 6e-8 relative jitter) flips a first K code a few
 #: layers down and the flips spread to ~5% of the codes: eight variants that are all exactly H in exact
