@@ -219,13 +219,25 @@ def test_the_documented_flow_runs_as_printed(tmp_path: Path, tiny: Path) -> None
     out = tmp_path / export_line.split("--out")[1].split()[0]
     info = json.loads((out / "rope_quant_export.json").read_text())
     assert info["config"]["rotation"]["r4"] is False and info["folded"]["r3"] == "pairwise_only"
-    # the paper's default (R4 on) in the same directory is a separate cell, refused by hf with a remedy that exists
-    proc = rope_quant([*[a for a in run_argv if a != "--no-r4"], *budget, "--name", "with_r4"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = refused(rope_quant(["export", "--from", "results", "--cell", "with_r4", "--format", "hf", "--out",
-                               "x"], tmp_path), "export")
-    assert "run the cell with --no-r4 (`rope-quant run --no-r4" in line
     assert "--no-r4" in help_flags("run") and "--no-r4" in help_flags("compare")
+
+
+def test_a_cell_with_r4_is_refused_for_hf_with_a_remedy_that_exists(tmp_path: Path, tiny: Path) -> None:
+    """A complete cell of the paper's default (R4 on), as `run` leaves it (manifest and record written here)."""
+    from rope_quant.experiment.config import RunConfig
+    from rope_quant.sweep import records
+    from rope_quant.sweep.manifest import Manifest, write_manifest
+
+    cfg = RunConfig.from_flat(model=str(tiny), r3="pairwise_only", weights="rtn", seqlen=32, calib_windows=2)
+    assert cfg.rotation.r4
+    write_manifest(tmp_path / "results", Manifest(cells=[("pairwise_only", cfg)], study="run"))
+    records.write_record(tmp_path / "results", "pairwise_only", cfg, records.result_record(
+        "pairwise_only", cfg, {"ppl": 12.5, "n_windows": 1}, 1.0, {}))
+    line = refused(rope_quant(["export", "--from", "results", "--cell", "pairwise_only", "--format", "hf",
+                               "--out", "x"], tmp_path, inject=GUARD), "export")
+    assert "R4 (the online Hadamard on down_proj's input)" in line
+    assert "For this cell: run the cell with --no-r4 (`rope-quant run --no-r4" in line, line
+    assert not (tmp_path / "x").exists() and not (tmp_path / "results" / "cache").exists()
 
 
 def test_r4_default_keeps_the_keys_of_existing_results() -> None:
