@@ -410,3 +410,26 @@ def test_the_other_writers_on_a_read_only_or_full_disk(tmp_path: Path, command: 
     assert lines[0].startswith(f"rope-quant {command}: error: ")
     assert ("read-only (errno EROFS)" if fault == "read-only" else "the disk is full (errno ENOSPC)") in lines[0]
     assert str(out if command != "models" else cache) in lines[0], lines[0]
+
+
+def test_an_export_killed_while_overwriting_puts_the_old_one_back(tmp_path: Path) -> None:
+    """Killed between moving the old --out aside and renaming the new one in: the next export's sweep puts the
+    old export back (nothing lost) and removes the half-written one; a live writer's directories are kept."""
+    from filelock import FileLock
+
+    from rope_quant.export import outdir
+
+    out = tmp_path / "out"
+    dead = tmp_path / ".out.tmp-dead"
+    (dead / "half").mkdir(parents=True)
+    (dead.with_name(dead.name + ".old") / "out").mkdir(parents=True)
+    (dead.with_name(dead.name + ".old") / "out" / "model.safetensors").write_text("the old export")
+    (tmp_path / ".out.tmp-dead.lock").touch()  # its writer died: nobody holds it
+    live = tmp_path / ".out.tmp-live"
+    live.mkdir()
+    with FileLock(str(tmp_path / ".out.tmp-live.lock")):
+        notes = outdir.remove_stale(out)
+        assert live.is_dir()
+    assert (out / "model.safetensors").read_text() == "the old export"
+    assert any("put back" in n for n in notes) and any(".out.tmp-dead" in n for n in notes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-live", ".out.tmp-live.lock", "out"]
