@@ -20,9 +20,10 @@ FLAGGED_FIELDS = ("whip_epochs", "calib_windows", "eval_windows", "average_lengt
                   "k_bits", "v_bits", "r3_block")
 
 
-def flags_for_fields(message: str) -> str:
-    """``"whip_epochs must be >= 1"`` -> ``"--whip-epochs must be >= 1"`` (config errors name the flag)."""
-    names = "|".join(FLAGGED_FIELDS)
+def flags_for_fields(message: str, fields: tuple[str, ...] = FLAGGED_FIELDS) -> str:
+    """``"whip_epochs must be >= 1"`` -> ``"--whip-epochs must be >= 1"`` (config errors name the flag); ``fields``:
+    the field names that have a flag of the same name."""
+    names = "|".join(fields)
     return re.sub(rf"(?<![-\w])({names})(?!\w)",
                   lambda m: "--block" if m.group(1) == "r3_block" else flag(m.group(1)), message)
 
@@ -152,6 +153,7 @@ def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
     fields = dict(model=args.model, corpus=args.corpus, w_bits=args.w_bits, a_bits=args.a_bits,
                   k_bits=args.k_bits, v_bits=args.v_bits, estimator=args.estimator, objective=args.objective,
                   angle=args.angle, r1=args.r1 or config.RotationKind.WHIP.value, r2=args.r2,
+                  r4=getattr(args, "r4", True),
                   **({} if args.whip_epochs is None else {"whip_epochs": args.whip_epochs}),
                   device=args.device, dtype=args.dtype, gptq=dataclasses.replace(GPTQConfig(), mse=bool(w_mse)),
                   **budget)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rope_quant.cli.args import CLIError
+from rope_quant.cli.args import CLIError, check_name
 
 FORMATS = ("hf", "compressed-tensors")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -40,6 +40,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     src.add_argument("--model", default=None, metavar="NAME|PATH", help="without --from: the model")
     src.add_argument("--corpus", default=None, metavar="NAME|PATH", help="without --from: the calibration corpus")
     src.add_argument("--config", default=None, metavar="R3", help="without --from: the R3 registry name")
+    src.add_argument("--r4", action=argparse.BooleanOptionalAction, default=None,
+                     help="without --from: the online R4 Hadamard on down_proj's input (default on, as in run; "
+                          "--no-r4 for a cell that --format hf can carry)")
     src.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                      help="without --from: any other RunConfig flat field (repeatable), e.g. r4=false, w_bits=4, "
                           "weights=rtn, seqlen=512, calib_windows=4")
@@ -70,7 +73,10 @@ def _flat_value(text: str) -> Any:
 
 
 def resolve_cell(args: argparse.Namespace) -> tuple[Any, Path | None, str]:
-    """(RunConfig, cache dir, a description of the cell) from the flags; :class:`CLIError` naming the cell."""
+    """(RunConfig, cache dir, a description of the cell) from the flags; :class:`CLIError` naming the cell.
+    Names (R3, model, corpus) are checked against their registries and files here, before any model loads."""
+    from rope_quant.cli.common import valid_configs
+    from rope_quant.cli.validate import check_corpus, check_corpus_text, check_model
     from rope_quant.experiment.config import PipelineError, RunConfig
 
     if args.results is None:
@@ -78,9 +84,12 @@ def resolve_cell(args: argparse.Namespace) -> tuple[Any, Path | None, str]:
             raise CLIError("--cell needs --from DIR (the results directory that holds it)")
         if args.model is None or args.config is None:
             raise CLIError("give --from DIR --cell NAME, or --model and --config (with --set FIELD=VALUE)")
+        check_name(args.config, "config", valid_configs())
         flat: dict[str, Any] = {"model": args.model, "r3": args.config, "seed": args.seed}
         if args.corpus is not None:
             flat["corpus"] = args.corpus
+        if args.r4 is not None:
+            flat["r4"] = args.r4
         for item in args.set:
             field, sep, value = item.partition("=")
             if not sep:
@@ -90,18 +99,22 @@ def resolve_cell(args: argparse.Namespace) -> tuple[Any, Path | None, str]:
             cfg = RunConfig.from_flat(**flat)
         except PipelineError as exc:
             raise CLIError(str(exc)) from None
+        check_model(cfg.model)  # the files and the architecture, from the config alone
+        check_corpus(cfg.corpus)
+        check_corpus_text(cfg.corpus, cfg.budget.seqlen)  # a local corpus: text, and one window of it
         return cfg, None if args.cache_dir is None else Path(args.cache_dir), f"{args.config} seed {args.seed}"
     return _cell_from_results(args)
 
 
 def _cell_from_results(args: argparse.Namespace) -> tuple[Any, Path, str]:
+    from rope_quant.cli.validate import check_model
     from rope_quant.sweep import records
     from rope_quant.sweep.manifest import SweepError, config_seed, load_manifest, run_of
 
     if args.cell is None:
         raise CLIError("--from DIR needs --cell NAME (a config name of its manifest)")
-    if args.model is not None or args.config is not None or args.set:
-        raise CLIError("--from DIR takes the configuration from its manifest: drop --model/--config/--set")
+    if args.model is not None or args.config is not None or args.set or args.r4 is not None:
+        raise CLIError("--from DIR takes the configuration from its manifest: drop --model/--config/--set/--r4")
     out = Path(args.results)
     try:
         manifest = load_manifest(out)
@@ -122,20 +135,56 @@ def _cell_from_results(args: argparse.Namespace) -> tuple[Any, Path, str]:
         why = f"{err.get('type', 'error')}: {err.get('message', '')}" if err else "its result is not scored"
         raise CLIError(f"{what} in {out} failed ({why}); rerun it before exporting")
     run_cfg = run_of(cfg)
+    check_model(run_cfg.model)  # the manifest's model is still there and readable
     cache = Path(args.cache_dir) if args.cache_dir is not None else out / "cache"
     return run_cfg, cache, what
 
 
-def _precheck(cfg: Any, fmt: str) -> None:
-    """What the format cannot carry, from the configuration alone (head_dim-free checks)."""
+def _remedy(args: argparse.Namespace, parts: list[Any]) -> str:
+    """The flags that give a cell without ``parts`` (the online parts --format hf cannot carry)."""
+    from rope_quant.export.fold import OnlinePart
+
+    kinds = {p.part for p in parts}
+    if args.results is None:
+        fixes = (["pass --no-r4"] if OnlinePart.R4 in kinds else []) + (
+            ["--config a RoPE-commuting R3 such as pairwise_only"] if OnlinePart.R3 in kinds else [])
+        return " and ".join(fixes)
+    fixes = (["run the cell with --no-r4 (`rope-quant run --no-r4 ...` or `rope-quant compare --no-r4 ...`)"]
+             if OnlinePart.R4 in kinds else []) + (
+        ["choose a --cell of a RoPE-commuting R3 such as pairwise_only"] if OnlinePart.R3 in kinds else [])
+    return "; and ".join(fixes)
+
+
+def _precheck(args: argparse.Namespace, cfg: Any, fmt: str) -> None:
+    """What the format cannot carry, from the configuration alone (head_dim-free checks); the remedy names the
+    flags for this cell's source."""
     from rope_quant.export import compressed, hf
+    from rope_quant.export.fold import OnlinePartError, online_parts
 
     nominal = max(64, 2 * (cfg.online.block or 1))  # commutation depends on block and layout, not head_dim
     if fmt == "hf":
-        hf.check_hf(cfg, nominal)
+        try:
+            hf.check_hf(cfg, nominal)
+        except OnlinePartError as exc:
+            raise CLIError(f"{exc}. For this cell: {_remedy(args, online_parts(cfg, nominal))}") from None
     else:
         compressed.require()
         compressed.check_compressed(cfg, nominal)
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """--out: empty (or --overwrite), its parent a writable directory (the export is staged there and renamed
+    into place); what killed exports left beside it is removed. All before the model is built."""
+    from rope_quant.export import outdir
+    from rope_quant.sweep.preflight import PreflightError, check_output_dir
+
+    path = outdir.check_out(args.out, args.overwrite)
+    try:
+        check_output_dir(path, "--out", parent=True)
+    except PreflightError as exc:
+        raise CLIError(str(exc)) from None
+    for note in outdir.remove_stale(path):
+        print(note, file=sys.stderr)
 
 
 def export(args: argparse.Namespace) -> Path:
@@ -145,8 +194,8 @@ def export(args: argparse.Namespace) -> Path:
     from rope_quant.export import build, compressed, hf, outdir
 
     cfg, cache, what = resolve_cell(args)
-    outdir.check_out(args.out, args.overwrite)
-    _precheck(cfg, args.format)
+    _check_out(args)
+    _precheck(args, cfg, args.format)
     if args.format == "compressed-tensors" and args.weights == "unquantised":
         raise CLIError("--format compressed-tensors packs the quantised codes: --weights unquantised does not apply")
     weights = build.WeightSource(args.weights or ("dequantised" if args.format == "compressed-tensors"
@@ -168,15 +217,22 @@ def export(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of the subcommand: 0 ok, 2 bad input (one ``error:`` line)."""
+    """Entry point of the subcommand: 0 ok, 2 bad input or a full / read-only disk (one ``error:`` line)."""
+    from rope_quant.core.transforms import TransformError
     from rope_quant.experiment.config import PipelineError
     from rope_quant.export.fold import ExportError
     from rope_quant.rotations.offline import RotationError
+    from rope_quant.sweep.preflight import ENVIRONMENT_ERRNOS, environment_fault
 
     try:
         out = export(args)
-    except (CLIError, ExportError, PipelineError, RotationError) as exc:
+    except (CLIError, ExportError, PipelineError, RotationError, TransformError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the disk filled or turned read-only while writing: the staging directory is gone
+        if exc.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        print(f"error: --out {args.out}: {environment_fault(exc, 'nothing was written')}", file=sys.stderr)
         return 2
     print(f"exported {args.format} to {out}")
     return 0

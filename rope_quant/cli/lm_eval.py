@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rope_quant.cli.args import CLIError, flag
+from rope_quant.cli.args import CLIError, did_you_mean, flag
 from rope_quant.cli.common import base_config, check_comparator, parse_configs
 from rope_quant.cli.execute import Cells, sweep
 from rope_quant.cli.options import add_sweep
@@ -48,7 +48,7 @@ def _check(args: argparse.Namespace, cells: Cells) -> tuple[str, ...]:
             raise CLIError(f"{flag(field)} must be a positive integer, got {value}")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    if cells.cell_fn is None:  # the real pipeline needs lm-eval: say so before any cell runs
+    if cells.cell_fn is None:  # the real pipeline needs lm-eval and the tasks: say so before any cell runs
         from rope_quant.experiment.lm_eval import LmEvalMissingError, require_lm_eval
 
         try:
@@ -56,6 +56,20 @@ def _check(args: argparse.Namespace, cells: Cells) -> tuple[str, ...]:
         except LmEvalMissingError as exc:
             raise CLIError(str(exc)) from None
     return tasks
+
+
+def _check_task_names(args: argparse.Namespace, tasks: tuple[str, ...]) -> None:
+    """Every task is in lm-eval's index (built-in and/or --include-path): before any model loads, after the
+    cheaper checks (indexing the built-in tasks takes seconds)."""
+    from rope_quant.experiment.lm_eval import task_manager
+
+    known = task_manager(args.include_path, include_defaults=not args.only_include_path).all_tasks
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        where = f"--include-path {args.include_path}" if args.only_include_path else (
+            "lm-eval's task index" + (f" or --include-path {args.include_path}" if args.include_path else ""))
+        raise CLIError(f"unknown --tasks {', '.join(map(repr, unknown))}"
+                       f"{''.join(did_you_mean(t, known) for t in unknown)}; not in {where}")
 
 
 def run(args: argparse.Namespace, cells: Cells) -> int:
@@ -67,6 +81,8 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     check_comparator(args.comparator, configs)
 
     def build(args: argparse.Namespace, seeds: tuple[int, ...], used: list[str]) -> Any:
+        if cells.cell_fn is None:  # after validate_common's cheaper checks, before any model loads
+            _check_task_names(args, tasks)
         manifest = lm_eval_manifest(base_config(args), configs, seeds, tasks, include_path=args.include_path,
                                     include_defaults=not args.only_include_path, limit=args.limit,
                                     num_fewshot=args.num_fewshot, batch_size=args.batch_size,

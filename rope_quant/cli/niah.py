@@ -6,12 +6,14 @@ import argparse
 from typing import Any
 
 from rope_quant.cli.args import CLIError, parse_int_list
-from rope_quant.cli.common import base_config, check_comparator, parse_configs
+from rope_quant.cli.common import base_config, check_comparator, flags_for_fields, parse_configs
 from rope_quant.cli.execute import Cells, sweep
 from rope_quant.cli.options import add_sweep
 from rope_quant.cli.validate import check_corpus
 
 HELP = "needle-in-a-haystack retrieval in the RULER format (App. G)"
+#: NiahSpec fields set by the flag of the same name (its errors name the flag).
+NIAH_FLAGGED = ("lengths", "depths", "probes", "digits", "template")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         spec = NiahSpec(lengths=lengths, depths=depths, probes=args.probes, corpus=haystack, digits=args.digits,
                         template=args.template)
     except NiahError as exc:
-        raise CLIError(str(exc)) from None
+        raise CLIError(flags_for_fields(str(exc), NIAH_FLAGGED)) from None
 
     def build(args: argparse.Namespace, seeds: tuple[int, ...], used: list[str]) -> Any:
         manifest = niah_manifest(base_config(args), configs, seeds, spec, fp=args.fp, comparator=args.comparator)

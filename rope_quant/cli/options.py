@@ -42,6 +42,10 @@ def add_common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     g.add_argument("--r2", default=rotations[1], choices=rotations,
                    help="R2: random_hadamard (the paper keeps whip's initialisation, A.8; default), hadamard, "
                         "identity, or whip (trains R2: a deviation from A.8)")
+    g.add_argument("--r4", action=argparse.BooleanOptionalAction, default=True,
+                   help="R4: the online Hadamard on down_proj's input (the paper, A.1; default on). --no-r4 "
+                        "gives cells that `rope-quant export --format hf` can write (R4 has no place in a "
+                        "plain checkpoint); a deviation from the paper, printed with the settings")
     g.add_argument("--whip-epochs", type=int, default=None, metavar="N",
                    help="epochs of R1's whip fit (default 10 on every device: the fit takes seconds on CPU)")
     g.add_argument("--objective", default=Objective.VARIANCE.value, choices=values(Objective),

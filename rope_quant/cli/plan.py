@@ -71,10 +71,33 @@ def _error(msg: str) -> int:
     return 2
 
 
+#: The protocol's counts, each set by the flag of the same name (errors name the flag, not the field).
+COUNTS = ("calib_windows", "seqlen", "eval_windows", "whip_epochs", "configs")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The counts and budgets the user typed, named by their flags (before any config is read)."""
+    from rope_quant.cli.args import CLIError, flag
+
+    for name in COUNTS:
+        value = getattr(args, name)
+        if value < 1:
+            raise CLIError(f"{flag(name)} must be a positive integer, got {value}")
+    for name in ("gpu_memory_gib", "host_memory_gib"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise CLIError(f"{flag(name)} must be a positive number of GiB, got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
+    from rope_quant.cli.args import CLIError
     from rope_quant.experiment import plan as planning
     from rope_quant.model import arch
 
+    try:
+        _check_flags(args)
+    except CLIError as exc:
+        return _error(str(exc))
     try:
         protocol = planning.Protocol(
             calib_windows=args.calib_windows, seqlen=args.seqlen, eval_windows=args.eval_windows,

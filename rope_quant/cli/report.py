@@ -119,8 +119,8 @@ def run_verify(args: argparse.Namespace, cells: Cells) -> int:
                      "worst_excess": result.summary["worst_excess"], "average_length": length,
                      "artefacts": str(dest)})
     if not rows:
-        raise CLIError(f"{out} has no φ* cells (use `rope-quant estimators --phi-star` or `run --phi-star`, "
-                       "or --all for φ̂ cells)")
+        raise CLIError(f"{out} has no φ* cells (use `rope-quant estimators --phi-star` or "
+                       "`rope-quant run --phi-star`, or --all for φ̂ cells)")
     atomic_write_json(out / "verify" / "verify_summary.json", {"cells": rows})
     shown = [{"config": r["config"], "seed": r["seed"],
               "verdict": r.get("note") or ("yes" if r["verified"] else "no"),

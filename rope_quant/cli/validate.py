@@ -28,16 +28,30 @@ def check_corpus(name: str) -> str:
 
 
 def check_model(name: str) -> str:
-    """An embedded model name or an existing local checkpoint / .gguf file (else the closest names)."""
-    from rope_quant.model.loading import EMBEDDED_MODELS, ModelLoadError, ModelNotFoundError, check_checkpoint
+    """An embedded model name or an existing local checkpoint / .gguf file of a supported architecture (else
+    the closest names, or the registered types)."""
+    from types import SimpleNamespace
+
+    from rope_quant.model import arch
+    from rope_quant.model.loading import (
+        EMBEDDED_MODELS,
+        ModelLoadError,
+        ModelNotFoundError,
+        check_checkpoint,
+        load_config,
+    )
 
     looks_like_path = "/" in name or "\\" in name or name.endswith(".gguf")
     if name.lower() not in EMBEDDED_MODELS and not looks_like_path and not Path(name).expanduser().exists():
         raise unknown_name("model", name, list(EMBEDDED_MODELS))
     try:
         check_checkpoint(name)  # resolves it; a cut file or an odd head_dim is named here, before any weight loads
+        if name.lower() not in EMBEDDED_MODELS:  # the architecture from the config alone (a GGUF's header)
+            arch.spec_for(SimpleNamespace(config=load_config(name)))
     except (ModelNotFoundError, ModelLoadError) as exc:
         raise CLIError(str(exc)) from None
+    except arch.ArchitectureError as exc:
+        raise CLIError(f"model {name}: {exc}") from None
     return name
 
 

@@ -149,6 +149,10 @@ def read_model(model: str) -> Any:
                         "with config.json, nor a config.json file")
     try:
         data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot read the config {path}: {exc}") from exc
+    arch.check_config_dict(data, str(path))  # the geometry from the file, not transformers' defaults
+    try:
         config = AutoConfig.for_model(**data)
     except (ValueError, KeyError, TypeError) as exc:
         raise PlanError(f"cannot read the config {path}: {exc}") from exc

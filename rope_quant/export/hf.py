@@ -38,7 +38,7 @@ def check_hf(cfg: Any, head_dim: int) -> None:
         names = "; ".join(p.text for p in parts)
         raise OnlinePartError(f"--format hf cannot carry online parts: {names}. Export it with --format "
                               "compressed-tensors (online transforms in its transform_config), or choose a cell "
-                              "without them (--no-r4 / a RoPE-commuting R3 such as pairwise_only)")
+                              "without them (R4 off; a RoPE-commuting R3 such as pairwise_only)")
 
 
 def runtime_quant_notes(cfg: Any) -> list[str]:

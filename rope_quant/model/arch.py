@@ -42,6 +42,9 @@ __all__ = [
     "MLPParts",
     "LayerNorms",
     "dims",
+    "GEOMETRY_FIELDS",
+    "OPTIONAL_GEOMETRY_FIELDS",
+    "check_config_dict",
     "base_model",
     "decoder_layers",
     "attention",
@@ -213,6 +216,37 @@ class ModelDims:
     def group(self) -> int:
         """Q heads per KV head (GQA group size)."""
         return self.n_heads // self.n_kv_heads
+
+
+#: The config fields every reader of a model's geometry needs (:func:`dims`, the plan's cost model): a
+#: config.json must hold them itself; transformers would otherwise fill in its class defaults (a 7B model).
+GEOMETRY_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+#: Geometry fields with a defined fallback when absent (KV heads = heads; head_dim = hidden // heads).
+OPTIONAL_GEOMETRY_FIELDS = ("num_key_value_heads", "head_dim")
+
+
+def check_config_dict(data: Any, where: str) -> None:
+    """A raw config (the parsed config.json) of a registered type that holds every :data:`GEOMETRY_FIELDS` as
+    a positive integer; else the error names the field(s). A multimodal config's ``text_config`` is checked for
+    its type and values only: ``save_pretrained`` leaves out a nested config's fields that equal its class's
+    defaults, so there the defaults are the model's own."""
+    if not isinstance(data, dict):
+        raise ModelStructureError(f"{where}: not a JSON object")
+    text = data.get("text_config")
+    nested = isinstance(text, dict) and "model_type" in text
+    cfg = text if nested else data
+    spec_for(cfg.get("model_type"))  # an unknown family first: its fields are named otherwise
+    missing = [name for name in GEOMETRY_FIELDS if cfg.get(name) is None]
+    if missing and not nested:
+        raise ModelStructureError(
+            f"{where} lacks {', '.join(missing)}: the model's geometry must come from the file (transformers "
+            "would fill in the defaults of another model); use the checkpoint's complete config.json")
+    for name in (*GEOMETRY_FIELDS, *OPTIONAL_GEOMETRY_FIELDS):
+        value = cfg.get(name)
+        if value is None and (nested or name in OPTIONAL_GEOMETRY_FIELDS):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelStructureError(f"{where}: {name} must be a positive integer, got {value!r}")
 
 
 def dims(model: Any) -> ModelDims:

@@ -237,7 +237,7 @@ def _check_source(src: ModelSource) -> None:
     else:
         for weights in sorted(src.directory.glob("*.safetensors")):
             _check_safetensors(weights)
-        head_dim = _config_head_dim(src.directory / "config.json")
+        head_dim = _check_config(src.directory / "config.json")
     if head_dim is not None and head_dim % 2:
         raise CheckpointError(f"checkpoint {path}: head_dim {head_dim} is odd (RoPE rotates pairs of dimensions, "
                               "so the rotations need an even head_dim)")
@@ -291,14 +291,20 @@ def _check_safetensors(path: Path) -> None:
                 f"byte {8 + n + end}, the file ends at {size} (re-download or re-save it)")
 
 
-def _config_head_dim(config_json: Path) -> int | None:
-    """head_dim from a checkpoint's config.json (its text config for multimodal ones), None if unknown."""
+def _check_config(config_json: Path) -> int | None:
+    """A checkpoint's config.json of a registered type with its geometry fields (:func:`arch.check_config_dict`);
+    returns its head_dim (its text config's for multimodal ones), None if unknown."""
     import json
 
     try:
         cfg = json.loads(config_json.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {config_json}: unreadable config ({exc})") from exc
+    try:
+        arch.check_config_dict(cfg, f"checkpoint {config_json}")
+    except arch.ArchitectureError as exc:
+        raise CheckpointError(str(exc) if str(exc).startswith("checkpoint ") else
+                              f"checkpoint {config_json}: {exc}") from exc
     if isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]
     head_dim = cfg.get("head_dim")

@@ -42,7 +42,8 @@ def hadamard_needs(cfg: Any, dims: Any) -> list[tuple[int, str]]:
     if rot.r2 in built:
         needs.append((dims.head_dim, f"R2 (r2={rot.r2.value}) needs head_dim={dims.head_dim}"))
     if rot.r4:
-        needs.append((dims.intermediate, f"the online R4 (r4=on) needs intermediate_size={dims.intermediate}"))
+        needs.append((dims.intermediate, f"the online R4 (r4=on; --no-r4 turns it off) needs "
+                                         f"intermediate_size={dims.intermediate}"))
     return needs
 
 
@@ -214,13 +215,14 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_output_dir(path: str | os.PathLike[str], what: str = "--out") -> None:
+def check_output_dir(path: str | os.PathLike[str], what: str = "--out", *, parent: bool = False) -> None:
     """``path`` is (or can become) a writable directory: not an existing file, not under a file, not on a
-    read-only filesystem or in a directory this user cannot write. Creates nothing."""
+    read-only filesystem or in a directory this user cannot write. ``parent``: ``path``'s parent must be
+    writable too (a directory written beside it and renamed into place). Creates nothing."""
     target = Path(path).expanduser()
     if target.exists() and not target.is_dir():
         raise PreflightError(f"{what} {path}: an existing file, not a directory; choose a directory")
-    base = _nearest_existing(target.absolute())
+    base = _nearest_existing(target.absolute().parent if parent else target.absolute())
     if not base.is_dir():
         raise PreflightError(f"{what} {path}: {base} is a file, so no directory can be created under it")
     if not os.access(base, os.W_OK | os.X_OK):
@@ -234,11 +236,11 @@ def check_output_dir(path: str | os.PathLike[str], what: str = "--out") -> None:
         raise PreflightError(f"{what} {path}: cannot write in {base}: {environment_fault(exc)}") from None
 
 
-def environment_fault(exc: OSError) -> str:
-    """A one-line description of a filesystem fault (disk full, read-only, permission) with the remedy."""
+def environment_fault(exc: OSError, kept: str = "complete cells are kept and resume") -> str:
+    """A one-line description of a filesystem fault (disk full, read-only, permission) with the remedy (``kept``:
+    what a rerun finds)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ("the disk is full (errno ENOSPC); free space and rerun the same command: complete cells are kept "
-                "and resume")
+        return f"the disk is full (errno ENOSPC); free space and rerun the same command: {kept}"
     if exc.errno == errno.EROFS:
         return "the filesystem is read-only (errno EROFS); choose a writable directory"
     if exc.errno in (errno.EACCES, errno.EPERM):
