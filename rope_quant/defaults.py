@@ -1,4 +1,5 @@
-"""The default model, corpus and comparator names: the one place they are spelled (imports nothing).
+"""The default model, corpus and comparator names and the sequential rule's seed cap: the one place they are
+spelled (imports nothing).
 
 The embedded SmolLM2-135M (:mod:`rope_quant.model.loading`) and the embedded ``pydoc`` corpus
 (:mod:`rope_quant.experiment.data`) run everywhere offline; the run configuration, the CLI and the pytest
@@ -9,3 +10,6 @@ Hadamard R3 of the paper, unless a run names another (``--comparator``) or a con
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "pydoc"
 DEFAULT_COMPARATOR = "hadamard"
+#: The most seeds a claim may use under the sequential rule when ``--max-seeds`` / ``--rq-max-seeds`` is not given
+#: (:mod:`rope_quant.core.sequential`).
+DEFAULT_MAX_SEEDS = 40

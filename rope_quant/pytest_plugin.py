@@ -25,8 +25,7 @@ from typing import Any
 
 import pytest
 
-from rope_quant.core.sequential import DEFAULT_MAX_SEEDS  # stdlib only at import time
-from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
+from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MAX_SEEDS, DEFAULT_MODEL
 from rope_quant.io import atomic_write_text, markdown_table  # stdlib only: keeps the plugin light
 from rope_quant.seeds import SeedSpecError, parse_seeds  # stdlib only
 

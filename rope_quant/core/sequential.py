@@ -42,11 +42,10 @@ from rope_quant.core.verdict import (
     _bounds,
     decide_replicated,
 )
+from rope_quant.defaults import DEFAULT_MAX_SEEDS
 
 ALPHA = 0.05
 """The error per side, spent over every look of the plan."""
-DEFAULT_MAX_SEEDS = 40
-"""``--max-seeds`` / ``--rq-max-seeds`` when not given."""
 RULE_SEQUENTIAL = "union of the primary and the float-order replicate intervals, alpha spent over the looks"
 """The rule name a sequential verdict carries (claims JSON ``rule``)."""
 UNRESOLVABLE_FACTOR = 10

@@ -19,6 +19,8 @@ from rope_quant.cli import COMMANDS, build_parser
 PACKAGE = Path(__file__).resolve().parents[2] / "rope_quant"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 QUOTED = re.compile(r"rope-quant ([a-z-]+)([^`'\"]*)")
+#: ``pytest … --rq-flag``: a flag of this project's pytest plugin.
+QUOTED_PYTEST = re.compile(r"pytest ([^`'\"]*)")
 #: Flags of other programs that messages quote (``pip install --no-deps …``).
 FOREIGN = {"--no-deps"}
 #: "rerun the sweep command that wrote it with --flag": a flag of the commands that write a results directory.
@@ -33,7 +35,16 @@ def help_flags(command: str) -> set[str]:
     return {s for action in sub._actions for s in action.option_strings}  # noqa: SLF001
 
 
+def plugin_flags() -> set[str]:
+    """The options pytest has here: the plugin's (rope_quant/pytest_plugin.py) and the root conftest.py's."""
+    trees = [ast.parse(p.read_text()) for p in (PACKAGE / "pytest_plugin.py", PACKAGE.parent / "conftest.py")]
+    return {a.value for t in trees for n in ast.walk(t)
+            if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "addoption"
+            for a in n.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+
+
 FLAGS = {c.name: help_flags(c.name) for c in COMMANDS}
+FLAGS["pytest"] = plugin_flags()
 ANY = set().union(*FLAGS.values())
 MODULE_COMMANDS = {}
 for _c in COMMANDS:
@@ -97,6 +108,9 @@ def named_flags() -> list[tuple[str, int, str, str, tuple[str, ...]]]:
                     for flag in FLAG.findall(args):
                         found.append((module, line, flag, text, (cmd,)))
                     rest = rest.replace(quoted.group(0), "")
+            for quoted in QUOTED_PYTEST.finditer(rest):  # `pytest … --rq-flag`: the plugin's options
+                found.extend((module, line, flag, text, ("pytest",)) for flag in FLAG.findall(quoted.group(1)))
+                rest = rest.replace(quoted.group(0), "")
             scope = SWEEPS if "the sweep command" in rest else (own or tuple(FLAGS))
             for flag in FLAG.findall(rest):
                 if flag not in FOREIGN:
@@ -115,6 +129,7 @@ def test_the_scan_sees_the_messages() -> None:
     assert ("rope_quant.cli.export", "--no-r4") in by_flag
     assert any(f == "--no-r4" and cmds == ("run",) for _, _, f, _, cmds in FOUND)  # quoted `rope-quant run --no-r4`
     assert len(FOUND) > 60
+    assert "--rq-until-decided" in FLAGS["pytest"] and "--rq-max-seeds" in FLAGS["pytest"]
 
 
 @pytest.mark.parametrize("module", sorted({m for m, *_ in FOUND}))
