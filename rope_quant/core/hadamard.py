@@ -24,6 +24,15 @@ import math
 
 import torch
 
+from rope_quant.core.hadamard_orders import (
+    UnsupportedHadamardOrderError,
+    hadamard_order,
+    integer_hadamard,
+    is_supported_order,
+    paley_order,
+    paley_order_prime,
+)
+
 __all__ = [
     "UnsupportedHadamardOrderError",
     "NonFloatTensorError",
@@ -35,6 +44,7 @@ __all__ = [
     "hadamard_order",
     "is_supported_order",
     "paley_order_prime",
+    "paley_order",
     "fast_kernel_available",
 ]
 
@@ -46,117 +56,8 @@ CACHE_MAX = 4096
 RADIX_MAX = 128
 
 
-class UnsupportedHadamardOrderError(ValueError):
-    """No Hadamard matrix of this order can be built here (Sylvester × Paley I/II only)."""
-
-
 class NonFloatTensorError(TypeError, ValueError):
     """A rotation or quantiser was given an integer/bool tensor."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Constructions (integer arithmetic; exact)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _is_prime(q: int) -> bool:
-    if q < 2:
-        return False
-    if q % 2 == 0:
-        return q == 2
-    f = 3
-    while f * f <= q:
-        if q % f == 0:
-            return False
-        f += 2
-    return True
-
-
-def paley_order_prime(k: int) -> tuple[str, int] | None:
-    """Return ("I", q) or ("II", q) if order k has a Paley construction from a prime q, else None."""
-    if k >= 4 and _is_prime(k - 1) and (k - 1) % 4 == 3:
-        return ("I", k - 1)
-    if k % 2 == 0 and k >= 12 and _is_prime(k // 2 - 1) and (k // 2 - 1) % 4 == 1:
-        return ("II", k // 2 - 1)
-    return None
-
-
-def hadamard_order(n: int) -> tuple[int, int]:
-    """Decompose n = K·2^m with K = 1 (Sylvester) or a Paley order; smallest K wins.
-
-    Raises UnsupportedHadamardOrderError when no such decomposition exists.
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UnsupportedHadamardOrderError(f"Hadamard order must be a positive integer, got {n!r}")
-    m_max = (n & -n).bit_length() - 1
-    for m in range(m_max, -1, -1):
-        k = n >> m
-        if k == 1 or paley_order_prime(k) is not None:
-            return k, m
-    raise UnsupportedHadamardOrderError(
-        f"no Hadamard matrix of order {n} is available: supported orders are K·2^m with K = 1 (Sylvester) "
-        "or a Paley order K = q+1 (q prime ≡ 3 mod 4, e.g. 12, 20, 44, 60) or K = 2(q+1) "
-        "(q prime ≡ 1 mod 4, e.g. 28, 36)"
-    )
-
-
-def is_supported_order(n: int) -> bool:
-    """True when :func:`hadamard_matrix` can build order n."""
-    try:
-        hadamard_order(n)
-    except UnsupportedHadamardOrderError:
-        return False
-    return True
-
-
-def _jacobsthal(q: int) -> list[list[int]]:
-    """Jacobsthal matrix Q_ij = χ(j − i) with χ the quadratic character mod the prime q (χ(0) = 0)."""
-    squares = {(x * x) % q for x in range(1, q)}
-    chi = [0] + [1 if a in squares else -1 for a in range(1, q)]
-    return [[chi[(j - i) % q] for j in range(q)] for i in range(q)]
-
-
-def _paley(k: int) -> torch.Tensor:
-    """Paley I/II Hadamard matrix of order k, int64 entries ±1."""
-    kind_q = paley_order_prime(k)
-    if kind_q is None:  # pragma: no cover - guarded by hadamard_order
-        raise UnsupportedHadamardOrderError(f"order {k} has no Paley construction")
-    kind, q = kind_q
-    jac = torch.tensor(_jacobsthal(q), dtype=torch.int64)
-    c = torch.zeros(q + 1, q + 1, dtype=torch.int64)
-    c[0, 1:] = 1
-    c[1:, 1:] = jac
-    if kind == "I":
-        # Q antisymmetric (q ≡ 3 mod 4); S = [[0, 1ᵀ], [−1, Q]] is a skew conference matrix; H = I + S.
-        c[1:, 0] = -1
-        return torch.eye(q + 1, dtype=torch.int64) + c
-    # Q symmetric (q ≡ 1 mod 4); C = [[0, 1ᵀ], [1, Q]] symmetric conference matrix;
-    # replace 0 by [[1, −1], [−1, −1]] and ±1 by ±[[1, 1], [1, −1]].
-    c[1:, 0] = 1
-    h2 = torch.tensor([[1, 1], [1, -1]], dtype=torch.int64)
-    d2 = torch.tensor([[1, -1], [-1, -1]], dtype=torch.int64)
-    return torch.kron(c, h2) + torch.kron(torch.eye(q + 1, dtype=torch.int64), d2)
-
-
-def _sylvester(p: int) -> torch.Tensor:
-    """Sylvester Hadamard matrix of order p = 2^m (natural ordering), int64."""
-    h = torch.ones(1, 1, dtype=torch.int64)
-    while h.shape[0] < p:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
-@functools.lru_cache(maxsize=32)
-def _paley_cached(k: int) -> torch.Tensor:
-    return _paley(k)
-
-
-def _integer_hadamard(n: int) -> torch.Tensor:
-    k, m = hadamard_order(n)
-    syl = _sylvester(1 << m)
-    if k == 1:
-        return syl
-    return torch.kron(_paley_cached(k), syl)
 
 
 def hadamard_matrix(
@@ -172,7 +73,7 @@ def hadamard_matrix(
 
 
 def _build_matrix(n: int, device: torch.device, dtype: torch.dtype, normalize: bool) -> torch.Tensor:
-    h = _integer_hadamard(n)
+    h = integer_hadamard(n)
     if normalize:
         out = h.to(torch.float64) / math.sqrt(n)
     else:
