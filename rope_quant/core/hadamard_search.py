@@ -76,21 +76,22 @@ def _psd(seqs: np.ndarray, points: int = 0) -> np.ndarray:
     return spec.real**2 + spec.imag**2
 
 
-def _pairs(idx_a: np.ndarray, idx_b: np.ndarray, psd_a: np.ndarray, psd_b: np.ndarray,
-           bound: float) -> tuple[np.ndarray, np.ndarray]:
-    """All (i, j) ∈ idx_a × idx_b with psd_a[i] + psd_b[j] ≤ bound at every frequency (coarse pass on every
-    8th frequency, then all; chunked to bound memory)."""
+def _pairs(psd_a: np.ndarray, psd_b: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray]:
+    """All row pairs (i, j) with psd_a[i] + psd_b[j] ≤ bound at every frequency: a coarse float32 pass on a few
+    frequencies (with slack, so it only prunes), then every frequency in float64; chunked for memory."""
     keep_i, keep_j = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    if not len(idx_a) or not len(idx_b):
+    if not len(psd_a) or not len(psd_b):
         return keep_i[0], keep_j[0]
-    pb, pb8 = psd_b[idx_b], psd_b[idx_b][:, ::8]
-    chunk = max(1, 4_000_000 // (len(idx_b) * pb8.shape[1]))
-    for s in range(0, len(idx_a), chunk):
-        ia = idx_a[s:s + chunk]
-        ii, jj = np.nonzero((psd_a[ia][:, None, ::8] + pb8[None] <= bound).all(-1))
-        fine = (psd_a[ia[ii]] + pb[jj] <= bound).all(-1)
-        keep_i.append(ia[ii[fine]])
-        keep_j.append(idx_b[jj[fine]])
+    coarse = np.arange(1, psd_a.shape[1], max(1, psd_a.shape[1] // 6))
+    pa_c, pb_c = psd_a[:, coarse].astype(np.float32), psd_b[:, coarse].astype(np.float32)
+    slack = np.float32(bound * (1 + 1e-5))
+    chunk = max(1, 4_000_000 // (len(psd_b) * len(coarse)))
+    for s in range(0, len(psd_a), chunk):
+        ii, jj = np.nonzero((pa_c[s:s + chunk, None, :] + pb_c[None] <= slack).all(-1))
+        ii += s
+        fine = (psd_a[ii] + psd_b[jj] <= bound).all(-1)
+        keep_i.append(ii[fine])
+        keep_j.append(jj[fine])
     return np.concatenate(keep_i), np.concatenate(keep_j)
 
 
@@ -150,8 +151,8 @@ def gs_sequences(t: int) -> tuple[tuple[int, ...], ...]:
     fits = (psd <= bound).all(axis=1)
     for a, b, c, d in _sum_decompositions(t):
         idx = {v: np.nonzero(fits & (sums == v))[0] for v in (a, b, c, d)}
-        i1, j1 = _pairs(idx[a], idx[b], psd, psd, bound)
-        i2, j2 = _pairs(idx[c], idx[d], psd, psd, bound)
+        i1, j1 = (idx[v][p] for v, p in zip((a, b), _pairs(psd[idx[a]], psd[idx[b]], bound), strict=True))
+        i2, j2 = (idx[v][p] for v, p in zip((c, d), _pairs(psd[idx[c]], psd[idx[d]], bound), strict=True))
         match = _first_match(paf[i1] + paf[j1], -(paf[i2] + paf[j2]))
         if match is not None:
             p, q = match
@@ -168,6 +169,15 @@ def _normalised_sequences(length: int) -> np.ndarray:
     """Every ±1 sequence of the length whose first entry is +1 (negation keeps autocorrelations), int8."""
     bits = (np.arange(1 << (length - 1), dtype=np.int64)[:, None] >> np.arange(length - 1)) & 1
     return np.concatenate([np.ones((len(bits), 1), np.int8), (1 - 2 * bits).astype(np.int8)], axis=1)
+
+
+def _reversal_representatives(seqs: np.ndarray) -> np.ndarray:
+    """Mask of the rows kept when a sequence and its reversal (renormalised to start with +1) count once:
+    reversal keeps the aperiodic autocorrelation and the spectrum's modulus, so no solution is lost."""
+    bits = (1 - seqs.astype(np.int64)) // 2
+    rev = seqs[:, ::-1].astype(np.int64) * seqs[:, -1:].astype(np.int64)
+    weights = 1 << np.arange(seqs.shape[1], dtype=np.int64)
+    return (bits @ weights) <= (((1 - rev) // 2) @ weights)
 
 
 def _aperiodic(seqs: np.ndarray, shifts: int) -> np.ndarray:
@@ -190,6 +200,7 @@ def turyn_sequences(n: int) -> tuple[tuple[int, ...], ...]:
     if n not in TURYN_LENGTHS:
         raise SearchSetupError(f"no Turyn-type search is set up for n = {n} (order {4 * (3 * n - 1)})")
     full, short = _normalised_sequences(n), _normalised_sequences(n - 1)
+    full_rep, short_rep = _reversal_representatives(full), _reversal_representatives(short)
     sum_full, sum_short = np.abs(full.sum(axis=1, dtype=np.int64)), np.abs(short.sum(axis=1, dtype=np.int64))
     target = 6 * n - 2
     points = 128  # samples of the aperiodic spectrum (|X(e^{iθ})|² ≤ bound at every θ)
@@ -199,32 +210,37 @@ def turyn_sequences(n: int) -> tuple[tuple[int, ...], ...]:
                if x * x + y * y + 2 * z * z + 2 * w * w == target and (w - n + 1) % 2 == 0]
     decomps.sort(key=lambda d: (int((sum_full == d[2]).sum()) * int((sum_short == d[3]).sum()), d))
     for x, y, z, w in decomps:
-        iz, iw = np.nonzero(sum_full == z)[0], np.nonzero(sum_short == w)[0]
-        psd_z, psd_w = np.zeros((len(full), points // 2 + 1)), np.zeros((len(short), points // 2 + 1))
-        psd_z[iz], psd_w[iw] = _psd(full[iz], points), _psd(short[iw], points)
+        iz, iw = np.nonzero((sum_full == z) & full_rep)[0], np.nonzero((sum_short == w) & short_rep)[0]
+        psd_z, psd_w = _psd(full[iz], points), _psd(short[iw], points)
         half = target / 2 + 1e-6
-        iz, iw = iz[(psd_z[iz] <= half).all(1)], iw[(psd_w[iw] <= half).all(1)]
-        zi, wi = _pairs(iz, iw, psd_z, psd_w, half)
-        del psd_z, psd_w
+        fit_z, fit_w = (psd_z <= half).all(1), (psd_w <= half).all(1)
+        pz, pw = _pairs(psd_z[fit_z], psd_w[fit_w], half)
+        zi, wi = iz[fit_z][pz], iw[fit_w][pw]
         if not len(zi):
             continue
         goals = -2 * (_aperiodic(full[zi], n - 1) + _aperiodic(short[wi], n - 1))
-        goal_hash = _hash_rows(goals)
-        ix, iy = np.nonzero(sum_full == x)[0], np.nonzero(sum_full == y)[0]
-        ix = ix[(_psd(full[ix], points) <= target + 1e-6).all(1)]
-        iy = iy[(_psd(full[iy], points) <= target + 1e-6).all(1)]
+        room = target - 2 * (_psd(full[zi], points) + _psd(short[wi], points))  # PSD_X + PSD_Y at each θ
+        ix, iy = np.nonzero((sum_full == x) & full_rep)[0], np.nonzero((sum_full == y) & full_rep)[0]
+        psd_x, psd_y = _psd(full[ix], points), _psd(full[iy], points)
+        coarse = np.arange(1, psd_x.shape[1], 4)
+        psd_x, psd_y = np.ascontiguousarray(psd_x[:, coarse]), np.ascontiguousarray(psd_y[:, coarse])
         nx, ny = _aperiodic(full[ix], n - 1), _aperiodic(full[iy], n - 1)
         hx, hy = _hash_rows(nx), _hash_rows(ny)
-        order = np.argsort(hy, kind="stable")
-        hy_sorted = hy[order]
         for k in range(len(goals)):
-            need = goal_hash[k] - hx  # wraps mod 2^64, as the hash does
+            limit = room[k, coarse] + 1e-6
+            cx = np.nonzero((psd_x <= limit).all(1))[0]
+            cy = np.nonzero((psd_y <= limit).all(1))[0]
+            if not len(cx) or not len(cy):
+                continue
+            order = cy[np.argsort(hy[cy], kind="stable")]
+            hy_sorted = hy[order]
+            need = _hash_rows(goals[k:k + 1])[0] - hx[cx]  # wraps mod 2^64, as the hash does
             pos = np.minimum(np.searchsorted(hy_sorted, need), len(hy_sorted) - 1)
             for q in np.nonzero(hy_sorted[pos] == need)[0]:
-                p_y = order[pos[q]]
-                if np.array_equal(nx[q] + ny[p_y], goals[k]):
+                px, py = cx[q], order[pos[q]]
+                if np.array_equal(nx[px] + ny[py], goals[k]):
                     return tuple(tuple(int(v) for v in s)
-                                 for s in (full[ix[q]], full[iy[p_y]], full[zi[k]], short[wi[k]]))
+                                 for s in (full[ix[px]], full[iy[py]], full[zi[k]], short[wi[k]]))
     raise AssertionError(f"the Turyn-type search found no TT({n})")  # pragma: no cover
 
 
