@@ -7,10 +7,12 @@ need a Hadamard matrix of order n acting on the last dimension of a tensor.
   :func:`fwht`, a pure-torch radix transform: H_n = H_{r_1} ⊗ … ⊗ H_{r_t} with small cached dense factors,
   one batched matmul per factor. Small n use a single dense factor (a dense matmul is the fastest
   CPU kernel there); large n use two or three factors (n·Σr_i flops per row instead of n²).
-* Orders n = K·2^m with K a Paley order use H_K ⊗ H_{2^m}: Paley I (q prime, q ≡ 3 mod 4, order q+1) and
-  Paley II (q prime, q ≡ 1 mod 4, order 2(q+1)), built from quadratic residues mod q. This covers
-  K ∈ {12, 20, 28, 36, 44, 60, ...}: SmolLM2 hidden 576 = 36·16 and intermediate 1536 = 12·128, and
-  Llama-3.1-8B / Mistral intermediate 14336 = 28·512.
+* Orders n = K·2^m use H_K ⊗ H_{2^m} with the smallest constructible K (:mod:`.hadamard_orders`): Paley I/II
+  over GF(q) for prime powers q, and Goethals–Seidel matrices whose sequences a deterministic search finds
+  (:mod:`.hadamard_search`); every multiple of 4 up to 256 is built. Examples: SmolLM2 hidden 576 = 36·16 and
+  intermediate 1536 = 12·128, Llama-3.1-8B / Mistral intermediate 14336 = 28·512, Llama-2-7B / Qwen2.5-3B
+  intermediate 11008 = 172·64 (it was 5504·2 before K = 172 was built: R4 at 1.46× the down_proj matmul,
+  now about 0.08×). The transform applies H_K as one small matmul on the K axis and H_{2^m} by :func:`fwht`.
 * On CUDA, the ``fast-hadamard-transform`` kernel is used for the power-of-two factor when it is importable.
 
 Every matrix here is the same one whichever kernel applies it, so an offline rotation fused into weights
@@ -63,7 +65,7 @@ class NonFloatTensorError(TypeError, ValueError):
 def hadamard_matrix(
     n: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """Unnormalised Hadamard matrix of order n (entries ±1, H Hᵀ = n I): Sylvester ⊗ Paley (Sec. 2 / App. A).
+    """Unnormalised Hadamard matrix of order n (entries ±1, H Hᵀ = n I): H_K ⊗ Sylvester (Sec. 2 / App. A).
 
     ``dtype=torch.int64`` gives the exact integer matrix.
     """
@@ -209,7 +211,7 @@ def hadamard_transform(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
     if k <= DENSE_MAX:
         y = torch.matmul(hk, y)  # H_K acts on the K axis: (k,k) @ (..., k, p)
         return y.reshape(shape)
-    # A large Paley factor (Llama-2-7B's 11008 = 5504·2): one GEMM over every (row, p) pair; the batched
+    # A large Paley factor (K > 256, e.g. 2104 = 1052·2): one GEMM over every (row, p) pair; the batched
     # (k,k) @ (k,p) form above would read the k×k matrix once per row (memory bound, ~20× slower at k = 5504).
     y = torch.matmul(y.transpose(-1, -2).reshape(-1, k), hk.T)
     return y.reshape(*shape[:-1], p, k).transpose(-1, -2).reshape(shape)

@@ -9,7 +9,7 @@ Sylvester powers (H_n = H_K ⊗ H_{2^m}); integer arithmetic throughout, so ever
   AAᵀ + BBᵀ + CCᵀ + DDᵀ = 4t·I, placed in the Goethals–Seidel array. The four sequences are *found* by the
   deterministic searches of :mod:`rope_quant.core.hadamard_search` (Williamson / multiplier-orbit sequences for
   t = 23, 29, 39, 43; Turyn-type sequences TT(16), TT(20) for t = 47, 59), never stored; the first call per
-  order takes from 0.01 s to about a minute (t = 59), and the result is cached in memory.
+  order takes from 0.01 s to 15–34 s (t = 59), and the result is cached in memory.
 
 With Sylvester doubling (H_K ⊗ H_2, e.g. 184 = 92·2, 232 = 116·2) every multiple of 4 up to 256 is built.
 """

@@ -11,8 +11,9 @@
   autocorrelation sum (:func:`t_sequence_quadruple`). This serves t = 47 and 59, where Williamson matrices do
   not exist and Z_t^* has no multiplier group that shrinks the search.
 
-Costs on a 2-core Xeon (2026-11-28, 1 thread): t = 23 / 29 / 39 / 43: 0.1 / 2 / 6 / 0.01 s; TT(16): ~2 s;
-TT(20): ~1 min and ~1 GB. Each result is cached in memory for the process.
+Costs on the 2-core Xeon, 1 thread, busy (load 8–10; 2026-11-28): t = 23 / 29 / 39 / 43: 0.1 / 1.8 / 5.5 /
+0.01 s; TT(16) 0.6 s; TT(20) 15–34 s with a peak RSS of 0.42 GB. Each result is cached in memory for the
+process, and each search runs only when its order is first built.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def _hash_rows(x: np.ndarray) -> np.ndarray:
         v = ((v ^ (v >> 27)) * 0x94D049BB133111EB) % 2**64
         weights.append(v ^ (v >> 31))
     w = np.array(weights, dtype=np.uint64)
-    return (x.astype(np.int64).view(np.uint64) * w).sum(axis=1, dtype=np.uint64)
+    out = np.empty(len(x), dtype=np.uint64)
+    for s in range(0, len(x), 1 << 18):  # chunks: the int64 copy of a narrow-typed x stays small
+        out[s:s + (1 << 18)] = (x[s:s + (1 << 18)].astype(np.int64).view(np.uint64) * w).sum(axis=1, dtype=np.uint64)
+    return out
 
 
 def _first_match(left: np.ndarray, right: np.ndarray) -> tuple[int, int] | None:
@@ -147,7 +151,7 @@ def gs_sequences(t: int) -> tuple[tuple[int, ...], ...]:
     psd = _psd(seqs)
     bound = 4 * t + 1e-6
     shifts = [o[0] for o in orbits if o[0] != 0]  # the PAF is constant on orbits too
-    paf = np.stack([(seqs * np.roll(seqs, -s, axis=1)).sum(axis=1) for s in shifts], axis=1)
+    paf = np.stack([(seqs * np.roll(seqs, -s, axis=1)).sum(axis=1) for s in shifts], axis=1).astype(np.int16)
     fits = (psd <= bound).all(axis=1)
     for a, b, c, d in _sum_decompositions(t):
         idx = {v: np.nonzero(fits & (sums == v))[0] for v in (a, b, c, d)}
