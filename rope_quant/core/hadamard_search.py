@@ -11,7 +11,7 @@
   autocorrelation sum (:func:`t_sequence_quadruple`). This serves t = 47 and 59, where Williamson matrices do
   not exist and Z_t^* has no multiplier group that shrinks the search.
 
-Costs on the 2-core Xeon, 1 thread, busy (load 8–10; 2026-11-28): t = 23 / 29 / 39 / 43: 0.1 / 1.8 / 5.5 /
+Costs on a 2-core AMD EPYC (lscpu), 1 thread, busy (load 8–10; 2026-11-28): t = 23 / 29 / 39 / 43: 0.1 / 1.8 / 5.5 /
 0.01 s; TT(16) 0.6 s; TT(20) 15–34 s with a peak RSS of 0.42 GB. Each result is cached in memory for the
 process, and each search runs only when its order is first built.
 """

@@ -81,8 +81,8 @@ def test_every_multiple_of_four_up_to_256_is_an_exact_hadamard_matrix(n: int) ->
     _assert_hadamard(hd.hadamard_matrix(n, dtype=torch.int64), n)
 
 
-@pytest.mark.parametrize("n", NEW_ORDERS)
-def test_new_orders_transform_matches_the_dense_matrix(n: int) -> None:
+@pytest.mark.parametrize("n", ORDERS)
+def test_transform_matches_the_dense_matrix(n: int) -> None:
     """hadamard_transform (H_K ⊗ H_{2^m} kernels) equals x @ Hᵀ/√n, at n and at 2n (one Sylvester doubling)."""
     for size in (n, 2 * n):
         gen = torch.Generator().manual_seed(size)
