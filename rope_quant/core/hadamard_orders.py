@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from enum import StrEnum
 
 import numpy as np
@@ -74,7 +75,7 @@ def _prime_power(q: int) -> tuple[int, int] | None:
     """(p, k) with q = p^k, p prime, k ≥ 1; None otherwise."""
     if q < 2:
         return None
-    p = next(f for f in itertools.count(2) if q % f == 0)
+    p = next((f for f in range(2, math.isqrt(q) + 1) if q % f == 0), q)  # the smallest prime factor
     k = 0
     while q % p == 0:
         q //= p
@@ -103,6 +104,7 @@ def paley_order(k: int) -> tuple[str, int] | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
 def construction(k: int) -> Construction | None:
     """The construction this module uses for order k (None: no matrix of order k here)."""
     if k in (1, 2):
@@ -135,6 +137,11 @@ def hadamard_order(n: int) -> tuple[int, int]:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UnsupportedHadamardOrderError(f"Hadamard order must be a positive integer, got {n!r}")
+    return _decompose(int(n))
+
+
+@functools.lru_cache(maxsize=4096)
+def _decompose(n: int) -> tuple[int, int]:
     m_max = (n & -n).bit_length() - 1
     for m in range(m_max, -1, -1):
         k = n >> m
