@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from rope_quant.core.sequential import DEFAULT_MAX_SEEDS  # stdlib only at import time
 from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MODEL
 from rope_quant.io import atomic_write_text, markdown_table  # stdlib only: keeps the plugin light
 from rope_quant.seeds import SeedSpecError, parse_seeds  # stdlib only
@@ -57,6 +58,9 @@ class RQOptions:
     device: str = "auto"
     claims_out: str | None = None
     replicates: int | None = None
+    until_decided: bool = False
+    max_seeds: int = DEFAULT_MAX_SEEDS
+    time_budget: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -95,6 +99,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--rq-claims-out", default=None, metavar="DIR",
         help="write the claims table to DIR/claims.json and DIR/claims.md",
     )
+    group.addoption(
+        "--rq-until-decided", action="store_true", default=False,
+        help="after the seeds requested, add seeds (every one replicated) to the claims still inconclusive, "
+        "deciding them by the sequential rule (docs/verdicts.md), until decided, --rq-max-seeds or --rq-time-budget",
+    )
+    group.addoption(
+        "--rq-max-seeds", default=None, metavar="M",
+        help=f"with --rq-until-decided: the most seeds a claim may use (default {DEFAULT_MAX_SEEDS}); a claim "
+        "still open at M says why",
+    )
+    group.addoption(
+        "--rq-time-budget", default=None, metavar="SECONDS",
+        help="with --rq-until-decided: stop adding seeds when the next would pass this wall time (per session)",
+    )
 
 
 def _parse_replicates(text: str | None) -> int | None:
@@ -121,17 +139,59 @@ def _parse_seeds(text: str | None) -> tuple[int, ...] | None:
         raise pytest.UsageError(f"--rq-seeds: {exc}") from exc
 
 
+#: The seeds a claim runs with when ``--rq-seeds`` is not given (``tests/e2e/conftest.py``'s ``E2EBudget``).
+DEFAULT_SEED_COUNT = 3
+
+
+def _parse_until_decided(config: pytest.Config, seeds: tuple[int, ...] | None,
+                         replicates: int | None) -> tuple[bool, int, float | None]:
+    """``--rq-until-decided``, ``--rq-max-seeds``, ``--rq-time-budget``: usage errors for a time budget ≤ 0, an M
+    that is not a whole number ≥ 2 or lies below the seeds given, and an until-decided run whose replicates
+    cannot decide (``--rq-replicates`` 0 or 1, or fewer than the seeds: the sequential rule replicates every
+    seed)."""
+    until = bool(config.getoption("--rq-until-decided"))
+    text, budget_text = config.getoption("--rq-max-seeds"), config.getoption("--rq-time-budget")
+    budget = None
+    if budget_text is not None:
+        try:
+            budget = float(budget_text)
+        except ValueError:
+            raise pytest.UsageError(f"--rq-time-budget: expected seconds (a number > 0), got {budget_text!r}") from None
+        if not budget > 0:
+            raise pytest.UsageError(f"--rq-time-budget {budget_text}: must be a positive number of seconds")
+    max_seeds = DEFAULT_MAX_SEEDS
+    if text is not None:
+        try:
+            max_seeds = int(text)
+        except ValueError:
+            raise pytest.UsageError(f"--rq-max-seeds: expected a whole number >= 2, got {text!r}") from None
+    n = len(seeds) if seeds is not None else DEFAULT_SEED_COUNT
+    if (text is not None or until) and max_seeds < max(n, 2):
+        raise pytest.UsageError(f"--rq-max-seeds {max_seeds} is below the {n} seeds given: pass --rq-max-seeds "
+                                f"{max(n, 2)} or more")
+    if until and replicates is not None and replicates < n:
+        why = ("the float-order noise and bias cannot be estimated, so the rule cannot decide" if replicates < 2
+               else "the sequential rule replicates every seed")
+        raise pytest.UsageError(f"--rq-until-decided with --rq-replicates {replicates}: {why}; drop "
+                                f"--rq-replicates (every seed is replicated) or pass --rq-replicates {n}")
+    return until, max_seeds, budget
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    seeds = _parse_seeds(config.getoption("--rq-seeds"))
+    replicates = _parse_replicates(config.getoption("--rq-replicates"))
+    until, max_seeds, budget = _parse_until_decided(config, seeds, replicates)
     config.stash[_OPTIONS] = RQOptions(
         models=tuple(config.getoption("--rq-model") or (EMBEDDED_MODEL,)),
         corpus=config.getoption("--rq-corpus"),
-        seeds=_parse_seeds(config.getoption("--rq-seeds")),
+        seeds=seeds,
         device=config.getoption("--rq-device"),
         claims_out=config.getoption("--rq-claims-out"),
-        replicates=_parse_replicates(config.getoption("--rq-replicates")),
+        replicates=replicates,
+        until_decided=until, max_seeds=max_seeds, time_budget=budget,
     )
     config.stash[_STORE] = _Collector()
     config.pluginmanager.register(config.stash[_STORE], "rope_quant_collector")
@@ -297,6 +357,8 @@ def budget(claim: dict[str, Any]) -> str:
     decision = claim.get("decision") or {}
     if decision.get("outcome") != "inconclusive":
         return ""
+    if decision.get("stop"):  # the sequential rule's honest stop at M: its reason, not a fixed-n budget
+        return decision["stop"]
     if decision.get("budget"):
         return decision["budget"]["text"]
     return decision.get("note", "")

@@ -4,9 +4,11 @@ Every config is paired *within seed* against a comparator (default :data:`rope_q
 for each seed both cells share the model, rotations R1/R2/R4, weights and calibration windows, so the unit of
 analysis is the per-seed difference ``d_s = ppl(config, s) - ppl(comparator, s)`` (positive: worse than the
 comparator). On the differences: the mean, the sample sd (``n - 1``) and the paired t interval at
-:data:`rope_quant.core.verdict.LEVEL` (:func:`rope_quant.core.stats.paired_ci`); TOST equivalence at margins 0.02,
-0.05 and 0.10 perplexity points (:func:`rope_quant.core.stats.equivalent`, the interval form); and Holm's
-step-down correction over a declared family of paired t tests (:func:`rope_quant.core.stats.holm`).
+:data:`rope_quant.core.verdict.LEVEL` (:func:`rope_quant.core.stats.paired_ci`); TOST equivalence at the claims'
+one margin, :func:`rope_quant.core.verdict.equivalence_margin` of the control's mean ppl (the paper's ±0.05 PPL on
+its ppl scale, else scaled by the ppl ratio; :func:`rope_quant.core.stats.equivalent`, the interval form), each
+block naming the margin and its basis; and Holm's step-down correction over a declared family of paired t tests
+(:func:`rope_quant.core.stats.holm`).
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from rope_quant.core import stats
-from rope_quant.core.verdict import LEVEL
+from rope_quant.core.verdict import LEVEL, Margin, equivalence_margin
 from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.io import atomic_write_json
 from rope_quant.sweep.manifest import read_manifest, study_of
 from rope_quant.sweep.records import complete_records, status
 
-#: The fixed margins (perplexity points) of the report's equivalence columns; the claims' margin is
-#: :func:`rope_quant.core.verdict.equivalence_margin` (gap_share's), decided by the same interval rule.
-DEFAULT_MARGINS: tuple[float, ...] = (0.02, 0.05, 0.10)
+#: The report's equivalence margin is the claims' (one rule for one question): named in summary.json and the tables.
+MARGIN_RULE = ("the claims' equivalence margin (rope_quant.core.verdict.equivalence_margin): the paper's ±0.05 PPL "
+               "where the control's mean ppl lies on its scale (6–9 PPL), otherwise scaled by the ppl ratio")
 DEFAULT_LEVEL = LEVEL
 DEFAULT_ALPHA = 0.05
 #: Per-seed record fields carried into the summary (``r3_folds``: whether the R3 folds into this model).
@@ -35,11 +37,6 @@ METRICS = ("k_range_mean", "k_range_max", "delta_mean", "k_rel_err", "r3_folds")
 
 class ReportError(ValueError):
     """A results directory that cannot be summarised as asked."""
-
-
-def margin_key(margin: float) -> str:
-    """JSON key of an equivalence margin: ``0.02 -> "0.02"``, ``0.1 -> "0.10"``."""
-    return f"{margin:.2f}"
 
 
 def stars(p_adjusted: float | None, alpha: float = DEFAULT_ALPHA) -> str:
@@ -72,12 +69,13 @@ def sd_of(values: Sequence[Any]) -> float | None:
 
 def paired_block(
     treatment: Mapping[int, float], control: Mapping[int, float], comparator: str,
-    level: float = DEFAULT_LEVEL, margins: Sequence[float] = DEFAULT_MARGINS,
+    level: float = DEFAULT_LEVEL, equivalence: bool = False,
 ) -> dict[str, Any] | None:
     """Paired statistics of ``treatment - control`` over the seeds both have (None if no common seed).
 
-    With one common seed only the difference is known: ``sd``, ``low``, ``high`` and ``p`` are None and
-    no equivalence is claimed.
+    ``equivalence`` (perplexities only): TOST at :func:`margin_of` the control's mean over the common seeds, as
+    ``block["equivalence"] = {"margin", "basis", "equivalent"}``. With one common seed only the difference is
+    known: ``sd``, ``low``, ``high`` and ``p`` are None and no equivalence is claimed.
     """
     common = [s for s in treatment if s in control and finite(treatment[s]) and finite(control[s])]
     if not common:
@@ -85,14 +83,23 @@ def paired_block(
     t = [float(treatment[s]) for s in common]
     c = [float(control[s]) for s in common]
     block: dict[str, Any] = {"comparator": comparator, "n": len(common), "seeds": common, "level": level}
+    margin = margin_of(sum(c) / len(c)) if equivalence else None
     if len(common) >= 2:
         ci = stats.paired_ci(t, c, level=level)
         block.update(mean=ci.mean, sd=ci.sd, low=ci.low, high=ci.high, p=stats.paired_t_pvalue(t, c))
-        block["equivalence"] = {margin_key(m): stats.equivalent(ci, m) for m in margins}
+        equivalent = stats.equivalent(ci, margin.value) if margin is not None else None
     else:
         block.update(mean=t[0] - c[0], sd=None, low=None, high=None, p=None)
-        block["equivalence"] = {margin_key(m): False for m in margins}
+        equivalent = False
+    if margin is not None:
+        block["equivalence"] = {"margin": margin.value, "basis": margin.basis, "equivalent": equivalent}
     return block
+
+
+def margin_of(control_ppl: float) -> Margin:
+    """The equivalence margin of a comparison against a control of mean perplexity ``control_ppl``: the claims'
+    :func:`rope_quant.core.verdict.equivalence_margin` (:data:`MARGIN_RULE`)."""
+    return equivalence_margin(float(control_ppl))
 
 
 def holm_family(
@@ -167,7 +174,6 @@ def lm_eval_summary(
                     continue
                 block = paired_block(treat, control, comparator, level)
                 if block is not None:
-                    block.pop("equivalence")
                     paired.setdefault(task, {}).setdefault(metric, {})[name] = block
     lower = ("perplexity", "bits_per_byte", "loss")
     higher = {m: (False if any(w in m for w in lower) else True if m.startswith(("acc", "exact_match", "f1"))
@@ -182,7 +188,6 @@ def summarize(
     comparator: str | None = None,
     family: Sequence[str] | None = None,
     level: float = DEFAULT_LEVEL,
-    margins: Sequence[float] = DEFAULT_MARGINS,
     alpha: float = DEFAULT_ALPHA,
     write: bool = True,
 ) -> dict[str, Any]:
@@ -192,7 +197,8 @@ def summarize(
 
         {"configs": {NAME: {"ppl": [...], "k_range_mean": [...], "k_rel_err": [...], "seeds": [...], ...}},
          "paired": {NAME: {"comparator", "n", "mean", "sd", "low", "high", "p", "seeds", "level"}},
-         "equivalence": {NAME: {"0.02": bool, "0.05": bool, "0.10": bool}},
+         "equivalence": {NAME: {"margin": float, "basis": str, "equivalent": bool}},
+         "margin_rule": MARGIN_RULE,
          "holm": {"family": [...], "alpha": .., "results": {NAME: {"p", "p_holm", "reject", "stars"}}},
          "seeds": [...], "comparator": .., "kind": .., "meta": {...}, "long_context": {...},
          "lm_eval": {...} (see :func:`lm_eval_summary`), "status": {...}}
@@ -251,7 +257,7 @@ def summarize(
         ref = control_of[name]
         if name in controls or name == ref or ref not in ppl:
             continue
-        block = paired_block(ppl[name], ppl[ref], ref, level, margins)
+        block = paired_block(ppl[name], ppl[ref], ref, level, equivalence=True)
         if block is not None:
             if name in tokens and ref in tokens:
                 block["tokens"] = min(tokens[name], tokens[ref])
@@ -270,9 +276,8 @@ def summarize(
                 ref = control_of[name]
                 control = {s: v for s, v in lengths.get(ref, {}).get(length, {}).items() if v is not None}
                 treat = {s: v for s, v in lengths[name].get(length, {}).items() if v is not None}
-                block = paired_block(treat, control, ref, level, margins) if control else None
+                block = paired_block(treat, control, ref, level) if control else None
                 if block is not None:
-                    block.pop("equivalence")
                     lc_paired.setdefault(str(length), {})[name] = block
         lc_family = [(length, name) for length, per in lc_paired.items() for name in per
                      if (family is None or name in family) and per[name].get("p") is not None]
@@ -305,7 +310,7 @@ def summarize(
                   or any(s in seeds for seeds in (lm_eval.get("seeds") or {}).values())
                   or any(s in per for by_length in lengths.values() for per in by_length.values())],
         "level": level,
-        "margins": [margin_key(m) for m in margins],
+        "margin_rule": MARGIN_RULE,
         "configs": configs,
         "paired": paired,
         "equivalence": equivalence,

@@ -8,8 +8,9 @@ Every config is paired *within seed* against a comparator (default
 both cells share the model, rotations R1/R2/R4, weights and calibration windows, so the unit of
 analysis is the per-seed difference ``d_s = ppl(config, s) - ppl(comparator, s)`` (positive: worse
 than the comparator). On the differences we report the mean, the sample sd (``n - 1``) and the 90%
-paired t interval (:func:`rope_quant.core.stats.paired_ci`); TOST equivalence at margins 0.02, 0.05 and
-0.10 perplexity points (:func:`rope_quant.core.stats.equivalent`, the 90% interval form); and Holm's
+paired t interval (:func:`rope_quant.core.stats.paired_ci`); TOST equivalence at the claims' one margin
+(:func:`rope_quant.core.verdict.equivalence_margin` of the control's ppl, named in the table;
+:func:`rope_quant.core.stats.equivalent`, the 90% interval form); and Holm's
 step-down correction over a declared family of paired t tests (:func:`rope_quant.core.stats.holm`).
 
 Tables, in the shape of the paper's: ``multiseed`` (per-seed ppl, mean ± sd, Δ with CI),
@@ -40,13 +41,13 @@ from rope_quant.analysis.paired import (
     DEFAULT_ALPHA,
     DEFAULT_COMPARATOR,
     DEFAULT_LEVEL,
-    DEFAULT_MARGINS,
     LM_EVAL_SKIP,
+    MARGIN_RULE,
     METRICS,
     ReportError,
     holm_family,
     lm_eval_summary,
-    margin_key,
+    margin_of,
     paired_block,
     stars,
     summarize,
@@ -69,8 +70,8 @@ from rope_quant.analysis.titles import Setup, describe
 from rope_quant.io import atomic_write_text
 
 __all__ = [
-    "DEFAULT_ALPHA", "DEFAULT_COMPARATOR", "DEFAULT_LEVEL", "DEFAULT_MARGINS", "LM_EVAL_SKIP", "METRICS",
-    "ReportError", "holm_family", "lm_eval_summary", "margin_key", "paired_block", "stars", "summarize", "Table",
+    "DEFAULT_ALPHA", "DEFAULT_COMPARATOR", "DEFAULT_LEVEL", "LM_EVAL_SKIP", "MARGIN_RULE", "METRICS",
+    "ReportError", "holm_family", "lm_eval_summary", "margin_of", "paired_block", "stars", "summarize", "Table",
     "beyond_table", "build_tables", "corrected_star_table", "crossover_table", "estimators_table", "lm_eval_table",
     "multiseed_table", "sign_budget", "summary_markdown", "support_table", "legend_outside", "plot_beyond",
     "plot_crossover", "plot_support", "pyplot", "save_png", "suptitle", "write_figures", "read_csv_rows",
@@ -135,7 +136,6 @@ def write_report(
     comparator: str | None = None,
     family: Sequence[str] | None = None,
     level: float = DEFAULT_LEVEL,
-    margins: Sequence[float] = DEFAULT_MARGINS,
     alpha: float = DEFAULT_ALPHA,
     figures: bool = True,
     phi_star_csv: str | os.PathLike[str] | None = None,
@@ -147,7 +147,7 @@ def write_report(
     per-pair φ* excess figure.
     """
     root = Path(results_dir)
-    summary = summarize(root, comparator=comparator, family=family, level=level, margins=margins,
+    summary = summarize(root, comparator=comparator, family=family, level=level,
                         alpha=alpha, write=True)
     tables = build_tables(summary)
     extra_tables, extra_files = extra_report(root, figures=figures)

@@ -147,34 +147,39 @@ def sign_budget(block: Mapping[str, Any]) -> tuple[int | None, str]:
 
 
 def corrected_star_table(summary: Mapping[str, Any]) -> Table:
-    """Holm-corrected significance and TOST equivalence of each config against the comparator."""
+    """Holm-corrected significance and TOST equivalence of each config against the comparator, at the claims'
+    one equivalence margin (``summary["margin_rule"]``; each row names its margin, the notes its basis)."""
     comp = summary["comparator"]
-    margins = summary["margins"]
     holm = summary["holm"]
     columns = ["config", "n", "delta", "sd", "ci_low", "ci_high", "p", "p_holm", "reject", "stars",
-               "budget_sign_seeds", *[f"tost_{m}" for m in margins]]
+               "budget_sign_seeds", "tost_margin", "tost"]
     rows, md_rows = [], []
+    bases: dict[str, str] = {}
     for name, block in summary["paired"].items():
         h = holm["results"].get(name, {})
-        eq = summary["equivalence"].get(name, {})
+        eq = summary["equivalence"].get(name) or {}
+        margin = eq.get("margin")
+        if eq.get("basis"):
+            bases.setdefault(block.get("comparator", comp), eq["basis"])
         row = {"config": name, "n": block["n"], "delta": block["mean"], "sd": block["sd"],
                "ci_low": block["low"], "ci_high": block["high"], "p": block["p"],
                "p_holm": h.get("p_holm"), "reject": h.get("reject"), "stars": h.get("stars", ""),
-               "budget_sign_seeds": sign_budget(block)[0], **{f"tost_{m}": eq.get(m) for m in margins}}
+               "budget_sign_seeds": sign_budget(block)[0], "tost_margin": margin, "tost": eq.get("equivalent")}
         rows.append(row)
         md_rows.append({
             "config": name, "n": str(block["n"]), "Δ [CI]": delta_ci(block), "p": fmt_p(block["p"]),
             "p (Holm)": fmt_p(h.get("p_holm")) + ("" if name in holm["results"] else " (not in family)"),
             "sig": h.get("stars", "") or ("n.s." if name in holm["results"] else "–"),
-            **{f"≡ ±{m}": ("yes" if eq.get(m) else "no") for m in margins},
+            "≡ (margin)": (("yes" if eq.get("equivalent") else "no") + f" (±{margin:.3f})") if margin else "–",
             "budget to decide the sign": sign_budget(block)[1],
         })
-    md_cols = ["config", "n", "Δ [CI]", "p", "p (Holm)", "sig", *[f"≡ ±{m}" for m in margins],
-               "budget to decide the sign"]
+    md_cols = ["config", "n", "Δ [CI]", "p", "p (Holm)", "sig", "≡ (margin)", "budget to decide the sign"]
     fam = ", ".join(holm["family"]) or "(empty)"
+    margins = "; ".join(f"against {ref}: {basis}" for ref, basis in bases.items()) or "none"
     return Table("corrected-star", f"Holm-corrected comparisons against {comp}", columns, rows, md_cols,
-                 md_rows, notes=[f"Holm family (alpha {holm['alpha']}): {fam}. ≡ ±m: TOST equivalence "
-                                 "(90% CI inside ±m perplexity points)."])
+                 md_rows, notes=[f"Holm family (alpha {holm['alpha']}): {fam}. ≡: TOST equivalence (90% CI inside "
+                                 f"±margin perplexity points) at {summary.get('margin_rule', 'the claims margin')}. "
+                                 f"Margins used: {margins}."])
 
 
 def crossover_table(summary: Mapping[str, Any]) -> Table | None:

@@ -170,6 +170,8 @@ class Verdict:
     note: str = ""
     float_order: FloatOrder | None = None
     rule: str = RULE_OFFSET
+    stop: str = ""
+    """Why a claim still open at the sequential rule's last look stays open (:mod:`rope_quant.core.sequential`)."""
 
     @property
     def decided(self) -> bool:
@@ -184,7 +186,7 @@ class Verdict:
         """The verdict column: the outcome, then the note or the budget."""
         if self.outcome is not Outcome.INCONCLUSIVE:
             return self.outcome.value + (f" ({self.note})" if self.note else "")
-        tail = self.note or (self.budget.text() if self.budget else "")
+        tail = self.stop or self.note or (self.budget.text() if self.budget else "")
         return "inconclusive" + (f": {tail}" if tail else "")
 
     def to_dict(self) -> dict[str, Any]:
@@ -377,10 +379,12 @@ def equivalence_margin(ppl: float) -> Margin:
                          f"= ±{value:.3f}")
 
 
-def float_order(shifts: Sequence[float], n: int, mean: float, sd: float, sd_rep: float | None = None) -> FloatOrder:
+def float_order(shifts: Sequence[float], n: int, mean: float, sd: float, sd_rep: float | None = None,
+                alpha: float | None = None) -> FloatOrder:
     """The replicates' :class:`FloatOrder` beside the primary ``n``, ``mean``, ``sd`` of the paired effect;
     ``sd_rep``: with every seed replicated, the sd of the replicate order's differences ``θ_i + d_i`` (then B is
-    that order's own paired t interval)."""
+    that order's own paired t interval); ``alpha``: B's level per side (default the rule's 0.05; the sequential
+    rule spends less per look). The bias's own interval stays at 90%."""
     d = [float(x) for x in shifts]
     k = len(d)
     if any(not math.isfinite(x) for x in d):
@@ -393,15 +397,21 @@ def float_order(shifts: Sequence[float], n: int, mean: float, sd: float, sd_rep:
     bias = sum(d) / k
     sigma = math.sqrt(sum((x - bias) ** 2 for x in d) / (k - 1))
     half = float(power.t_quantile(k - 1)) * sigma / math.sqrt(k)
-    low_a, high_a, low_b, high_b = power.union_bounds(mean, sd, n, bias, sigma, k, sd_rep=sd_rep)
+    low_a, high_a, low_b, high_b = power.union_bounds(mean, sd, n, bias, sigma, k, sd_rep=sd_rep,
+                                                      alpha=power.ALPHA if alpha is None else alpha)
     return FloatOrder(k, tuple(d), sigma, bias, bias - half, bias + half, float(low_b), float(high_b),
                       paired=sd_rep is not None)
 
 
 def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | None, *,
-                      margin: float = 0.0, tokens: int | None = None) -> Verdict:
+                      margin: float = 0.0, tokens: int | None = None, alpha: float | None = None,
+                      with_budget: bool = True) -> Verdict:
     """The rule (module docstring) on the per-seed paired differences and the replicates' shifts
-    ``d_i = θ_i^rep − θ_i``. ``shifts``: a str is why a replicate failed to build; None, that none exists."""
+    ``d_i = θ_i^rep − θ_i``. ``shifts``: a str is why a replicate failed to build; None, that none exists.
+    ``alpha``: each interval's level per side (default 0.05: the 90% intervals; the sequential rule,
+    :mod:`rope_quant.core.sequential`, passes its per-look level); ``with_budget``: compute the budget to decide
+    an undecided claim (the sequential rule reads its own stop instead)."""
+    level = LEVEL if alpha is None else 1.0 - 2.0 * alpha
     if form in (Form.EQUIVALENT, Form.NON_INFERIOR, Form.NON_SUPERIOR) and not margin > 0:
         raise ValueError(f"{form.value} needs a positive margin, got {margin!r}")
     d = [float(x) for x in diffs]
@@ -416,10 +426,10 @@ def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float
         raise ValueError(f"paired differences must be finite, got {d}")
     from rope_quant.core import stats  # deferred: scipy
 
-    ci = stats.paired_ci(d, [0.0] * len(d), LEVEL)
+    ci = stats.paired_ci(d, [0.0] * len(d), level)
     every = len(shifts) == len(d)  # every seed replicated: shifts[i] is seed i's
     sd_rep = stats.sample_sd([x + float(y) for x, y in zip(d, shifts, strict=True)]) if every else None
-    fo = float_order(shifts, ci.n, ci.mean, ci.sd, sd_rep)
+    fo = float_order(shifts, ci.n, ci.mean, ci.sd, sd_rep, alpha)
     if fo.sigma is None:
         return _primary_only(form, d, fo, fo.reason, margin, tokens)
     primary = Verdict(Outcome.INCONCLUSIVE, form, ci.n, ci.mean, ci.sd, ci.low, ci.high, margin, rule=RULE_REPLICATES)
@@ -433,6 +443,8 @@ def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float
         return replace(v, outcome=Outcome.HOLDS)
     if refuted:
         return replace(v, outcome=Outcome.REFUTED)
+    if not with_budget:
+        return v
     return replace(v, budget=budget_replicated(form, ci.n, ci.mean, ci.sd, fo, margin=margin, tokens=tokens))
 
 

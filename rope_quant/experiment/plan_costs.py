@@ -6,8 +6,8 @@ and more); the constants below are ratios to those rates, fitted on the 1-layer 
 
 On a GPU the costs are not FLOP ratios: calibration and evaluation cost per layer-window, GPTQ per column.
 :data:`H100_MEASURED` holds per-unit costs **measured on one NVIDIA H100 80GB (torch 2.11.0+cu130,
-transformers 5.17, 2026-11-27)** at the Llama-3-8B shape (the measurements are listed in the project's issue
-tracker, "The GPU path at its physical floor"); each constant says which measurement it comes from. The H200
+transformers 5.17, 2026-11-27)** at the Llama-3-8B shape, of the code before 0.2.0's GPU-path work
+(2 layers); each constant says which measurement it comes from. The H200
 uses them as they are, the A100s scaled by datasheet ratios; the float64 rate is still extrapolated from the
 datasheet (:attr:`Device.basis` says which is which, and ``rope-quant plan`` prints it).
 """

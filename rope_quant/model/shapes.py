@@ -23,7 +23,7 @@ class ShapeError(ValueError):
 
 
 class ShapeName(StrEnum):
-    """The paper-scale shapes (the issue's five models)."""
+    """The paper-scale shapes (five published 7B-70B models)."""
 
     LLAMA2_7B = "llama-2-7b"
     LLAMA3_8B = "llama-3-8b"

@@ -77,7 +77,7 @@ def long_context_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int
                     meta={name: {"r3": name, "lengths": list(lengths)} for name in configs})
 
 
-#: The "beyond the paper" angle variants (issue: can a RoPE-commuting R3 close the gap?): name suffix ->
+#: The "beyond the paper" angle variants (can a RoPE-commuting R3 close the gap?): name suffix ->
 #: RunConfig overrides. Every variant resets the angle fields, so the base config's own do not leak in.
 BEYOND_ANGLES: dict[str, dict[str, Any]] = {
     "rows": {"estimator": "rows"},

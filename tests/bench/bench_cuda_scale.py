@@ -5,7 +5,7 @@ CPU initialisation), hands it to the pipeline as the loaded model (no working co
 once), and runs the paper's protocol for one seed: 128 × 2048 calibration, whip R1 10 epochs, the offline
 rotations, the calibration statistics, then each R3 configuration over the evaluation windows, and GPTQ. Per
 stage it prints the wall time, the GPU peak (allocated), the plan's prediction
-(:func:`rope_quant.experiment.plan.make_plan`) and the target of the project's GPU issue (per 8B layer on an
+(:func:`rope_quant.experiment.plan.make_plan`) and the 0.2.0 GPU target (per 8B layer on an
 H100: calibration ≤ 0.5 s, GPTQ ≤ 3 s, whip R1 ≤ 2 s per seed, evaluation ≤ 1.3× the plain bf16 forward; Table 1
 ≤ 15 GPU-minutes). Never asserts on time.
 
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 #: The paper's four R3 configurations of Table 1 (no R3, Hadamard, the pairwise rotation, both).
 R3_CONFIGS = ("identity", "hadamard", "pairwise_only", "pairwise_plus_hadamard")
-#: Targets of the GPU issue, per 8B layer on one H100 (seconds), and Table 1's.
+#: The 0.2.0 GPU targets, per 8B layer on one H100 (seconds), and Table 1's.
 TARGET_CALIB_PER_LAYER_S = 0.5
 TARGET_GPTQ_PER_LAYER_S = 3.0
 TARGET_WHIP_S = 2.0

@@ -1,4 +1,4 @@
-"""Issue 21, no full-model copy per cell: the time of a cell's model copy, the old ``deepcopy(base).to(...)``
+"""No full-model copy per cell (0.2.0): the time of a cell's model copy, the old ``deepcopy(base).to(...)``
 against :mod:`rope_quant.model.working_copy` (every parameter: a weight-cache miss; the few a hit reads), on
 the embedded SmolLM2-135M at 1 thread. Prints times and ratios, never asserts on time.
 

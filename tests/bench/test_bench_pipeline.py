@@ -3,7 +3,7 @@
 Every ratio is measured side by side in one run: the two forwards alternate round by round and the
 best round of each is kept, so a load spike on the shared machine hits both alike. The forwards are
 the decoder stack (``model.model``): lm_head is full precision in every variant, so leaving it out
-isolates what the pipeline adds. Targets (issue): W4A4KV4 fake-quant ≤ 1.5× plain; R3 pairwise_only
+isolates what the pipeline adds. Targets (0.1.0): W4A4KV4 fake-quant ≤ 1.5× plain; R3 pairwise_only
 ≤ 1.02× and hadamard ≤ 1.05× of the same quantised forward without R3; calibration statistics ≤ 1.10×
 plain; peak memory ≤ 2 GB at 8192 tokens with a chunked lm_head.
 """

@@ -9,8 +9,10 @@ That is what makes the comparisons paired, and what keeps the whole marker withi
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -61,13 +63,62 @@ class E2EBudget:
 
 
 class Experiment:
-    """Memoised paired cells through the public API (``pipeline.run_cell`` / ``build_quantized_model``)."""
+    """Memoised paired cells through the public API (``pipeline.run_cell`` / ``build_quantized_model``).
+
+    ``plan`` (``--rq-until-decided``): the sequential rule's looks (:class:`rope_quant.core.sequential.Plan`); a
+    claim written with :meth:`paired_claim` and run through :meth:`decided` then gets seeds added, every one
+    replicated, while it is inconclusive (only its own cells are computed, through the same memo and cache).
+    """
 
     def __init__(self, base: tuple[Any, Any], cache_dir: str, budget: E2EBudget, corpus: str,
-                 model: str = DEFAULT_MODEL, device: str = "cpu") -> None:
+                 model: str = DEFAULT_MODEL, device: str = "cpu", plan: Any = None,
+                 time_budget: float | None = None, started: float | None = None) -> None:
         self.base, self.cache_dir, self.budget, self.corpus = base, cache_dir, budget, corpus
         self.model, self.device = model, device
+        self.plan, self.time_budget = plan, time_budget
+        self.started = time.perf_counter() if started is None else started
         self._cells: dict[str, dict[str, Any]] = {}
+
+    def with_seeds(self, seeds: Sequence[int]) -> Experiment:
+        """The same experiment (cells, memo, cache) at ``seeds``, every one replicated."""
+        other = Experiment(self.base, self.cache_dir, replace(self.budget, seeds=tuple(seeds), replicates=len(seeds)),
+                           self.corpus, self.model, self.device, self.plan, self.time_budget, self.started)
+        other._cells = self._cells
+        return other
+
+    def paired_claim(self, form: Any, treatment: Sequence[float], control: Sequence[float], *,
+                     replicates: Mapping[int, tuple[float, float]] | str | None, margin: float = 0.0,
+                     tokens: int | None = None) -> Any:
+        """The fixed-n rule's :func:`~rope_quant.core.verdict.paired_claim`, or with ``--rq-until-decided`` the
+        sequential rule's (:func:`rope_quant.core.sequential.paired_claim`)."""
+        if self.plan is None:
+            from rope_quant.core.verdict import paired_claim
+
+            return paired_claim(form, treatment, control, replicates=replicates, margin=margin, tokens=tokens)
+        from rope_quant.core import sequential
+
+        return sequential.paired_claim(form, treatment, control, self.plan, replicates=replicates, margin=margin,
+                                       tokens=tokens)
+
+    def decided(self, evaluate: Callable[[Experiment], Any], name: str,
+                verdict_of: Callable[[Any], Any] = lambda r: r[0]) -> tuple[Any, Experiment]:
+        """``evaluate(experiment)`` at the requested seeds; with ``--rq-until-decided``, again with one more seed
+        while its verdict (``verdict_of(result)``) is inconclusive, up to ``--rq-max-seeds`` and within
+        ``--rq-time-budget`` (counted from the session's first claim). Returns the last result and the
+        experiment at its seeds; a claim stopped by the time budget carries that in its verdict's ``stop``."""
+        if self.plan is None:
+            return evaluate(self), self
+        from rope_quant.core import sequential
+
+        looked = sequential.until_decided(lambda seeds: evaluate(self.with_seeds(seeds)), verdict_of,
+                                          self.budget.seeds, self.plan, time_budget=self.time_budget,
+                                          started=self.started, name=name,
+                                          log=lambda line: print(line, file=sys.__stderr__, flush=True))
+        result = looked.result
+        if looked.stopped.startswith("time budget") and isinstance(result, tuple):
+            v = verdict_of(result)
+            result = (replace(v, stop=f"{looked.stopped}; {v.note}"), *result[1:])
+        return result, self.with_seeds(looked.seeds)
 
     def config(self, seed: int = 0, **overrides: Any):
         from rope_quant.experiment.pipeline import RunConfig
@@ -162,7 +213,7 @@ _MACHINE: dict[str, Any] = {}
 
 @pytest.fixture(autouse=True)
 def _record_machine(rq_machine) -> None:
-    """Every e2e report carries the machine; the claims JSON records it (issue 23 item 4)."""
+    """Every e2e report carries the machine; the claims JSON records it (since 0.2.0)."""
     if not _MACHINE:
         from rope_quant.experiment.envinfo import machine_info
 
@@ -180,7 +231,8 @@ def experiment_factory():
 @pytest.fixture(scope="session")
 def e2e_budget(rq_options) -> E2EBudget:
     seeds = rq_options.seeds if rq_options.seeds is not None else E2EBudget.seeds
-    return E2EBudget(seeds=seeds, replicates=E2EBudget.replicates_for(rq_options.replicates, seeds),
+    given = rq_options.replicates if rq_options.replicates is not None or not rq_options.until_decided else len(seeds)
+    return E2EBudget(seeds=seeds, replicates=E2EBudget.replicates_for(given, seeds),
                      gptq_float64=os.environ.get("ROPE_QUANT_E2E_GPTQ_FLOAT64", "") not in ("", "0"))
 
 
@@ -206,4 +258,14 @@ def experiment(request, e2e_cache, e2e_budget, rq_options) -> Experiment:
         pytest.skip(f"--rq-model {', '.join(named)}: the W4A4KV4 pipeline claims run on {DEFAULT_MODEL} only; "
                     "the named models run the model-generic claims (tests/e2e/test_cross_model.py)")
     base = request.getfixturevalue("embedded_model")
-    return Experiment(base, e2e_cache, e2e_budget, rq_options.corpus)
+    return Experiment(base, e2e_cache, e2e_budget, rq_options.corpus, plan=sequential_plan(rq_options, e2e_budget),
+                      time_budget=rq_options.time_budget)
+
+
+def sequential_plan(rq_options, budget: E2EBudget) -> Any:
+    """With ``--rq-until-decided``: the looks ``len(seeds) … --rq-max-seeds`` (None otherwise)."""
+    if not rq_options.until_decided:
+        return None
+    from rope_quant.core.sequential import Plan
+
+    return Plan(len(budget.seeds), rq_options.max_seeds)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from rope_quant.core import stats
-from rope_quant.core.verdict import Form, Verdict, combine_all, deterministic, equivalence_margin, paired_claim
+from rope_quant.core.verdict import Form, Verdict, combine_all, deterministic, equivalence_margin
 
 W4A4KV4 = {}  # the RunConfig defaults: W4A4KV4, GPTQ weights, R1 whip, R2 random Hadamard, online R4
 PHI_STAR = dict(r3="pairwise_only", angle="phi_star")
@@ -62,39 +62,53 @@ def test_c1_pairwise_only_worse_than_hadamard(experiment, rq_claim) -> None:
     assert holds, f"pairwise_only {pw} not above hadamard {had} in every seed"
 
 
+def _c2(experiment) -> tuple[Verdict, Verdict, Any, dict[str, Any]]:
+    """C2 at the experiment's seeds: (combined verdict, the equivalence part, the margin, the numbers)."""
+    had = experiment.per_seed(r3="hadamard")
+    pph = experiment.per_seed(r3="pairwise_plus_hadamard")
+    pw = experiment.per_seed(r3="pairwise_only")
+    margin = equivalence_margin(float(np.mean(had)))
+    equiv = experiment.paired_claim(Form.EQUIVALENT, pph, had, margin=margin.value, tokens=experiment.tokens(),
+                                    replicates=experiment.replicate_pairs({"r3": "pairwise_plus_hadamard"},
+                                                                          {"r3": "hadamard"}))
+    mean, c1_gap = float(np.mean(pph) - np.mean(had)), float(np.mean(pw) - np.mean(had))
+    robust = abs(mean) < 0.25 * c1_gap
+    verdict = combine_all([deterministic(robust, "robust part: |mean| >= C1 gap/4"), equiv])
+    return verdict, equiv, margin, dict(had=had, pph=pph, mean=mean, c1_gap=c1_gap, robust=robust)
+
+
 def test_c2_pairwise_plus_hadamard_equivalent_to_hadamard(experiment, rq_claim) -> None:
     """C2 (Table 1, TOST): the paired 90% CI of pairwise_plus_hadamard − hadamard lies inside the margin
     (:func:`rope_quant.core.verdict.equivalence_margin`: the paper's ±0.05 PPL scaled by the ppl ratio).
 
     Decided by the rule with the run's float-order replicates; the robust part is asserted: the pairwise+Hadamard
-    mean sits near the Hadamard's, far closer than pairwise_only's (less than a quarter of C1's gap).
+    mean sits near the Hadamard's, far closer than pairwise_only's (less than a quarter of C1's gap). With
+    ``--rq-until-decided`` seeds are added (every one replicated) while the equivalence is inconclusive, under
+    the sequential rule (``Experiment.decided``).
     """
-    had = experiment.per_seed(r3="hadamard")
-    pph = experiment.per_seed(r3="pairwise_plus_hadamard")
-    pw = experiment.per_seed(r3="pairwise_only")
-    margin = equivalence_margin(float(np.mean(had)))
-    equiv = paired_claim(Form.EQUIVALENT, pph, had, margin=margin.value, tokens=experiment.tokens(),
-                         replicates=experiment.replicate_pairs({"r3": "pairwise_plus_hadamard"}, {"r3": "hadamard"}))
-    mean, c1_gap = float(np.mean(pph) - np.mean(had)), float(np.mean(pw) - np.mean(had))
-    robust = abs(mean) < 0.25 * c1_gap
-    verdict = combine_all([deterministic(robust, "robust part: |mean| >= C1 gap/4"), equiv])
+    (verdict, equiv, margin, x), _ = experiment.decided(_c2, "C2")
     rq_claim("C2 (Table 1, TOST) pairwise+hadamard ≡ hadamard",
              f"90% CI within ±{margin.value:.3f} PPL ({margin.basis}); robust part: |mean| < C1 gap/4",
-             f"diff {_verdict_ci(equiv)}; C1 gap {c1_gap:+.3f}; {_spread_text(equiv)}", verdict=verdict,
+             f"diff {_verdict_ci(equiv)}; C1 gap {x['c1_gap']:+.3f}; {_spread_text(equiv)}", verdict=verdict,
              margin=margin.value, margin_basis=margin.basis,
-             pairwise_plus_hadamard=pph, hadamard=had, noise=equiv.noise, mean=mean)
-    assert robust, f"pairwise+hadamard mean diff {mean:+.3f} not small against C1's gap {c1_gap:+.3f}"
+             pairwise_plus_hadamard=x["pph"], hadamard=x["had"], noise=equiv.noise, mean=x["mean"])
+    assert x["robust"], f"pairwise+hadamard mean diff {x['mean']:+.3f} not small against C1's gap {x['c1_gap']:+.3f}"
     assert not verdict.failed, verdict.text()
+
+
+def _c3(experiment) -> tuple[Verdict, list[float], list[float]]:
+    rows = experiment.per_seed(r3="pairwise_only", estimator="rows")
+    k_only = experiment.per_seed(r3="pairwise_only", estimator="k_only")
+    verdict = experiment.paired_claim(Form.LESS, k_only, rows, tokens=experiment.tokens(),
+                                      replicates=experiment.replicate_pairs({"estimator": "k_only"},
+                                                                            {"estimator": "rows"}, r3="pairwise_only"))
+    return verdict, k_only, rows
 
 
 def test_c3_k_only_estimator_beats_rows(experiment, rq_claim) -> None:
     """C3 (App. L): the unadjusted paired 90% interval of ppl(k_only) − ppl(rows) lies below zero (the rule's
     LESS form, with the run's float-order replicates); the mean's sign is asserted."""
-    rows = experiment.per_seed(r3="pairwise_only", estimator="rows")
-    k_only = experiment.per_seed(r3="pairwise_only", estimator="k_only")
-    verdict = paired_claim(Form.LESS, k_only, rows, tokens=experiment.tokens(),
-                           replicates=experiment.replicate_pairs({"estimator": "k_only"}, {"estimator": "rows"},
-                                                                 r3="pairwise_only"))
+    (verdict, k_only, rows), _ = experiment.decided(_c3, "C3")
     mean = float(np.mean(k_only) - np.mean(rows))
     rq_claim("C3 (App. L) k_only vs rows estimator", "90% CI of ppl(k_only) − ppl(rows) below 0",
              f"k_only {_fmt(k_only)} vs rows {_fmt(rows)}; diff {_verdict_ci(verdict)}; {_spread_text(verdict)}",
@@ -155,6 +169,24 @@ def _support_ppl(rows: dict[str, dict]) -> list[float]:
     return [rows[f"b={b}"]["ppl"] for b in BLOCKS]
 
 
+def _c4_ppl(experiment) -> tuple[Verdict, list[Verdict], list[float], Any]:
+    """C4's perplexity steps at the experiment's seeds: (combined verdict, the steps, the mean gaps, the margin)."""
+    gaps = _seed_mean(_support_series(experiment, lambda *_, **__: None)["gap"])
+    seeds = experiment.budget.seeds
+    ppl = [_support_ppl(_support_rows(experiment, seed)) for seed in seeds]
+    w = dict(eval_windows=experiment.budget.support_windows)
+    margin = equivalence_margin(float(np.mean([experiment.cell(seed, r3="hadamard", **w)["ppl"] for seed in seeds])))
+    parts = [experiment.paired_claim(Form.NON_SUPERIOR, [p[i + 1] for p in ppl], [p[i] for p in ppl],
+                                     margin=margin.value, tokens=experiment.tokens(experiment.budget.support_windows),
+                                     replicates=experiment.replicate_pairs({"r3_block": BLOCKS[i + 1]},
+                                                                           {"r3_block": BLOCKS[i]},
+                                                                           r3="block_hadamard", **w))
+             for i in range(len(BLOCKS) - 1)]
+    robust = gaps[0] > gaps[-1]
+    verdict = combine_all([deterministic(robust, "robust part: gap(b=2) <= gap(b=d_h)"), *parts])
+    return verdict, parts, gaps, margin
+
+
 def test_c4_perplexity_gap_non_increasing_in_block_size(experiment, rq_claim, rq_record) -> None:
     """C4 (Table M): the perplexity gap to hadamard is non-increasing in block size b.
 
@@ -163,18 +195,9 @@ def test_c4_perplexity_gap_non_increasing_in_block_size(experiment, rq_claim, rq
     tolerance). The steps combine (holds if every step holds); each step has its own float-order replicates.
     The robust part is asserted: the gap at b = 2 exceeds the gap at b = d_h.
     """
-    gaps = _seed_mean(_support_series(experiment, rq_record)["gap"])
-    seeds = experiment.budget.seeds
-    ppl = [_support_ppl(_support_rows(experiment, seed)) for seed in seeds]
-    w = dict(eval_windows=experiment.budget.support_windows)
-    margin = equivalence_margin(float(np.mean([experiment.cell(seed, r3="hadamard", **w)["ppl"] for seed in seeds])))
-    parts = [paired_claim(Form.NON_SUPERIOR, [p[i + 1] for p in ppl], [p[i] for p in ppl], margin=margin.value,
-                          tokens=experiment.tokens(experiment.budget.support_windows),
-                          replicates=experiment.replicate_pairs({"r3_block": BLOCKS[i + 1]}, {"r3_block": BLOCKS[i]},
-                                                                r3="block_hadamard", **w))
-             for i in range(len(BLOCKS) - 1)]
+    (verdict, parts, gaps, margin), at = experiment.decided(_c4_ppl, "C4 ppl")
+    _support_series(at, rq_record)  # the table at the seeds the claim used (memoised cells)
     robust = gaps[0] > gaps[-1]
-    verdict = combine_all([deterministic(robust, "robust part: gap(b=2) <= gap(b=d_h)"), *parts])
     worst_rise = max(gaps[i + 1] - gaps[i] for i in range(len(gaps) - 1))
     rq_claim("C4 (Table M) ppl gap vs b=2…64, W4A4KV4",
              f"no step b → 2b raises ppl by more than ±{margin.value:.3f} ({margin.basis}); robust: gap(2) > gap(64)",
@@ -187,7 +210,7 @@ def test_c4_perplexity_gap_non_increasing_in_block_size(experiment, rq_claim, rq
 
 
 #: b = d_h against the full Hadamard, relative perplexity, on 4-bit keys alone (W16A16K4V16), where the cause is
-#: measured (issue 11 §4): b = d_h is P·H with P the swap inside each rotate_half pair; its 4-bit K codes equal
+#: measured (2026-11-23, 2bbd27c): b = d_h is P·H with P the swap inside each rotate_half pair; its 4-bit K codes equal
 #: the Hadamard's, and with 16-bit keys the perplexities agree to 8e-8. With 4-bit keys any ulp-level difference
 #: (the kernel, the q·k summation order that P changes, even a 6e-8 relative jitter) flips a first K code a few
 #: layers down and the flips spread to ~5% of the codes: eight variants that are all exactly H in exact
@@ -289,13 +312,18 @@ def test_c6_objective_mismatch(experiment, rq_claim) -> None:
     equivalence margin: a gain, if any, smaller than the paper's tolerance for "equivalent".
     """
     ex = _excess_table(experiment)["excess"]
-    control = experiment.per_seed(**PHI_HAT_BM)
-    phi_star = experiment.per_seed(**PHI_STAR)
-    margin = equivalence_margin(float(np.mean(control)))
-    ppl_part = paired_claim(Form.NON_INFERIOR, phi_star, control, margin=margin.value, tokens=experiment.tokens(),
-                            replicates=experiment.replicate_pairs(PHI_STAR, PHI_HAT_BM))
     lower_objective = float(ex["phi_star"].mean()) < float(ex["phi_hat_branch_matched"].mean())
-    verdict = combine_all([deterministic(lower_objective, "surrogate part"), ppl_part])
+
+    def evaluate(exp):
+        control = exp.per_seed(**PHI_HAT_BM)
+        phi_star = exp.per_seed(**PHI_STAR)
+        margin = equivalence_margin(float(np.mean(control)))
+        ppl_part = exp.paired_claim(Form.NON_INFERIOR, phi_star, control, margin=margin.value, tokens=exp.tokens(),
+                                    replicates=exp.replicate_pairs(PHI_STAR, PHI_HAT_BM))
+        return (combine_all([deterministic(lower_objective, "surrogate part"), ppl_part]), ppl_part, margin,
+                control, phi_star)
+
+    (verdict, ppl_part, margin, control, phi_star), _ = experiment.decided(evaluate, "C6")
     rq_claim("C6 (§5) objective mismatch: φ* vs branch-matched φ̂",
              f"lower surrogate excess (asserted); no ppl gain beyond −{margin.value:.3f} PPL ({margin.basis})",
              f"excess {float(ex['phi_star'].mean()):.1e} vs {float(ex['phi_hat_branch_matched'].mean()):.1e}; "
@@ -329,9 +357,21 @@ def _long_gaps(experiment, rq_record, lengths: tuple[int, ...], table: str) -> d
             return f"a replicate failed at L={length}: {bad[0]}"
         return {i: (rep_pw[i][length].ppl, rep_had[i][length].ppl) for i in rep_had}
 
-    return {length: paired_claim(Form.GREATER, pw_ppl, had_ppl, tokens=experiment.budget.long_windows * length,
-                                 replicates=replicates(length))
+    return {length: experiment.paired_claim(Form.GREATER, pw_ppl, had_ppl,
+                                            tokens=experiment.budget.long_windows * length,
+                                            replicates=replicates(length))
             for length, (pw_ppl, had_ppl) in per_seed.items()}
+
+
+def _long_claim(experiment, rq_record, lengths: tuple[int, ...], table: str, name: str) -> dict[int, Verdict]:
+    """:func:`_long_gaps` until decided (``--rq-until-decided``), then its table at the seeds used."""
+    def evaluate(exp):
+        parts = _long_gaps(exp, lambda *_, **__: None, lengths, table)
+        robust = all(v.mean is not None and v.mean > 0 for v in parts.values())
+        return combine_all([deterministic(robust, "robust part: mean gap > 0 at every L"), *parts.values()]), parts
+
+    (_, parts), at = experiment.decided(evaluate, name)
+    return _long_gaps(at, rq_record, lengths, table)
 
 
 def _c7_claim(parts: dict[int, Verdict], rq_claim, what: str) -> None:
@@ -348,14 +388,15 @@ def _c7_claim(parts: dict[int, Verdict], rq_claim, what: str) -> None:
 def test_c7_long_context_gap_positive(experiment, rq_claim, rq_record, e2e_budget) -> None:
     """C7 (long context, App. A.4): the pairwise_only − hadamard gap is positive at every evaluated L, with a
     paired interval over the seeds at every length (the mean gap's sign is asserted; the interval decides)."""
-    parts = _long_gaps(experiment, rq_record, e2e_budget.long_lengths, "Long context (W4A4KV4, shakespeare)")
+    parts = _long_claim(experiment, rq_record, e2e_budget.long_lengths, "Long context (W4A4KV4, shakespeare)", "C7")
     _c7_claim(parts, rq_claim, "C7 (long context) gap pairwise_only − hadamard")
 
 
 @pytest.mark.slow
 def test_c7_long_context_gap_positive_at_8k(experiment, rq_claim, rq_record, e2e_budget) -> None:
     """C7 at the model's full context (``slow``): the same claim at ``slow_long_lengths``."""
-    parts = _long_gaps(experiment, rq_record, e2e_budget.slow_long_lengths, "Long context 8K (W4A4KV4, shakespeare)")
+    parts = _long_claim(experiment, rq_record, e2e_budget.slow_long_lengths, "Long context 8K (W4A4KV4, shakespeare)",
+                        "C7 8K")
     _c7_claim(parts, rq_claim, "C7 (long context, 8K) gap pairwise_only − hadamard")
 
 

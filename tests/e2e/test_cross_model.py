@@ -4,7 +4,7 @@ The paper's finding rests on Llama and Mistral checkpoints. Here the claims that
 architecture run on the embedded SmolLM2-135M (Llama: MHA, head_dim 64, one RoPE base) and Gemma 3 270M
 (GQA 4:1, head_dim 256, RoPE base 1e4 on sliding layers and 1e6 on full layers, q/k norms, sandwich norms).
 
-Settings (issue 13):
+Settings (App. I):
 
 - **KV-only, W16A16KV4** (:data:`KV_ONLY`): 4-bit keys and nothing else quantised, no offline rotation. It
   isolates R3's effect on the keys and is valid on both architectures (Gemma 3's sandwich norms refuse R1).

@@ -1,4 +1,4 @@
-"""Issue 24 on the embedded model: how much of pairwise_only's gap to the Hadamard can a FOLDABLE R3 close?
+"""Foldable R3 on the embedded model: how much of pairwise_only's gap to the Hadamard can a FOLDABLE R3 close?
 
 KV-only (W16A16K4V16: only the keys and values are quantised, so R1/R2 are identities, which changes no key),
 through the shared paired ``experiment`` (3 seeds, the e2e budget). The foldable family: the range-objective

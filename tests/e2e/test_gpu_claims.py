@@ -50,7 +50,7 @@ def gpu_experiment(gpu_model, rq_options, tmp_path_factory, experiment_factory):
     seeds = rq_options.seeds or (0, 1, 2)
     budget = E2EBudget(seeds=seeds, seqlen=2048, calib_windows=128, eval_windows=None,
                        replicates=E2EBudget.replicates_for(rq_options.replicates, seeds))
-    try:  # the plan before the model loads (issue 21): stream the layers when only that fits, else stop here
+    try:  # the plan before the model loads: stream the layers when only that fits, else stop here
         decision = memory_check.decide(gpu_model, device, "float32", memory_check.protocol_for(
             128, 2048, None, None, configs=4, seeds=len(budget.seeds), gptq=True), offload.OffloadMode.AUTO)
     except planning.PlanDoesNotFit as exc:

@@ -12,9 +12,11 @@ float mode, at each setting: W3A3KV3 adds one replicate GPTQ build per replicate
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from rope_quant.core.verdict import Form, Verdict, combine_all, paired_claim
+from rope_quant.core.verdict import Form, Verdict, combine_all
 from rope_quant.sweep.presets import LOWER_BIT_SETTINGS
 
 pytestmark = pytest.mark.slow
@@ -24,24 +26,19 @@ def _bits(setting: str) -> dict[str, int]:
     return dict(w_bits=w, a_bits=a, k_bits=k, v_bits=v)
 
 
-def test_lower_bits_pairwise_only_gap(experiment, rq_claim, rq_record) -> None:
-    """App. F: ppl(pairwise_only) − ppl(hadamard) > 0 at W4A3KV4 and W3A3KV3, and larger at W3A3KV3 than at
-    W4A4KV4 (seed means, paired within seed)."""
-    per: dict[str, tuple[list[float], list[float], dict[int, tuple[float, float]] | str]] = {}
+def _app_f(experiment) -> tuple[Verdict, dict[str, Verdict], dict[str, tuple[list[float], list[float], Any]]]:
+    """App. F's parts at the experiment's seeds: (combined verdict, the parts, per setting (pw, had, replicates))."""
+    per: dict[str, tuple[list[float], list[float], Any]] = {}
     for setting in LOWER_BIT_SETTINGS:
         had = experiment.per_seed(r3="hadamard", **_bits(setting))
         pw = experiment.per_seed(r3="pairwise_only", **_bits(setting))
-        pph = experiment.per_seed(r3="pairwise_plus_hadamard", **_bits(setting))
         rep = experiment.replicate_pairs({"r3": "pairwise_only"}, {"r3": "hadamard"}, **_bits(setting))
         per[setting] = (pw, had, rep)
-        for seed, h, p, q in zip(experiment.budget.seeds, had, pw, pph, strict=True):
-            rq_record("App. F: lower bits (GPTQ, whip R1)", setting=setting, seed=seed, hadamard=h,
-                      pairwise_plus_hadamard=q, pairwise_only=p, gap=p - h)
     tokens = experiment.tokens()
 
     def gap(setting: str) -> Verdict:
         pw, had, rep = per[setting]
-        return paired_claim(Form.GREATER, pw, had, replicates=rep, tokens=tokens)
+        return experiment.paired_claim(Form.GREATER, pw, had, replicates=rep, tokens=tokens)
 
     def gap_of_gaps(hi: str, lo: str) -> Verdict:
         (pw_h, had_h, rep_h), (pw_l, had_l, rep_l) = per[hi], per[lo]
@@ -51,11 +48,26 @@ def test_lower_bits_pairwise_only_gap(experiment, rq_claim, rq_record) -> None:
             reps: dict[int, tuple[float, float]] | str = rep_h if isinstance(rep_h, str) else str(rep_l)
         else:
             reps = {i: (rep_h[i][0] - rep_h[i][1], rep_l[i][0] - rep_l[i][1]) for i in rep_h}
-        return paired_claim(Form.GREATER, g_hi, g_lo, tokens=tokens, replicates=reps)
+        return experiment.paired_claim(Form.GREATER, g_hi, g_lo, tokens=tokens, replicates=reps)
 
     parts = {"gap W4A3KV4 > 0": gap("W4A3KV4"), "gap W3A3KV3 > 0": gap("W3A3KV3"),
              "gap W3A3KV3 > gap W4A4KV4": gap_of_gaps("W3A3KV3", "W4A4KV4")}
-    verdict = combine_all(parts.values())
+    return combine_all(parts.values()), parts, per
+
+
+def test_lower_bits_pairwise_only_gap(experiment, rq_claim, rq_record) -> None:
+    """App. F: ppl(pairwise_only) − ppl(hadamard) > 0 at W4A3KV4 and W3A3KV3, and larger at W3A3KV3 than at
+    W4A4KV4 (seed means, paired within seed). With ``--rq-until-decided`` seeds are added while the claim is
+    open (its pairwise_only and hadamard cells at each setting only; pairwise_plus_hadamard, recorded beside
+    them, only at the seeds requested)."""
+    (verdict, parts, per), at = experiment.decided(_app_f, "App. F")
+    requested = set(experiment.budget.seeds)
+    for setting, (pw, had, _) in per.items():
+        for seed, h, p in zip(at.budget.seeds, had, pw, strict=True):
+            q = (float(experiment.cell(seed, r3="pairwise_plus_hadamard", **_bits(setting))["ppl"])
+                 if seed in requested else None)
+            rq_record("App. F: lower bits (GPTQ, whip R1)", setting=setting, seed=seed, hadamard=h,
+                      pairwise_plus_hadamard=q, pairwise_only=p, gap=p - h)
     measured = "; ".join(f"{k}: {v.mean:+.3f}" + (f" (90% CI {v.low:+.3f}, {v.high:+.3f})" if v.low is not None
                                                   else "") + f", σ_num {v.noise:.3f} → {v.text()}"
                          for k, v in parts.items())

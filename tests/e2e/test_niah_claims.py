@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rope_quant.core.verdict import Form, combine_all, deterministic, paired_claim
+from rope_quant.core.verdict import Form, combine_all, deterministic
 from rope_quant.experiment.niah import NiahSpec, accuracy_table, run_probes
 from rope_quant.sweep.niah import SATURATION, SEPARATION
 
@@ -52,34 +52,34 @@ GPU_PROBES = 20
 
 
 def niah_accuracies(exp: Any, length: int, probes: int = PROBES, replicate: bool = False) -> dict[str, list[float]]:
-    """Accuracy per config (``fp`` and :data:`CONFIGS`) and seed at ``length``; memoised on the experiment.
-    ``replicate``: the replicated seeds only, with GPTQ in the other float mode (the numerical replicates).
+    """Accuracy per config (``fp`` and :data:`CONFIGS`) and seed at ``length``; memoised per seed in the
+    experiment's cells (shared by its copies at more seeds, ``--rq-until-decided``). ``replicate``: the replicated
+    seeds only, with GPTQ in the other float mode (the numerical replicates).
 
     Every R3 variant of a seed reuses one built model (``reconfigure``) and answers the same probes."""
     from rope_quant.experiment.data import load_corpus
     from rope_quant.experiment.pipeline import build_quantized_model
 
-    memo = exp.__dict__.setdefault("_niah", {})
     seeds = tuple(exp.replicate_seeds) if replicate else tuple(exp.budget.seeds)
     extra = exp._replicate_overrides({}) if replicate else {}
-    key = (length, probes, seeds, replicate)
-    if key in memo:
-        return memo[key]
     spec = NiahSpec(lengths=(length,), depths=DEPTHS, probes=probes, corpus=exp.corpus)
-    model, tok = exp.base
-    stream = load_corpus(exp.corpus, tok).eval_ids
     out: dict[str, list[float]] = {name: [] for name in ("fp", *CONFIGS)}
     for seed in seeds:
-        recs = run_probes(model, tok, stream, spec, seed)
-        out["fp"].append(accuracy_table(recs)["by_length"][str(length)])
-        qm = build_quantized_model(exp.config(seed, r3=CONFIGS[0], **extra), cache_dir=exp.cache_dir,
-                                   base=exp.base)
-        for name in CONFIGS:
-            qm.reconfigure(exp.config(seed, r3=name, **extra))
-            recs = run_probes(qm.model, qm.tokenizer, stream, spec, seed)
-            out[name].append(accuracy_table(recs)["by_length"][str(length)])
-        del qm
-    memo[key] = out
+        key = ("niah", length, probes, seed, replicate)
+        if key not in exp._cells:
+            model, tok = exp.base
+            stream = load_corpus(exp.corpus, tok).eval_ids
+            done = {"fp": accuracy_table(run_probes(model, tok, stream, spec, seed))["by_length"][str(length)]}
+            qm = build_quantized_model(exp.config(seed, r3=CONFIGS[0], **extra), cache_dir=exp.cache_dir,
+                                       base=exp.base)
+            for name in CONFIGS:
+                qm.reconfigure(exp.config(seed, r3=name, **extra))
+                recs = run_probes(qm.model, qm.tokenizer, stream, spec, seed)
+                done[name] = accuracy_table(recs)["by_length"][str(length)]
+            del qm
+            exp._cells[key] = done
+        for name in out:
+            out[name].append(exp._cells[key][name])
     return out
 
 
@@ -98,16 +98,20 @@ def summarise(acc: dict[str, list[float]]) -> tuple[dict[str, float], float, flo
 
 def niah_claim(exp: Any, length: int, rq_claim: Any, label: str, probes: int = PROBES) -> None:
     """The claim at ``length``: assert it where decided; say so with numbers where the length is not
-    discriminative (FP not saturated, or the quantised configs do not separate)."""
-    acc = niah_accuracies(exp, length, probes)
+    discriminative (FP not saturated, or the quantised configs do not separate). With ``--rq-until-decided`` seeds
+    are added while the comparison is inconclusive (``Experiment.decided``)."""
+    def evaluate(e: Any) -> tuple[Any, dict[str, list[float]]]:
+        acc = niah_accuracies(e, length, probes)
+        reps: dict[int, tuple[float, float]] | str
+        try:
+            rep = niah_accuracies(e, length, probes, replicate=True)
+            reps = {i: (h, p) for i, (h, p) in enumerate(zip(rep["hadamard"], rep["pairwise_only"], strict=True))}
+        except Exception as exc:  # noqa: BLE001 (a replicate that fails to build is this claim's reason)
+            reps = f"replicate failed to build: {type(exc).__name__}: {exc}"
+        return e.paired_claim(Form.GREATER, acc["hadamard"], acc["pairwise_only"], replicates=reps), acc
+
+    (verdict, acc), _ = exp.decided(evaluate, f"NIAH L={length}")
     means, sep, stat, discriminative = summarise(acc)
-    reps: dict[int, tuple[float, float]] | str
-    try:
-        rep = niah_accuracies(exp, length, probes, replicate=True)
-        reps = {i: (h, p) for i, (h, p) in enumerate(zip(rep["hadamard"], rep["pairwise_only"], strict=True))}
-    except Exception as exc:  # noqa: BLE001 (a replicate that fails to build is this claim's reason)
-        reps = f"replicate failed to build: {type(exc).__name__}: {exc}"
-    verdict = paired_claim(Form.GREATER, acc["hadamard"], acc["pairwise_only"], replicates=reps)
     fo = verdict.float_order
     measured = (f"L={length}: " + "; ".join(f"{n} {_fmt(acc[n])}" for n in acc)
                 + f"; hadamard − pairwise_only {stat:+.3f}; quantised spread {sep:.3f}; "

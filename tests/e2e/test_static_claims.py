@@ -18,50 +18,72 @@ Verdict: the rule of :mod:`rope_quant.core.verdict` in its LESS form, with the s
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from rope_quant.core.verdict import Form, paired_claim
+from rope_quant.core.verdict import Form
 
 #: Estimation windows per length (A.6: up to 64; CPU budget) and scored windows per cell (the session's short-
 #: context cells score 12): the cell records name the deviation.
 STATIC_WINDOWS = 4
 STATIC_EVAL_WINDOWS = 4
 def _static_cells(experiment, scope: str = "both", replicate: bool = False) -> dict[str, list[dict]]:
-    """Per seed, the static-cell results of hadamard and pairwise_only at the session's seqlen (memoised);
-    ``replicate``: the replicated seeds only, with GPTQ in the other float mode (the numerical replicates)."""
+    """Per seed, the static-cell results of hadamard and pairwise_only at the session's seqlen (memoised per
+    seed, so a claim given more seeds computes only the new ones); ``replicate``: the replicated seeds only, with
+    GPTQ in the other float mode (the numerical replicates)."""
     from rope_quant.experiment.pipeline import build_quantized_model
     from rope_quant.sweep.static import StaticConfig, evaluate_static_cell
 
     b = experiment.budget
     seeds = tuple(experiment.replicate_seeds) if replicate else b.seeds
     extra = experiment._replicate_overrides({}) if replicate else {}
-    key = ("static", scope, STATIC_WINDOWS, STATIC_EVAL_WINDOWS, b.seqlen, seeds, replicate)
-    if key not in experiment._cells:
-        out: dict[str, list[dict]] = {"hadamard": [], "pairwise_only": []}
-        for seed in seeds:
+    out: dict[str, list[dict]] = {"hadamard": [], "pairwise_only": []}
+    for seed in seeds:
+        key = ("static", scope, STATIC_WINDOWS, STATIC_EVAL_WINDOWS, b.seqlen, seed, replicate)
+        if key not in experiment._cells:
             qm = build_quantized_model(experiment.config(seed, r3="hadamard", eval_windows=STATIC_EVAL_WINDOWS,
                                                          **extra),
                                        cache_dir=experiment.cache_dir,
                                        base=experiment.base)
+            done: dict[str, dict] = {}
             for r3 in out:
                 qm.reconfigure(experiment.config(seed, r3=r3, eval_windows=STATIC_EVAL_WINDOWS, **extra))
                 cell = StaticConfig(qm.cfg, (b.seqlen,), scope, max_windows=STATIC_WINDOWS)
-                out[r3].append(evaluate_static_cell(cell, qm))
-                print(f"static {scope} seed {seed} {r3}: ppl {out[r3][-1]['lengths'][str(b.seqlen)]['ppl']:.3f}",
+                done[r3] = evaluate_static_cell(cell, qm)
+                print(f"static {scope} seed {seed} {r3}: ppl {done[r3]['lengths'][str(b.seqlen)]['ppl']:.3f}",
                       flush=True)  # the measurement as it lands (the session's output with -s)
             del qm
-        experiment._cells[key] = out
-    return experiment._cells[key]
+            experiment._cells[key] = done
+        for r3 in out:
+            out[r3].append(experiment._cells[key][r3])
+    return out
 
 
-@pytest.mark.slow
-def test_static_joint_control_reverses_the_ordering_at_the_shortest_length(experiment, rq_claim,
-                                                                              rq_record) -> None:
+def _static_gap(experiment) -> tuple[Any, dict[str, list[dict]], list[float], list[float]]:
+    """App. D's gap at the experiment's seeds: (the verdict, the cells, hadamard's and pairwise_only's ppl)."""
     b = experiment.budget
     cells = _static_cells(experiment, "both")
     length = str(b.seqlen)
     had = [c["lengths"][length]["ppl"] for c in cells["hadamard"]]
     pw = [c["lengths"][length]["ppl"] for c in cells["pairwise_only"]]
+    reps: dict[int, tuple[float, float]] | str
+    try:
+        rep = _static_cells(experiment, "both", replicate=True)
+        reps = {i: (p["lengths"][length]["ppl"], h["lengths"][length]["ppl"])
+                for i, (p, h) in enumerate(zip(rep["pairwise_only"], rep["hadamard"], strict=True))}
+    except Exception as exc:  # noqa: BLE001 (a replicate that fails to build is this claim's reason)
+        reps = f"replicate failed to build: {type(exc).__name__}: {exc}"
+    gap = experiment.paired_claim(Form.LESS, pw, had, tokens=STATIC_EVAL_WINDOWS * b.seqlen, replicates=reps)
+    return gap, cells, had, pw
+
+
+@pytest.mark.slow
+def test_static_joint_control_reverses_the_ordering_at_the_shortest_length(experiment, rq_claim,
+                                                                              rq_record) -> None:
+    (gap, cells, had, pw), at = experiment.decided(_static_gap, "App. D")
+    b = at.budget
+    length = str(b.seqlen)
     for seed, h, p, c in zip(b.seeds, had, pw, cells["hadamard"], strict=True):
         rq_record("Static joint control (scope both, A.6 transductive)", seed=seed, L=b.seqlen, hadamard=h,
                   pairwise_only=p, gap=p - h, static_windows=c["lengths"][length]["static"]["windows"])
@@ -70,14 +92,6 @@ def test_static_joint_control_reverses_the_ordering_at_the_shortest_length(exper
         st = c["lengths"][length]["static"]
         assert c["static"]["transductive"] and st["scope"] == "both" and st["length"] == b.seqlen
         assert st["windows"] == min(STATIC_WINDOWS, st["available_windows"])
-    reps: dict[int, tuple[float, float]] | str
-    try:
-        rep = _static_cells(experiment, "both", replicate=True)
-        reps = {i: (p["lengths"][length]["ppl"], h["lengths"][length]["ppl"])
-                for i, (p, h) in enumerate(zip(rep["pairwise_only"], rep["hadamard"], strict=True))}
-    except Exception as exc:  # noqa: BLE001 (a replicate that fails to build is this claim's reason)
-        reps = f"replicate failed to build: {type(exc).__name__}: {exc}"
-    gap = paired_claim(Form.LESS, pw, had, tokens=STATIC_EVAL_WINDOWS * b.seqlen, replicates=reps)
     verdict = gap
     ci = f"{gap.mean:+.3f}" + (f" (90% CI {gap.low:+.3f}, {gap.high:+.3f}; n={gap.n})" if gap.low is not None else "")
     rq_claim("Static (App. D) joint control: pairwise_only − hadamard ≤ 0 at the shortest length",

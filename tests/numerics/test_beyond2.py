@@ -44,7 +44,7 @@ def test_gap_share_matches_its_definition_and_bootstraps_over_seeds() -> None:
 
 
 def test_gap_share_table_decides_equivalence_to_the_comparator_with_a_budget() -> None:
-    """Issue 24's goal, per row: is the config's paired CI against hadamard inside the margin (the paper's ±0.05
+    """Foldable R3, per row: is the config's paired CI against hadamard inside the margin (the paper's ±0.05
     scaled by ppl 15/8.33 = ±0.090)? Holds, refuted, or inconclusive with the budget in seeds and tokens."""
     had = [15.0, 15.2, 14.9, 15.1]
     diffs = {"pairwise_only": [1.6, 1.5, 1.7, 1.4], "close": [0.001, -0.002, 0.0015, -0.001],

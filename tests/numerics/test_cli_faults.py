@@ -1,4 +1,4 @@
-"""Faults and bad input at the CLI (issues 22 and 26): each gets exit 2 and one specific line on stderr,
+"""Faults and bad input at the CLI: each gets exit 2 and one specific line on stderr,
 before any model loads, and writes nothing; an environment fault during a sweep is one line, not a traceback.
 
 Models are a config-only tiny Llama checkpoint; the model loader of the real pipeline raises if reached, so a

@@ -1,4 +1,4 @@
-"""Issue 25, ``rope-quant export`` (rope_quant.cli.export): cells from a results directory, and bad input."""
+"""``rope-quant export`` (rope_quant.cli.export): cells from a results directory, and bad input."""
 
 from __future__ import annotations
 

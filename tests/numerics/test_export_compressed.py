@@ -1,4 +1,4 @@
-"""Issue 25, ``--format compressed-tensors``: packed W4 codes reload through transformers' compressed-tensors
+"""Export ``--format compressed-tensors``: packed W4 codes reload through transformers' compressed-tensors
 loader, without rope_quant, and compute the cell's weights-only function; the codes match ours code for code."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 25 on the embedded models: the hf export (fp32, pairwise_only with φ̂ angles folded) loads without
+"""Export on the embedded models: the hf export (fp32, pairwise_only with φ̂ angles folded) loads without
 rope_quant and matches rope_quant's rotated model and the original model; Gemma 3 (R1 refused, q/k norms before
 RoPE) gets the layout error, or folds an identity R3."""
 

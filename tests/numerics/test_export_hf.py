@@ -1,4 +1,4 @@
-"""Issue 25, ``--format hf``: the folded checkpoint loads without rope_quant and computes the cell's function."""
+"""Export ``--format hf``: the folded checkpoint loads without rope_quant and computes the cell's function."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 26, fault by fault (library side): quantisers never overflow, a study directory is owned by one run,
+"""Fault by fault (library side): quantisers never overflow, a study directory is owned by one run,
 cells are claimed, caches heal, checkpoint errors name the culprit; and the cases that already held (kill -9
 mid-sweep with a bit-identical resume, damaged records, a corpus changed under the same path).
 
@@ -47,7 +47,7 @@ def _finite(t: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("row", [[3.4028e38, -3.4028e38, 1.0, 0.5], [3.4028e38, -3.4e36, 1.0, 0.0]])
 def test_asym_per_token_near_float32_max_is_finite(row):
-    """Issue 26 wrong case 3: these gave -inf and +inf (the rounded zero point puts a grid end past the max)."""
+    """In 0.1.0 these gave -inf and +inf (the rounded zero point puts a grid end past the max)."""
     x = torch.tensor([row])
     y = fake_quant_per_token(x, 4)
     assert _finite(y), y
@@ -56,7 +56,7 @@ def test_asym_per_token_near_float32_max_is_finite(row):
 
 
 def test_asym_per_token_float16_max_is_finite():
-    """Issue 26 wrong case 4: float16 [65504, -65504, 1, .5] gave -inf; now saturates at -65504."""
+    """In 0.1.0 float16 [65504, -65504, 1, .5] gave -inf; now saturates at -65504."""
     x = torch.tensor([[65504.0, -65504.0, 1.0, 0.5]], dtype=torch.float16)
     y = fake_quant_per_token(x, 4)
     assert _finite(y), y
@@ -65,7 +65,7 @@ def test_asym_per_token_float16_max_is_finite():
 
 @pytest.mark.parametrize("dtype,big", [(torch.float16, -65440.0), (torch.float32, -3.3994e38)])
 def test_rtn_mse_clip_search_near_dtype_max_is_finite(dtype, big):
-    """Issue 26 wrong cases 5 and 6: a row where the MSE search picks a ratio < 1 used code −8 ·
+    """In 0.1.0 a row where the MSE search picks a ratio < 1 used code −8 ·
     scale = −8/7·0.9x·max|w| past the dtype's maximum. Codes × scales still reproduce the output."""
     gen = torch.Generator().manual_seed(3)
     w = (torch.rand(4, 16, generator=gen) * 2 - 1) * abs(big) * 0.6
@@ -92,7 +92,7 @@ def test_rtn_normal_rows_keep_their_bits_when_another_row_overflows():
 
 @pytest.mark.parametrize("shape", [(3, 0), (0, 0)])
 def test_rtn_zero_column_weight_is_a_clear_error(shape):
-    """Issue 26 traceback: rtn_quantize on a 0-column weight raised ZeroDivisionError."""
+    """In 0.1.0 rtn_quantize on a 0-column weight raised ZeroDivisionError."""
     with pytest.raises(GPTQError, match=r"at least one column, got shape \(" + str(shape[0]) + ", 0\\)"):
         rtn_quantize(torch.zeros(shape), 4)
 
@@ -247,7 +247,7 @@ def test_two_identical_no_resume_runs_also_compute_each_cell_once(tmp_path):
 
 
 def test_concurrent_run_of_another_study_is_refused_with_the_sequential_diff(tmp_path):
-    """Issue 26 wrong case 1: `--k-bits 3` started together with the K4 study; both exited 0."""
+    """In 0.1.0 `--k-bits 3` started together with the K4 study and both exited 0."""
     procs = _start_runs(tmp_path, [(4, -1, True), (3, -1, True)])
     codes, errs = [], []
     for p in procs:
@@ -337,7 +337,7 @@ def _cache_files(out: Path, token_cache: Path) -> dict[str, Path]:
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
 def test_every_cache_damaged_in_turn_heals_and_the_record_keeps_every_field(healing_study, damage, caplog):
-    """Issue 26 wrong case 2 (the R1 file damaged while the weight cache is intact) and the other caches:
+    """The R1 file damaged while the weight cache is intact (0.1.0 did not heal it) and the other caches:
     each is damaged in turn, the rerun (--no-resume) rewrites it, and the record is the same field by field."""
     argv, out, token_cache, good = healing_study
     files = _cache_files(out, token_cache)
@@ -418,7 +418,7 @@ def _tiny_gguf(path: Path, hidden: int = 64, heads: int = 4) -> Path:
 
 
 def test_gguf_cut_inside_its_tensor_data_is_named_before_and_at_load(tmp_path):
-    """Issue 26: a GGUF cut inside its tensor data was reported as "cannot read the tokenizer"."""
+    """In 0.1.0 a GGUF cut inside its tensor data was reported as "cannot read the tokenizer"."""
     good = _tiny_gguf(tmp_path / "m.gguf")
     check_checkpoint(str(good))  # intact: no error
     cut = tmp_path / "cut.gguf"
@@ -599,7 +599,7 @@ def test_two_cli_runs_of_different_studies_started_together(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("oom", [torch.OutOfMemoryError, MemoryError])
 def test_out_of_memory_in_a_stage_is_recorded_with_its_name_and_the_other_cells_go_on(tmp_path, monkeypatch, oom):
-    """Issue 21: an OOM in the middle of a stage (here RTN, first call only) makes that cell's record name the
+    """An OOM in the middle of a stage (here RTN, first call only) makes that cell's record name the
     stage; the study's other cells complete, and a rerun computes only the failed cell."""
     from rope_quant.experiment.stages import StageName
     from rope_quant.quant import rtn

@@ -1,4 +1,4 @@
-"""Issue 24: the fitted R3 transforms (pairwise_scaled, prerope_channel_scale, learned_orthogonal), their fits on
+"""Foldable R3: the fitted R3 transforms (pairwise_scaled, prerope_channel_scale, learned_orthogonal), their fits on
 the K sample, and folding a commuting R3 into W_Q / W_K (bit-close to the online R3)."""
 
 from __future__ import annotations

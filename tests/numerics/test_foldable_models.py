@@ -1,4 +1,4 @@
-"""Issue 24 on the embedded models: folding a commuting R3 into the weights equals applying it online.
+"""Foldable R3 on the embedded models: folding a commuting R3 into the weights equals applying it online.
 
 SmolLM2-135M (Llama, no q/k norm; with R1/R2/R4 applied first: R1 is allowed there): pairwise_scaled folds
 into W_Q/W_K. Gemma 3 270M (q_norm/k_norm before RoPE; R1 refused by its sandwich norms, so KV-only):

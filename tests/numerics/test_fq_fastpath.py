@@ -98,7 +98,7 @@ def ref_fake_quant(x: torch.Tensor, bits: int, group: int = -1, clip: float = 1.
 
 def _ref_saturate(out: torch.Tensor, x: torch.Tensor, gs: int, bits: int, clip: float,
                   symmetric: bool) -> torch.Tensor:
-    """Issue 26's overflow rule: a group whose finite inputs came out ±inf is the float64 result, saturated
+    """The 0.2.0 overflow rule: a group whose finite inputs came out ±inf is the float64 result, saturated
     at the dtype's largest finite value (float64 itself never overflows here)."""
     shape = (*x.shape[:-1], x.shape[-1] // gs, gs)
     bad = (torch.isinf(out) & torch.isfinite(x)).reshape(shape).any(dim=-1, keepdim=True)

@@ -237,7 +237,7 @@ def test_model_gptq_in_float64_runs_in_float64_and_agrees_with_float32(objective
 
 @pytest.mark.parametrize("group_size", [-1, 8])
 def test_rtn_in_row_blocks_gives_the_whole_matrix_bits(monkeypatch, group_size):
-    """Issue 21 (host RSS): quantize_model_rtn works RTN_BLOCK_ROWS rows at a time; every RTN quantity is per
+    """Host RSS at paper scale: quantize_model_rtn works RTN_BLOCK_ROWS rows at a time; every RTN quantity is per
     row, so the weight, codes and scales equal one _rtn over the whole matrix, bit for bit, including a row
     near float16's maximum (the symmetric-grid path) and a non-finite entry, in a block of its own."""
     torch.manual_seed(3)

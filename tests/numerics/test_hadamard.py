@@ -212,7 +212,7 @@ def test_random_hadamard_orthogonal_and_seeded(n: int) -> None:
 
 @pytest.mark.parametrize("n", [64, 576])
 def test_random_hadamard_magnitudes_change_with_the_seed(n: int) -> None:
-    """Issue 11 §1: with diag(s)·H the signs act before the mixing, so |x·R| depends on the seed (with
+    """QuaRot's diag(s)·H (since 2bbd27c): the signs act before the mixing, so |x·R| depends on the seed (with
     H·diag(s) it would not: only output signs flip, and the quantisers would never see rotation randomness)."""
     x = torch.linspace(-1.0, 2.0, n, dtype=torch.float64) ** 3  # unequal entries
     r0, r1 = random_hadamard(n, 0, torch.float64), random_hadamard(n, 1, torch.float64)

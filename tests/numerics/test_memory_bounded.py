@@ -1,4 +1,4 @@
-"""Issue 21, the memory-bounded pipeline: the dtype default, no model copy per cell, the plan checked first."""
+"""The memory-bounded pipeline: the dtype default, no model copy per cell, the plan checked first."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def test_the_cli_announces_the_auto_offload(monkeypatch, capsys):
 
 
 def test_a_slurm_submission_from_a_machine_without_a_gpu_plans_against_the_named_gpu(monkeypatch, capsys):
-    """Issue 21 item 5 (Slurm): `--device cuda --slurm N` from a login node passes the device check; with
+    """Slurm: `--device cuda --slurm N` from a login node passes the device check; with
     ROPE_QUANT_GPU_MEMORY_GIB set the plan is checked against that GPU (exit 2 with the remedy when it does not
     fit), without it the submission says the plan was not checked. A run *here* still needs CUDA."""
     import argparse

@@ -84,12 +84,53 @@ def test_seed_ranges_are_accepted(pytester: pytest.Pytester) -> None:
     pytester.runpytest("--rq-seeds=0-2,5").assert_outcomes(passed=1)
 
 
+def test_until_decided_options(pytester: pytest.Pytester) -> None:
+    """``--rq-until-decided`` with ``--rq-max-seeds`` (default 40) and ``--rq-time-budget``, parsed into rq_options;
+    usage errors (touching nothing) for an M below the seeds given, a time budget of 0 or below, and
+    ``--rq-replicates`` 0, 1 or fewer than the seeds with ``--rq-until-decided`` (the rule cannot decide)."""
+    pytester.makepyfile(test_rqplugin_x=(
+        "def test_x(rq_options):\n"
+        "    assert (rq_options.until_decided, rq_options.max_seeds, rq_options.time_budget) == (True, 12, 90.0)\n"))
+    pytester.runpytest("--rq-until-decided", "--rq-max-seeds=12", "--rq-time-budget=90").assert_outcomes(passed=1)
+    pytester.makepyfile(test_rqplugin_x=(
+        "def test_x(rq_options):\n    assert not rq_options.until_decided and rq_options.max_seeds == 40\n"))
+    pytester.runpytest().assert_outcomes(passed=1)
+    bad = [
+        (["--rq-until-decided", "--rq-max-seeds=2"], "*--rq-max-seeds 2 is below the 3 seeds given*"),
+        (["--rq-until-decided", "--rq-seeds=0-5", "--rq-max-seeds=4"], "*--rq-max-seeds 4 is below the 6 seeds*"),
+        (["--rq-max-seeds=x"], "*--rq-max-seeds: expected a whole number >= 2*"),
+        (["--rq-until-decided", "--rq-time-budget=0"], "*--rq-time-budget 0: must be a positive number*"),
+        (["--rq-time-budget=-3"], "*--rq-time-budget -3: must be a positive number*"),
+        (["--rq-until-decided", "--rq-replicates=0"], "*--rq-replicates 0: *the rule cannot decide*"),
+        (["--rq-until-decided", "--rq-replicates=1"], "*--rq-replicates 1: *the rule cannot decide*"),
+        (["--rq-until-decided", "--rq-replicates=2"], "*--rq-replicates 2: the sequential rule replicates every*"),
+    ]
+    for flags, line in bad:
+        result = pytester.runpytest(*flags)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, flags
+        result.stderr.fnmatch_lines([line])
+    assert not list(pytester.path.glob("**/claims.json"))
+
+
+def test_a_stopped_claim_shows_its_reason_in_the_budget_column() -> None:
+    """The sequential rule's stop at M is the claims table's last column and the JSON's ``stop``."""
+    from rope_quant.core import sequential
+    from rope_quant.core.verdict import Form
+    from rope_quant.pytest_plugin import _decision, budget
+
+    v = sequential.decide(Form.NON_SUPERIOR, [0.2, -0.9, 1.1, 0.3], [0.1, -0.1, 0.0, 0.2], sequential.Plan(3, 4),
+                          margin=0.154)
+    claim = {"decision": _decision(v), "outcome": "passed", "holds": None}
+    assert v.stop and budget(claim) == v.stop and claim["decision"]["stop"] == v.stop
+    assert "open at the last look (4 seeds)" in budget(claim)
+
+
 def test_plugin_module_imports_nothing_heavy() -> None:
     import subprocess
     import sys
 
     heavy = "('torch', 'transformers', 'numpy', 'scipy', 'sympy')"
-    code = (f"import sys, rope_quant.pytest_plugin, rope_quant.core.verdict; "
+    code = (f"import sys, rope_quant.pytest_plugin, rope_quant.core.verdict, rope_quant.core.sequential; "
             f"print(sorted(m for m in {heavy} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

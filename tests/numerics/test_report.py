@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rope_quant.analysis import report
+from rope_quant.core.verdict import equivalence_margin
 from rope_quant.sweep.manifest import build_manifest
 from rope_quant.sweep.runner import run_cells
 from tests._support import FakeConfig
@@ -77,12 +78,15 @@ def test_summary_shape_and_numbers(tmp_path: Path) -> None:
         if MEAN[name] != 0:
             t = MEAN[name] / (SD[name] / math.sqrt(3))
             assert block["p"] == pytest.approx(p_two_sided_df2(t), rel=1e-7)
-    # pairwise: CI [0.0314, 0.3686]; near: [-0.0169, 0.0169]; close: [0.0231, 0.0569]
+    # pairwise: CI [0.0314, 0.3686]; near: [-0.0169, 0.0169]; close: [0.0231, 0.0569]. One margin, the claims'
+    # (equivalence_margin of hadamard's mean ppl 10.5: 0.05 · 10.5 / 8.33 = 0.063), which both use; the fixed
+    # 0.02 / 0.05 / 0.10 columns are gone on purpose (close was "no" at ±0.05 and "yes" at ±0.10).
     eq = summary["equivalence"]
-    assert eq["pairwise_only"] == {"0.02": False, "0.05": False, "0.10": False}
-    assert eq["near"] == {"0.02": True, "0.05": True, "0.10": True}
-    assert eq["close"] == {"0.02": False, "0.05": False, "0.10": True}
-    assert eq["identity"] == {"0.02": False, "0.05": False, "0.10": False}
+    margin = equivalence_margin(10.5)
+    assert margin.value == pytest.approx(0.063) and "scaled by the ppl ratio" in margin.basis
+    assert summary["margin_rule"] == report.MARGIN_RULE and "equivalence_margin" in summary["margin_rule"]
+    for name, expected in {"pairwise_only": False, "near": True, "close": True, "identity": False}.items():
+        assert eq[name] == {"margin": pytest.approx(margin.value), "basis": margin.basis, "equivalent": expected}
     assert summary["status"]["complete"] == 15 and summary["status"]["total"] == 15
 
 
@@ -138,8 +142,9 @@ def test_tables_written_as_csv_and_markdown(tmp_path: Path) -> None:
     assert float(rows["identity"]["k_rel_err"]) == pytest.approx(0.02)
     with open(out / "tables" / "corrected-star.csv") as handle:
         star = {r["config"]: r for r in csv.DictReader(handle)}
-    assert list(star["near"])[-3:] == ["tost_0.02", "tost_0.05", "tost_0.10"]
-    assert star["close"]["tost_0.10"] == "True" and star["close"]["tost_0.05"] == "False"
+    assert list(star["near"])[-2:] == ["tost_margin", "tost"]
+    assert star["close"]["tost"] == "True" and float(star["close"]["tost_margin"]) == pytest.approx(0.063)
+    assert star["pairwise_only"]["tost"] == "False"
     summary = result["summary"]
     holm_identity = summary["holm"]["results"]["identity"]["p_holm"]
     assert float(star["identity"]["p_holm"]) == pytest.approx(holm_identity)
@@ -147,9 +152,10 @@ def test_tables_written_as_csv_and_markdown(tmp_path: Path) -> None:
     assert md == result["markdown"]
     assert "| config | seed 0 | seed 1 | seed 2 | mean ± sd |" in md
     assert "+0.200 [+0.031, +0.369]" in md  # pairwise Δ with its 90% CI
-    assert "≡ ±0.10" in md
-    near_line = next(line for line in md.splitlines() if line.startswith("| near |") and "yes" in line)
-    assert near_line.count("yes") == 3
+    assert "≡ (margin)" in md and "at the claims' equivalence margin" in md
+    assert "against hadamard: ±0.05 PPL scaled by the ppl ratio 10.50/8.33 = ±0.063" in md  # the margin used
+    near_line = next(line for line in md.splitlines() if line.startswith("| near |") and "±0.063" in line)
+    assert "yes (±0.063)" in near_line
 
 
 def test_missing_seed_and_single_seed(tmp_path: Path) -> None:
@@ -176,7 +182,7 @@ def test_missing_seed_and_single_seed(tmp_path: Path) -> None:
     block = summary["paired"]["identity"]
     assert block["n"] == 1 and block["mean"] == pytest.approx(1.2)
     assert block["sd"] is None and block["low"] is None and block["p"] is None
-    assert summary["equivalence"]["identity"] == {"0.02": False, "0.05": False, "0.10": False}
+    assert summary["equivalence"]["identity"]["equivalent"] is False  # one seed: no equivalence claimed
     assert summary["holm"]["family"] == [] and summary["holm"]["untested"] == ["identity"]
     assert "+1.200 (n=1)" in report.write_report(one, figures=False)["markdown"]
 

@@ -87,7 +87,7 @@ def test_fast_hadamard_folds_equal_the_dense_product(monkeypatch):
 
 
 def test_fold_blocks_are_bounded_in_bytes_and_give_the_unblocked_bits(monkeypatch):
-    """Issue 21 (host RSS): a float64 fold block holds at most _FUSE_BLOCK_BYTES at paper widths, the embedded
+    """Host RSS at paper scale: a float64 fold block holds at most _FUSE_BLOCK_BYTES at paper widths, the embedded
     widths keep their 16384-row blocks, and any blocking (uneven last block, rows and columns) gives the bits of
     one unblocked product."""
     steps = {w: next(iter(offline._blocks(10 ** 6, w))).stop for w in (576, 640, 4096, 8192)}
@@ -127,7 +127,7 @@ def test_hadamard_detection_is_not_fooled_by_a_reused_address():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_weights_fold_in_float32_within_one_ulp_of_the_float64_fold(dtype):
-    """Issue 21 (rotate time): 16-bit weights are folded in float32 (offline.fold_dtype), float32 and float64
+    """Rotate time at paper scale: 16-bit weights are folded in float32 (offline.fold_dtype), float32 and float64
     weights in float64 as before. Against the float64 fold cast to the same dtype, a float32 fold of a 16-bit
     weight differs by at most one ulp of the storage dtype plus float32's own accumulation bound (which matters
     only for a product that cancels to near zero), in a small share of the entries."""

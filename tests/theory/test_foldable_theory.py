@@ -1,4 +1,4 @@
-"""Issue 24 in theory: the foldable R3 maps commute with RoPE where they claim to, and keep q·k.
+"""Foldable R3 in theory: the foldable R3 maps commute with RoPE where they claim to, and keep q·k.
 
 Symbolic (sympy) on one RoPE pair and on a two-pair head, then hypothesis on the registry's dense matrices
 (``matrix`` = M_k, ``query_matrix`` = M_q) at random angles, scales, frequencies and positions.

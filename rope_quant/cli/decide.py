@@ -1,0 +1,60 @@
+"""``rope-quant decide DIR``: add seeds to a results directory until each claim is decided (the sequential rule).
+
+The loop is :func:`rope_quant.sweep.decide.decide_directory`; this module parses and checks the flags (bad input
+exits 2 before anything is built) and prints the claims table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rope_quant.cli.args import CLIError
+from rope_quant.cli.execute import Cells
+
+HELP = "add seeds until each claim of a results directory is decided (sequential rule, docs/verdicts.md)"
+
+
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from rope_quant.core.sequential import DEFAULT_MAX_SEEDS
+
+    p = sub.add_parser("decide", help=HELP)
+    p.add_argument("dir", metavar="DIR", help="results directory of a sweep (rope-quant compare ... --out DIR)")
+    p.add_argument("--max-seeds", type=int, default=DEFAULT_MAX_SEEDS, metavar="M",
+                   help=f"the most seeds a claim may use (default {DEFAULT_MAX_SEEDS}); a claim open at M stops "
+                        "with its reason")
+    p.add_argument("--time-budget", type=_seconds, default=None, metavar="SECONDS",
+                   help="stop adding seeds when the next one would pass this wall time")
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help="weight cache (default DIR/cache)")
+    p.add_argument("--progress", action="store_true", help="per-stage progress of each cell")
+    return p
+
+
+def run(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.sweep import decide
+    from rope_quant.sweep.manifest import load_manifest
+
+    out = Path(args.dir)
+    if args.time_budget is not None and not args.time_budget > 0:  # before the manifest is even read
+        raise CLIError(f"--time-budget {args.time_budget:g}: must be a positive number of seconds")
+    if args.max_seeds < 2:
+        raise CLIError(f"--max-seeds {args.max_seeds}: the rule needs at least 2 seeds")
+    manifest = load_manifest(out)
+    try:
+        decide.check_inputs(manifest, args.max_seeds, args.time_budget, decide.replicate_config)
+    except decide.DecideError as exc:
+        raise CLIError(str(exc)) from None
+    cell_fn = cells.function(args, out)
+    result = decide.decide_directory(out, manifest, max_seeds=args.max_seeds, time_budget=args.time_budget,
+                                     cell_fn=cell_fn, cache_dir=args.cache_dir)
+    print(decide.table(result, decide.claims_of(manifest)))
+    print(f"decide: {result.stopped}; decisions in {out / decide.DECISIONS_FILE}")
+    return 0

@@ -1,0 +1,322 @@
+"""The sequential rule: the claims' rule read after every added seed, valid under repeated looks (docs/verdicts.md).
+
+The fixed-n rule (:mod:`rope_quant.core.verdict`) decides on the union of the primary paired interval ``A`` and
+the float-order replicate interval ``B``, each at 90% (5% per side). Read after every new seed, those intervals
+are wrong far more often than 5%: every look is another chance to clear the boundary by luck. The sequential
+rule keeps the same structure and spends the 5% over the planned looks (a group-sequential Pocock boundary):
+
+* the **plan**: looks at ``n = n0, n0 + 1, …, M`` seeds (``n0`` the seeds given, ``M`` the most the run may
+  use), every seed replicated (``k = n``: ``B`` is the replicate order's own paired t interval, exact);
+* at every look both intervals are the paired t intervals at one per-look level ``α'`` per side;
+* ``α'`` is the **Pocock level for the t statistic**: the largest ``α'`` with
+  ``P(some look n in n0…M has t_n > t_{1−α'}(n − 1)) ≤ α`` when the effect lies on the boundary. For normal
+  per-seed differences the sequence ``t_n0 … t_M`` of one float order is pivotal: its law does not depend on
+  the mean or the variance. So ``α'`` is computed once per ``(n0, M)`` from standard normal paths
+  (:func:`per_look_alpha`, 50 000 paths from a fixed seed, the α-quantile of each path's smallest one-sided p
+  taken at its 99% lower confidence bound), and it holds for every variance. It is never below the Bonferroni
+  split ``α / L`` (``L = M − n0 + 1``), which is valid by the union bound alone;
+* **validity**: the union of ``A`` and ``B`` reads a wrong "holds" (or "refuted") only if the interval of the
+  float order whose effect lies on the boundary clears it at some look, which has probability ≤ α per side,
+  summed over every look up to ``M``. Looking less often (a batch of seeds at a time) only removes looks;
+* a claim still open at ``M`` stops with its reason (:func:`stop_reason`): the distance of its effect from
+  the boundary and the seeds the fixed-n rule would need to resolve it ("not resolvable at this margin" when
+  that is far beyond ``M``), or why no number of seeds decides it.
+
+:func:`simulate` is the rule vectorised over runs and looks (numpy), for the proof by simulation
+(``tests/theory/test_sequential.py``) and for :func:`expected_seeds`, the expected seeds to a decision. Standard
+library only at import time; numpy/scipy when a number is computed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rope_quant.core.verdict import (
+    Form,
+    Outcome,
+    Verdict,
+    _bounds,
+    decide_replicated,
+)
+
+ALPHA = 0.05
+"""The error per side, spent over every look of the plan."""
+DEFAULT_MAX_SEEDS = 40
+"""``--max-seeds`` / ``--rq-max-seeds`` when not given."""
+RULE_SEQUENTIAL = "union of the primary and the float-order replicate intervals, alpha spent over the looks"
+"""The rule name a sequential verdict carries (claims JSON ``rule``)."""
+UNRESOLVABLE_FACTOR = 10
+"""A claim open at M whose fixed-n budget at the stop exceeds this many times M reads "not resolvable"."""
+
+
+class PlanError(ValueError):
+    """A sequential plan that cannot be run (its message names the bound and the remedy)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Looks at ``first`` (n0) … ``max_seeds`` (M) seeds; ``alpha`` per side spent equally over them."""
+
+    first: int
+    max_seeds: int = DEFAULT_MAX_SEEDS
+    alpha: float = ALPHA
+
+    def __post_init__(self) -> None:
+        if self.first < 2:
+            raise PlanError(f"the sequential rule needs at least 2 seeds at its first look, got {self.first}")
+        if self.max_seeds < self.first:
+            raise PlanError(f"max seeds {self.max_seeds} is below the {self.first} seeds given: raise it to at "
+                            f"least {self.first}")
+        if not 0.0 < self.alpha < 0.5:
+            raise PlanError(f"alpha must lie in (0, 0.5), got {self.alpha}")
+
+    @property
+    def looks(self) -> int:
+        """L = M − n0 + 1 planned looks."""
+        return self.max_seeds - self.first + 1
+
+    @property
+    def alpha_look(self) -> float:
+        """α' per side at every look (:func:`per_look_alpha`)."""
+        return per_look_alpha(self.first, self.max_seeds, self.alpha)
+
+    def describe(self) -> str:
+        return (f"sequential: looks at {self.first}…{self.max_seeds} seeds, every seed replicated, "
+                f"α {self.alpha:g} per side over all looks ({self.alpha_look:.3g} per look)")
+
+
+CALIBRATION_PATHS = 50_000
+"""Standard normal paths behind :func:`per_look_alpha`."""
+_CALIBRATION_SEED = 20261128
+
+
+@functools.lru_cache(maxsize=32)
+def per_look_alpha(first: int, max_seeds: int, alpha: float = ALPHA) -> float:
+    """The Pocock per-look level α' of the one-sided paired t test for looks at ``first … max_seeds`` seeds:
+    the α-quantile of ``min_n p_n`` (``p_n`` the one-sided t p-value at ``n`` seeds) over standard normal paths
+    (the t sequence is pivotal), at its 99% lower confidence bound (so the spent error exceeds α only with the
+    calibration's 1% chance); never below the Bonferroni split ``α / L``."""
+    import numpy as np
+    from scipy import special
+
+    if max_seeds == first:
+        return alpha
+    z = np.random.default_rng(_CALIBRATION_SEED).standard_normal((CALIBRATION_PATHS, max_seeds))
+    ns = np.arange(first, max_seeds + 1)
+    s1, s2 = np.cumsum(z, 1)[:, first - 1:], np.cumsum(z * z, 1)[:, first - 1:]
+    mean = s1 / ns
+    var = np.maximum(s2 - s1 * mean, 1e-300) / (ns - 1)
+    smallest = special.stdtr(ns - 1, -mean / np.sqrt(var / ns)).min(1)
+    r = CALIBRATION_PATHS
+    k = max(0, int(math.floor(alpha * r - 2.326 * math.sqrt(r * alpha * (1 - alpha)))))
+    return float(max(alpha / (max_seeds - first + 1), np.partition(smallest, k)[k]))
+
+
+def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | None, plan: Plan, *,
+           margin: float = 0.0, tokens: int | None = None) -> Verdict:
+    """The sequential rule at one look: ``diffs`` the per-seed paired differences so far (``n`` of them,
+    ``plan.first ≤ n ≤ plan.max_seeds``), ``shifts`` the replicate shift of every one of them. Decided: the
+    verdict at the per-look level. Open below M: inconclusive, "open at look j of L". Open at M: the stop
+    (:func:`stop_reason`) in ``Verdict.stop``."""
+    n = len(diffs)
+    if not plan.first <= n <= plan.max_seeds:
+        raise PlanError(f"{n} seeds lie outside the plan's looks {plan.first}…{plan.max_seeds}")
+    look = n - plan.first + 1
+    if isinstance(shifts, str) or shifts is None or len(shifts) != n:
+        why = (shifts if isinstance(shifts, str) else
+               "no numerical replicate" if shifts is None else f"{len(shifts)} of {n} seeds replicated")
+        v = decide_replicated(form, diffs, shifts if isinstance(shifts, str) or shifts is None else list(shifts),
+                              margin=margin, tokens=tokens, with_budget=False)
+        return replace(v, outcome=Outcome.INCONCLUSIVE, budget=None, rule=RULE_SEQUENTIAL,
+                       note=f"the sequential rule needs every seed replicated ({why})")
+    v = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens, alpha=plan.alpha_look,
+                          with_budget=False)
+    v = replace(v, rule=RULE_SEQUENTIAL)
+    where = f"look {look} of {plan.looks} ({n} seeds), {plan.alpha_look:.3g} per side per look"
+    if v.decided:
+        return replace(v, note=where)
+    if n < plan.max_seeds:
+        return replace(v, note=f"open at {where}")
+    fixed = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens)
+    return replace(v, stop=stop_reason(form, margin, v, fixed, plan))
+
+
+def paired_claim(form: Form, treatment: Sequence[float], control: Sequence[float], plan: Plan, *,
+                 replicates: Mapping[int, tuple[float, float]] | str | None, margin: float = 0.0,
+                 tokens: int | None = None) -> Verdict:
+    """:func:`rope_quant.core.verdict.paired_claim` under the sequential rule (``replicates``: seed index →
+    (treatment, control) in the other float order, every seed's)."""
+    if len(treatment) != len(control):
+        raise ValueError(f"treatment has {len(treatment)} values but control has {len(control)}")
+    diffs = [float(t) - float(c) for t, c in zip(treatment, control, strict=True)]
+    if isinstance(replicates, str) or replicates is None:
+        return decide(form, diffs, replicates, plan, margin=margin, tokens=tokens)
+    shifts = [float(t) - float(c) - diffs[i] for i, (t, c) in sorted(replicates.items())]
+    return decide(form, diffs, shifts, plan, margin=margin, tokens=tokens)
+
+
+def distance(form: Form, margin: float, mean: float) -> float:
+    """How far ``mean`` lies from the claim's boundary (for an equivalence, from the nearer of ±margin)."""
+    side, b = _bounds(form, margin)
+    return abs(abs(mean) - b) if side == "equivalent" else abs(mean - b)
+
+
+def stop_reason(form: Form, margin: float, v: Verdict, fixed: Verdict, plan: Plan) -> str:
+    """Why a claim open at the last look (``M`` seeds) stays open: the distance of the nearer float order's mean
+    from the boundary and what the fixed-n rule's budget at the stop says (``fixed``: the fixed-n verdict on the
+    same data)."""
+    side, b = _bounds(form, margin)
+    bound = f"±{b:.4g}" if side == "equivalent" else f"{b:+.4g}"
+    means = [m for m in (v.mean, None if v.float_order is None or v.float_order.bias is None or v.mean is None
+                         else v.mean + v.float_order.bias) if m is not None]
+    if not means:
+        return f"open at the last look ({plan.max_seeds} seeds): {v.note or 'no interval'}"
+    x = min(distance(form, margin, m) for m in means)
+    head = f"open at the last look ({plan.max_seeds} seeds): the effect sits within {x:.3g} of its boundary {bound}"
+    budget = fixed.budget
+    if fixed.decided:
+        return (f"{head}; the fixed-n 90% rule would read {fixed.outcome.value} here, which is not valid after "
+                "repeated looks")
+    if budget is None or budget.seeds is None:
+        why = budget.reason if budget is not None and budget.reason else fixed.note or "no budget decides"
+        return f"{head}: not resolvable ({why})"
+    if budget.seeds > UNRESOLVABLE_FACTOR * plan.max_seeds:
+        return (f"{head}: not resolvable at this margin (the fixed-n rule would need {budget.seeds} seeds, "
+                f"more than {UNRESOLVABLE_FACTOR}× the {plan.max_seeds} allowed)")
+    return (f"{head}: undecided within {plan.max_seeds} seeds (the fixed-n budget at the stop reads "
+            f"{budget.seeds} seeds)")
+
+
+# ----------------------------------------------------------------------------- the rule vectorised
+
+
+def simulate(form: Form, margin: float, primary: Any, replicate: Any, first: int, alpha_look: float) -> dict[str, Any]:
+    """The rule at every look ``n = first … M`` over runs (rows), vectorised: ``primary`` (runs × M) the per-seed
+    paired differences, ``replicate`` (runs × M) the same seeds in the other float order (every seed
+    replicated). Returns boolean arrays (runs × looks) ``holds`` / ``refuted`` at each look and, per run, the
+    ``first`` decision (``"holds"`` / ``"refuted"`` / ``""``) as two masks and ``seeds`` (the seeds at the
+    first decision, ``M`` when none)."""
+    import numpy as np
+    from scipy import stats as st
+
+    from rope_quant.core.power import masks
+
+    p, q = np.asarray(primary, dtype=np.float64), np.asarray(replicate, dtype=np.float64)
+    runs, m = p.shape
+    ns = np.arange(first, m + 1)
+    t = st.t.ppf(1.0 - alpha_look, ns - 1)
+
+    def bounds(x: Any) -> tuple[Any, Any]:
+        s1, s2 = np.cumsum(x, 1)[:, first - 1:], np.cumsum(x * x, 1)[:, first - 1:]
+        mean = s1 / ns
+        var = np.maximum(s2 - s1 * mean, 0.0) / (ns - 1)
+        half = t * np.sqrt(var / ns)
+        return mean - half, mean + half
+
+    la, ha = bounds(p)
+    lb, hb = bounds(q)
+    side, b = _bounds(form, margin)
+    holds, refuted = masks(side, b, np.minimum(la, lb), np.maximum(ha, hb))
+    decided = holds | refuted
+    any_ = decided.any(1)
+    idx = np.where(any_, decided.argmax(1), len(ns) - 1)
+    rows = np.arange(runs)
+    return {"holds": holds, "refuted": refuted, "first_holds": any_ & holds[rows, idx],
+            "first_refuted": any_ & refuted[rows, idx], "seeds": np.where(any_, ns[idx], m)}
+
+
+def draw(theta: float, beta: float, su: float, se: float, runs: int, m: int, seed: int) -> tuple[Any, Any]:
+    """Synthetic paired data of the model behind the rule: per seed ``θ_i = θ + u_i + e_i`` and, in the other
+    float order, ``θ + β + u_i + e'_i`` (seed noise σ_u, float-order noise σ_e, bias β)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    u = rng.normal(0.0, su, (runs, m))
+    return theta + u + rng.normal(0.0, se, (runs, m)), theta + beta + u + rng.normal(0.0, se, (runs, m))
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The sequential rule's seeds to a decision at given true values: the mean (a run open at M counts M),
+    the fraction decided by M, and the fraction decided towards each side."""
+
+    seeds: float
+    decided: float
+    holds: float
+    refuted: float
+
+
+def expected_seeds(form: Form, margin: float, theta: float, beta: float, su: float, se: float, plan: Plan,
+                   runs: int = 4000, seed: int = 20261128) -> Expected:
+    """:class:`Expected` by simulation of ``runs`` runs of the plan at the true values."""
+    p, q = draw(theta, beta, su, se, runs, plan.max_seeds, seed)
+    out = simulate(form, margin, p, q, plan.first, plan.alpha_look)
+    return Expected(float(out["seeds"].mean()), float((out["first_holds"] | out["first_refuted"]).mean()),
+                    float(out["first_holds"].mean()), float(out["first_refuted"].mean()))
+
+
+# ----------------------------------------------------------------------------- adding seeds until decided
+
+
+@dataclass(frozen=True)
+class Looked:
+    """What :func:`until_decided` did: the last evaluation, the seeds it used, why it stopped, the progress."""
+
+    result: Any
+    seeds: tuple[int, ...]
+    stopped: str
+    lines: tuple[str, ...]
+
+
+def open_at(v: Verdict, n: int, plan: Plan) -> bool:
+    """Still open: inconclusive below the last look (a claim of parts is open while any part is)."""
+    return v.outcome is Outcome.INCONCLUSIVE and n < plan.max_seeds
+
+
+def until_decided(evaluate: Any, verdict_of: Any, seeds: Sequence[int], plan: Plan, *,
+                  time_budget: float | None = None, started: float | None = None, clock: Any = None,
+                  log: Any = None, name: str = "claim") -> Looked:
+    """``evaluate(seeds)`` at the seeds given, then, while ``verdict_of(result)`` is open (:func:`open_at`), at one
+    more seed (the next integer after the largest) until the claim is decided, reaches ``plan.max_seeds``, or the
+    next seed would pass ``time_budget`` seconds since ``started`` (default now; ``clock`` default
+    ``time.perf_counter``). ``evaluate`` builds and memoises its own cells (every seed replicated), so only the
+    new seed's cells are computed at each look. ``log(line)``: the progress (seeds so far, the measured seconds
+    per seed, an ETA to M)."""
+    import time
+
+    now = clock or time.perf_counter
+    t_start = now() if started is None else started
+    current = tuple(int(s) for s in seeds)
+    t0 = now()
+    result = evaluate(current)
+    lines: list[str] = []
+    per_seed: float | None = None
+    added = 0
+    spent = 0.0
+    while True:
+        v = verdict_of(result)
+        if not open_at(v, len(current), plan):
+            stopped = ("decided" if v.decided else f"open at the last look ({plan.max_seeds} seeds)")
+            break
+        if per_seed is not None and time_budget is not None and now() - t_start + per_seed > time_budget:
+            stopped = f"time budget {time_budget:g} s: the next seed would pass it (open at {len(current)} seeds)"
+            break
+        if time_budget is not None and now() - t_start > time_budget:
+            stopped = f"time budget {time_budget:g} s spent (open at {len(current)} seeds)"
+            break
+        current = (*current, max(current) + 1)
+        t0 = now()
+        result = evaluate(current)
+        spent += now() - t0
+        added += 1
+        per_seed = spent / added
+        line = (f"{name}: open, seeds so far {len(current)} of {plan.max_seeds}; {per_seed:.1f} s per seed "
+                f"measured; ETA ≤ {per_seed * (plan.max_seeds - len(current)) / 60:.1f} min")
+        lines.append(line)
+        if log is not None:
+            log(line)
+    return Looked(result, current, stopped, tuple(lines))

@@ -1,0 +1,87 @@
+"""The e2e claims' ``--rq-until-decided`` wiring (tests/e2e/conftest.py ``Experiment.decided``), on fake cells.
+
+The e2e conftest's :class:`Experiment` and test_claims.py's C2 evaluation are imported from their files; only
+``pipeline.run_cell`` is replaced by a function that reads the seed, the R3 and GPTQ's float mode from the config,
+so the path a claim takes (memoised cells, replicates of every seed, seeds added only while open, the sequential
+rule) runs here in seconds. The embedded model itself is exercised by ``pytest -m e2e --rq-until-decided``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rope_quant.core.sequential import RULE_SEQUENTIAL, Plan
+from rope_quant.core.verdict import RULE_REPLICATES, Outcome
+
+E2E = Path(__file__).resolve().parents[1] / "e2e"
+
+
+def _load(name: str, path: Path, monkeypatch):
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses resolve their module; removed after the test
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def wiring(monkeypatch, tmp_path):
+    conftest = _load("rq_e2e_conftest_wiring", E2E / "conftest.py", monkeypatch)
+    claims = _load("rq_e2e_claims_wiring", E2E / "test_claims.py", monkeypatch)
+    built: list[tuple[int, str, bool, str]] = []
+
+    def fake_run_cell(cfg, cache_dir=None, base=None, **_):
+        flat = cfg.flat()
+        built.append((flat["seed"], flat["r3"], flat["gptq"].float64, flat["estimator"]))
+        shared = np.random.default_rng(flat["seed"]).normal(0, 1.0)  # the seed's weights and windows
+        noise = np.random.default_rng([flat["seed"], int(flat["gptq"].float64), len(flat["r3"])]).normal(0, 0.03)
+        step = {"hadamard": 0.0, "pairwise_plus_hadamard": 0.0, "pairwise_only": 3.0}[flat["r3"]]
+        step -= 0.4 if flat["estimator"] == "k_only" else 0.0
+        return {"ppl": 22.0 + shared + step + noise, "n_tokens": 6144}
+
+    monkeypatch.setattr("rope_quant.experiment.pipeline.run_cell", fake_run_cell)
+
+    def experiment(plan):
+        budget = conftest.E2EBudget(seeds=(0, 1, 2), replicates=3)
+        return conftest.Experiment(None, str(tmp_path), budget, "pydoc", plan=plan)
+
+    return experiment, claims, built
+
+
+def test_c2_until_decided_adds_replicated_seeds_only_while_open(wiring) -> None:
+    """With a plan, C2 (equivalence within ±0.132 PPL, per-seed noise 0.03 around an effect of 0) is decided by
+    the sequential rule after seeds were added; every cell (seed, R3, float mode) is built once, and every added
+    seed carries its float-order replicate of both configs in the equivalence."""
+    experiment, claims, built = wiring
+    (verdict, equiv, margin, x), at = experiment(Plan(3, 10)).decided(claims._c2, "C2")
+    assert equiv.rule == RULE_SEQUENTIAL and equiv.outcome is Outcome.HOLDS, equiv.text()
+    n = len(at.budget.seeds)
+    assert 3 < n <= 10 and at.budget.replicates == n and equiv.n == n, (n, equiv.text())
+    assert len(set(built)) == len(built), "a cell was computed twice"
+    for seed in range(n):
+        for r3 in ("hadamard", "pairwise_plus_hadamard"):
+            assert {f for s, r, f, _ in built if (s, r) == (seed, r3)} == {True, False}
+    assert max(s for s, *_ in built) == n - 1  # no seed past the decision
+
+
+def test_without_the_mode_the_fixed_rule_reads_the_requested_seeds(wiring) -> None:
+    experiment, claims, built = wiring
+    (verdict, equiv, margin, x), at = experiment(None).decided(claims._c2, "C2")
+    assert equiv.rule == RULE_REPLICATES and at.budget.seeds == (0, 1, 2) and equiv.n == 3
+    assert max(s for s, *_ in built) == 2
+
+
+def test_c3_until_decided_only_builds_its_own_cells(wiring) -> None:
+    """C3 (k_only 0.4 PPL below rows, noise 0.03 per cell): decided by the sequential rule; the cells built are
+    C3's own (pairwise_only under both estimators, both float orders), none of C2's."""
+    experiment, claims, built = wiring
+    (verdict, k_only, rows), at = experiment(Plan(3, 10)).decided(claims._c3, "C3")
+    assert verdict.rule == RULE_SEQUENTIAL and verdict.outcome is Outcome.HOLDS, verdict.text()
+    assert {r3 for _, r3, _, _ in built} == {"pairwise_only"}
+    assert len(set(built)) == len(built) == 4 * len(at.budget.seeds)  # decided at the first look here
