@@ -12,7 +12,7 @@ need a Hadamard matrix of order n acting on the last dimension of a tensor.
   (:mod:`.hadamard_search`); every multiple of 4 up to 256 is built. Examples: SmolLM2 hidden 576 = 36·16 and
   intermediate 1536 = 12·128, Llama-3.1-8B / Mistral intermediate 14336 = 28·512, Llama-2-7B / Qwen2.5-3B
   intermediate 11008 = 172·64 (it was 5504·2 before K = 172 was built: R4 at 1.2–1.5× the down_proj matmul,
-  now 0.08× at 1 thread; docs/measurements.md). The transform applies H_K as one small matmul on the K axis
+  now 0.075–0.081× at 1 thread; docs/measurements.md). The transform applies H_K as one small matmul on the K axis
   and H_{2^m} by :func:`fwht`; a K above 256 (no smaller K for that odd part) as one GEMM.
 * On CUDA, the ``fast-hadamard-transform`` kernel is used for the power-of-two factor when it is importable.
 
