@@ -7,10 +7,13 @@ need a Hadamard matrix of order n acting on the last dimension of a tensor.
   :func:`fwht`, a pure-torch radix transform: H_n = H_{r_1} ⊗ … ⊗ H_{r_t} with small cached dense factors,
   one batched matmul per factor. Small n use a single dense factor (a dense matmul is the fastest
   CPU kernel there); large n use two or three factors (n·Σr_i flops per row instead of n²).
-* Orders n = K·2^m with K a Paley order use H_K ⊗ H_{2^m}: Paley I (q prime, q ≡ 3 mod 4, order q+1) and
-  Paley II (q prime, q ≡ 1 mod 4, order 2(q+1)), built from quadratic residues mod q. This covers
-  K ∈ {12, 20, 28, 36, 44, 60, ...}: SmolLM2 hidden 576 = 36·16 and intermediate 1536 = 12·128, and
-  Llama-3.1-8B / Mistral intermediate 14336 = 28·512.
+* Orders n = K·2^m use H_K ⊗ H_{2^m} with the smallest constructible K (:mod:`.hadamard_orders`): Paley I/II
+  over GF(q) for prime powers q, and Goethals–Seidel matrices whose sequences a deterministic search finds
+  (:mod:`.hadamard_search`); every multiple of 4 up to 256 is built. Examples: SmolLM2 hidden 576 = 36·16 and
+  intermediate 1536 = 12·128, Llama-3.1-8B / Mistral intermediate 14336 = 28·512, Llama-2-7B / Qwen2.5-3B
+  intermediate 11008 = 172·64 (it was 5504·2 before K = 172 was built: R4 at 1.2–1.5× the down_proj matmul,
+  now 0.075–0.081× at 1 thread; docs/measurements.md). The transform applies H_K as one small matmul on the K axis
+  and H_{2^m} by :func:`fwht`; a K above 256 (no smaller K for that odd part) as one GEMM.
 * On CUDA, the ``fast-hadamard-transform`` kernel is used for the power-of-two factor when it is importable.
 
 Every matrix here is the same one whichever kernel applies it, so an offline rotation fused into weights
@@ -24,6 +27,15 @@ import math
 
 import torch
 
+from rope_quant.core.hadamard_orders import (
+    UnsupportedHadamardOrderError,
+    hadamard_order,
+    integer_hadamard,
+    is_supported_order,
+    paley_order,
+    paley_order_prime,
+)
+
 __all__ = [
     "UnsupportedHadamardOrderError",
     "NonFloatTensorError",
@@ -35,6 +47,7 @@ __all__ = [
     "hadamard_order",
     "is_supported_order",
     "paley_order_prime",
+    "paley_order",
     "fast_kernel_available",
 ]
 
@@ -46,123 +59,14 @@ CACHE_MAX = 4096
 RADIX_MAX = 128
 
 
-class UnsupportedHadamardOrderError(ValueError):
-    """No Hadamard matrix of this order can be built here (Sylvester × Paley I/II only)."""
-
-
 class NonFloatTensorError(TypeError, ValueError):
     """A rotation or quantiser was given an integer/bool tensor."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Constructions (integer arithmetic; exact)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _is_prime(q: int) -> bool:
-    if q < 2:
-        return False
-    if q % 2 == 0:
-        return q == 2
-    f = 3
-    while f * f <= q:
-        if q % f == 0:
-            return False
-        f += 2
-    return True
-
-
-def paley_order_prime(k: int) -> tuple[str, int] | None:
-    """Return ("I", q) or ("II", q) if order k has a Paley construction from a prime q, else None."""
-    if k >= 4 and _is_prime(k - 1) and (k - 1) % 4 == 3:
-        return ("I", k - 1)
-    if k % 2 == 0 and k >= 12 and _is_prime(k // 2 - 1) and (k // 2 - 1) % 4 == 1:
-        return ("II", k // 2 - 1)
-    return None
-
-
-def hadamard_order(n: int) -> tuple[int, int]:
-    """Decompose n = K·2^m with K = 1 (Sylvester) or a Paley order; smallest K wins.
-
-    Raises UnsupportedHadamardOrderError when no such decomposition exists.
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UnsupportedHadamardOrderError(f"Hadamard order must be a positive integer, got {n!r}")
-    m_max = (n & -n).bit_length() - 1
-    for m in range(m_max, -1, -1):
-        k = n >> m
-        if k == 1 or paley_order_prime(k) is not None:
-            return k, m
-    raise UnsupportedHadamardOrderError(
-        f"no Hadamard matrix of order {n} is available: supported orders are K·2^m with K = 1 (Sylvester) "
-        "or a Paley order K = q+1 (q prime ≡ 3 mod 4, e.g. 12, 20, 44, 60) or K = 2(q+1) "
-        "(q prime ≡ 1 mod 4, e.g. 28, 36)"
-    )
-
-
-def is_supported_order(n: int) -> bool:
-    """True when :func:`hadamard_matrix` can build order n."""
-    try:
-        hadamard_order(n)
-    except UnsupportedHadamardOrderError:
-        return False
-    return True
-
-
-def _jacobsthal(q: int) -> list[list[int]]:
-    """Jacobsthal matrix Q_ij = χ(j − i) with χ the quadratic character mod the prime q (χ(0) = 0)."""
-    squares = {(x * x) % q for x in range(1, q)}
-    chi = [0] + [1 if a in squares else -1 for a in range(1, q)]
-    return [[chi[(j - i) % q] for j in range(q)] for i in range(q)]
-
-
-def _paley(k: int) -> torch.Tensor:
-    """Paley I/II Hadamard matrix of order k, int64 entries ±1."""
-    kind_q = paley_order_prime(k)
-    if kind_q is None:  # pragma: no cover - guarded by hadamard_order
-        raise UnsupportedHadamardOrderError(f"order {k} has no Paley construction")
-    kind, q = kind_q
-    jac = torch.tensor(_jacobsthal(q), dtype=torch.int64)
-    c = torch.zeros(q + 1, q + 1, dtype=torch.int64)
-    c[0, 1:] = 1
-    c[1:, 1:] = jac
-    if kind == "I":
-        # Q antisymmetric (q ≡ 3 mod 4); S = [[0, 1ᵀ], [−1, Q]] is a skew conference matrix; H = I + S.
-        c[1:, 0] = -1
-        return torch.eye(q + 1, dtype=torch.int64) + c
-    # Q symmetric (q ≡ 1 mod 4); C = [[0, 1ᵀ], [1, Q]] symmetric conference matrix;
-    # replace 0 by [[1, −1], [−1, −1]] and ±1 by ±[[1, 1], [1, −1]].
-    c[1:, 0] = 1
-    h2 = torch.tensor([[1, 1], [1, -1]], dtype=torch.int64)
-    d2 = torch.tensor([[1, -1], [-1, -1]], dtype=torch.int64)
-    return torch.kron(c, h2) + torch.kron(torch.eye(q + 1, dtype=torch.int64), d2)
-
-
-def _sylvester(p: int) -> torch.Tensor:
-    """Sylvester Hadamard matrix of order p = 2^m (natural ordering), int64."""
-    h = torch.ones(1, 1, dtype=torch.int64)
-    while h.shape[0] < p:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
-@functools.lru_cache(maxsize=32)
-def _paley_cached(k: int) -> torch.Tensor:
-    return _paley(k)
-
-
-def _integer_hadamard(n: int) -> torch.Tensor:
-    k, m = hadamard_order(n)
-    syl = _sylvester(1 << m)
-    if k == 1:
-        return syl
-    return torch.kron(_paley_cached(k), syl)
 
 
 def hadamard_matrix(
     n: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """Unnormalised Hadamard matrix of order n (entries ±1, H Hᵀ = n I): Sylvester ⊗ Paley (Sec. 2 / App. A).
+    """Unnormalised Hadamard matrix of order n (entries ±1, H Hᵀ = n I): H_K ⊗ Sylvester (Sec. 2 / App. A).
 
     ``dtype=torch.int64`` gives the exact integer matrix.
     """
@@ -172,7 +76,7 @@ def hadamard_matrix(
 
 
 def _build_matrix(n: int, device: torch.device, dtype: torch.dtype, normalize: bool) -> torch.Tensor:
-    h = _integer_hadamard(n)
+    h = integer_hadamard(n)
     if normalize:
         out = h.to(torch.float64) / math.sqrt(n)
     else:
@@ -308,7 +212,7 @@ def hadamard_transform(x: torch.Tensor, normalize: bool = True) -> torch.Tensor:
     if k <= DENSE_MAX:
         y = torch.matmul(hk, y)  # H_K acts on the K axis: (k,k) @ (..., k, p)
         return y.reshape(shape)
-    # A large Paley factor (Llama-2-7B's 11008 = 5504·2): one GEMM over every (row, p) pair; the batched
+    # A large Paley factor (K > 256, e.g. 2104 = 1052·2): one GEMM over every (row, p) pair; the batched
     # (k,k) @ (k,p) form above would read the k×k matrix once per row (memory bound, ~20× slower at k = 5504).
     y = torch.matmul(y.transpose(-1, -2).reshape(-1, k), hk.T)
     return y.reshape(*shape[:-1], p, k).transpose(-1, -2).reshape(shape)

@@ -203,7 +203,7 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     act_window = p.seqlen * (4 * mc.hidden + 2 * mc.intermediate) * 4  # one window's live activations, fp32
     fwd_tok = 2 * (mc.layer_params * mc.n_layers)  # decoder FLOP per token
     k_paley = hadamard.hadamard_order(mc.intermediate)[0]  # R4's non-power-of-two factor: a k × k product
-    r4_tok = 2 * mc.n_layers * mc.intermediate * k_paley  # the online R4 per token (5504 at Llama-2-7B's 11008)
+    r4_tok = 2 * mc.n_layers * mc.intermediate * k_paley  # the online R4 per token (K = 172 at Llama-2-7B's 11008)
     r4_s = r4_tok / dev.flops["float32"]  # its seconds per token
     attn_tok = 2 * mc.n_layers * p.seqlen * mc.hidden  # causal attention FLOP per token (QKᵀ and AV, averaged)
     head_tok = 2 * mc.vocab * mc.hidden

@@ -36,7 +36,7 @@ def online_r4(x: torch.Tensor) -> torch.Tensor:
 def r4_rows(x: torch.Tensor) -> torch.Tensor:
     """:func:`online_r4` of a (rows, n) block as the Kronecker form ``(H_K/√K) · fwht(X)`` with the K-axis
     product as ONE matrix multiply (``hadamard_transform`` broadcasts a K × K factor over every row: slow when
-    K is in the thousands, e.g. n = 11008 = 5504 · 2)."""
+    K is in the thousands, e.g. n = 2104 = 1052 · 2)."""
     rows, n = x.shape
     k, m = hadamard.hadamard_order(n)
     p = 1 << m

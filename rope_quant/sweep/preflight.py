@@ -80,7 +80,8 @@ def check_geometry(manifest: Manifest, dims: Any, model: str) -> None:
         problem = r3_problem(name, cfg, dims.head_dim)
         if problem is not None and problem not in problems:
             problems.append(problem)
-    lines = [f"no Hadamard matrix of order {order} can be built (orders K·2^m, K = 1 or a Paley order): "
+    lines = [f"no Hadamard matrix of order {order} can be built (orders K·2^m: K = 1, a Paley order, or any "
+             "multiple of 4 up to 256; see core.hadamard_orders): "
              + "; ".join(whats) for order, whats in missing.items()] + problems
     if lines:
         raise PreflightError(f"model {model} (head_dim={dims.head_dim}, hidden_size={dims.hidden}, "

@@ -62,15 +62,17 @@ def test_both_paley_constructions_are_exercised() -> None:
 
 @pytest.mark.parametrize(
     ("n", "expected"),
-    [(576, (36, 4)), (1536, (12, 7)), (14336, (28, 9)), (4096, (1, 12)), (12, (12, 0)), (40, (20, 1))],
+    [(576, (36, 4)), (1536, (12, 7)), (14336, (28, 9)), (4096, (1, 12)), (12, (12, 0)), (40, (20, 1)),
+     (11008, (172, 6)), (18944, (148, 7)), (104, (52, 1))],
 )
 def test_model_dimensions_decompose(n: int, expected: tuple[int, int]) -> None:
-    """SmolLM2 hidden 576 and intermediate 1536, Llama-3.1-8B/Mistral intermediate 14336."""
+    """SmolLM2 hidden 576 and intermediate 1536, Llama-3.1-8B/Mistral intermediate 14336, Llama-2-7B / Qwen2.5-3B
+    intermediate 11008 = 172·64 (Goethals–Seidel), Qwen2.5-7B 18944 = 148·128; 104 = 52·2 (Paley II over GF(25))."""
     assert hadamard_order(n) == expected
     assert hd.is_supported_order(n)
 
 
-@pytest.mark.parametrize("n", [0, -4, 3, 5, 6, 10, 14, 22, 92, 116, 184])
+@pytest.mark.parametrize("n", [0, -4, 3, 5, 6, 10, 14, 22, 268, 536])
 def test_unsupported_orders_raise(n: int) -> None:
     assert not hd.is_supported_order(n)
     with pytest.raises(UnsupportedHadamardOrderError, match="order"):
@@ -154,11 +156,11 @@ def test_kronecker_transform_at_14336_rows() -> None:
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("n", [11008, 2 * 11008])
+@pytest.mark.parametrize("n", [2104, 2 * 2104])
 def test_large_paley_factor_is_one_gemm_and_exact(n: int) -> None:
-    """11008 = 5504·2 (Llama-2-7B's intermediate): the large-factor GEMM path equals x @ Hᵀ/√n in float64."""
+    """2104 = 1052·2 (no smaller K for the odd part 263): the large-factor GEMM path equals x @ Hᵀ/√n in float64."""
     k, m = hadamard_order(n)
-    assert k == 5504 and k > hd.DENSE_MAX  # the path under test
+    assert k == 1052 and k > hd.DENSE_MAX  # the path under test
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(2, 3, n, generator=gen, dtype=torch.float64)
     ref = x @ hadamard_matrix(n).T / math.sqrt(n)
