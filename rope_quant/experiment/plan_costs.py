@@ -176,11 +176,21 @@ def _gpu(name: DeviceName, gib: float, fp64_tflops: float) -> Device:
 
 
 def measure_cpu_flops() -> dict[str, float]:
-    """Dense matmul FLOP/s of this machine on one thread, per dtype (best of 5 products of 1024² matrices after
-    a warm-up, in thread CPU time; about 0.3 s in all, once per process). CPU machines differ by 2× and more,
-    and 16-bit rates by ~8× (with or without AMX), so the CPU plan measures its rates instead of shipping them;
-    the overheads above are ratios to these rates."""
+    """Dense matmul FLOP/s of this machine on one thread, per dtype (best of 5 products after a warm-up, in thread
+    CPU time; under a second in all, once per process). A dtype whose 256² product takes more than 2 ms (a 16-bit
+    type without a fast kernel: ~1 GFLOP/s) is timed at 256², the others at 1024². CPU machines differ by 2× and
+    more, and 16-bit rates by ~8× (with or without AMX), so the CPU plan measures its rates instead of shipping
+    them; the overheads above are ratios to these rates."""
     return dict(_measure_cpu_flops())
+
+
+def _best_product_seconds(a, b, repeats: int = 5) -> float:
+    best = math.inf
+    for _ in range(repeats):  # the thread's CPU time: a busy machine does not slow the measured rate
+        t = time.thread_time()
+        a @ b
+        best = min(best, time.thread_time() - t)
+    return max(best, 1e-9)
 
 
 @functools.cache
@@ -193,14 +203,14 @@ def _measure_cpu_flops() -> tuple[tuple[str, float], ...]:
         rates = []
         for name in ("float32", "float64", "bfloat16", "float16"):
             dt = getattr(torch, name)
-            a, b = torch.randn(1024, 1024).to(dt), torch.randn(1024, 1024).to(dt)
+            n = 256
+            a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
             a @ b
-            best = math.inf
-            for _ in range(5):  # the thread's CPU time: a busy machine does not slow the measured rate
-                t = time.thread_time()
+            if _best_product_seconds(a, b, repeats=1) < 2e-3:  # a fast kernel: time it at the larger size
+                n = 1024
+                a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
                 a @ b
-                best = min(best, time.thread_time() - t)
-            rates.append((name, 2 * 1024 ** 3 / max(best, 1e-9)))
+            rates.append((name, 2 * n ** 3 / _best_product_seconds(a, b)))
         return tuple(rates)
     finally:
         torch.set_num_threads(threads)
@@ -212,7 +222,7 @@ def cpu_device() -> Device:
     return Device(DeviceName.CPU, 0, {k: r[k] for k in ("float32", "bfloat16", "float16")}, r["float64"],
                   f"measured on this machine now, 1 CPU thread: {r['float32'] / 1e9:.0f} GFLOP/s float32, "
                   f"{r['float64'] / 1e9:.0f} float64, {r['bfloat16'] / 1e9:.0f} bfloat16, {r['float16'] / 1e9:.0f} "
-                  "float16 (1024² matmuls); overheads fitted on the 1-layer probes", True)
+                  "float16 (256² or 1024² matmuls); overheads fitted on the 1-layer probes", True)
 
 
 def device(name: DeviceName | str) -> Device:
