@@ -10,7 +10,8 @@ check is a device counter), so a GPU never waits for the host inside the window 
 host components fold in exactly as they fold their own batches.
 
 Equal to the host update to float64 rounding: the sums are the same terms added in another order
-(``torch.sum`` instead of ``np.einsum``); candidate values, K-sample rows, keys and positions are exact copies.
+(a product and ``torch.sum`` instead of ``np.einsum``); candidate values, K-sample rows, keys and positions are
+exact copies.
 Ties in |a|+|b| are ordered by row index like the host's stable sort.
 """
 
@@ -27,10 +28,17 @@ _RAW = ("sum_a", "sum_b", "sum_aa", "sum_bb", "sum_ab")
 MOMENT_KEYS = _STABLE + _RAW
 
 
-def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Σ_n x[n] y[n] per column, (N, H, K) -> (H, K): the host's ``einsum("nhk,nhk->hk")`` (fused, no product
-    tensor)."""
-    return torch.linalg.vecdot(x, y, dim=0)
+def _pairs_view(x: torch.Tensor, sel_a: Any, sel_b: Any, n_pairs: int) -> torch.Tensor | None:
+    """The rows (N, H, d) as their (a, b) pairs (N·H, K, 2), a view, where the layout allows one (rotate_half:
+    a, b the two halves; interleaved: the even and odd channels), else None."""
+    if not (isinstance(sel_a, slice) and isinstance(sel_b, slice)):
+        return None
+    n, k = x.shape[0] * x.shape[1], n_pairs
+    if (sel_a.start, sel_a.stop, sel_a.step) == (0, k, 1) and (sel_b.start, sel_b.stop, sel_b.step) == (k, 2 * k, 1):
+        return x.reshape(n, 2, k).transpose(1, 2)
+    if (sel_a.start, sel_a.step, sel_b.start, sel_b.step) == (0, 2, 1, 2):
+        return x.reshape(n, k, 2)
+    return None
 
 
 @dataclass
@@ -48,6 +56,7 @@ class _Cand:
 
     rows: torch.Tensor
     count: int
+    score: torch.Tensor  # (count, K): |a|+|b| of the rows
 
 
 @dataclass
@@ -78,10 +87,24 @@ class DeviceAccumulator:
         self._cand: dict[int, _Cand] = {}
         self._sample: dict[int, _Sample] = {}
         self._index: dict[tuple[Any, torch.device], Any] = {}
+        self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def empty(self) -> bool:
         """True when no rows were accumulated since the last drain."""
         return not self._cells
+
+    def _scratch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float64 buffers for one update of ``rows`` (N, H, d): the rows, their products (N, H, d) and the pair
+        products (N, H, d/2). Kept per shape on the CPU, where a fresh multi-MB buffer costs its page faults on
+        every update; elsewhere the device's caching allocator already reuses memory."""
+        n, h, d = rows.shape
+        make = lambda *shape: torch.empty(shape, dtype=torch.float64, device=rows.device)  # noqa: E731
+        if rows.device.type != "cpu":
+            return make(n, h, d), make(n, h, d), make(n, h, d // 2)
+        key = (n, h, d)
+        if key not in self._buffers:
+            self._buffers[key] = (make(n, h, d), make(n, h, d), make(n, h, d // 2))
+        return self._buffers[key]
 
     def _select(self, sel: Any, device: torch.device) -> Any:
         """A numpy pair index as what torch indexing wants on ``device`` (a slice stays a slice)."""
@@ -100,58 +123,81 @@ class DeviceAccumulator:
         """
         dev = rows.device
         n_new = rows.shape[0]
-        a = rows[:, :, self._select(sel_a, dev)].to(torch.float64)
-        b = rows[:, :, self._select(sel_b, dev)].to(torch.float64)
+        ia, ib = self._select(sel_a, dev), self._select(sel_b, dev)
+        # One float64 copy of every channel (copy=True: the rows are centred in place below); the sums of
+        # squares and products are a product and a column sum each (``linalg.vecdot`` over the row axis is
+        # ~10x slower on the CPU), the squares of a and b in one product over all d channels.
+        x64, square, cross = self._scratch(rows)
+        x64.copy_(rows)
+        sums = x64.sum(dim=0)
+        sum_a, sum_b = sums[:, ia], sums[:, ib]
         cell = self._cells.setdefault((layer, stream), _Cell())
-        sum_a, sum_b = a.sum(dim=0), b.sum(dim=0)
         # A NaN/Inf input makes its (head, pair) column sum non-finite; float64 sums of float32/16-bit inputs
         # cannot overflow (|x| < 3.4e38), so the column sums are the whole check (no pass over the input).
         bad = (~torch.isfinite(sum_a + sum_b)).sum()
         cell.bad = bad if cell.bad is None else cell.bad + bad
-        raw = {"sum_a": sum_a, "sum_b": sum_b, "sum_aa": _dot(a, a), "sum_bb": _dot(b, b), "sum_ab": _dot(a, b)}
+        torch.mul(x64, x64, out=square)
+        squares = square.sum(dim=0)
+        torch.mul(x64[:, :, ia], x64[:, :, ib], out=cross)
+        raw = {"sum_a": sum_a, "sum_b": sum_b, "sum_aa": squares[:, ia], "sum_bb": squares[:, ib],
+               "sum_ab": cross.sum(dim=0)}
         # batch means; a constant column gets its value exactly (as the host's _mean_exact_constant)
-        mean_a = torch.where(a.amax(dim=0) == a.amin(dim=0), a[0], sum_a / n_new)
-        mean_b = torch.where(b.amax(dim=0) == b.amin(dim=0), b[0], sum_b / n_new)
+        mean = torch.where(x64.amax(dim=0) == x64.amin(dim=0), x64[0], sums / n_new)
         if stream in self.topk_streams and self.topk:
-            self._push_candidates(layer, a.reshape(-1, self.n_pairs), b.reshape(-1, self.n_pairs))
+            pairs = _pairs_view(x64, sel_a, sel_b, self.n_pairs)
+            if pairs is None:
+                pairs = torch.stack([x64[:, :, ia].reshape(-1, self.n_pairs),
+                                     x64[:, :, ib].reshape(-1, self.n_pairs)], dim=-1)
+            # |a|+|b|, the host's np.abs(a) + np.abs(b), into the cross buffer (free until the centred pass)
+            score = torch.abs(x64[:, :, ia], out=cross).add_(x64[:, :, ib].abs())
+            self._push_candidates(layer, pairs, score.reshape(-1, self.n_pairs))
         if keys is not None:
             self._push_sample(layer, x.shape, rows, keys)
-        da, db = a - mean_a, b - mean_b
-        batch = {"mean_a": mean_a, "mean_b": mean_b, "m2_aa": _dot(da, da), "m2_bb": _dot(db, db),
-                 "m2_ab": _dot(da, db)}
+        x64.sub_(mean)  # centred in place, the two-pass co-moments below
+        torch.mul(x64, x64, out=square)
+        centred = square.sum(dim=0)
+        torch.mul(x64[:, :, ia], x64[:, :, ib], out=cross)
+        batch = {"mean_a": mean[:, ia], "mean_b": mean[:, ib], "m2_aa": centred[:, ia], "m2_bb": centred[:, ib],
+                 "m2_ab": cross.sum(dim=0)}
         if cell.n == 0:
             cell.acc = {**batch, **raw}
         else:  # Chan, Golub & LeVeque pairwise update; the weights are host floats (no device read)
             n1, n2 = cell.n, n_new
-            w2, cross = n2 / (n1 + n2), (float(n1) * n2) / (n1 + n2)
+            w2, weight = n2 / (n1 + n2), (float(n1) * n2) / (n1 + n2)
             acc = cell.acc
             d_a, d_b = batch["mean_a"] - acc["mean_a"], batch["mean_b"] - acc["mean_b"]
             acc["mean_a"] = acc["mean_a"] + d_a * w2
             acc["mean_b"] = acc["mean_b"] + d_b * w2
-            acc["m2_aa"] = acc["m2_aa"] + batch["m2_aa"] + d_a * d_a * cross
-            acc["m2_bb"] = acc["m2_bb"] + batch["m2_bb"] + d_b * d_b * cross
-            acc["m2_ab"] = acc["m2_ab"] + batch["m2_ab"] + d_a * d_b * cross
+            acc["m2_aa"] = acc["m2_aa"] + batch["m2_aa"] + d_a * d_a * weight
+            acc["m2_bb"] = acc["m2_bb"] + batch["m2_bb"] + d_b * d_b * weight
+            acc["m2_ab"] = acc["m2_ab"] + batch["m2_ab"] + d_a * d_b * weight
             for key in _RAW:
                 acc[key] = acc[key] + raw[key]
         cell.n += n_new
 
-    def _push_candidates(self, layer: int, new_a: torch.Tensor, new_b: torch.Tensor) -> None:
-        """Keep the ``topk`` rows of the union with the largest |a|+|b| per pair, ties by row index."""
+    def _push_candidates(self, layer: int, new: torch.Tensor, new_score: torch.Tensor) -> None:
+        """Keep the ``topk`` rows of the union of the kept and the ``new`` (M, K, 2) rows with the largest |a|+|b|
+        per pair (``new_score``, (M, K)), ties by row index. The union is never materialised: the kept and new
+        rows are gathered apart and merged (as the host does)."""
         old = self._cand.get(layer)
-        union = torch.stack([new_a, new_b], dim=-1)  # (M, K, 2)
-        if old is not None:
-            union = torch.cat([old.rows, union])
-        score = union.abs().sum(dim=-1)  # |a|+|b|, the host's np.abs(a) + np.abs(b)
-        keep = min(self.topk, union.shape[0])
-        if union.shape[0] > keep:
+        count = 0 if old is None else old.count
+        score = new_score if old is None else torch.cat([old.score, new_score])
+        keep = min(self.topk, score.shape[0])
+        if score.shape[0] > keep:
             idx = torch.topk(score, keep, dim=0, largest=True, sorted=False).indices
             idx = idx.sort(dim=0).values  # by row index, so the stable sort below breaks ties by index
         else:
-            idx = torch.arange(keep, device=union.device).unsqueeze(1).expand(keep, self.n_pairs)
-        order = torch.sort(-score.gather(0, idx), dim=0, stable=True).indices
-        idx = idx.gather(0, order)
-        rows = union.gather(0, idx.unsqueeze(-1).expand(keep, self.n_pairs, 2))
-        self._cand[layer] = _Cand(rows, keep)
+            idx = torch.arange(keep, device=score.device).unsqueeze(1).expand(keep, self.n_pairs)
+        kept_score = score.gather(0, idx)
+        order = torch.sort(-kept_score, dim=0, stable=True).indices
+        idx, kept_score = idx.gather(0, order), kept_score.gather(0, order)
+        pick = (idx - count).clamp_(min=0).unsqueeze(-1).expand(keep, self.n_pairs, 2)
+        rows = new.gather(0, pick)
+        if old is not None:
+            from_old = (idx < count).unsqueeze(-1)
+            old_pick = idx.clamp(max=count - 1).unsqueeze(-1).expand(keep, self.n_pairs, 2)
+            rows = torch.where(from_old, old.rows.gather(0, old_pick), rows)
+        self._cand[layer] = _Cand(rows, keep, kept_score)
 
     def _push_sample(self, layer: int, shape: torch.Size, rows: torch.Tensor, keys: np.ndarray) -> None:
         """Keep the ``sample_rows`` rows with the smallest keys of the kept and new rows, in row order."""

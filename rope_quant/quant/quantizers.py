@@ -243,12 +243,35 @@ def _clamp_between(q: torch.Tensor, low: torch.Tensor, high: torch.Tensor, zero_
     return q.clamp_(min=low, max=high)
 
 
-def _fq_asym(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
+def _rows_broadcast(q: torch.Tensor, delta: torch.Tensor) -> bool:
+    """True when one (Δ, z) per group broadcasts along a contiguous group axis of more than one element: there
+    the plain two-bound ``clamp_`` runs ATen's scalar loop, whose every tie keeps q (its sign of zero too)."""
+    return delta.shape[-1] == 1 < q.shape[-1] and q.stride(-1) == 1
+
+
+def _round_clamp_rows(v: torch.Tensor, zero: torch.Tensor, maxq: int, lower: bool) -> torch.Tensor:
+    """clamp(round(v), −z, maxq − z) in place, bit for bit the scalar two-bound clamp, in vectorised passes.
+
+    v is clamped BEFORE rounding, to bounds a quarter outside the integer ones (maxq − z + ¼, −z − ¼): a value
+    beyond one rounds to the integer bound (round(+¼) = +0, round(−¼) = −0, as the plain clamp returns its
+    bounds maxq − maxq = +0 and −0), a value inside is left to round as before, and no bound is ±0, so no tie
+    can choose a sign of zero. ``lower=False`` skips the lower clamp where no value can be below −z (every
+    finite x ≥ lo, the unclipped dynamic range: x/Δ ≥ lo/Δ and round(lo/Δ) = −z)."""
+    v.clamp_max_((maxq + 0.25) - zero)
+    if lower:
+        v.clamp_min_(-0.25 - zero)
+    return v.round_()
+
+
+def _fq_asym(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, lower: bool = True) -> torch.Tensor:
     """x̂ = (clamp(round(x/Δ) + z, 0, 2^b − 1) − z)·Δ, computed as clamp(round(x/Δ), −z, 2^b − 1 − z)·Δ
-    (the same integers) with in-place ops: one allocation, four passes."""
+    (the same integers) with in-place ops: one allocation, four passes (per-token groups: see
+    :func:`_round_clamp_rows`; ``lower=False`` only where every finite x ≥ lo)."""
     maxq = (1 << bits) - 1
     delta, zero = _asym_params(lo, hi, bits)
     q = torch.div(g, delta)
+    if _rows_broadcast(q, delta):
+        return _round_clamp_rows(q, zero, maxq, lower).mul_(delta)
     q.round_()
     zero_sign_free = bool(((zero != 0) & (zero != maxq)).all())
     _clamp_between(q, -zero, maxq - zero, zero_sign_free)
@@ -296,7 +319,7 @@ def fake_quant_per_token(
         risky = _overflow_risk(amax, amax, x.dtype)  # amax ≥ 0: one bound suffices
     else:
         lo, hi, finite = _asym_range(g, clip_ratio)
-        out = _fq_asym(g, lo, hi, bits)
+        out = _fq_asym(g, lo, hi, bits, lower=clip_ratio != 1.0)
         risky = _overflow_risk(lo, hi, x.dtype)
     if not finite:
         out = _passthrough_nonfinite(out, g)
@@ -317,8 +340,9 @@ def _fq_flagged(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool,
     result and a 0-d device flag, true when a group's range is non-finite or beyond a quarter of ``dtype``'s
     maximum (then the exact path may differ: the window is recomputed). Unflagged, the result equals the
     exact path's bit for bit: ``amin``/``amax`` give its range up to the sign of a zero extreme, which
-    reaches only the sign of a ±0 bound, and the clamp is the plain formula's single ``clamp_`` with both
-    bounds (the exact path's vectorised pair is used only where no bound is ±0, where the two agree)."""
+    reaches only the sign of a ±0 bound, and the clamp is the exact path's: per-token groups clamp before
+    rounding to bounds that are never ±0 (:func:`_round_clamp_rows`), other layouts use the plain formula's
+    single ``clamp_`` with both bounds."""
     lo = torch.amin(g, dim=-1, keepdim=True)
     hi = torch.amax(g, dim=-1, keepdim=True)
     lim = _quarter_max(dtype)
@@ -343,6 +367,8 @@ def _fq_flagged(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool,
         delta = torch.where(delta > 0, delta, torch.ones_like(delta))
         zero = torch.round(-lo / delta)
         q = torch.div(g, delta)
+        if _rows_broadcast(q, delta):
+            return _round_clamp_rows(q, zero, maxq, lower=clip_ratio != 1.0).mul_(delta), flag
         q.round_()
         q.clamp_(min=-zero, max=maxq - zero)  # the plain formula's one clamp: no ±0-tie question to ask
     return q.mul_(delta), flag
@@ -353,7 +379,7 @@ def _fq_group64(g: torch.Tensor, bits: int, clip_ratio: float, symmetric: bool) 
     if symmetric:
         return _fq_sym(g, _sym_amax(g, clip_ratio)[0], bits)
     lo, hi, _ = _asym_range(g, clip_ratio)
-    return _fq_asym(g, lo, hi, bits)
+    return _fq_asym(g, lo, hi, bits, lower=clip_ratio != 1.0)
 
 
 def fake_quant(x: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:

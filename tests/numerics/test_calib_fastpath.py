@@ -153,3 +153,43 @@ def test_save_without_the_k_sample_keeps_moments_and_candidates(tmp_path):
     for layer in range(L):
         assert stats.candidates(layer).tobytes() == back.candidates(layer).tobytes()
     assert CalibrationStats.load(full).k_sample(0)[0].tobytes() == stats.k_sample(0)[0].tobytes()
+
+
+def test_cpu_update_runs_on_one_thread_and_restores_the_thread_count(monkeypatch) -> None:
+    """A CPU tensor's statistics update runs on one intra-op thread (2-thread barriers on a loaded 2-core machine
+    made it ~14x slower), the process's count comes back, also when the update raises, and the statistics are
+    then the same bits whatever the thread count."""
+    from rope_quant.calib.device_acc import DeviceAccumulator
+
+    seen: list[int] = []
+    real = DeviceAccumulator.update
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        if len(seen) == 3:  # the third call fails inside the update
+            raise RuntimeError("boom")
+        return real(self, *args, **kwargs)
+
+    threads = torch.get_num_threads()
+    x = torch.randn(1, 300, HK * D, generator=torch.Generator().manual_seed(4))
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            stats = CalibrationStats(L, HQ, HK, D, sample_rows=8)
+            with monkeypatch.context() as m:
+                m.setattr(DeviceAccumulator, "update", spy)
+                stats.update(0, "k", x)
+            assert torch.get_num_threads() == n
+            results.append(stats.moments.to_arrays())
+        assert seen == [1, 1]
+        for key, value in results[0].items():
+            assert value.tobytes() == results[1][key].tobytes(), key
+        torch.set_num_threads(2)
+        stats = CalibrationStats(L, HQ, HK, D, sample_rows=8)
+        with monkeypatch.context() as m, pytest.raises(RuntimeError, match="boom"):
+            m.setattr(DeviceAccumulator, "update", spy)
+            stats.update(0, "k", x)
+        assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -273,21 +273,38 @@ def test_fake_quant_matches_reference_on_arbitrary_floats(rows, groups, gsize, d
 # ----------------------------------------------------------------------------- the fast path is taken
 
 
-def test_generic_activations_take_the_vectorised_clamp(monkeypatch) -> None:
-    """On ordinary activations the fast clamp runs (so the comparisons above test it, not the fallback);
-    on a group whose zero point is 0 the exact scalar clamp runs."""
-    seen: list[bool] = []
-    real = Q._clamp_between
+def test_per_token_groups_take_the_vectorised_rows_clamp(monkeypatch) -> None:
+    """Per-token groups (one (Δ, z) per group of > 1 contiguous channels) take the quarter-bound clamp before
+    rounding, in the exact and the deferred path, whether or not a zero point is 0 or 2^b − 1 (so the
+    comparisons above test it, not the fallback); groups of one channel and per-channel (static) bounds keep
+    the plain clamp, whose tie rule differs there."""
+    from rope_quant.quant import deferred
 
-    def spy(q, low, high, zero_sign_free):
-        seen.append(zero_sign_free)
-        return real(q, low, high, zero_sign_free)
+    rows: list[bool] = []
+    plain: list[bool] = []
+    real_rows, real_plain = Q._round_clamp_rows, Q._clamp_between
 
-    monkeypatch.setattr(Q, "_clamp_between", spy)
+    def spy_rows(v, zero, maxq, lower):
+        rows.append(lower)
+        return real_rows(v, zero, maxq, lower)
+
+    def spy_plain(q, low, high, zero_sign_free):
+        plain.append(zero_sign_free)
+        return real_plain(q, low, high, zero_sign_free)
+
+    monkeypatch.setattr(Q, "_round_clamp_rows", spy_rows)
+    monkeypatch.setattr(Q, "_clamp_between", spy_plain)
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
     Q.fake_quant_per_token(x, 4)
-    Q.fake_quant_per_token(torch.cat([x, x[:1].abs()]), 4)
-    assert seen == [True, False]
+    Q.fake_quant_per_token(torch.cat([x, x[:1].abs(), -x[:1].abs()]), 4, clip_ratio=0.9)
+    with deferred.deferred_checks():
+        Q.fake_quant_per_token(x, 4)
+    assert rows == [False, True, False] and plain == []
+    Q.fake_quant_per_token(x, 4, group_size=1)
+    q = Q.StaticChannelQuantizer(64, bits=4)
+    q.observe(x)
+    q(x)
+    assert rows == [False, True, False] and len(plain) == 2
 
 
 # ----------------------------------------------------------------------------- logits of a tiny Llama
@@ -320,7 +337,7 @@ def test_tiny_llama_w4a4kv4_logits_unchanged(monkeypatch, symmetric: bool, group
     with monkeypatch.context() as m:
         m.setattr(Q, "_asym_range", ref_asym_range)
         m.setattr(Q, "_sym_amax", ref_sym_amax)
-        m.setattr(Q, "_fq_asym", ref_fq_asym)
+        m.setattr(Q, "_fq_asym", lambda g, lo, hi, bits, lower=True: ref_fq_asym(g, lo, hi, bits))
         m.setattr(Q, "_fq_sym", ref_fq_sym)
         old = _w4a4kv4_logits(a_cfg, kv_cfg)
     with torch.no_grad():
