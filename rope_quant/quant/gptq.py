@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rope_quant.model import arch, offload
-from rope_quant.quant import deferred
+from rope_quant.model import arch, layer_stages, offload
+from rope_quant.quant import deferred, gptq_layer
 from rope_quant.quant.packing import negzero_flag
 from rope_quant.quant.rtn import (
     GPTQConfig,
@@ -309,8 +309,7 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
 LayerGroups = tuple[tuple[str, ...], ...]
 
 
-class _StopForward(Exception):
-    """Raised by the capture hook on decoder layer 0 once its inputs are recorded."""
+_StopForward = gptq_layer.StopForward  # raised by the capture hook on decoder layer 0 once its inputs are recorded
 
 
 def _linear_groups(layer: nn.Module, true_sequential: bool,
@@ -385,53 +384,14 @@ def _layer_output(out):
 
 def _group_hessians(layer: nn.Module, group: list[tuple[str, nn.Module]], inputs: list, dtype: torch.dtype,
                     share: bool, bf16: bool = False) -> dict[str, HessianAccumulator]:
-    """The Hessian of each linear of ``group`` over the layer's ``inputs`` (one layer forward per window,
-    stopped early where :data:`EARLY_STOP`).
+    """The Hessian of each linear of ``group`` over the layer's ``inputs`` (one whole-layer forward per window,
+    stopped early where :data:`EARLY_STOP`; sharing as in :func:`rope_quant.quant.gptq_layer.hessians_over`)."""
+    runs = [lambda a=args, k=kwargs: layer(*a, **k) for args, kwargs in inputs]
+    return gptq_layer.hessians_over(group, runs, _new_acc(dtype, bf16), share, EARLY_STOP)[0]
 
-    With ``share``, a linear whose input is, in every window, the tensor the previous linear of the group
-    just read (same object, unchanged) takes that linear's accumulator instead of a copy; if a linear shares
-    in some windows but not in others, the forwards run again without sharing.
-    """
-    accs = {n: HessianAccumulator(m.in_features, m.weight.device, dtype, bf16) for n, m in group}
-    last: dict[str, Any] = {"x": None, "version": None, "name": None}
-    source: dict[str, set] = {n: set() for n, _ in group}  # who accumulated n's input, per window
-    handles = []
-    seen: set[str] = set()
-    size = len(accs)
-    for n, m in group:
-        def pre(_mod, args, _n=n):
-            x = args[0]
-            version = None if x.is_inference() else x._version
-            if share and last["x"] is x and last["version"] == version:
-                source[_n].add(last["name"])
-            else:
-                accs[_n].add(x)
-                source[_n].add(_n)
-                last.update(x=x, version=version, name=_n)
-            seen.add(_n)
-            if EARLY_STOP and len(seen) == size:
-                raise _StopForward  # every Hessian of the group has its input: the rest is unused
-        handles.append(m.register_forward_pre_hook(pre))
-    try:
-        with torch.no_grad():
-            for args, kwargs in inputs:
-                seen.clear()
-                try:
-                    layer(*args, **kwargs)
-                except _StopForward:
-                    pass
-    finally:
-        for h in handles:
-            h.remove()
-        last.clear()
-    if not share:
-        return accs
-    for n, src in source.items():
-        (leader,) = src if len(src) == 1 else (None,)
-        if leader is None or source[leader] != {leader}:
-            return _group_hessians(layer, group, inputs, dtype, share=False, bf16=bf16)
-        accs[n] = accs[leader]
-    return accs
+
+def _new_acc(dtype: torch.dtype, bf16: bool) -> Callable[[nn.Module], HessianAccumulator]:
+    return lambda m: HessianAccumulator(m.in_features, m.weight.device, dtype, bf16)
 
 
 def resolve_objective(cfg: GPTQConfig, model: nn.Module) -> GPTQConfig:
@@ -452,6 +412,8 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
     ``windows``: (n, seqlen) token ids. The embedding, final norm and lm_head stay in full precision
     (QuaRot/DartQuant keep lm_head at 16 bit). Returns per-linear relative output errors
     ``||W X - Q X||_F^2 / ||W X||_F^2`` estimated from the Hessian (``tr(D H D^T) / tr(W H W^T)``).
+    True-sequential GPTQ runs each layer in stages (:func:`rope_quant.quant.gptq_layer.staged_layer`) where the
+    architecture adapter splits it (:func:`staging_plan`), and whole-layer group forwards otherwise.
     """
     from tqdm.auto import tqdm
 
@@ -462,32 +424,68 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
     order = arch.layer_linear_groups(model)
     inputs = capture_layer_inputs(model, windows)
     per_layer_kwargs = capture_per_layer_kwargs(model, windows)
+    staged = STAGED and cfg.true_sequential and staging_plan(model, inputs, per_layer_kwargs)
     errors: dict[str, float] = {}
     for li, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
         with offload.resident(model, layer):  # a streamed model (--offload cpu): this layer on the device
-            inputs = _quantize_layer(layer, li, inputs, per_layer_kwargs, order, bits, cfg, clip_ratio, skip, errors)
+            inputs = _quantize_layer(layer, li, inputs, per_layer_kwargs, order, bits, cfg, clip_ratio, skip, errors,
+                                     stages=layer_stages.layer_stages(model, li) if staged else None)
     return errors
+
+
+#: Run true-sequential GPTQ through the staged layer forward where the adapter allows it (False: always the
+#: whole-layer group forwards; the agreement test compares both, tests/numerics/test_gptq_staged.py).
+STAGED = True
+
+
+def staging_plan(model: nn.Module, inputs: list, per_layer_kwargs: list | None) -> bool:
+    """Whether every decoder layer can run in stages: the adapter splits each (no refusal, the four execution
+    groups and no other linear), and layer 0's staged forward equals its own forward on the first window (one
+    extra layer forward per model). Otherwise a warning names the reason and GPTQ takes the whole-layer path
+    (the weights are GPTQ's either way)."""
+    layers = _decoder_layers(model)
+    order = arch.layer_linear_groups(model)
+    reason = None
+    for li, layer in enumerate(layers):
+        reason = layer_stages.staging_refusal(model, li, inputs[0][0])
+        names = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        if reason is None and (len(order) != len(STAGE_ROLES) or names != {n for g in order for n in g}):
+            reason = f"layers.{li} has linears {sorted(names)}, not the execution groups {order}"
+        if reason is not None:
+            break
+    if reason is None:
+        args, kwargs = inputs[0]
+        kwargs = kwargs if per_layer_kwargs is None else per_layer_kwargs[0][0]
+        with offload.resident(model, layers[0]), torch.no_grad():
+            whole = _layer_output(layers[0](*args, **kwargs))
+            parts = layer_stages.layer_stages(model, 0).forward(args[0], kwargs)
+        if not layer_stages.same_output(parts, whole):
+            reason = "layers.0's staged forward differs from its own forward"
+    if reason is not None:
+        log.warning("GPTQ: staged layer forward not used (%s); running whole-layer forwards per group", reason)
+    return reason is None
+
+
+#: The execution groups' roles in the staged forward, in the adapter's order (q/k/v, o, gate/up, down).
+STAGE_ROLES = ("qkv", "o", "gate_up", "down")
 
 
 def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: list | None, order: Any, bits: int,
                     cfg: GPTQConfig, clip_ratio: float, skip: Callable[[str], bool] | None,
-                    errors: dict[str, float]) -> list:
+                    errors: dict[str, float], stages: layer_stages.LayerStages | None = None) -> list:
     """GPTQ of one decoder layer (in place); returns the next layer's inputs.
 
-    The group forwards run with the quantisers' checks deferred (one host read per group,
-    :mod:`rope_quant.quant.deferred`); the error estimates and finiteness flags of every linear are read in
-    one transfer at the end of the layer.
+    With ``stages``, the layer runs block by block (:func:`rope_quant.quant.gptq_layer.staged_layer`); without,
+    one whole-layer forward per group and one for the next layer's inputs. The group forwards run with the
+    quantisers' checks deferred (one host read per group, :mod:`rope_quant.quant.deferred`); the error
+    estimates and finiteness flags of every linear are read in one transfer at the end of the layer.
     """
     if per_layer_kwargs is not None:  # this layer's own RoPE / mask, not layer 0's
         inputs = [(args, per_layer_kwargs[li][w]) for w, (args, _) in enumerate(inputs)]
     pending: list[tuple[str, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     records: list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for group in _linear_groups(layer, cfg.true_sequential, order):
-        group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
-        if not group:
-            continue
-        accs, _ = deferred.run_checked(
-            lambda g=group: _group_hessians(layer, g, inputs, cfg.dtype, SHARE_HESSIANS, cfg.hessian_bf16))
+
+    def solve(group: list[tuple[str, nn.Module]], accs: dict[str, HessianAccumulator]) -> None:
         shared: dict[int, list[tuple[str, nn.Module]]] = {}
         for n, m in group:  # linears with one accumulator: one stacked solve
             shared.setdefault(id(accs[n]) if STACK_SHARED else id(m), []).append((n, m))
@@ -503,6 +501,20 @@ def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: l
                 pending.append((n, m, num, den, finite, neg))
                 records.append((m, codes, scales, Q))
                 m.weight.data.copy_(Q)
+
+    groups = [[(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
+              for group in _linear_groups(layer, cfg.true_sequential, order)]
+    if stages is not None:
+        new_acc = _new_acc(cfg.dtype, cfg.hessian_bf16)
+        out = gptq_layer.staged_layer(
+            stages, dict(zip(STAGE_ROLES, groups, strict=True)), inputs,
+            lambda g, runs, capture: gptq_layer.hessians_over(g, runs, new_acc, SHARE_HESSIANS, EARLY_STOP, capture),
+            solve)
+    else:
+        for group in groups:
+            if group:
+                solve(group, deferred.run_checked(
+                    lambda g=group: _group_hessians(layer, g, inputs, cfg.dtype, SHARE_HESSIANS, cfg.hessian_bf16))[0])
     if pending:
         host = torch.stack([torch.stack([num.double(), den.double(), fin.double(), neg.double()])
                             for _, _, num, den, fin, neg in pending]).tolist()
@@ -512,6 +524,8 @@ def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: l
             errors[f"layers.{li}.{n}"] = num / max(den, 1e-30)
         for (m, codes, scales, Q), row in zip(records, host, strict=True):
             _record_codes(m, codes, scales, bits, cfg.group_size, Q, has_negzero=bool(row[3]))
+    if stages is not None:
+        return out
 
     # Inputs of the next layer: this layer, now quantised (with whatever hooks are installed).
     def forward() -> list:
