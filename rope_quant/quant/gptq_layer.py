@@ -16,7 +16,8 @@ one for the next layer's inputs. :func:`staged_layer` runs the layer block by bl
 Every linear is called as the layer calls it, so the hooks on it (online R4 on down_proj, the activation
 quantisers) run before the Hessian hook, which is registered last: each Hessian sees what its linear sees. The
 raw input is recorded by a hook registered first (``prepend=True``), before any transform. Each linear's matmul
-runs once per window except q/k and gate (also in the early-stopped capture forward): 10 of 7 linear passes.
+runs once per window (q/k and gate run once more in the first window, where the q/k/v and gate/up capture
+forwards check that each group reads one tensor): 7 linear passes per window, plus 3 in the first.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def hessians_over(group: Group, runs: Sequence[Callable[[], Any]], new_acc: Call
     every linear of the group has its input (``early_stop``) and, with ``capture``, once ``capture``'s hooks
     have run. With ``share``, a linear whose input is, in every window, the tensor the previous linear of the
     group just read (same object, unchanged) takes that linear's accumulator instead of a copy; if a linear
-    shares in some windows but not in others, the forwards run again without sharing.
+    shares in some windows but not in others, the forwards run again without sharing. A group whose linears
+    all read the first one's input tensor in the first window is taken to do so in every window (the same
+    module code reads the same tensor): later windows stop at the first linear's hook, before any matmul.
     """
     accs = {n: new_acc(m) for n, m in group}
     last: dict[str, Any] = {"x": None, "version": None, "name": None}
@@ -58,6 +61,8 @@ def hessians_over(group: Group, runs: Sequence[Callable[[], Any]], new_acc: Call
     raw: list = [None] * len(runs) if capture is not None else []
     window = [0]
     handles = []
+    names = [n for n, _ in group]
+    one_input = [False]  # set after the first window when the whole group read one tensor there
     for n, m in group:
         def pre(_mod: nn.Module, args: tuple, _n: str = n) -> None:
             x = args[0]
@@ -69,8 +74,10 @@ def hessians_over(group: Group, runs: Sequence[Callable[[], Any]], new_acc: Call
                 source[_n].add(_n)
                 last.update(x=x, version=version, name=_n)
             seen.add(_n)
-            if early_stop and capture is None and len(seen) == len(accs):
-                raise StopForward  # every Hessian of the group has its input: the rest is unused
+            if early_stop and capture is None and (len(seen) == len(accs) or one_input[0]):
+                # every Hessian of the group has its input: the rest is unused (after the first window of a
+                # group that reads one tensor, its first linear's input is everyone's: stop before its matmul)
+                raise StopForward
         handles.append(m.register_forward_pre_hook(pre))
     if capture is not None:
         def keep(_mod: nn.Module, args: tuple) -> None:
@@ -89,6 +96,8 @@ def hessians_over(group: Group, runs: Sequence[Callable[[], Any]], new_acc: Call
                     run()
                 except StopForward:
                     pass
+                if w == 0 and share and len(names) > 1 and all(source[n] == {names[0]} for n in names[1:]):
+                    one_input[0] = True
     finally:
         for h in handles:
             h.remove()

@@ -45,13 +45,15 @@ def _pipeline_hooks(model: nn.Module) -> nn.Module:
 def _quantise(model: nn.Module, staged: bool, monkeypatch, **cfg) -> tuple[dict, dict[str, int]]:
     """GPTQ of ``model`` in place; returns its errors and the layer / down_proj calls it made."""
     monkeypatch.setattr(gptq, "STAGED", staged)
-    calls = {"layer": 0, "down": 0}
+    calls = {"layer": 0, "down": 0, "q": 0}
     layers = arch.decoder_layers(model)
     for layer in layers:  # a wrapped forward, not a hook: a hook on the layer refuses the stages
         layer.forward = (lambda f: lambda *a, **k: (calls.__setitem__("layer", calls["layer"] + 1), f(*a, **k))[1])(
             layer.forward)
     handles = [arch.mlp_parts(model, i).down.register_forward_hook(
         lambda *_: calls.__setitem__("down", calls["down"] + 1)) for i in range(len(layers))]
+    handles += [arch.attention(model, i).q.register_forward_hook(
+        lambda *_: calls.__setitem__("q", calls["q"] + 1)) for i in range(len(layers))]
     try:
         errors = gptq.quantize_model_gptq(model, WINDOWS, 4, rtn.GPTQConfig(grid=10, **cfg), progress=False)
     finally:
@@ -86,7 +88,10 @@ def test_staged_and_whole_layer_gptq_agree(family, monkeypatch, caplog):
     kw = n_layers * n_windows if family == "gemma3" else 0
     # the staged path enters a layer only for its one check (layer 0, window 0); down_proj runs once per
     # layer-window plus that check's two forwards; the whole-layer path enters each layer 5 times per window
-    assert calls_s == {"layer": 1 + kw, "down": n_layers * n_windows + 2 + kw}, calls_s
+    # q_proj's matmul: once per layer-window, once more in each layer's first window (the capture forward
+    # that checks q/k/v read one tensor; later windows stop at q's hook), and in the check's two forwards
+    assert calls_s == {"layer": 1 + kw, "down": n_layers * n_windows + 2 + kw,
+                       "q": n_layers * n_windows + n_layers + 2 + kw}, calls_s
     assert calls_w["layer"] == 5 * n_layers * n_windows + kw, calls_w
     assert err_s == pytest.approx(err_w, rel=1e-6)
     _assert_same(staged, whole)
