@@ -507,6 +507,16 @@ def _error_terms(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> tuple[tor
     return prod[:rows].sum(), prod[rows:].sum()
 
 
+#: The staged layer keeps down_proj's inputs of every window (intermediate-sized) up to this many bytes; above,
+#: it runs the quantised MLP once more instead, so a layer's peak memory stays near the whole-layer path's.
+STAGED_KEEP_BYTES = 1 << 30
+
+
+def _down_input_bytes(stages: layer_stages.LayerStages, inputs: list) -> int:
+    x = inputs[0][0][0]
+    return len(inputs) * x[..., :1].numel() * stages.down.in_features * x.element_size()
+
+
 #: The execution groups' roles in the staged forward, in the adapter's order (q/k/v, o, gate/up, down).
 STAGE_ROLES = ("qkv", "o", "gate_up", "down")
 
@@ -549,7 +559,7 @@ def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: l
         out = gptq_layer.staged_layer(
             stages, dict(zip(STAGE_ROLES, groups, strict=True)), inputs,
             lambda g, runs, capture: gptq_layer.hessians_over(g, runs, new_acc, SHARE_HESSIANS, EARLY_STOP, capture),
-            solve)
+            solve, keep_down_inputs=_down_input_bytes(stages, inputs) <= STAGED_KEEP_BYTES)
     else:
         for group in groups:
             if group:

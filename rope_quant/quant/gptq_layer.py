@@ -17,7 +17,9 @@ Every linear is called as the layer calls it, so the hooks on it (online R4 on d
 quantisers) run before the Hessian hook, which is registered last: each Hessian sees what its linear sees. The
 raw input is recorded by a hook registered first (``prepend=True``), before any transform. Each linear's matmul
 runs once per window (q/k and gate run once more in the first window, where the q/k/v and gate/up capture
-forwards check that each group reads one tensor): 7 linear passes per window, plus 3 in the first.
+forwards check that each group reads one tensor): 7 linear passes per window, plus 3 in the first. Where
+down_proj's kept inputs would exceed a memory budget (:data:`rope_quant.quant.gptq.STAGED_KEEP_BYTES`), step 6
+runs the quantised MLP again instead: gate/up twice per window, 9 linear passes.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def hessians_over(group: Group, runs: Sequence[Callable[[], Any]], new_acc: Call
 
 def staged_layer(stages: LayerStages, groups: dict[str, Group], inputs: list[tuple[tuple, dict]],
                  collect: Callable[[Group, Sequence[Callable[[], Any]], nn.Module | None], tuple[dict, list]],
-                 solve: Callable[[Group, dict], None]) -> list[tuple[tuple, dict]]:
+                 solve: Callable[[Group, dict], None], keep_down_inputs: bool = True) -> list[tuple[tuple, dict]]:
     """True-sequential GPTQ of one layer through its stages (module docstring); returns the next layer's inputs.
 
     ``groups``: the linears to quantise by role, ``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"`` (a role may be
@@ -122,35 +124,38 @@ def staged_layer(stages: LayerStages, groups: dict[str, Group], inputs: list[tup
     :func:`hessians_over`'s result (with the caller's accumulator, sharing and stop settings); ``solve(group,
     accs)`` quantises the group in place. Forwards run with the quantisers' checks deferred, one host read per
     step (:func:`rope_quant.quant.deferred.run_checked`, which recomputes a step that asks for exact checks).
+    The norms are recomputed per forward rather than kept. ``keep_down_inputs``: keep down_proj's inputs
+    (intermediate-sized, every window) for the output step; False runs the quantised MLP once more instead
+    (gate/up twice per window), so the layer holds no more than its inputs, o_proj's inputs (hidden-sized) and the
+    residual stream.
     """
     xs = [args[0] for args, _ in inputs]
     kws = [kwargs for _, kwargs in inputs]
-    with torch.no_grad():
-        h = [stages.attention_input(x) for x in xs]
-    attn_runs = [lambda w=w: stages.attention(h[w], kws[w]) for w in range(len(xs))]
+    attn_runs = [lambda w=w: stages.attention(stages.attention_input(xs[w]), kws[w]) for w in range(len(xs))]
     if groups["qkv"]:
         solve(groups["qkv"], deferred.run_checked(lambda: collect(groups["qkv"], attn_runs, None))[0][0])
     accs, o_in = deferred.run_checked(lambda: collect(groups["o"], attn_runs, stages.o))[0]
     if groups["o"]:
         solve(groups["o"], accs)
-    h.clear()  # no longer needed: free the memory before the MLP
 
-    def residual() -> tuple[list, list]:
+    def residual() -> list:
         with torch.no_grad():
-            r = [stages.attention_residual(x, stages.o(a)) for x, a in zip(xs, o_in, strict=True)]
-            return r, [stages.mlp_input(t) for t in r]
-    r, m = deferred.run_checked(residual)[0]
-    o_in.clear()
-    mlp_runs = [lambda w=w: stages.mlp(m[w]) for w in range(len(xs))]
+            return [stages.attention_residual(x, stages.o(a)) for x, a in zip(xs, o_in, strict=True)]
+    r = deferred.run_checked(residual)[0]
+    o_in.clear()  # no longer needed: free the memory before the MLP
+    mlp_runs = [lambda w=w: stages.mlp(stages.mlp_input(r[w])) for w in range(len(xs))]
     if groups["gate_up"]:
         solve(groups["gate_up"], deferred.run_checked(lambda: collect(groups["gate_up"], mlp_runs, None))[0][0])
-    accs, d_in = deferred.run_checked(lambda: collect(groups["down"], mlp_runs, stages.down))[0]
+    capture = stages.down if keep_down_inputs or not groups["down"] else None
+    accs, d_in = deferred.run_checked(lambda: collect(groups["down"], mlp_runs, capture))[0]
     if groups["down"]:
         solve(groups["down"], accs)
-    m.clear()
+    if capture is None:  # down_proj's inputs were not kept: the quantised MLP once more
+        d_in = [None] * len(xs)
 
     def output() -> list:
         with torch.no_grad():
-            return [stages.mlp_residual(t, stages.down(d)) for t, d in zip(r, d_in, strict=True)]
+            return [stages.mlp_residual(t, stages.mlp(stages.mlp_input(t)) if d is None else stages.down(d))
+                    for t, d in zip(r, d_in, strict=True)]
     out = deferred.run_checked(output)[0]
     return [((y,) + tuple(args[1:]), kwargs) for y, (args, kwargs) in zip(out, inputs, strict=True)]

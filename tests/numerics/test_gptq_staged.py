@@ -140,3 +140,15 @@ def test_hooks_on_the_layer_itself_refuse_the_stages():
     arch.decoder_layers(model)[1].register_forward_pre_hook(lambda *_: None)
     assert "layers.1 carries hooks of its own" in layer_stages.staging_refusal(model, 1, args)
     assert "2 positional inputs" in layer_stages.staging_refusal(model, 0, args + (None,))
+
+
+def test_without_kept_down_inputs_the_weights_are_the_same(monkeypatch):
+    """Over the memory budget the output step runs the quantised MLP again instead of keeping down_proj's inputs:
+    the same weights and outputs, gate/up once more per layer-window."""
+    base = _pipeline_hooks(BUILDERS["gemma3"]())
+    kept, rerun = copy.deepcopy(base), copy.deepcopy(base)
+    _, calls_kept = _quantise(kept, True, monkeypatch)
+    monkeypatch.setattr(gptq, "STAGED_KEEP_BYTES", 0)
+    _, calls_rerun = _quantise(rerun, True, monkeypatch)
+    assert calls_rerun["down"] == calls_kept["down"] and calls_rerun["layer"] == calls_kept["layer"]
+    _assert_same(kept, rerun)
