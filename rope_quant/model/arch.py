@@ -94,6 +94,9 @@ class ArchSpec:
     ``qk_norm_heads_first``: the q/k norms run after the (b, L, H, d) -> (b, H, L, d) transpose (Gemma 3),
     not before it (Qwen3).
     ``refused``: extra (rotation, reason) declarations beyond those derived from the structure.
+    ``staged``: the decoder layer is the residual block :mod:`rope_quant.model.layer_stages` reproduces
+    (pre-attention norm, attention, optional post-attention norm, residual add; pre-MLP norm, MLP, optional
+    post-MLP norm, residual add), so GPTQ may run it in two stages; False keeps GPTQ on whole-layer forwards.
     """
 
     model_type: str
@@ -122,6 +125,7 @@ class ArchSpec:
     inv_freq_by_layer_type: bool = False
     qk_norm_heads_first: bool = False
     refused: tuple[tuple[str, str], ...] = field(default=())
+    staged: bool = True
 
     def linear_groups(self) -> tuple[tuple[str, ...], ...]:
         """Decoder-layer linears in execution order (true-sequential GPTQ groups), names relative to a layer."""

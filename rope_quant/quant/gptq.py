@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rope_quant.model import arch, offload
-from rope_quant.quant import deferred
+from rope_quant.model import arch, layer_stages, offload
+from rope_quant.quant import deferred, gptq_layer
 from rope_quant.quant.packing import negzero_flag
 from rope_quant.quant.rtn import (
     GPTQConfig,
@@ -82,6 +82,14 @@ SHARE_HESSIANS = True
 #: rows are independent given H, so each equals its own solve up to float rounding, test_gptq_fast.py).
 STACK_SHARED = True
 
+def loop_dtype(W: torch.Tensor) -> torch.dtype:
+    """The precision of GPTQ's column loop and error estimates: the weights' own, at least float32.
+    ``GPTQConfig(float64=True)`` (the float-order replicate) changes the Hessian sums and the factorisation only:
+    on a float32 model the loop's float32 arithmetic is the primary's, fed with a differently rounded
+    inverse-Hessian factor."""
+    return torch.promote_types(W.dtype, torch.float32)
+
+
 #: Number of per-linear GPTQ solves run in this process (the weight-cache test checks it does not grow).
 GPTQ_CALLS = {"linear": 0, "model": 0}
 
@@ -93,6 +101,8 @@ GPTQ_CALLS = {"linear": 0, "model": 0}
 class HessianAccumulator:
     """Running ``H = 2/n sum_t x_t x_t^T`` over the rows ``x_t`` of a linear's inputs (float32).
 
+    A float64 accumulator (``GPTQConfig(float64=True)``) sums the float32 products of float32 inputs in float64:
+    the running sum is exact to float64, each window's product is the forward's precision.
     ``bf16_inputs``: the product takes the inputs rounded to bfloat16 and accumulates in float32 (tensor
     cores on a GPU, ``torch.mm(..., out_dtype=torch.float32)``; an exact float32 product of the rounded
     inputs elsewhere). Off by default: use it only where
@@ -119,8 +129,12 @@ class HessianAccumulator:
             return
         total = self.n_samples + m
         self.H.mul_(self.n_samples / total)
+        product = torch.promote_types(x.dtype, torch.float32)
         if self.bf16_inputs:
             self.H.add_(_bf16_gram(x.to(device=self.H.device)), alpha=2.0 / total)
+        elif product != self.dtype:  # float64 sums of float32 products (the float-order replicate)
+            x = x.to(device=self.H.device, dtype=product)
+            self.H.add_(x.T @ x, alpha=2.0 / total)
         else:
             x = x.to(device=self.H.device, dtype=self.dtype) * math.sqrt(2.0 / total)
             self.H.addmm_(x.T, x)
@@ -142,23 +156,37 @@ def _bf16_gram(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- GPTQ for one matrix
 
 
-def _inverse_hessian_factor(H: torch.Tensor, percdamp: float, max_tries: int = 6) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp I)^{-1}``, raising the damping tenfold if H is not PD.
+def _upper_inverse_factor(Hd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``U`` upper triangular with ``U^T U = Hd^{-1}`` (the upper Cholesky factor of the inverse), and the 0-d
+    LAPACK status (0: ``Hd`` positive definite), from ONE Cholesky factorisation and one triangular inverse.
 
-    The first attempt reads its outcome in one host transfer (the diagonal mean and both factorisations'
-    status together): one synchronisation per Hessian on an accelerator, not three.
+    With ``P`` the reversal permutation and ``P Hd P = L L^T``: ``Hd^{-1} = (P L^{-1} P)^T (P L^{-1} P)``, and
+    ``P L^{-1} P`` is upper triangular with a positive diagonal, so it is the factor (the Cholesky factor is
+    unique). The same matrix as ``chol(cholesky_inverse(chol(Hd)), upper=True)`` in exact arithmetic, at about
+    half the cost: the inverse is never formed.
+    """
+    L, info = torch.linalg.cholesky_ex(Hd.flip(0, 1))
+    eye = torch.eye(Hd.shape[0], dtype=Hd.dtype, device=Hd.device)
+    return torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1), info
+
+
+def _inverse_hessian_factor(H: torch.Tensor, percdamp: float, max_tries: int = 6) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^{-1}`` (:func:`_upper_inverse_factor`), raising the damping
+    tenfold if H is not PD.
+
+    The first attempt reads its outcome in one host transfer (the diagonal mean and the factorisation's
+    status together): one synchronisation per Hessian on an accelerator.
     """
     diag_mean_t = torch.mean(torch.diagonal(H))
     # float64 product, then H's dtype: the value the host float gave before (percdamp * mean, rounded once)
     damp_t = (diag_mean_t.double() * percdamp).to(H.dtype) if percdamp > 0 else torch.zeros_like(diag_mean_t)
     Hd = H.clone()
     Hd.diagonal().add_(damp_t)
-    L, info = torch.linalg.cholesky_ex(Hd)
-    U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-    diag_mean, first, second = torch.stack([diag_mean_t.double(), info.double(), info2.double()]).tolist()
+    U, info = _upper_inverse_factor(Hd)
+    diag_mean, first = torch.stack([diag_mean_t.double(), info.double()]).tolist()
     if not math.isfinite(diag_mean):
         raise GPTQError("Hessian contains NaN or infinite values (did the calibration inputs overflow?)")
-    if first == 0 and second == 0:
+    if first == 0:
         return U
     damp = percdamp * diag_mean if percdamp > 0 else 0.0
     idx = torch.arange(H.shape[0], device=H.device)
@@ -166,13 +194,10 @@ def _inverse_hessian_factor(H: torch.Tensor, percdamp: float, max_tries: int = 6
         damp = max(damp, 1e-8 * max(diag_mean, 1e-8)) * 10.0
         Hd = H.clone()
         Hd[idx, idx] += damp
-        L, info = torch.linalg.cholesky_ex(Hd)
+        U, info = _upper_inverse_factor(Hd)
         if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if int(info2) == 0:
-                log.warning("GPTQ: Hessian needed damping %.3g (percdamp x %d)", damp, 10**attempt)
-                return U
+            log.warning("GPTQ: Hessian needed damping %.3g (percdamp x %d)", damp, 10**attempt)
+            return U
     raise GPTQError(
         f"Hessian is not positive definite even with damping {damp:.3g}; "
         "increase percdamp or use more calibration data"
@@ -228,14 +253,16 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
     "every weight is finite" (read by the caller: no host synchronisation here besides the factorisation's).
 
     The column loop runs on the transposed weight (a column of W is a contiguous row), with the per-column
-    scales gathered before the loop: ~7 kernels per column and no host read inside the loop.
+    scales gathered before the loop and each block's rows taken as views in one call: ~7 kernels per column
+    and no host read inside the loop. The factorisation runs in ``cfg.dtype`` (float64 for the float-order
+    replicate); the column loop in the weights' precision (:func:`loop_dtype`: float32 in the pipeline).
     """
     _check_bits(bits)
     if W.ndim != 2 or H.shape != (W.shape[1], W.shape[1]):
         raise GPTQError(f"shape mismatch: W {tuple(W.shape)}, H {tuple(H.shape)}")
     GPTQ_CALLS["linear"] += 1
     out_f, in_f = W.shape
-    Wf = W.detach().clone().to(cfg.dtype)
+    Wf = W.detach().clone().to(loop_dtype(W))
     H = H.detach().clone().to(device=Wf.device, dtype=cfg.dtype)
 
     dead = torch.diagonal(H) == 0  # masked ops, not boolean indexing: no host read of the dead count
@@ -251,7 +278,7 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
                                    col_weight=hdiag)
     # Static scales (computed once, on the original contiguous groups) unless groups are formed on the fly.
     lazy_groups = cfg.group_size != -1 and not cfg.act_order
-    scales = torch.empty(out_f, n_groups, dtype=cfg.dtype, device=Wf.device) if lazy_groups else grp(Wf)
+    scales = torch.empty(out_f, n_groups, dtype=Wf.dtype, device=Wf.device) if lazy_groups else grp(Wf)
     group_of_col = torch.arange(in_f, device=Wf.device) // gs
 
     perm = None
@@ -261,7 +288,7 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
         H = H[perm][:, perm]
         group_of_col = group_of_col[perm]
 
-    U = _inverse_hessian_factor(H, cfg.percdamp)
+    U = _inverse_hessian_factor(H, cfg.percdamp).to(Wf.dtype)
     # Row j of col_scales: the scales of (permuted) column j, gathered on the device before the loop.
     col_scales = None if lazy_groups else (scales.T.expand(in_f, out_f) if n_groups == 1
                                            else scales.T[group_of_col])
@@ -275,6 +302,10 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
         W1 = Wt[i1:i2]  # updated in place: these rows are not read after their block
         Err1 = torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
+        # every per-column view of the block in one call each (indexing per column costs more than the math)
+        ws, cs, qs, es = W1.unbind(0), Ct[i1:i2].unbind(0), Qt[i1:i2].unbind(0), Err1.unbind(0)
+        us, ds = U1.unbind(0), U1.diagonal().unbind(0)
+        ss = None if col_scales is None else col_scales[i1:i2].unbind(0)
         for i in range(i2 - i1):
             col = i1 + i
             if lazy_groups and col % gs == 0:
@@ -283,14 +314,14 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
                 scales[:, col // gs] = weight_scales(
                     block, bits, cfg.mse, clip_ratio, cfg.grid, cfg.max_shrink, norm=cfg.p_norm,
                     full_range=cfg.full_range, col_weight=None if hdiag is None else hdiag[col:col + gs])[:, 0]
-            s = scales[:, col // gs] if col_scales is None else col_scales[col]
-            w, c, q, e = W1[i], Ct[col], Qt[col], Err1[i]
+            s = scales[:, col // gs] if ss is None else ss[i]
+            w, c, q, e = ws[i], cs[i], qs[i], es[i]
             torch.div(w, s, out=c)  # = _int_codes(w, s, bits), written in place
             c.round_().clamp_(-qmax - 1, qmax)
             torch.mul(c, s, out=q)  # = quantize_with_scales(w, s, bits)
-            torch.sub(w, q, out=e).div_(U1[i, i])
+            torch.sub(w, q, out=e).div_(ds[i])
             if i + 1 < i2 - i1:
-                W1[i + 1:].addr_(U1[i, i + 1:], e, alpha=-1.0)
+                W1[i + 1:].addr_(us[i][i + 1:], e, alpha=-1.0)
         if i2 < in_f:
             Wt[i2:].addmm_(U[i1:i2, i2:].T, Err1, alpha=-1.0)
 
@@ -309,8 +340,7 @@ def _gptq_flagged(W: torch.Tensor, H: torch.Tensor, bits: int, cfg: GPTQConfig,
 LayerGroups = tuple[tuple[str, ...], ...]
 
 
-class _StopForward(Exception):
-    """Raised by the capture hook on decoder layer 0 once its inputs are recorded."""
+_StopForward = gptq_layer.StopForward  # raised by the capture hook on decoder layer 0 once its inputs are recorded
 
 
 def _linear_groups(layer: nn.Module, true_sequential: bool,
@@ -385,53 +415,14 @@ def _layer_output(out):
 
 def _group_hessians(layer: nn.Module, group: list[tuple[str, nn.Module]], inputs: list, dtype: torch.dtype,
                     share: bool, bf16: bool = False) -> dict[str, HessianAccumulator]:
-    """The Hessian of each linear of ``group`` over the layer's ``inputs`` (one layer forward per window,
-    stopped early where :data:`EARLY_STOP`).
+    """The Hessian of each linear of ``group`` over the layer's ``inputs`` (one whole-layer forward per window,
+    stopped early where :data:`EARLY_STOP`; sharing as in :func:`rope_quant.quant.gptq_layer.hessians_over`)."""
+    runs = [lambda a=args, k=kwargs: layer(*a, **k) for args, kwargs in inputs]
+    return gptq_layer.hessians_over(group, runs, _new_acc(dtype, bf16), share, EARLY_STOP)[0]
 
-    With ``share``, a linear whose input is, in every window, the tensor the previous linear of the group
-    just read (same object, unchanged) takes that linear's accumulator instead of a copy; if a linear shares
-    in some windows but not in others, the forwards run again without sharing.
-    """
-    accs = {n: HessianAccumulator(m.in_features, m.weight.device, dtype, bf16) for n, m in group}
-    last: dict[str, Any] = {"x": None, "version": None, "name": None}
-    source: dict[str, set] = {n: set() for n, _ in group}  # who accumulated n's input, per window
-    handles = []
-    seen: set[str] = set()
-    size = len(accs)
-    for n, m in group:
-        def pre(_mod, args, _n=n):
-            x = args[0]
-            version = None if x.is_inference() else x._version
-            if share and last["x"] is x and last["version"] == version:
-                source[_n].add(last["name"])
-            else:
-                accs[_n].add(x)
-                source[_n].add(_n)
-                last.update(x=x, version=version, name=_n)
-            seen.add(_n)
-            if EARLY_STOP and len(seen) == size:
-                raise _StopForward  # every Hessian of the group has its input: the rest is unused
-        handles.append(m.register_forward_pre_hook(pre))
-    try:
-        with torch.no_grad():
-            for args, kwargs in inputs:
-                seen.clear()
-                try:
-                    layer(*args, **kwargs)
-                except _StopForward:
-                    pass
-    finally:
-        for h in handles:
-            h.remove()
-        last.clear()
-    if not share:
-        return accs
-    for n, src in source.items():
-        (leader,) = src if len(src) == 1 else (None,)
-        if leader is None or source[leader] != {leader}:
-            return _group_hessians(layer, group, inputs, dtype, share=False, bf16=bf16)
-        accs[n] = accs[leader]
-    return accs
+
+def _new_acc(dtype: torch.dtype, bf16: bool) -> Callable[[nn.Module], HessianAccumulator]:
+    return lambda m: HessianAccumulator(m.in_features, m.weight.device, dtype, bf16)
 
 
 def resolve_objective(cfg: GPTQConfig, model: nn.Module) -> GPTQConfig:
@@ -452,6 +443,8 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
     ``windows``: (n, seqlen) token ids. The embedding, final norm and lm_head stay in full precision
     (QuaRot/DartQuant keep lm_head at 16 bit). Returns per-linear relative output errors
     ``||W X - Q X||_F^2 / ||W X||_F^2`` estimated from the Hessian (``tr(D H D^T) / tr(W H W^T)``).
+    True-sequential GPTQ runs each layer in stages (:func:`rope_quant.quant.gptq_layer.staged_layer`) where the
+    architecture adapter splits it (:func:`staging_plan`), and whole-layer group forwards otherwise.
     """
     from tqdm.auto import tqdm
 
@@ -462,47 +455,116 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
     order = arch.layer_linear_groups(model)
     inputs = capture_layer_inputs(model, windows)
     per_layer_kwargs = capture_per_layer_kwargs(model, windows)
+    staged = STAGED and cfg.true_sequential and staging_plan(model, inputs, per_layer_kwargs)
     errors: dict[str, float] = {}
     for li, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
         with offload.resident(model, layer):  # a streamed model (--offload cpu): this layer on the device
-            inputs = _quantize_layer(layer, li, inputs, per_layer_kwargs, order, bits, cfg, clip_ratio, skip, errors)
+            inputs = _quantize_layer(layer, li, inputs, per_layer_kwargs, order, bits, cfg, clip_ratio, skip, errors,
+                                     stages=layer_stages.layer_stages(model, li) if staged else None)
     return errors
+
+
+#: Run true-sequential GPTQ through the staged layer forward where the adapter allows it (False: always the
+#: whole-layer group forwards; the agreement test compares both, tests/numerics/test_gptq_staged.py).
+STAGED = True
+
+
+def staging_plan(model: nn.Module, inputs: list, per_layer_kwargs: list | None) -> bool:
+    """Whether every decoder layer can run in stages: the adapter splits each (no refusal, the four execution
+    groups and no other linear), and layer 0's staged forward equals its own forward on the first window (one
+    extra layer forward per model). Otherwise a warning names the reason and GPTQ takes the whole-layer path
+    (the weights are GPTQ's either way)."""
+    layers = _decoder_layers(model)
+    order = arch.layer_linear_groups(model)
+    reason = None
+    for li, layer in enumerate(layers):
+        reason = layer_stages.staging_refusal(model, li, inputs[0][0])
+        names = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        if reason is None and (len(order) != len(STAGE_ROLES) or names != {n for g in order for n in g}):
+            reason = f"layers.{li} has linears {sorted(names)}, not the execution groups {order}"
+        if reason is not None:
+            break
+    if reason is None:
+        args, kwargs = inputs[0]
+        kwargs = kwargs if per_layer_kwargs is None else per_layer_kwargs[0][0]
+        with offload.resident(model, layers[0]), torch.no_grad():
+            whole = _layer_output(layers[0](*args, **kwargs))
+            parts = layer_stages.layer_stages(model, 0).forward(args[0], kwargs)
+        if not layer_stages.same_output(parts, whole):
+            reason = "layers.0's staged forward differs from its own forward"
+    if reason is not None:
+        log.warning("GPTQ: staged layer forward not used (%s); running whole-layer forwards per group", reason)
+    return reason is None
+
+
+def _error_terms(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tr(D H D^T)`` and ``tr(W H W^T)`` with ``D = W - Q`` (0-d, on the device): one matmul of the stacked
+    ``[D; W]`` with the symmetric ``H`` in the loop's precision (a diagnostic; the float64 replicate's too)."""
+    Wh = W.to(H.dtype)
+    stacked = torch.cat([Wh - Q.to(H.dtype), Wh])
+    prod = (stacked @ H).mul_(stacked)
+    rows = W.shape[0]
+    return prod[:rows].sum(), prod[rows:].sum()
+
+
+#: The staged layer keeps down_proj's inputs of every window (intermediate-sized) up to this many bytes; above,
+#: it runs the quantised MLP once more instead, so a layer's peak memory stays near the whole-layer path's.
+STAGED_KEEP_BYTES = 1 << 30
+
+
+def _down_input_bytes(stages: layer_stages.LayerStages, inputs: list) -> int:
+    x = inputs[0][0][0]
+    return len(inputs) * x[..., :1].numel() * stages.down.in_features * x.element_size()
+
+
+#: The execution groups' roles in the staged forward, in the adapter's order (q/k/v, o, gate/up, down).
+STAGE_ROLES = ("qkv", "o", "gate_up", "down")
 
 
 def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: list | None, order: Any, bits: int,
                     cfg: GPTQConfig, clip_ratio: float, skip: Callable[[str], bool] | None,
-                    errors: dict[str, float]) -> list:
+                    errors: dict[str, float], stages: layer_stages.LayerStages | None = None) -> list:
     """GPTQ of one decoder layer (in place); returns the next layer's inputs.
 
-    The group forwards run with the quantisers' checks deferred (one host read per group,
-    :mod:`rope_quant.quant.deferred`); the error estimates and finiteness flags of every linear are read in
-    one transfer at the end of the layer.
+    With ``stages``, the layer runs block by block (:func:`rope_quant.quant.gptq_layer.staged_layer`); without,
+    one whole-layer forward per group and one for the next layer's inputs. The group forwards run with the
+    quantisers' checks deferred (one host read per group, :mod:`rope_quant.quant.deferred`); the error
+    estimates and finiteness flags of every linear are read in one transfer at the end of the layer.
     """
     if per_layer_kwargs is not None:  # this layer's own RoPE / mask, not layer 0's
         inputs = [(args, per_layer_kwargs[li][w]) for w, (args, _) in enumerate(inputs)]
     pending: list[tuple[str, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     records: list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for group in _linear_groups(layer, cfg.true_sequential, order):
-        group = [(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
-        if not group:
-            continue
-        accs, _ = deferred.run_checked(
-            lambda g=group: _group_hessians(layer, g, inputs, cfg.dtype, SHARE_HESSIANS, cfg.hessian_bf16))
+
+    def solve(group: list[tuple[str, nn.Module]], accs: dict[str, HessianAccumulator]) -> None:
         shared: dict[int, list[tuple[str, nn.Module]]] = {}
         for n, m in group:  # linears with one accumulator: one stacked solve
             shared.setdefault(id(accs[n]) if STACK_SHARED else id(m), []).append((n, m))
         for members in shared.values():
             H = accs[members[0][0]].H
             Ws = [m.weight.data for _, m in members]
+            H32 = H.to(loop_dtype(Ws[0]))
             for (n, m), W, (Q, codes, scales, finite) in zip(
                     members, Ws, _gptq_stacked(Ws, H, bits, cfg, clip_ratio), strict=True):
-                Wh = W.to(H.dtype)
-                num = torch.einsum("oi,ij,oj->", Wh - Q.to(H.dtype), H, Wh - Q.to(H.dtype))
-                den = torch.einsum("oi,ij,oj->", Wh, H, Wh)
+                num, den = _error_terms(W, Q, H32)
                 neg = negzero_flag(codes, Q) if bits <= 8 else torch.zeros((), dtype=torch.bool, device=Q.device)
                 pending.append((n, m, num, den, finite, neg))
                 records.append((m, codes, scales, Q))
                 m.weight.data.copy_(Q)
+
+    groups = [[(n, m) for n, m in group if not (skip and skip(f"layers.{li}.{n}"))]
+              for group in _linear_groups(layer, cfg.true_sequential, order)]
+    if stages is not None:
+        new_acc = _new_acc(cfg.dtype, cfg.hessian_bf16)
+        out = gptq_layer.staged_layer(
+            stages, dict(zip(STAGE_ROLES, groups, strict=True)), inputs,
+            lambda g, runs, capture: gptq_layer.hessians_over(g, runs, new_acc, SHARE_HESSIANS, EARLY_STOP, capture),
+            solve, keep_down_inputs=_down_input_bytes(stages, inputs) <= STAGED_KEEP_BYTES)
+    else:
+        for group in groups:
+            if group:
+                solve(group, deferred.run_checked(
+                    lambda g=group: _group_hessians(layer, g, inputs, cfg.dtype, SHARE_HESSIANS, cfg.hessian_bf16))[0])
     if pending:
         host = torch.stack([torch.stack([num.double(), den.double(), fin.double(), neg.double()])
                             for _, _, num, den, fin, neg in pending]).tolist()
@@ -512,6 +574,8 @@ def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: l
             errors[f"layers.{li}.{n}"] = num / max(den, 1e-30)
         for (m, codes, scales, Q), row in zip(records, host, strict=True):
             _record_codes(m, codes, scales, bits, cfg.group_size, Q, has_negzero=bool(row[3]))
+    if stages is not None:
+        return out
 
     # Inputs of the next layer: this layer, now quantised (with whatever hooks are installed).
     def forward() -> list:

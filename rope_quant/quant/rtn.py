@@ -88,7 +88,8 @@ class GPTQConfig:
     p_norm: float = field(default=2.0, metadata={"rtn": True})
     objective: ScaleObjective = ScaleObjective.AUTO
     full_range: bool = field(default=False, metadata={"rtn": True})
-    #: Hessians and the column loop in float64 (a robustness probe of GPTQ's floating-point order).
+    #: Hessian sums and the inverse-Hessian factorisation in float64 (the float-order replicate); the per-window
+    #: products, the column loop and the forwards stay in the model's precision (docs/verdicts.md).
     float64: bool = False
     #: Hessian products on bfloat16-rounded inputs with float32 accumulation (tensor cores on a GPU). Off
     #: unless :func:`rope_quant.quant.hessian_check.validate_fast_hessian` passes on the real shapes.
@@ -96,7 +97,7 @@ class GPTQConfig:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The precision of the Hessians and the GPTQ loop."""
+        """The precision of the Hessian sums and the factorisation (the loop: :func:`gptq.loop_dtype`)."""
         return torch.float64 if self.float64 else torch.float32
 
     def __post_init__(self) -> None:

@@ -205,9 +205,9 @@ def test_model_gptq_hessian_sees_the_pre_hooked_input():
 
 @pytest.mark.parametrize("objective", ["weight", "hessian_diag"])
 def test_model_gptq_in_float64_runs_in_float64_and_agrees_with_float32(objective):
-    """GPTQConfig(float64=True) (the cross-machine spread probe): the Hessians and the column loop run in
-    float64, the weights come back in the parameter's dtype, and agree with the float32 run up to a few flipped
-    rounding decisions.
+    """GPTQConfig(float64=True) (the float-order replicate): the Hessian sums and the factorisation run in
+    float64 (the column loop in the float32 weights' precision), the weights come back in the parameter's dtype,
+    and agree with the float32 run up to a few flipped rounding decisions.
 
     With the weights' own error as the scale objective (the default under R1) H does not enter the scale search:
     every linear's error within 5% and > 99% of the weights identical (measured: 5e-7 and ~100%). With the

@@ -12,7 +12,10 @@ from tests._support import tiny_llama
 
 
 def test_early_stop_keeps_the_weights_bit_identical(monkeypatch):
+    """The whole-layer group forwards (the staged forward's early stop: tests/numerics/test_gptq_staged.py)."""
     from rope_quant.experiment.pipeline import install_activation_quantizers
+
+    monkeypatch.setattr(gptq, "STAGED", False)
 
     model = _tiny(0)
     install_activation_quantizers(model, QuantConfig(bits=4))  # hooks before the Hessian hooks, as in the pipeline
