@@ -83,8 +83,11 @@ __all__ = [
 #: random Hadamard became QuaRot's diag(s)·H, and φ̂/φ* became the ``angle`` rule. 4: GPTQ's scale search
 #: minimises the Hessian-diagonal proxy by default where R1 is identity (``GPTQConfig.objective="auto"``).
 KEY_VERSION = 4
-#: Format of the on-disk weight cache (part of the weight key).
-WEIGHT_CACHE_FORMAT = 1
+#: Format of the on-disk weight cache and revision of the GPTQ arithmetic that fills it (part of the weight key,
+#: so a cache written by another revision is rebuilt, never read). 2: the staged layer forward, one Cholesky with
+#: a triangular inverse, and the float-order replicate's float64 scope (Hessian sums and factorisation only):
+#: the same algorithm in another float order.
+WEIGHT_CACHE_FORMAT = 2
 #: Pre-RoPE K tokens sampled per layer during calibration (positions kept) for the ``range`` objective.
 K_SAMPLE_ROWS = 2048
 #: How the K sample draws its keys (part of the statistics cache key: a file sampled another way is rebuilt, not
