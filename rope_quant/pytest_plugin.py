@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_MAX_SEEDS, DEFAULT_MODEL
+from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_FUTILITY, DEFAULT_MAX_SEEDS, DEFAULT_MODEL
 from rope_quant.io import atomic_write_text, markdown_table  # stdlib only: keeps the plugin light
 from rope_quant.seeds import SeedSpecError, parse_seeds  # stdlib only
 
@@ -60,6 +60,7 @@ class RQOptions:
     until_decided: bool = False
     max_seeds: int = DEFAULT_MAX_SEEDS
     time_budget: float | None = None
+    futility: float = DEFAULT_FUTILITY
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -111,6 +112,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--rq-time-budget", default=None, metavar="SECONDS",
         help="with --rq-until-decided: stop adding seeds when the next would pass this wall time (per session)",
+    )
+    group.addoption(
+        "--rq-futility", default=None, metavar="P",
+        help=f"with --rq-until-decided: stop a claim early when its chance of a decision by M is below P (default "
+        f"{DEFAULT_FUTILITY:g}; 0 turns it off)",
     )
 
 
@@ -176,6 +182,19 @@ def _parse_until_decided(config: pytest.Config, seeds: tuple[int, ...] | None,
     return until, max_seeds, budget
 
 
+def _parse_futility(text: str | None) -> float:
+    """``--rq-futility``: a number in [0, 1) (0: no early stop)."""
+    if text is None:
+        return DEFAULT_FUTILITY
+    try:
+        value = float(text)
+    except ValueError:
+        raise pytest.UsageError(f"--rq-futility: expected a chance in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise pytest.UsageError(f"--rq-futility {text}: must lie in [0, 1) (0 turns the early stop off)")
+    return value
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
@@ -191,6 +210,7 @@ def pytest_configure(config: pytest.Config) -> None:
         claims_out=config.getoption("--rq-claims-out"),
         replicates=replicates,
         until_decided=until, max_seeds=max_seeds, time_budget=budget,
+        futility=_parse_futility(config.getoption("--rq-futility")),
     )
     config.stash[_STORE] = _Collector()
     config.pluginmanager.register(config.stash[_STORE], "rope_quant_collector")

@@ -24,7 +24,7 @@ def _seconds(text: str) -> float:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from rope_quant.core.sequential import DEFAULT_MAX_SEEDS
+    from rope_quant.core.sequential import DEFAULT_FUTILITY, DEFAULT_MAX_SEEDS
 
     p = sub.add_parser("decide", help=HELP)
     p.add_argument("dir", metavar="DIR", help="results directory of a sweep (rope-quant compare ... --out DIR)")
@@ -33,6 +33,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "with its reason")
     p.add_argument("--time-budget", type=_seconds, default=None, metavar="SECONDS",
                    help="stop adding seeds when the next one would pass this wall time")
+    p.add_argument("--futility", type=float, default=DEFAULT_FUTILITY, metavar="P",
+                   help=f"stop a claim early when its chance of a decision by M is below P (default "
+                        f"{DEFAULT_FUTILITY:g}; 0 turns it off)")
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="weight cache (default DIR/cache)")
     p.add_argument("--progress", action="store_true", help="per-stage progress of each cell")
     return p
@@ -47,6 +50,8 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         raise CLIError(f"--time-budget {args.time_budget:g}: must be a positive number of seconds")
     if args.max_seeds < 2:
         raise CLIError(f"--max-seeds {args.max_seeds}: the rule needs at least 2 seeds")
+    if not 0.0 <= args.futility < 1.0:
+        raise CLIError(f"--futility {args.futility:g}: must lie in [0, 1) (0 turns the early stop off)")
     manifest = load_manifest(out)
     try:
         decide.check_inputs(manifest, args.max_seeds, args.time_budget, decide.replicate_config)
@@ -54,7 +59,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         raise CLIError(str(exc)) from None
     cell_fn = cells.function(args, out)
     result = decide.decide_directory(out, manifest, max_seeds=args.max_seeds, time_budget=args.time_budget,
-                                     cell_fn=cell_fn, cache_dir=args.cache_dir)
+                                     futility=args.futility, cell_fn=cell_fn, cache_dir=args.cache_dir)
     print(decide.table(result, decide.claims_of(manifest)))
     print(f"decide: {result.stopped}; decisions in {out / decide.DECISIONS_FILE}")
     return 0

@@ -20,7 +20,11 @@ rule keeps the same structure and spends the 5% over the planned looks (a group-
   summed over every look up to ``M``. Looking less often (a batch of seeds at a time) only removes looks;
 * a claim still open at ``M`` stops with its reason (:func:`stop_reason`): the distance of its effect from
   the boundary and the seeds the fixed-n rule would need to resolve it ("not resolvable at this margin" when
-  that is far beyond ``M``), or why no number of seeds decides it.
+  that is far beyond ``M``), or why no number of seeds decides it;
+* **futility** (non-binding stochastic curtailment): from ``futility_from`` seeds on, a claim whose chance of a
+  decision by ``M`` is below ``futility`` stops early with that reason (:func:`conditional_power`: the rule run
+  over simulated remaining seeds drawn at the effect, bias and noises measured so far). It only ever removes
+  decisions, so the error bound above stands; it saves the seeds a claim far from decidable would spend.
 
 :func:`simulate` is the rule vectorised over runs and looks (numpy), for the proof by simulation
 (``tests/theory/test_sequential.py``) and for :func:`expected_seeds`, the expected seeds to a decision. Standard
@@ -42,7 +46,7 @@ from rope_quant.core.verdict import (
     _bounds,
     decide_replicated,
 )
-from rope_quant.defaults import DEFAULT_MAX_SEEDS
+from rope_quant.defaults import DEFAULT_FUTILITY, DEFAULT_MAX_SEEDS
 
 ALPHA = 0.05
 """The error per side, spent over every look of the plan."""
@@ -50,6 +54,10 @@ RULE_SEQUENTIAL = "union of the primary and the float-order replicate intervals,
 """The rule name a sequential verdict carries (claims JSON ``rule``)."""
 UNRESOLVABLE_FACTOR = 10
 """A claim open at M whose fixed-n budget at the stop exceeds this many times M reads "not resolvable"."""
+FUTILITY = DEFAULT_FUTILITY
+"""An open claim whose chance of a decision by M (:func:`conditional_power`) is below this stops early."""
+FUTILITY_FROM = 5
+"""The fewest seeds at which futility is judged (fewer estimate the noises too loosely)."""
 
 
 class PlanError(ValueError):
@@ -58,11 +66,15 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Plan:
-    """Looks at ``first`` (n0) … ``max_seeds`` (M) seeds; ``alpha`` per side spent equally over them."""
+    """Looks at ``first`` (n0) … ``max_seeds`` (M) seeds; ``alpha`` per side spent equally over them; an open
+    claim stops for futility from ``futility_from`` seeds when its chance of a decision by M is below
+    ``futility`` (0 turns that off)."""
 
     first: int
     max_seeds: int = DEFAULT_MAX_SEEDS
     alpha: float = ALPHA
+    futility: float = FUTILITY
+    futility_from: int = FUTILITY_FROM
 
     def __post_init__(self) -> None:
         if self.first < 2:
@@ -72,6 +84,8 @@ class Plan:
                             f"least {self.first}")
         if not 0.0 < self.alpha < 0.5:
             raise PlanError(f"alpha must lie in (0, 0.5), got {self.alpha}")
+        if not 0.0 <= self.futility < 1.0:
+            raise PlanError(f"futility must lie in [0, 1), got {self.futility}")
 
     @property
     def looks(self) -> int:
@@ -139,9 +153,55 @@ def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | N
     if v.decided:
         return replace(v, note=where)
     if n < plan.max_seeds:
-        return replace(v, note=f"open at {where}")
+        v = replace(v, note=f"open at {where}")
+        if plan.futility > 0 and n >= max(plan.futility_from, plan.first + 1):
+            chance = conditional_power(form, margin, diffs, shifts, plan)
+            if chance < plan.futility:
+                fixed = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens)
+                return replace(v, stop=futility_reason(form, margin, v, fixed, plan, chance))
+        return v
     fixed = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens)
     return replace(v, stop=stop_reason(form, margin, v, fixed, plan))
+
+
+FUTILITY_RUNS = 4000
+"""Simulated continuations behind :func:`conditional_power`."""
+
+
+def conditional_power(form: Form, margin: float, diffs: Sequence[float], shifts: Sequence[float], plan: Plan,
+                      runs: int = FUTILITY_RUNS, seed: int = _CALIBRATION_SEED) -> float:
+    """The chance that the rule decides the claim at a later look up to ``plan.max_seeds``, if the remaining seeds
+    follow the model behind the rule (:func:`draw`) at the values measured so far: θ the mean paired difference,
+    β the mean replicate shift, σ_e = sd(shifts)/√2, σ_u² = var(diffs) − σ_e² (at least 0). The seeds measured
+    are kept; ``runs`` continuations are drawn from a fixed seed, so the number is reproducible."""
+    import numpy as np
+
+    n, m = len(diffs), plan.max_seeds
+    d = np.asarray(diffs, dtype=np.float64)
+    sh = np.asarray(shifts, dtype=np.float64)
+    se = float(sh.std(ddof=1)) / math.sqrt(2.0) if n > 1 else 0.0
+    su = math.sqrt(max(float(d.var(ddof=1)) - se * se, 0.0)) if n > 1 else 0.0
+    new_p, new_q = draw(float(d.mean()), float(sh.mean()), su, se, runs, m - n, seed)
+    p = np.hstack([np.broadcast_to(d, (runs, n)), new_p])
+    q = np.hstack([np.broadcast_to(d + sh, (runs, n)), new_q])
+    out = simulate(form, margin, p, q, plan.first, plan.alpha_look)
+    later = (out["holds"] | out["refuted"])[:, n - plan.first + 1:]
+    return float(later.any(1).mean())
+
+
+def futility_reason(form: Form, margin: float, v: Verdict, fixed: Verdict, plan: Plan, chance: float) -> str:
+    """Why a claim stops before M: its chance of a decision by M at the effect measured so far, its distance from
+    the boundary, and the fixed-n budget on the same data."""
+    side, b = _bounds(form, margin)
+    bound = f"±{b:.4g}" if side == "equivalent" else f"{b:+.4g}"
+    x = ("" if v.mean is None else
+         f"; the effect sits within {distance(form, margin, v.mean):.3g} of its boundary {bound}")
+    budget = fixed.budget
+    need = (f"; the fixed-n rule would need {budget.seeds} seeds" if budget is not None and budget.seeds else "")
+    resolvable = ("not resolvable at this margin within " if budget is not None and budget.seeds
+                  and budget.seeds > UNRESOLVABLE_FACTOR * plan.max_seeds else "not resolvable within ")
+    return (f"stopped for futility at {v.n} seeds: {resolvable}{plan.max_seeds} seeds (chance of a decision by "
+            f"{plan.max_seeds} seeds at the values measured so far {chance:.0%}, below {plan.futility:.0%}){x}{need}")
 
 
 def paired_claim(form: Form, treatment: Sequence[float], control: Sequence[float], plan: Plan, *,
@@ -272,8 +332,9 @@ class Looked:
 
 
 def open_at(v: Verdict, n: int, plan: Plan) -> bool:
-    """Still open: inconclusive below the last look (a claim of parts is open while any part is)."""
-    return v.outcome is Outcome.INCONCLUSIVE and n < plan.max_seeds
+    """Still open: inconclusive below the last look and not stopped for futility (a claim of parts is open
+    while any part is)."""
+    return v.outcome is Outcome.INCONCLUSIVE and n < plan.max_seeds and not v.stop
 
 
 def until_decided(evaluate: Any, verdict_of: Any, seeds: Sequence[int], plan: Plan, *,
@@ -299,7 +360,8 @@ def until_decided(evaluate: Any, verdict_of: Any, seeds: Sequence[int], plan: Pl
     while True:
         v = verdict_of(result)
         if not open_at(v, len(current), plan):
-            stopped = ("decided" if v.decided else f"open at the last look ({plan.max_seeds} seeds)")
+            stopped = ("decided" if v.decided else f"open at the last look ({plan.max_seeds} seeds)"
+                       if len(current) >= plan.max_seeds else f"stopped for futility at {len(current)} seeds")
             break
         if per_seed is not None and time_budget is not None and now() - t_start + per_seed > time_budget:
             stopped = f"time budget {time_budget:g} s: the next seed would pass it (open at {len(current)} seeds)"

@@ -336,7 +336,8 @@ def combine_all(parts: Iterable[Verdict], note: str = "") -> Verdict:
         hit = [v for v in items if v.outcome is bad]
         if hit:
             return replace(hit[0], note=note or hit[0].note)
-    open_ = [v for v in items if v.outcome is Outcome.INCONCLUSIVE]
+    # a part still open comes before a part stopped (rope_quant.core.sequential): the claim stops with its last part
+    open_ = sorted((v for v in items if v.outcome is Outcome.INCONCLUSIVE), key=lambda v: bool(v.stop))
     if not open_:
         return replace(items[0], note=note)
     needs = [v for v in open_ if v.note.startswith("needs")]

@@ -140,7 +140,7 @@ def check_inputs(manifest: Manifest, max_seeds: int, time_budget: float | None,
 
 
 def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_seeds: int = sequential.DEFAULT_MAX_SEEDS,
-                     time_budget: float | None = None, cell_fn: Any = None,
+                     time_budget: float | None = None, futility: float = sequential.FUTILITY, cell_fn: Any = None,
                      replicate: Callable[[Any], Any | None] = replicate_config, cache_dir: Any = None,
                      log: Callable[[str], None] | None = print, run_cells_kw: Mapping[str, Any] | None = None
                      ) -> Outcomes:
@@ -151,7 +151,7 @@ def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_see
     claims = check_inputs(manifest, max_seeds, time_budget, replicate)
     say = log or (lambda _line: None)
     state = _state(out, len(manifest.seeds()), max_seeds)
-    plan = sequential.Plan(int(state["first"]), int(state["max_seeds"]))
+    plan = sequential.Plan(int(state["first"]), int(state["max_seeds"]), futility=futility)
     template = {name: cfg for name, cfg in manifest.cells}
 
     def make(name: str, seed: int) -> Any:
@@ -274,7 +274,8 @@ def _finish(out: Path, claims: list[Claim], verdicts: Mapping[str, tuple[Verdict
     seeds = {c.name: verdicts[c.name][1] for c in claims}
     atomic_write_json(out / DECISIONS_FILE, {
         "plan": {"first": plan.first, "max_seeds": plan.max_seeds, "alpha": plan.alpha,
-                 "alpha_per_look": plan.alpha_look, "rule": sequential.RULE_SEQUENTIAL},
+                 "alpha_per_look": plan.alpha_look, "futility": plan.futility,
+                 "rule": sequential.RULE_SEQUENTIAL},
         "stopped": stopped,
         "claims": [{"claim": c.label, "config": c.name, "control": c.control, "seeds": seeds[c.name],
                     "decision": result[c.name].to_dict() if c.name in result else None} for c in claims]})

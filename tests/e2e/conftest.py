@@ -8,6 +8,7 @@ That is what makes the comparisons paired, and what keeps the whole marker withi
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -120,6 +121,32 @@ class Experiment:
             result = (replace(v, stop=f"{looked.stopped}; {v.note}"), *result[1:])
         return result, self.with_seeds(looked.seeds)
 
+    def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per ``key``: in this session's memo, then on disk in the cache directory
+        (:func:`cell_memo_path`: keyed by ``key`` and the source of ``rope_quant`` and ``tests/e2e``, written
+        atomically), so a warm rerun or a killed ``--rq-until-decided`` run recomputes no finished cell."""
+        import pickle
+
+        from rope_quant.io import atomic_write_bytes
+
+        if key in self._cells:
+            return self._cells[key]
+        # the key within this experiment: its model, corpus, device and budget (bar its seed list) are on disk too
+        full = repr((self.model, self.corpus, self.device, replace(self.budget, seeds=(), replicates=0), key))
+        path = cell_memo_path(self.cache_dir, full)
+        value = None
+        if path.is_file():
+            try:
+                stored_key, value = pickle.loads(path.read_bytes())
+                value = value if stored_key == full else None
+            except Exception:  # noqa: BLE001 (an unreadable memo is recomputed, never trusted)
+                value = None
+        if value is None:
+            value = compute()
+            atomic_write_bytes(path, pickle.dumps((full, value)))
+        self._cells[key] = value
+        return value
+
     def config(self, seed: int = 0, **overrides: Any):
         from rope_quant.experiment.pipeline import RunConfig
         from rope_quant.quant.rtn import GPTQConfig
@@ -181,9 +208,7 @@ class Experiment:
         from rope_quant.experiment.pipeline import run_cell
 
         cfg = self.config(seed, **overrides)
-        if cfg.key() not in self._cells:
-            self._cells[cfg.key()] = run_cell(cfg, cache_dir=self.cache_dir, base=self.base)
-        return self._cells[cfg.key()]
+        return self.memo(cfg.key(), lambda: run_cell(cfg, cache_dir=self.cache_dir, base=self.base))
 
     def per_seed(self, metric: str = "ppl", **overrides: Any) -> list[float]:
         return [float(self.cell(seed, **overrides)[metric]) for seed in self.budget.seeds]
@@ -197,15 +222,43 @@ class Experiment:
         b = self.budget
         lengths = tuple(lengths or b.long_lengths)
         key = ("long", lengths, self.config(seed, **overrides).key())
-        if key not in self._cells:
-            cfg = self.config(seed, **overrides)
-            qm = build_quantized_model(cfg, cache_dir=self.cache_dir, base=self.base)
+
+        def compute() -> Any:
             from rope_quant.experiment.longctx import eval_stream
 
+            qm = build_quantized_model(self.config(seed, **overrides), cache_dir=self.cache_dir, base=self.base)
             stream = eval_stream(b.long_corpus, qm.tokenizer)  # A.4: the first 64 evaluation documents
-            self._cells[key] = evaluate.long_context(qm.model, stream.ids, list(lengths),
-                                                     max_windows=b.long_windows)
-        return self._cells[key]
+            return evaluate.long_context(qm.model, stream.ids, list(lengths), max_windows=b.long_windows)
+
+        return self.memo(key, compute)
+
+
+CELL_MEMO_DIR = "cells-memo-v1"
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A digest of every ``.py`` file of ``rope_quant`` and ``tests/e2e``: a memoised cell is read back only
+    by the code that computed it."""
+    import hashlib
+    from pathlib import Path
+
+    import rope_quant
+
+    h = hashlib.sha256()
+    for root in (Path(rope_quant.__file__).parent, Path(__file__).parent):
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cell_memo_path(cache_dir: str, key: str):
+    """Where :meth:`Experiment.memo` keeps the result of ``key`` (its full text) in ``cache_dir``."""
+    import hashlib
+    from pathlib import Path
+
+    name = hashlib.sha256(f"{source_digest()}|{key}".encode()).hexdigest()[:32]
+    return Path(cache_dir) / CELL_MEMO_DIR / f"{name}.pkl"
 
 
 _MACHINE: dict[str, Any] = {}
@@ -268,4 +321,4 @@ def sequential_plan(rq_options, budget: E2EBudget) -> Any:
         return None
     from rope_quant.core.sequential import Plan
 
-    return Plan(len(budget.seeds), rq_options.max_seeds)
+    return Plan(len(budget.seeds), rq_options.max_seeds, futility=rq_options.futility)

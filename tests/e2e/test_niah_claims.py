@@ -66,7 +66,8 @@ def niah_accuracies(exp: Any, length: int, probes: int = PROBES, replicate: bool
     out: dict[str, list[float]] = {name: [] for name in ("fp", *CONFIGS)}
     for seed in seeds:
         key = ("niah", length, probes, seed, replicate)
-        if key not in exp._cells:
+
+        def compute(seed: int = seed) -> dict[str, float]:
             model, tok = exp.base
             stream = load_corpus(exp.corpus, tok).eval_ids
             done = {"fp": accuracy_table(run_probes(model, tok, stream, spec, seed))["by_length"][str(length)]}
@@ -77,9 +78,11 @@ def niah_accuracies(exp: Any, length: int, probes: int = PROBES, replicate: bool
                 recs = run_probes(qm.model, qm.tokenizer, stream, spec, seed)
                 done[name] = accuracy_table(recs)["by_length"][str(length)]
             del qm
-            exp._cells[key] = done
+            return done
+
+        done = exp.memo(key, compute)
         for name in out:
-            out[name].append(exp._cells[key][name])
+            out[name].append(done[name])
     return out
 
 

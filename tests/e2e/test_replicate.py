@@ -60,3 +60,33 @@ def test_a_replicate_that_fails_to_build_is_reported_not_raised(experiment_facto
 
     reason = exp.over_replicates(build)
     assert isinstance(reason, str) and "seed 5" in reason and "MemoryError: GPTQ float64 Hessian" in reason
+
+
+def test_a_memoised_cell_is_computed_once_across_sessions_and_only_for_its_key(experiment_factory, tmp_path) -> None:
+    """Experiment.memo: a second experiment on the same cache directory (a warm rerun, or a killed
+    ``--rq-until-decided`` run resumed) reads the result back without computing it; another key, another model or
+    another budget computes; a corrupt memo file is recomputed and rewritten, never trusted."""
+    Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
+    calls: list[str] = []
+
+    def compute(tag: str):
+        return lambda: calls.append(tag) or {"ppl": float(len(calls)), "tag": tag}
+
+    first = Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2)), "pydoc")
+    assert first.memo(("cell", 0), compute("a")) == {"ppl": 1.0, "tag": "a"}
+    assert first.memo(("cell", 0), compute("again")) == {"ppl": 1.0, "tag": "a"} and calls == ["a"]
+    resumed = Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2, 3), replicates=4), "pydoc")
+    assert resumed.memo(("cell", 0), compute("b"))["tag"] == "a" and calls == ["a"]
+    assert resumed.memo(("cell", 1), compute("c"))["tag"] == "c"
+    other_model = Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2)), "pydoc", model="gemma-3-270m")
+    assert other_model.memo(("cell", 0), compute("d"))["tag"] == "d"
+    other_budget = Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2), eval_windows=3), "pydoc")
+    assert other_budget.memo(("cell", 0), compute("e"))["tag"] == "e" and calls == ["a", "c", "d", "e"]
+    files = sorted((tmp_path / "cells-memo-v1").glob("*.pkl"))
+    assert len(files) == 4
+    for f in files:
+        f.write_bytes(b"not a pickle")
+    fresh = Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2)), "pydoc")
+    assert fresh.memo(("cell", 0), compute("f"))["tag"] == "f"
+    assert Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2)), "pydoc").memo(
+        ("cell", 0), compute("g"))["tag"] == "f"

@@ -41,7 +41,8 @@ def _static_cells(experiment, scope: str = "both", replicate: bool = False) -> d
     out: dict[str, list[dict]] = {"hadamard": [], "pairwise_only": []}
     for seed in seeds:
         key = ("static", scope, STATIC_WINDOWS, STATIC_EVAL_WINDOWS, b.seqlen, seed, replicate)
-        if key not in experiment._cells:
+
+        def compute(seed: int = seed) -> dict[str, dict]:
             qm = build_quantized_model(experiment.config(seed, r3="hadamard", eval_windows=STATIC_EVAL_WINDOWS,
                                                          **extra),
                                        cache_dir=experiment.cache_dir,
@@ -54,9 +55,11 @@ def _static_cells(experiment, scope: str = "both", replicate: bool = False) -> d
                 print(f"static {scope} seed {seed} {r3}: ppl {done[r3]['lengths'][str(b.seqlen)]['ppl']:.3f}",
                       flush=True)  # the measurement as it lands (the session's output with -s)
             del qm
-            experiment._cells[key] = done
+            return done
+
+        done = experiment.memo(key, compute)
         for r3 in out:
-            out[r3].append(experiment._cells[key][r3])
+            out[r3].append(done[r3])
     return out
 
 

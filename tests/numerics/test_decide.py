@@ -71,11 +71,11 @@ def make_dir(tmp_path: Path, names=("hadamard", "worse", "same"), seeds=(0, 1, 2
 
 def test_adds_seeds_only_for_open_claims_and_stops_at_m_with_the_reason(tmp_path: Path) -> None:
     """A clear effect (+3 PPL, seed sd 1) holds after few seeds; an effect of 0 runs to M = 8 and stops with its
-    reason. Only the open claim's cells (config, control and both replicates) are added after the decided one
-    stopped; decisions.json holds the verdicts; the progress lines name the open claims and the seeds."""
+    reason (futility off). Only the open claim's cells (config, control and both replicates) are added after the
+    decided one stopped; decisions.json holds the verdicts; the progress lines name the open claims and the seeds."""
     out, manifest = make_dir(tmp_path)
     cells, lines = Cells(), []
-    result = decide.decide_directory(out, manifest, max_seeds=8, cell_fn=cells, replicate=replicate,
+    result = decide.decide_directory(out, manifest, max_seeds=8, futility=0.0, cell_fn=cells, replicate=replicate,
                                      log=lines.append)
     worse, same = result.verdicts["worse"], result.verdicts["same"]
     assert worse.outcome.value == "holds" and result.seeds["worse"] < 8, worse.text()
@@ -95,6 +95,19 @@ def test_adds_seeds_only_for_open_claims_and_stops_at_m_with_the_reason(tmp_path
     assert {"worse.float-order", "hadamard.float-order"} <= names
     table = decide.table(result, decide.claims_of(manifest))
     assert "| worse − hadamard > 0 |" in table and "holds" in table
+
+
+def test_a_claim_far_from_decidable_stops_for_futility_before_m(tmp_path: Path) -> None:
+    """The same directory with the default early stop: the null claim stops at 5 seeds (its chance of a decision
+    by M = 8 is below 10%), says so, and no cell of it past seed 4 is built; decisions.json records the level."""
+    out, manifest = make_dir(tmp_path)
+    cells = Cells()
+    result = decide.decide_directory(out, manifest, max_seeds=8, cell_fn=cells, replicate=replicate, log=None)
+    same = result.verdicts["same"]
+    assert same.stop.startswith("stopped for futility at 5 seeds") and result.seeds["same"] == 5, same.text()
+    assert max({c.seed for c in cells.calls if c.r3 == "same"}) == 4
+    assert result.verdicts["worse"].outcome.value == "holds"
+    assert json.loads((out / decide.DECISIONS_FILE).read_text())["plan"]["futility"] == 0.1
 
 
 def test_a_killed_run_resumes_without_recomputing(tmp_path: Path) -> None:
@@ -168,6 +181,7 @@ def _real_dir(tmp_path: Path, weights: str) -> Path:
 @pytest.mark.parametrize(("weights", "flags", "message"), [
     ("gptq", ["--max-seeds", "2"], "error: --max-seeds 2 is below the 3 seeds"),
     ("gptq", ["--time-budget", "0"], "error: --time-budget 0: must be a positive number of seconds"),
+    ("gptq", ["--futility", "1.5"], "error: --futility 1.5: must lie in [0, 1)"),
     ("rtn", [], "has no float-order replicate (its weights are not GPTQ)"),
 ])
 def test_cli_bad_input_exits_2_and_touches_nothing(tmp_path: Path, weights: str, flags: list[str],

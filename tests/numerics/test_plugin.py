@@ -85,15 +85,19 @@ def test_seed_ranges_are_accepted(pytester: pytest.Pytester) -> None:
 
 
 def test_until_decided_options(pytester: pytest.Pytester) -> None:
-    """``--rq-until-decided`` with ``--rq-max-seeds`` (default 40) and ``--rq-time-budget``, parsed into rq_options;
-    usage errors (touching nothing) for an M below the seeds given, a time budget of 0 or below, and
+    """``--rq-until-decided`` with ``--rq-max-seeds`` (default 40), ``--rq-time-budget`` and ``--rq-futility``
+    (default 0.1), parsed into rq_options; usage errors (touching nothing) for an M below the seeds given, a time
+    budget of 0 or below, a futility outside [0, 1), and
     ``--rq-replicates`` 0, 1 or fewer than the seeds with ``--rq-until-decided`` (the rule cannot decide)."""
     pytester.makepyfile(test_rqplugin_x=(
         "def test_x(rq_options):\n"
-        "    assert (rq_options.until_decided, rq_options.max_seeds, rq_options.time_budget) == (True, 12, 90.0)\n"))
-    pytester.runpytest("--rq-until-decided", "--rq-max-seeds=12", "--rq-time-budget=90").assert_outcomes(passed=1)
+        "    assert (rq_options.until_decided, rq_options.max_seeds, rq_options.time_budget, rq_options.futility) "
+        "== (True, 12, 90.0, 0.0)\n"))
+    pytester.runpytest("--rq-until-decided", "--rq-max-seeds=12", "--rq-time-budget=90",
+                       "--rq-futility=0").assert_outcomes(passed=1)
     pytester.makepyfile(test_rqplugin_x=(
-        "def test_x(rq_options):\n    assert not rq_options.until_decided and rq_options.max_seeds == 40\n"))
+        "def test_x(rq_options):\n    assert not rq_options.until_decided and rq_options.max_seeds == 40\n"
+        "    assert rq_options.futility == 0.1\n"))
     pytester.runpytest().assert_outcomes(passed=1)
     bad = [
         (["--rq-until-decided", "--rq-max-seeds=2"], "*--rq-max-seeds 2 is below the 3 seeds given*"),
@@ -101,6 +105,8 @@ def test_until_decided_options(pytester: pytest.Pytester) -> None:
         (["--rq-max-seeds=x"], "*--rq-max-seeds: expected a whole number >= 2*"),
         (["--rq-until-decided", "--rq-time-budget=0"], "*--rq-time-budget 0: must be a positive number*"),
         (["--rq-time-budget=-3"], "*--rq-time-budget -3: must be a positive number*"),
+        (["--rq-until-decided", "--rq-futility=1"], "*--rq-futility 1: must lie in [[]0, 1)*"),
+        (["--rq-futility=x"], "*--rq-futility: expected a chance in [[]0, 1)*"),
         (["--rq-until-decided", "--rq-replicates=0"], "*--rq-replicates 0: *the rule cannot decide*"),
         (["--rq-until-decided", "--rq-replicates=1"], "*--rq-replicates 1: *the rule cannot decide*"),
         (["--rq-until-decided", "--rq-replicates=2"], "*--rq-replicates 2: the sequential rule replicates every*"),

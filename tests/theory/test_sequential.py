@@ -15,6 +15,7 @@ with looks at 3 … 40 seeds (binomial sd 0.0015 at 5%). Checked:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -155,7 +156,44 @@ def test_bad_plans_and_missing_replicates() -> None:
     assert v.outcome is Outcome.INCONCLUSIVE and "needs every seed replicated" in v.text()
 
 
-def _synthetic_claim(theta: float, computed: list[int]):
+def test_futility_stops_a_claim_far_from_decidable_and_never_a_decidable_one() -> None:
+    """C2's shape (an equivalence at ±0.141 with the effect near its margin, σ ≈ 1.2): from 5 seeds its chance of
+    a decision by 40 is far below 10%, so it stops for futility with that reason and the fixed-n budget; a claim
+    whose effect is 1 sd past its boundary is never stopped (its chance is near 1); below ``futility_from`` and
+    with futility off, nothing stops. The chance is reproducible (a fixed seed) and lies in [0, 1]."""
+    rng = np.random.default_rng(11)
+    diffs = -0.25 + rng.normal(0, 1.2, 5)
+    shifts = rng.normal(0, 1.2, 5)
+    chance = sequential.conditional_power(Form.EQUIVALENT, 0.141, diffs, shifts, PLAN)
+    assert 0.0 <= chance < 0.02 and chance == sequential.conditional_power(Form.EQUIVALENT, 0.141, diffs, shifts, PLAN)
+    v = sequential.decide(Form.EQUIVALENT, diffs, shifts, PLAN, margin=0.141)
+    assert v.outcome is Outcome.INCONCLUSIVE and v.stop.startswith("stopped for futility at 5 seeds"), v
+    assert "not resolvable at this margin within 40 seeds" in v.stop and "fixed-n rule would need" in v.stop
+    assert not sequential.open_at(v, 5, PLAN) and v.to_dict()["stop"] == v.stop
+    assert sequential.decide(Form.EQUIVALENT, diffs[:4], shifts[:4], PLAN, margin=0.141).stop == ""
+    assert sequential.decide(Form.EQUIVALENT, diffs, shifts, Plan(3, 40, futility=0.0), margin=0.141).stop == ""
+    clear = 1.0 + rng.normal(0, 1.0, 5)  # GREATER: mean ≈ 1 sd above 0 at 5 seeds: decidable within 40
+    assert sequential.conditional_power(Form.GREATER, 0.0, clear, rng.normal(0, 0.2, 5), PLAN) > 0.9
+    w = sequential.decide(Form.GREATER, clear, rng.normal(0, 0.2, 5), PLAN)
+    assert w.decided or not w.stop, w
+    with pytest.raises(PlanError, match="futility"):
+        Plan(3, 40, futility=1.0)
+
+
+def test_a_claim_of_parts_stops_only_when_every_open_part_has() -> None:
+    """combine_all: while one part is open, the claim is open (no stop), whichever part comes first."""
+    from rope_quant.core.verdict import Verdict, combine_all
+
+    stopped = Verdict(Outcome.INCONCLUSIVE, Form.GREATER, 5, stop="stopped for futility at 5 seeds")
+    open_ = Verdict(Outcome.INCONCLUSIVE, Form.GREATER, 5, note="open at look 3 of 38")
+    assert combine_all([stopped, open_]).stop == "" and combine_all([open_, stopped]).stop == ""
+    assert combine_all([stopped, replace(stopped, n=6)]).stop.startswith("stopped for futility")
+
+
+DEFAULT_PLAN = Plan(3, 12)
+
+
+def _synthetic_claim(theta: float, computed: list[int], plan: Plan = DEFAULT_PLAN):
     """evaluate(seeds) of a claim whose per-seed cells are memoised: ``computed`` records each seed built once."""
     memo: dict[int, tuple[float, float]] = {}
 
@@ -168,7 +206,7 @@ def _synthetic_claim(theta: float, computed: list[int]):
                 memo[s] = (d, rng.normal(0, 0.3))
         diffs = [memo[s][0] for s in seeds]
         shifts = [memo[s][1] for s in seeds]
-        return (sequential.decide(Form.GREATER, diffs, shifts, Plan(3, 12)), len(seeds))
+        return (sequential.decide(Form.GREATER, diffs, shifts, plan), len(seeds))
 
     return evaluate
 
@@ -182,9 +220,13 @@ def test_until_decided_adds_one_seed_per_look_and_stops() -> None:
     assert built == list(range(len(looked.seeds)))  # one new seed per look, none rebuilt
     assert all("seeds so far" in line and "s per seed measured" in line for line in looked.lines)
     null: list[int] = []
-    looked = sequential.until_decided(_synthetic_claim(0.0, null), lambda r: r[0], (0, 1, 2), Plan(3, 12))
+    no_futility = Plan(3, 12, futility=0.0)
+    looked = sequential.until_decided(_synthetic_claim(0.0, null, no_futility), lambda r: r[0], (0, 1, 2),
+                                      no_futility)
     assert looked.seeds == tuple(range(12)) and looked.result[0].stop and "last look" in looked.stopped
+    futile = sequential.until_decided(_synthetic_claim(0.0, []), lambda r: r[0], (0, 1, 2), Plan(3, 12))
+    assert futile.stopped.startswith("stopped for futility") and 5 <= len(futile.seeds) < 12, futile.stopped
     ticks = iter(range(0, 10_000, 10))  # a clock: 10 s per reading
-    timed = sequential.until_decided(_synthetic_claim(0.0, []), lambda r: r[0], (0, 1, 2), Plan(3, 12),
+    timed = sequential.until_decided(_synthetic_claim(0.0, [], no_futility), lambda r: r[0], (0, 1, 2), no_futility,
                                      time_budget=45.0, started=0.0, clock=lambda: float(next(ticks)))
     assert timed.stopped.startswith("time budget 45 s") and 3 < len(timed.seeds) < 12, timed
