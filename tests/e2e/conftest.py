@@ -79,12 +79,13 @@ class Experiment:
         self.plan, self.time_budget = plan, time_budget
         self.started = time.perf_counter() if started is None else started
         self._cells: dict[str, dict[str, Any]] = {}
+        self._models: dict[tuple[str, str, bool], Any] = {}
 
     def with_seeds(self, seeds: Sequence[int]) -> Experiment:
         """The same experiment (cells, memo, cache) at ``seeds``, every one replicated."""
         other = Experiment(self.base, self.cache_dir, replace(self.budget, seeds=tuple(seeds), replicates=len(seeds)),
                            self.corpus, self.model, self.device, self.plan, self.time_budget, self.started)
-        other._cells = self._cells
+        other._cells, other._models = self._cells, self._models
         return other
 
     def paired_claim(self, form: Any, treatment: Sequence[float], control: Sequence[float], *,
@@ -204,11 +205,28 @@ class Experiment:
         """Per replicated seed (index): :meth:`long_context` with GPTQ in the other float mode."""
         return self.over_replicates(lambda seed, rep: self.long_context(seed, lengths, **{**overrides, **rep}))
 
+    def quantized(self, cfg: Any) -> Any:
+        """The built model of ``cfg``: one of the last :data:`MODELS_KEPT` built, switched in place with
+        ``reconfigure`` when only its R3 / K-V fields differ (the same weights and calibration statistics; the
+        cell's numbers are bit-identical to a fresh build's, ``test_replicate.py``), else a fresh build."""
+        from rope_quant.experiment.pipeline import build_quantized_model
+
+        key = (cfg.weight_key(), cfg.stats_key(), bool(cfg.quant.static_act))
+        qm = self._models.pop(key, None)
+        if qm is None:
+            qm = build_quantized_model(cfg, cache_dir=self.cache_dir, base=self.base)
+        elif qm.cfg.key() != cfg.key():
+            qm.reconfigure(cfg)
+        self._models[key] = qm  # the most recent last
+        while len(self._models) > (MODELS_KEPT if self.device == "cpu" else 1):
+            self._models.pop(next(iter(self._models)))
+        return qm
+
     def cell(self, seed: int = 0, **overrides: Any) -> dict[str, Any]:
         from rope_quant.experiment.pipeline import run_cell
 
         cfg = self.config(seed, **overrides)
-        return self.memo(cfg.key(), lambda: run_cell(cfg, cache_dir=self.cache_dir, base=self.base))
+        return self.memo(cfg.key(), lambda: run_cell(cfg, qm=self.quantized(cfg)))
 
     def per_seed(self, metric: str = "ppl", **overrides: Any) -> list[float]:
         return [float(self.cell(seed, **overrides)[metric]) for seed in self.budget.seeds]
@@ -217,7 +235,6 @@ class Experiment:
                      **overrides: Any) -> dict[int, Any]:
         """Perplexity per length on the long-form corpus (App. A.4 protocol), one entry per length."""
         from rope_quant.experiment import evaluate
-        from rope_quant.experiment.pipeline import build_quantized_model
 
         b = self.budget
         lengths = tuple(lengths or b.long_lengths)
@@ -226,13 +243,16 @@ class Experiment:
         def compute() -> Any:
             from rope_quant.experiment.longctx import eval_stream
 
-            qm = build_quantized_model(self.config(seed, **overrides), cache_dir=self.cache_dir, base=self.base)
+            qm = self.quantized(self.config(seed, **overrides))
             stream = eval_stream(b.long_corpus, qm.tokenizer)  # A.4: the first 64 evaluation documents
             return evaluate.long_context(qm.model, stream.ids, list(lengths), max_windows=b.long_windows)
 
         return self.memo(key, compute)
 
 
+MODELS_KEPT = 6
+"""Built models an e2e experiment keeps on the CPU (3 seeds and their replicates: about 0.6 GB each for
+SmolLM2-135M), so that every R3 variant of a seed reuses one build."""
 CELL_MEMO_DIR = "cells-memo-v1"
 
 

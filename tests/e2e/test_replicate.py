@@ -90,3 +90,28 @@ def test_a_memoised_cell_is_computed_once_across_sessions_and_only_for_its_key(e
     assert fresh.memo(("cell", 0), compute("f"))["tag"] == "f"
     assert Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2)), "pydoc").memo(
         ("cell", 0), compute("g"))["tag"] == "f"
+
+
+CHEAP = dict(weights="none", w_bits=16, r1="random_hadamard")
+
+
+def test_r3_variants_of_a_seed_share_one_build_and_equal_a_fresh_one(experiment_factory, embedded_model,
+                                                                      tmp_path) -> None:
+    """Experiment.quantized: the second R3 variant of a seed reconfigures the first one's model in place (one
+    build), and its cell equals a fresh build's to every bit (perplexity, per-window NLL, K diagnostics); other
+    weights build anew and both stay kept. Unquantised weights, a random-Hadamard R1 and short windows keep the
+    builds cheap; GPTQ and whip cells reuse the same way (the reuse key is the weights' and the statistics' keys)."""
+    from rope_quant.experiment.pipeline import run_cell
+
+    Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
+    budget = E2EBudget(seeds=(0,), replicates=0, seqlen=256, calib_windows=1, eval_windows=2)
+    exp = Experiment(embedded_model, str(tmp_path), budget, "pydoc")
+    exp.cell(0, r3="pairwise_only", **CHEAP)
+    reused = exp.cell(0, r3="hadamard", **CHEAP)
+    assert len(exp._models) == 1
+    fresh = run_cell(exp.config(0, r3="hadamard", **CHEAP), cache_dir=str(tmp_path / "fresh"),
+                     base=embedded_model)
+    differ = sorted(k for k in fresh if k not in ("timing", "weight_cache_hit") and fresh[k] != reused[k])
+    assert differ == [] and reused["ppl"] == fresh["ppl"] and reused["window_nll"] == fresh["window_nll"]
+    exp.cell(1, r3="hadamard", **CHEAP)
+    assert len(exp._models) == 2
