@@ -170,18 +170,27 @@ FUTILITY_RUNS = 4000
 
 def conditional_power(form: Form, margin: float, diffs: Sequence[float], shifts: Sequence[float], plan: Plan,
                       runs: int = FUTILITY_RUNS, seed: int = _CALIBRATION_SEED) -> float:
-    """The chance that the rule decides the claim at a later look up to ``plan.max_seeds``, if the remaining seeds
-    follow the model behind the rule (:func:`draw`) at the values measured so far: θ the mean paired difference,
-    β the mean replicate shift, σ_e = sd(shifts)/√2, σ_u² = var(diffs) − σ_e² (at least 0). The seeds measured
-    are kept; ``runs`` continuations are drawn from a fixed seed, so the number is reproducible."""
+    """The predictive chance that the rule decides the claim at a later look up to ``plan.max_seeds``: the seeds
+    measured are kept, and each of ``runs`` continuations draws the remaining seeds from the model behind the rule
+    (:func:`draw`) at values drawn from their uncertainty given the seeds so far (θ the mean paired difference, β
+    the mean replicate shift, each with its t spread; σ_e² = var(shifts)/2 and σ_u² = var(diffs) − σ_e², each
+    scaled by (n − 1)/χ²(n − 1)). Averaging over that uncertainty, rather than plugging in the estimates, keeps
+    a claim whose effect is merely noisy at a few seeds from being stopped. A fixed seed: reproducible."""
     import numpy as np
 
     n, m = len(diffs), plan.max_seeds
     d = np.asarray(diffs, dtype=np.float64)
     sh = np.asarray(shifts, dtype=np.float64)
-    se = float(sh.std(ddof=1)) / math.sqrt(2.0) if n > 1 else 0.0
-    su = math.sqrt(max(float(d.var(ddof=1)) - se * se, 0.0)) if n > 1 else 0.0
-    new_p, new_q = draw(float(d.mean()), float(sh.mean()), su, se, runs, m - n, seed)
+    rng = np.random.default_rng(seed)
+    var_e = float(sh.var(ddof=1)) / 2.0
+    var_u = max(float(d.var(ddof=1)) - var_e, 0.0)
+    scale = (n - 1) / rng.chisquare(n - 1, (2, runs, 1))
+    se, su = np.sqrt(var_e * scale[0]), np.sqrt(var_u * scale[1])
+    theta = d.mean() + float(d.std(ddof=1)) / math.sqrt(n) * rng.standard_t(n - 1, (runs, 1))
+    beta = sh.mean() + float(sh.std(ddof=1)) / math.sqrt(n) * rng.standard_t(n - 1, (runs, 1))
+    u = rng.standard_normal((runs, m - n)) * su
+    new_p = theta + u + rng.standard_normal((runs, m - n)) * se
+    new_q = theta + beta + u + rng.standard_normal((runs, m - n)) * se
     p = np.hstack([np.broadcast_to(d, (runs, n)), new_p])
     q = np.hstack([np.broadcast_to(d + sh, (runs, n)), new_q])
     out = simulate(form, margin, p, q, plan.first, plan.alpha_look)
