@@ -18,6 +18,7 @@ on fails or refuted, never on inconclusive, and still asserts each claim's robus
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -364,14 +365,18 @@ def _long_gaps(experiment, rq_record, lengths: tuple[int, ...], table: str) -> d
 
 
 def _long_claim(experiment, rq_record, lengths: tuple[int, ...], table: str, name: str) -> dict[int, Verdict]:
-    """:func:`_long_gaps` until decided (``--rq-until-decided``), then its table at the seeds used."""
+    """:func:`_long_gaps` until decided (``--rq-until-decided``), then its table at the seeds used (a stop on the
+    time budget carried to every part still open)."""
     def evaluate(exp):
         parts = _long_gaps(exp, lambda *_, **__: None, lengths, table)
         robust = all(v.mean is not None and v.mean > 0 for v in parts.values())
         return combine_all([deterministic(robust, "robust part: mean gap > 0 at every L"), *parts.values()]), parts
 
-    (_, parts), at = experiment.decided(evaluate, name)
-    return _long_gaps(at, rq_record, lengths, table)
+    (verdict, _), at = experiment.decided(evaluate, name)
+    parts = _long_gaps(at, rq_record, lengths, table)
+    if verdict.stop.startswith("time budget"):
+        parts = {k: v if v.decided or v.stop else replace(v, stop=verdict.stop) for k, v in parts.items()}
+    return parts
 
 
 def _c7_claim(parts: dict[int, Verdict], rq_claim, what: str) -> None:

@@ -46,10 +46,11 @@ def wiring(monkeypatch, tmp_path):
         return {"ppl": 22.0 + shared + step + noise, "n_tokens": 6144}
 
     monkeypatch.setattr("rope_quant.experiment.pipeline.run_cell", fake_run_cell)
+    monkeypatch.setattr(conftest.Experiment, "quantized", lambda self, cfg: None)  # the fake cells build nothing
 
-    def experiment(plan):
+    def experiment(plan, time_budget=None):
         budget = conftest.E2EBudget(seeds=(0, 1, 2), replicates=3)
-        return conftest.Experiment(None, str(tmp_path), budget, "pydoc", plan=plan)
+        return conftest.Experiment(None, str(tmp_path), budget, "pydoc", plan=plan, time_budget=time_budget)
 
     return experiment, claims, built
 
@@ -85,3 +86,24 @@ def test_c3_until_decided_only_builds_its_own_cells(wiring) -> None:
     assert verdict.rule == RULE_SEQUENTIAL and verdict.outcome is Outcome.HOLDS, verdict.text()
     assert {r3 for _, r3, _, _ in built} == {"pairwise_only"}
     assert len(set(built)) == len(built) == 4 * len(at.budget.seeds)  # decided at the first look here
+
+
+def test_c7_stopped_by_the_time_budget_says_so_in_every_open_part(wiring, monkeypatch) -> None:
+    """C7 recomputes its parts at the seeds used after the loop: a stop on the time budget must reach each part
+    still open (its verdict text), not read as "open at look 1"."""
+    from types import SimpleNamespace
+
+    experiment, claims, _ = wiring
+
+    def fake_long(self, seed=0, lengths=None, **overrides):
+        flat = self.config(seed, **overrides).flat()
+        noise = np.random.default_rng([seed, int(flat["gptq"].float64), len(flat["r3"])]).normal(0, 3.0)
+        step = 3.0 if flat["r3"] == "pairwise_only" else 0.0
+        return {n: SimpleNamespace(ppl=30.0 + step + noise, n_windows=1, n_tokens=n) for n in lengths}
+
+    monkeypatch.setattr(type(experiment(None)), "long_context", fake_long)
+    exp = experiment(Plan(3, 10), time_budget=1e-6)
+    parts = claims._long_claim(exp, lambda *_, **__: None, (1024, 4096), "t", "C7")
+    assert all(v.outcome is Outcome.INCONCLUSIVE for v in parts.values())
+    assert all(v.stop.startswith("time budget") and "time budget" in v.text() for v in parts.values()), \
+        [v.text() for v in parts.values()]
