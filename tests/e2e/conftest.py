@@ -123,7 +123,7 @@ class Experiment:
         return result, self.with_seeds(looked.seeds)
 
     def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
-        """``compute()`` once per ``key``: in this session's memo, then on disk in the cache directory
+        """``compute()`` once per ``key``: in memory (this pytest run), then on disk in the cache directory
         (:func:`cell_memo_path`: keyed by ``key`` and the source of ``rope_quant`` and ``tests/e2e``, written
         atomically), so a warm rerun or a killed ``--rq-until-decided`` run recomputes no finished cell."""
         import pickle
