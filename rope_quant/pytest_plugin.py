@@ -120,14 +120,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _number(text: str, option: str, kind: type, expected: str) -> Any:
+    """``kind(text)``, or the usage error "OPTION: expected EXPECTED, got 'TEXT'"."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise pytest.UsageError(f"{option}: expected {expected}, got {text!r}") from None
+
+
 def _parse_replicates(text: str | None) -> int | None:
     """``--rq-replicates``: a whole number >= 0 (the e2e budget checks it against the seeds)."""
     if text is None:
         return None
-    try:
-        k = int(text)
-    except ValueError:
-        raise pytest.UsageError(f"--rq-replicates: expected a whole number >= 0, got {text!r}") from None
+    k = _number(text, "--rq-replicates", int, "a whole number >= 0")
     if k < 0:
         raise pytest.UsageError(f"--rq-replicates: expected a whole number >= 0, got {k}")
     return k
@@ -158,18 +163,12 @@ def _parse_until_decided(config: pytest.Config, seeds: tuple[int, ...] | None,
     text, budget_text = config.getoption("--rq-max-seeds"), config.getoption("--rq-time-budget")
     budget = None
     if budget_text is not None:
-        try:
-            budget = float(budget_text)
-        except ValueError:
-            raise pytest.UsageError(f"--rq-time-budget: expected seconds (a number > 0), got {budget_text!r}") from None
+        budget = _number(budget_text, "--rq-time-budget", float, "seconds (a number > 0)")
         if not budget > 0:
             raise pytest.UsageError(f"--rq-time-budget {budget_text}: must be a positive number of seconds")
     max_seeds = DEFAULT_MAX_SEEDS
     if text is not None:
-        try:
-            max_seeds = int(text)
-        except ValueError:
-            raise pytest.UsageError(f"--rq-max-seeds: expected a whole number >= 2, got {text!r}") from None
+        max_seeds = _number(text, "--rq-max-seeds", int, "a whole number >= 2")
     n = len(seeds) if seeds is not None else DEFAULT_SEED_COUNT
     if (text is not None or until) and max_seeds < max(n, 2):
         raise pytest.UsageError(f"--rq-max-seeds {max_seeds} is below the {n} seeds given: pass --rq-max-seeds "
@@ -186,10 +185,7 @@ def _parse_futility(text: str | None) -> float:
     """``--rq-futility``: a number in [0, 1) (0: no early stop)."""
     if text is None:
         return DEFAULT_FUTILITY
-    try:
-        value = float(text)
-    except ValueError:
-        raise pytest.UsageError(f"--rq-futility: expected a chance in [0, 1), got {text!r}") from None
+    value = _number(text, "--rq-futility", float, "a chance in [0, 1)")
     if not 0.0 <= value < 1.0:
         raise pytest.UsageError(f"--rq-futility {text}: must lie in [0, 1) (0 turns the early stop off)")
     return value
