@@ -14,5 +14,5 @@ DEFAULT_COMPARATOR = "hadamard"
 #: (:mod:`rope_quant.core.sequential`).
 DEFAULT_MAX_SEEDS = 40
 #: The sequential rule's early stop: an open claim whose chance of a decision by M is below this stops
-#: (``rope_quant.core.sequential.conditional_power``; ``--futility`` / ``--rq-futility`` 0 turns it off).
+#: (``rope_quant.core.sequential.predictive_power``; ``--futility`` / ``--rq-futility`` 0 turns it off).
 DEFAULT_FUTILITY = 0.10

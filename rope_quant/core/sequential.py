@@ -21,10 +21,11 @@ rule keeps the same structure and spends the 5% over the planned looks (a group-
 * a claim still open at ``M`` stops with its reason (:func:`stop_reason`): the distance of its effect from
   the boundary and the seeds the fixed-n rule would need to resolve it ("not resolvable at this margin" when
   that is far beyond ``M``), or why no number of seeds decides it;
-* **futility** (non-binding stochastic curtailment): from ``futility_from`` seeds on, a claim whose chance of a
-  decision by ``M`` is below ``futility`` stops early with that reason (:func:`conditional_power`: the rule run
-  over simulated remaining seeds drawn at the effect, bias and noises measured so far). It only ever removes
-  decisions, so the error bound above stands; it saves the seeds a claim far from decidable would spend.
+* **futility** (non-binding stochastic curtailment): from ``futility_from`` seeds on, a claim whose predictive
+  chance of a decision by ``M`` is below ``futility`` stops early with that reason (:func:`predictive_power`: the
+  rule run over simulated remaining seeds, the effect, bias and noises drawn from their uncertainty at the seeds
+  so far). It only ever removes decisions, so the error bound above stands; it saves the seeds a claim far from
+  decidable would spend.
 
 :func:`simulate` is the rule vectorised over runs and looks (numpy), for the proof by simulation
 (``tests/theory/test_sequential.py``) and for :func:`expected_seeds`, the expected seeds to a decision. Standard
@@ -55,7 +56,7 @@ RULE_SEQUENTIAL = "union of the primary and the float-order replicate intervals,
 UNRESOLVABLE_FACTOR = 10
 """A claim open at M whose fixed-n budget at the stop exceeds this many times M reads "not resolvable"."""
 FUTILITY = DEFAULT_FUTILITY
-"""An open claim whose chance of a decision by M (:func:`conditional_power`) is below this stops early."""
+"""An open claim whose chance of a decision by M (:func:`predictive_power`) is below this stops early."""
 FUTILITY_FROM = 5
 """The fewest seeds at which futility is judged (fewer estimate the noises too loosely)."""
 
@@ -155,7 +156,7 @@ def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | N
     if n < plan.max_seeds:
         v = replace(v, note=f"open at {where}")
         if plan.futility > 0 and n >= max(plan.futility_from, plan.first + 1):
-            chance = conditional_power(form, margin, diffs, shifts, plan)
+            chance = predictive_power(form, margin, diffs, shifts, plan)
             if chance < plan.futility:
                 fixed = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens)
                 return replace(v, stop=futility_reason(form, margin, v, fixed, plan, chance))
@@ -165,10 +166,10 @@ def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | N
 
 
 FUTILITY_RUNS = 4000
-"""Simulated continuations behind :func:`conditional_power`."""
+"""Simulated continuations behind :func:`predictive_power`."""
 
 
-def conditional_power(form: Form, margin: float, diffs: Sequence[float], shifts: Sequence[float], plan: Plan,
+def predictive_power(form: Form, margin: float, diffs: Sequence[float], shifts: Sequence[float], plan: Plan,
                       runs: int = FUTILITY_RUNS, seed: int = _CALIBRATION_SEED) -> float:
     """The predictive chance that the rule decides the claim at a later look up to ``plan.max_seeds``: the seeds
     measured are kept, and each of ``runs`` continuations draws the remaining seeds from the model behind the rule

@@ -164,9 +164,9 @@ def test_futility_stops_a_claim_far_from_decidable_and_never_a_decidable_one() -
     rng = np.random.default_rng(11)
     diffs = -0.25 + rng.normal(0, 1.2, 8)
     shifts = rng.normal(0, 1.2, 8)
-    chance = sequential.conditional_power(Form.EQUIVALENT, 0.141, diffs, shifts, PLAN)
-    assert 0.0 <= chance < 0.10 and chance == sequential.conditional_power(Form.EQUIVALENT, 0.141, diffs, shifts, PLAN)
-    assert sequential.conditional_power(Form.EQUIVALENT, 0.141, diffs[:5], shifts[:5], PLAN) > 0.10
+    chance = sequential.predictive_power(Form.EQUIVALENT, 0.141, diffs, shifts, PLAN)
+    assert 0.0 <= chance < 0.10 and chance == sequential.predictive_power(Form.EQUIVALENT, 0.141, diffs, shifts, PLAN)
+    assert sequential.predictive_power(Form.EQUIVALENT, 0.141, diffs[:5], shifts[:5], PLAN) > 0.10
     v = sequential.decide(Form.EQUIVALENT, diffs, shifts, PLAN, margin=0.141)
     assert v.outcome is Outcome.INCONCLUSIVE and v.stop.startswith("stopped for futility at 8 seeds"), v
     assert "not resolvable" in v.stop and "within 40 seeds" in v.stop and "fixed-n rule would need" in v.stop
@@ -175,7 +175,7 @@ def test_futility_stops_a_claim_far_from_decidable_and_never_a_decidable_one() -
     assert sequential.decide(Form.EQUIVALENT, diffs, shifts, Plan(3, 40, futility=0.0), margin=0.141).stop == ""
     clear = 1.0 + np.array([0.5, -1.2, 0.9, -0.8, 1.4])  # GREATER, mean 1.16, sd 1.1: decidable within 40
     small = np.array([0.1, -0.1, 0.05, 0.0, -0.05])
-    assert sequential.conditional_power(Form.GREATER, 0.0, clear, small, PLAN) > 0.8  # measured 0.89
+    assert sequential.predictive_power(Form.GREATER, 0.0, clear, small, PLAN) > 0.8  # measured 0.89
     assert sequential.decide(Form.GREATER, clear, small, PLAN).stop == ""
     with pytest.raises(PlanError, match="futility"):
         Plan(3, 40, futility=1.0)
