@@ -132,8 +132,10 @@ class Experiment:
 
         if key in self._cells:
             return self._cells[key]
-        # the key within this experiment: its model, corpus, device and budget (bar its seed list) are on disk too
-        full = repr((self.model, self.corpus, self.device, replace(self.budget, seeds=(), replicates=0), key))
+        # the key within this experiment: its model, corpus, device and budget (bar its seed list) are on disk too,
+        # and what moves the float order: the torch build, the thread count, the CPU
+        full = repr((self.model, self.corpus, self.device, replace(self.budget, seeds=(), replicates=0), key,
+                     float_order_identity()))
         path = cell_memo_path(self.cache_dir, full)
         value = None
         if path.is_file():
@@ -270,6 +272,22 @@ def source_digest() -> str:
         for f in sorted(root.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def float_order_identity() -> tuple[str, int, str]:
+    """What changes a cell's numbers at the same code (the claims columns differ between 1 and 2 threads): the
+    torch version, its intra-op thread count and the CPU model."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return torch.__version__, torch.get_num_threads(), cpu
 
 
 def cell_memo_path(cache_dir: str, key: str):

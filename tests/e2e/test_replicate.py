@@ -64,8 +64,11 @@ def test_a_replicate_that_fails_to_build_is_reported_not_raised(experiment_facto
 
 def test_a_memoised_cell_is_computed_once_across_sessions_and_only_for_its_key(experiment_factory, tmp_path) -> None:
     """Experiment.memo: a second experiment on the same cache directory (a warm rerun, or a killed
-    ``--rq-until-decided`` run resumed) reads the result back without computing it; another key, another model or
-    another budget computes; a corrupt memo file is recomputed and rewritten, never trusted."""
+    ``--rq-until-decided`` run resumed) reads the result back without computing it; another key, another model,
+    another budget or another thread count computes; a corrupt memo file is recomputed and rewritten, never
+    trusted."""
+    import torch
+
     Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
     calls: list[str] = []
 
@@ -82,8 +85,15 @@ def test_a_memoised_cell_is_computed_once_across_sessions_and_only_for_its_key(e
     assert other_model.memo(("cell", 0), compute("d"))["tag"] == "d"
     other_budget = Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2), eval_windows=3), "pydoc")
     assert other_budget.memo(("cell", 0), compute("e"))["tag"] == "e" and calls == ["a", "c", "d", "e"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        more_threads = Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2)), "pydoc")
+        assert more_threads.memo(("cell", 0), compute("t"))["tag"] == "t"
+    finally:
+        torch.set_num_threads(threads)
     files = sorted((tmp_path / "cells-memo-v1").glob("*.pkl"))
-    assert len(files) == 4
+    assert len(files) == 5
     for f in files:
         f.write_bytes(b"not a pickle")
     fresh = Experiment(None, str(tmp_path), E2EBudget(seeds=(0, 1, 2)), "pydoc")
