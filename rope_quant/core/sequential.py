@@ -149,7 +149,7 @@ def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | N
                        note=f"the sequential rule needs every seed replicated ({why})")
     v = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens, alpha=plan.alpha_look,
                           with_budget=False)
-    v = replace(v, rule=RULE_SEQUENTIAL)
+    v = replace(v, rule=RULE_SEQUENTIAL, level=1.0 - 2.0 * plan.alpha_look)
     where = f"look {look} of {plan.looks} ({n} seeds), {plan.alpha_look:.3g} per side per look"
     if v.decided:
         return replace(v, note=where)

@@ -172,6 +172,13 @@ class Verdict:
     rule: str = RULE_OFFSET
     stop: str = ""
     """Why a claim still open at the sequential rule's last look stays open (:mod:`rope_quant.core.sequential`)."""
+    level: float = 0.90
+    """The two-sided level of ``low`` / ``high`` (the sequential rule's per-look level is higher)."""
+
+    @property
+    def ci_name(self) -> str:
+        """The interval's name as printed: "90% CI", or e.g. "98.8% CI" at the sequential rule's per-look level."""
+        return f"{100 * self.level:.3g}% CI"
 
     @property
     def decided(self) -> bool:

@@ -42,7 +42,7 @@ def _ci_text(ci: stats.PairedCI) -> str:
 def _verdict_ci(v: Verdict) -> str:
     if v.low is None or v.high is None:
         return f"{v.mean:+.3f} (n={v.n})" if v.mean is not None else f"n={v.n}"
-    return f"{v.mean:+.3f} (90% CI {v.low:+.3f}, {v.high:+.3f}; n={v.n})"
+    return f"{v.mean:+.3f} ({v.ci_name} {v.low:+.3f}, {v.high:+.3f}; n={v.n})"
 
 
 def _spread_text(v: Verdict) -> str:

@@ -68,7 +68,7 @@ def test_lower_bits_pairwise_only_gap(experiment, rq_claim, rq_record) -> None:
                  if seed in requested else None)
             rq_record("App. F: lower bits (GPTQ, whip R1)", setting=setting, seed=seed, hadamard=h,
                       pairwise_plus_hadamard=q, pairwise_only=p, gap=p - h)
-    measured = "; ".join(f"{k}: {v.mean:+.3f}" + (f" (90% CI {v.low:+.3f}, {v.high:+.3f})" if v.low is not None
+    measured = "; ".join(f"{k}: {v.mean:+.3f}" + (f" ({v.ci_name} {v.low:+.3f}, {v.high:+.3f})" if v.low is not None
                                                   else "") + f", σ_num {v.noise:.3f} → {v.text()}"
                          for k, v in parts.items())
     rq_claim("App. F lower bits: pairwise_only gap", "gap > 0 at W4A3KV4 and W3A3KV3; larger at W3A3KV3 than "

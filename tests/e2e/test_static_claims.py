@@ -96,7 +96,8 @@ def test_static_joint_control_reverses_the_ordering_at_the_shortest_length(exper
         assert c["static"]["transductive"] and st["scope"] == "both" and st["length"] == b.seqlen
         assert st["windows"] == min(STATIC_WINDOWS, st["available_windows"])
     verdict = gap
-    ci = f"{gap.mean:+.3f}" + (f" (90% CI {gap.low:+.3f}, {gap.high:+.3f}; n={gap.n})" if gap.low is not None else "")
+    ci = f"{gap.mean:+.3f}" + (f" ({gap.ci_name} {gap.low:+.3f}, {gap.high:+.3f}; n={gap.n})"
+                               if gap.low is not None else "")
     rq_claim("Static (App. D) joint control: pairwise_only − hadamard ≤ 0 at the shortest length",
              "90% CI of the paired gap below 0 (paper: −5.60 PPL at 2K)",
              f"L={b.seqlen}: {ci}; hadamard {[round(v, 3) for v in had]}, pairwise_only {[round(v, 3) for v in pw]}; "

@@ -231,3 +231,18 @@ def test_until_decided_adds_one_seed_per_look_and_stops() -> None:
     timed = sequential.until_decided(_synthetic_claim(0.0, [], no_futility), lambda r: r[0], (0, 1, 2), no_futility,
                                      time_budget=45.0, started=0.0, clock=lambda: float(next(ticks)))
     assert timed.stopped.startswith("time budget 45 s") and 3 < len(timed.seeds) < 12, timed
+
+
+def test_the_interval_is_named_at_its_per_look_level() -> None:
+    """A sequential verdict's low/high are the per-look interval (1 − 2α'), and its name says so; the fixed-n
+    rule's stays "90% CI". Measured: at looks 3 … 40 the interval is 98.8%, not the 90% the claims table printed."""
+    from scipy import stats as st
+
+    from rope_quant.core.verdict import paired_claim as fixed_claim
+
+    diffs, shifts = np.array([4.0, 6.0, 5.0, 3.5, 6.5]), np.array([0.2, -0.1, 0.3, 0.0, -0.2])
+    v = sequential.decide(Form.GREATER, diffs, shifts, PLAN)
+    half = st.t.ppf(1 - PLAN.alpha_look, 4) * diffs.std(ddof=1) / math.sqrt(5)
+    assert v.low == pytest.approx(diffs.mean() - half) and v.level == pytest.approx(1 - 2 * PLAN.alpha_look)
+    assert v.ci_name == "98.8% CI" and v.to_dict()["level"] == v.level
+    assert fixed_claim(Form.GREATER, diffs + 1, np.ones(5), replicates=None).ci_name == "90% CI"
