@@ -55,8 +55,6 @@ RULE_SEQUENTIAL = "union of the primary and the float-order replicate intervals,
 """The rule name a sequential verdict carries (claims JSON ``rule``)."""
 UNRESOLVABLE_FACTOR = 10
 """A claim open at M whose fixed-n budget at the stop exceeds this many times M reads "not resolvable"."""
-FUTILITY = DEFAULT_FUTILITY
-"""An open claim whose chance of a decision by M (:func:`predictive_power`) is below this stops early."""
 FUTILITY_FROM = 5
 """The fewest seeds at which futility is judged (fewer estimate the noises too loosely)."""
 
@@ -74,7 +72,7 @@ class Plan:
     first: int
     max_seeds: int = DEFAULT_MAX_SEEDS
     alpha: float = ALPHA
-    futility: float = FUTILITY
+    futility: float = DEFAULT_FUTILITY
     futility_from: int = FUTILITY_FROM
 
     def __post_init__(self) -> None:
@@ -202,8 +200,7 @@ def predictive_power(form: Form, margin: float, diffs: Sequence[float], shifts: 
 def futility_reason(form: Form, margin: float, v: Verdict, fixed: Verdict, plan: Plan, chance: float) -> str:
     """Why a claim stops before M: its chance of a decision by M at the effect measured so far, its distance from
     the boundary, and the fixed-n budget on the same data."""
-    side, b = _bounds(form, margin)
-    bound = f"±{b:.4g}" if side == "equivalent" else f"{b:+.4g}"
+    bound = _bound_text(form, margin)
     x = ("" if v.mean is None else
          f"; the effect sits within {distance(form, margin, v.mean):.3g} of its boundary {bound}")
     budget = fixed.budget
@@ -228,6 +225,12 @@ def paired_claim(form: Form, treatment: Sequence[float], control: Sequence[float
     return decide(form, diffs, shifts, plan, margin=margin, tokens=tokens)
 
 
+def _bound_text(form: Form, margin: float) -> str:
+    """The claim's boundary as printed: ±margin for an equivalence, else the signed bound."""
+    side, b = _bounds(form, margin)
+    return f"±{b:.4g}" if side == "equivalent" else f"{b:+.4g}"
+
+
 def distance(form: Form, margin: float, mean: float) -> float:
     """How far ``mean`` lies from the claim's boundary (for an equivalence, from the nearer of ±margin)."""
     side, b = _bounds(form, margin)
@@ -238,8 +241,7 @@ def stop_reason(form: Form, margin: float, v: Verdict, fixed: Verdict, plan: Pla
     """Why a claim open at the last look (``M`` seeds) stays open: the distance of the nearer float order's mean
     from the boundary and what the fixed-n rule's budget at the stop says (``fixed``: the fixed-n verdict on the
     same data)."""
-    side, b = _bounds(form, margin)
-    bound = f"±{b:.4g}" if side == "equivalent" else f"{b:+.4g}"
+    bound = _bound_text(form, margin)
     means = [m for m in (v.mean, None if v.float_order is None or v.float_order.bias is None or v.mean is None
                          else v.mean + v.float_order.bias) if m is not None]
     if not means:

@@ -140,7 +140,8 @@ def check_inputs(manifest: Manifest, max_seeds: int, time_budget: float | None,
 
 
 def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_seeds: int = sequential.DEFAULT_MAX_SEEDS,
-                     time_budget: float | None = None, futility: float = sequential.FUTILITY, cell_fn: Any = None,
+                     time_budget: float | None = None, futility: float = sequential.DEFAULT_FUTILITY,
+                     cell_fn: Any = None,
                      replicate: Callable[[Any], Any | None] = replicate_config, cache_dir: Any = None,
                      log: Callable[[str], None] | None = print, run_cells_kw: Mapping[str, Any] | None = None
                      ) -> Outcomes:

@@ -276,18 +276,22 @@ def source_digest() -> str:
 
 def float_order_identity() -> tuple[str, int, str]:
     """What changes a cell's numbers at the same code (the claims columns differ between 1 and 2 threads): the
-    torch version, its intra-op thread count and the CPU model."""
-    import platform
-
+    torch version, its intra-op thread count (read at each call) and the CPU model."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    return torch.__version__, torch.get_num_threads(), _cpu_model()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_model() -> str:
+    import platform
+
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.processor() or platform.machine())
     except OSError:
-        pass
-    return torch.__version__, torch.get_num_threads(), cpu
+        return platform.processor() or platform.machine()
 
 
 def cell_memo_path(cache_dir: str, key: str):
