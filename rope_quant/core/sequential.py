@@ -356,8 +356,9 @@ def until_decided(evaluate: Any, verdict_of: Any, seeds: Sequence[int], plan: Pl
     more seed (the next integer after the largest) until the claim is decided, reaches ``plan.max_seeds``, or the
     next seed would pass ``time_budget`` seconds since ``started`` (default now; ``clock`` default
     ``time.perf_counter``). ``evaluate`` builds and memoises its own cells (every seed replicated), so only the
-    new seed's cells are computed at each look. ``log(line)``: the progress (seeds so far, the measured seconds
-    per seed, an ETA to M)."""
+    new seed's cells are computed at each look. ``log(line)``: the progress (seeds so far, the seconds per seed,
+    an ETA to M). The seconds per seed, which the time budget also uses, are the mean over the seeds added or the
+    last one's, whichever is larger: a resumed run's memoised seeds cost ~0 s and must not shrink them."""
     import time
 
     now = clock or time.perf_counter
@@ -384,9 +385,10 @@ def until_decided(evaluate: Any, verdict_of: Any, seeds: Sequence[int], plan: Pl
         current = (*current, max(current) + 1)
         t0 = now()
         result = evaluate(current)
-        spent += now() - t0
+        last = now() - t0
+        spent += last
         added += 1
-        per_seed = spent / added
+        per_seed = max(spent / added, last)  # a resumed run's memoised seeds cost ~0 s: the last seed's cost rules
         line = (f"{name}: open, seeds so far {len(current)} of {plan.max_seeds}; {per_seed:.1f} s per seed "
                 f"measured; ETA ≤ {per_seed * (plan.max_seeds - len(current)) / 60:.1f} min")
         lines.append(line)

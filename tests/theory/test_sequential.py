@@ -246,3 +246,26 @@ def test_the_interval_is_named_at_its_per_look_level() -> None:
     assert v.low == pytest.approx(diffs.mean() - half) and v.level == pytest.approx(1 - 2 * PLAN.alpha_look)
     assert v.ci_name == "98.8% CI" and v.to_dict()["level"] == v.level
     assert fixed_claim(Form.GREATER, diffs + 1, np.ones(5), replicates=None).ci_name == "90% CI"
+
+
+def test_a_resumed_run_projects_the_next_seed_from_its_cost_not_from_the_memoised_ones() -> None:
+    """Resumed from a memo, the seeds already computed cost ~0 s and the new ones their real cost (here 100 s):
+    the time budget (250 s) stops the run after the second new seed, and the progress prints 100 s per seed. (The
+    mean over all added seeds read 100 / 8 = 12.5 s after the first new seed, so a third new seed was started.)"""
+    clock = [0.0]
+    memo = set(range(10))  # seeds 0-9 in the memo: free
+    plan = Plan(3, 40, futility=0.0)
+
+    def evaluate(seeds: tuple[int, ...]):
+        for s in seeds:
+            if s not in memo:
+                memo.add(s)
+                clock[0] += 100.0
+        diffs = [float(np.random.default_rng(s).normal(0, 1)) for s in seeds]
+        return sequential.decide(Form.GREATER, diffs, [0.1] * len(seeds), plan)
+
+    looked = sequential.until_decided(evaluate, lambda v: v, (0, 1, 2), plan, time_budget=250.0, started=0.0,
+                                      clock=lambda: clock[0])
+    assert looked.seeds == tuple(range(12)), looked.seeds
+    assert looked.stopped.startswith("time budget 250 s: the next seed would pass it"), looked.stopped
+    assert "100.0 s per seed" in looked.lines[-1], looked.lines[-1]
