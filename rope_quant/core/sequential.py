@@ -25,7 +25,9 @@ rule keeps the same structure and spends the 5% over the planned looks (a group-
   chance of a decision by ``M`` is below ``futility`` stops early with that reason (:func:`predictive_power`: the
   rule run over simulated remaining seeds, the effect, bias and noises drawn from their uncertainty at the seeds
   so far). It only ever removes decisions, so the error bound above stands; it saves the seeds a claim far from
-  decidable would spend.
+  decidable would spend. A claim of parts (:func:`rope_quant.core.verdict.combine_all`) stops as well once one
+  part has stopped (so the claim cannot hold) and every part still open has a predictive chance of being refuted
+  below ``futility`` (:func:`predictive_chances`; ``Verdict.refutable``).
 
 :func:`simulate` is the rule vectorised over runs and looks (numpy), for the proof by simulation
 (``tests/theory/test_sequential.py``) and for :func:`expected_seeds`, the expected seeds to a decision. Standard
@@ -154,10 +156,12 @@ def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | N
     if n < plan.max_seeds:
         v = replace(v, note=f"open at {where}")
         if plan.futility > 0 and n >= max(plan.futility_from, plan.first + 1):
-            chance = predictive_power(form, margin, diffs, shifts, plan)
+            holds, refuted = _predictive_counts(form, margin, diffs, shifts, plan, FUTILITY_RUNS, _CALIBRATION_SEED)
+            chance = (holds + refuted) / FUTILITY_RUNS
             if chance < plan.futility:
                 fixed = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens)
                 return replace(v, stop=futility_reason(form, margin, v, fixed, plan, chance))
+            return replace(v, refutable=refuted / FUTILITY_RUNS >= plan.futility)
         return v
     fixed = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens)
     return replace(v, stop=stop_reason(form, margin, v, fixed, plan))
@@ -168,13 +172,29 @@ FUTILITY_RUNS = 4000
 
 
 def predictive_power(form: Form, margin: float, diffs: Sequence[float], shifts: Sequence[float], plan: Plan,
-                      runs: int = FUTILITY_RUNS, seed: int = _CALIBRATION_SEED) -> float:
-    """The predictive chance that the rule decides the claim at a later look up to ``plan.max_seeds``: the seeds
-    measured are kept, and each of ``runs`` continuations draws the remaining seeds from the model behind the rule
-    (:func:`draw`) at values drawn from their uncertainty given the seeds so far (θ the mean paired difference, β
+                     runs: int = FUTILITY_RUNS, seed: int = _CALIBRATION_SEED) -> float:
+    """The predictive chance that the rule decides the claim at a later look up to ``plan.max_seeds``
+    (:func:`predictive_chances`, either way)."""
+    holds, refuted = _predictive_counts(form, margin, diffs, shifts, plan, runs, seed)
+    return (holds + refuted) / runs
+
+
+def predictive_chances(form: Form, margin: float, diffs: Sequence[float], shifts: Sequence[float], plan: Plan,
+                       runs: int = FUTILITY_RUNS, seed: int = _CALIBRATION_SEED) -> tuple[float, float]:
+    """The predictive chances that the rule's first decision at a later look up to ``plan.max_seeds`` is holds,
+    and that it is refuted: the seeds measured are kept, and each of ``runs`` continuations draws the remaining
+    seeds from the model behind the rule (:func:`draw`) at values drawn from their uncertainty given the seeds so
+    far (θ the mean paired difference, β
     the mean replicate shift, each with its t spread; σ_e² = var(shifts)/2 and σ_u² = var(diffs) − σ_e², each
     scaled by (n − 1)/χ²(n − 1)). Averaging over that uncertainty, rather than plugging in the estimates, keeps
     a claim whose effect is merely noisy at a few seeds from being stopped. A fixed seed: reproducible."""
+    holds, refuted = _predictive_counts(form, margin, diffs, shifts, plan, runs, seed)
+    return holds / runs, refuted / runs
+
+
+def _predictive_counts(form: Form, margin: float, diffs: Sequence[float], shifts: Sequence[float], plan: Plan,
+                       runs: int, seed: int) -> tuple[int, int]:
+    """How many of ``runs`` continuations first decide holds, and how many refuted (:func:`predictive_chances`)."""
     import numpy as np
 
     n, m = len(diffs), plan.max_seeds
@@ -193,8 +213,12 @@ def predictive_power(form: Form, margin: float, diffs: Sequence[float], shifts: 
     p = np.hstack([np.broadcast_to(d, (runs, n)), new_p])
     q = np.hstack([np.broadcast_to(d + sh, (runs, n)), new_q])
     out = simulate(form, margin, p, q, plan.first, plan.alpha_look)
-    later = (out["holds"] | out["refuted"])[:, n - plan.first + 1:]
-    return float(later.any(1).mean())
+    holds, refuted = out["holds"][:, n - plan.first + 1:], out["refuted"][:, n - plan.first + 1:]
+    decided = holds | refuted
+    first = decided.argmax(1)
+    rows = np.arange(runs)
+    any_ = decided.any(1)
+    return int((any_ & holds[rows, first]).sum()), int((any_ & refuted[rows, first]).sum())
 
 
 def futility_reason(form: Form, margin: float, v: Verdict, fixed: Verdict, plan: Plan, chance: float) -> str:

@@ -174,6 +174,9 @@ class Verdict:
     """Why a claim still open at the sequential rule's last look stays open (:mod:`rope_quant.core.sequential`)."""
     level: float = 0.90
     """The two-sided level of ``low`` / ``high`` (the sequential rule's per-look level is higher)."""
+    refutable: bool | None = None
+    """An open part under the sequential rule: whether its predictive chance of being refuted by M is at least the
+    futility level (None: not judged). A claim of parts that can no longer hold stops once no open part is."""
 
     @property
     def ci_name(self) -> str:
@@ -335,7 +338,9 @@ def deterministic(holds: bool, note: str = "") -> Verdict:
 
 def combine_all(parts: Iterable[Verdict], note: str = "") -> Verdict:
     """A claim made of parts: fails / refuted if any part is (fails first), holds if all hold, otherwise
-    inconclusive with the largest budget among its undecided parts (none if any part has none)."""
+    inconclusive with the largest budget among its undecided parts (none if any part has none). Under the
+    sequential rule it stops when every open part has stopped, or when one has (so the claim cannot hold) and no
+    other is likely to be refuted (:attr:`Verdict.refutable`)."""
     items = list(parts)
     if not items:
         raise ValueError("combine_all needs at least one part")
@@ -347,6 +352,13 @@ def combine_all(parts: Iterable[Verdict], note: str = "") -> Verdict:
     open_ = sorted((v for v in items if v.outcome is Outcome.INCONCLUSIVE), key=lambda v: bool(v.stop))
     if not open_:
         return replace(items[0], note=note)
+    running = [v for v in open_ if not v.stop]
+    if running and len(running) < len(open_) and all(v.refutable is False for v in running):
+        # a part stopped undecided means the claim cannot hold; only a refuted part could still decide it
+        stopped = open_[len(running)]
+        return replace(stopped, note=note or stopped.note, stop=f"{stopped.stop}; so the claim cannot hold within "
+                       "the budget, and no part still open is likely to be refuted in it (each one's chance below the "
+                       "futility level)")
     needs = [v for v in open_ if v.note.startswith("needs")]
     if needs:
         return needs[0]

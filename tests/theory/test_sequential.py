@@ -181,14 +181,37 @@ def test_futility_stops_a_claim_far_from_decidable_and_never_a_decidable_one() -
         Plan(3, 40, futility=1.0)
 
 
-def test_a_claim_of_parts_stops_only_when_every_open_part_has() -> None:
-    """combine_all: while one part is open, the claim is open (no stop), whichever part comes first."""
+def test_a_claim_of_parts_stops_when_every_open_part_has_or_none_can_still_refute_it() -> None:
+    """combine_all: while one part is open and could still be refuted (or was not judged), the claim is open (no
+    stop), whichever part comes first; once one part has stopped (the claim cannot hold) and no open part is likely
+    to be refuted, the claim stops with the stopped part's reason and says why."""
     from rope_quant.core.verdict import Verdict, combine_all
 
     stopped = Verdict(Outcome.INCONCLUSIVE, Form.GREATER, 5, stop="stopped for futility at 5 seeds")
     open_ = Verdict(Outcome.INCONCLUSIVE, Form.GREATER, 5, note="open at look 3 of 38")
     assert combine_all([stopped, open_]).stop == "" and combine_all([open_, stopped]).stop == ""
+    assert combine_all([stopped, replace(open_, refutable=True)]).stop == ""
     assert combine_all([stopped, replace(stopped, n=6)]).stop.startswith("stopped for futility")
+    for parts in ([stopped, replace(open_, refutable=False)], [replace(open_, refutable=False), stopped]):
+        v = combine_all(parts)
+        assert v.stop.startswith("stopped for futility at 5 seeds") and "cannot hold" in v.stop, v.stop
+        assert not sequential.open_at(v, 5, PLAN)
+    assert combine_all([replace(open_, refutable=False)] * 2).stop == ""  # nothing stopped: the claim may hold
+
+
+def test_an_open_part_says_whether_it_could_still_be_refuted() -> None:
+    """C4's step shape (NON_SUPERIOR at +0.16, 11 seeds, σ ≈ 1.5): a step measured at −0.5 is open, and its chance
+    of being refuted (a rise beyond +0.16) by 40 seeds is below 10% (measured 0.000); measured at +1.0 it is 0.45. The
+    two chances add up to the chance of a decision (:func:`predictive_power`)."""
+    rng = np.random.default_rng(5)
+    noise, shifts = rng.normal(0, 1.5, 11), rng.normal(0, 0.8, 11)
+    falling = sequential.decide(Form.NON_SUPERIOR, -0.5 + noise - noise.mean(), shifts, PLAN, margin=0.16)
+    rising = sequential.decide(Form.NON_SUPERIOR, 1.0 + noise - noise.mean(), shifts, PLAN, margin=0.16)
+    assert falling.outcome is Outcome.INCONCLUSIVE and not falling.stop and falling.refutable is False, falling
+    assert rising.outcome is Outcome.INCONCLUSIVE and not rising.stop and rising.refutable is True, rising
+    holds, refuted = sequential.predictive_chances(Form.NON_SUPERIOR, 0.16, 1.0 + noise - noise.mean(), shifts, PLAN)
+    assert refuted > holds and abs(holds + refuted - sequential.predictive_power(
+        Form.NON_SUPERIOR, 0.16, 1.0 + noise - noise.mean(), shifts, PLAN)) < 1e-12
 
 
 DEFAULT_PLAN = Plan(3, 12)
