@@ -184,10 +184,10 @@ def predictive_chances(form: Form, margin: float, diffs: Sequence[float], shifts
     """The predictive chances that the rule's first decision at a later look up to ``plan.max_seeds`` is holds,
     and that it is refuted: the seeds measured are kept, and each of ``runs`` continuations draws the remaining
     seeds from the model behind the rule (:func:`draw`) at values drawn from their uncertainty given the seeds so
-    far (θ the mean paired difference, β
-    the mean replicate shift, each with its t spread; σ_e² = var(shifts)/2 and σ_u² = var(diffs) − σ_e², each
-    scaled by (n − 1)/χ²(n − 1)). Averaging over that uncertainty, rather than plugging in the estimates, keeps
-    a claim whose effect is merely noisy at a few seeds from being stopped. A fixed seed: reproducible."""
+    far (θ the mean paired difference, β the mean replicate shift, each with its t spread; σ_e² = var(shifts)/2
+    and σ_u² = var(diffs) − σ_e², each scaled by (n − 1)/χ²(n − 1)). Averaging over that uncertainty, rather than
+    plugging in the estimates, keeps a claim whose effect is merely noisy at a few seeds from being stopped. A
+    fixed seed: reproducible."""
     holds, refuted = _predictive_counts(form, margin, diffs, shifts, plan, runs, seed)
     return holds / runs, refuted / runs
 
