@@ -277,7 +277,8 @@ def compare_against(this: str | Path, other: str | Path) -> str:
                "the data's"] if rules[0] else []),
             f"- {len(rows)} numbers, {flipped} verdict(s) flipped ({contradictions} contradiction(s): one run decided "
             "what the other decided the opposite way; the rest between a decision and inconclusive); Δ = other − "
-            "this, in units of this run's 90% CI half-width", ""]
+            "this, in units of the half-width of this run's interval (90%, or the sequential rule's per-look level, "
+            "e.g. 98.8%, where the number was decided under it)", ""]
     return "\n".join(head) + markdown_table(rows, list(rows[0]) if rows else ["number"]) + "\n"
 
 
