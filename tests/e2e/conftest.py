@@ -284,14 +284,10 @@ def float_order_identity() -> tuple[str, int, str]:
 
 @functools.lru_cache(maxsize=1)
 def _cpu_model() -> str:
-    import platform
+    """:func:`rope_quant.experiment.envinfo.cpu_model`, read once per session (the memo asks for it per cell)."""
+    from rope_quant.experiment.envinfo import cpu_model
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                        platform.processor() or platform.machine())
-    except OSError:
-        return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def cell_memo_path(cache_dir: str, key: str):
