@@ -346,8 +346,10 @@ class _Collector:
         for key, value in report.user_properties:
             if key == _CLAIMS_KEY:
                 self.claims.append({**value, "outcome": outcome})
-            elif key == _TABLE_KEY:
-                self.tables.setdefault(value["table"], []).append(value["row"])
+            elif key == _TABLE_KEY:  # a row that two tests record (one measurement, two claims) is kept once
+                rows = self.tables.setdefault(value["table"], [])
+                if value["row"] not in rows:
+                    rows.append(value["row"])
             elif key == _MACHINE_KEY:
                 self.machine = value
 

@@ -54,7 +54,7 @@ def test_no_commuting_r3_matches_hadamard(experiment, rq_claim) -> None:
         parts[f"{label} K range > hadamard's, every seed"] = deterministic(
             all(r > h for r, h in zip(ranges[label], had_range, strict=True)))
     verdict = combine_all(parts.values())
-    measured = "; ".join(f"{k}: {v.mean:+.3f} (90% CI {v.low:+.3f}, {v.high:+.3f}) → {v.text()}"
+    measured = "; ".join(f"{k}: {v.mean:+.3f} ({v.ci_name} {v.low:+.3f}, {v.high:+.3f}) → {v.text()}"
                          if v.low is not None else f"{k}: {v.text()}" for k, v in parts.items())
     measured += "; " + "; ".join(f"K range {k} {_fmt(r)}" for k, r in ranges.items())
     measured += f"; hadamard K range {_fmt(had_range)}"

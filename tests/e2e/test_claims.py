@@ -89,7 +89,7 @@ def test_c2_pairwise_plus_hadamard_equivalent_to_hadamard(experiment, rq_claim) 
     """
     (verdict, equiv, margin, x), _ = experiment.decided(_c2, "C2")
     rq_claim("C2 (Table 1, TOST) pairwise+hadamard ≡ hadamard",
-             f"90% CI within ±{margin.value:.3f} PPL ({margin.basis}); robust part: |mean| < C1 gap/4",
+             f"{equiv.ci_name} within ±{margin.value:.3f} PPL ({margin.basis}); robust part: |mean| < C1 gap/4",
              f"diff {_verdict_ci(equiv)}; C1 gap {x['c1_gap']:+.3f}; {_spread_text(equiv)}", verdict=verdict,
              margin=margin.value, margin_basis=margin.basis,
              pairwise_plus_hadamard=x["pph"], hadamard=x["had"], noise=equiv.noise, mean=x["mean"])
@@ -111,7 +111,7 @@ def test_c3_k_only_estimator_beats_rows(experiment, rq_claim) -> None:
     LESS form, with the run's float-order replicates); the mean's sign is asserted."""
     (verdict, k_only, rows), _ = experiment.decided(_c3, "C3")
     mean = float(np.mean(k_only) - np.mean(rows))
-    rq_claim("C3 (App. L) k_only vs rows estimator", "90% CI of ppl(k_only) − ppl(rows) below 0",
+    rq_claim("C3 (App. L) k_only vs rows estimator", f"{verdict.ci_name} of ppl(k_only) − ppl(rows) below 0",
              f"k_only {_fmt(k_only)} vs rows {_fmt(rows)}; diff {_verdict_ci(verdict)}; {_spread_text(verdict)}",
              verdict=verdict, k_only=k_only, rows=rows, noise=verdict.noise)
     assert mean < 0, f"k_only does not improve on rows on average: {mean:+.3f}"
@@ -382,7 +382,8 @@ def _long_claim(experiment, rq_record, lengths: tuple[int, ...], table: str, nam
 def _c7_claim(parts: dict[int, Verdict], rq_claim, what: str) -> None:
     robust = all(v.mean is not None and v.mean > 0 for v in parts.values())
     verdict = combine_all([deterministic(robust, "robust part: mean gap > 0 at every L"), *parts.values()])
-    rq_claim(what, "paired 90% CI of pairwise_only − hadamard above 0 at every L",
+    level = next(iter(parts.values())).ci_name
+    rq_claim(what, f"paired {level} of pairwise_only − hadamard above 0 at every L",
              "; ".join(f"L={k}: {_verdict_ci(v)}, {_spread_text(v)}" for k, v in parts.items()), verdict=verdict,
              parts={f"L={k}": v for k, v in parts.items()}, **{str(k): v.mean for k, v in parts.items()},
              noise={str(k): v.noise for k, v in parts.items()})

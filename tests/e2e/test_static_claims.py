@@ -99,7 +99,7 @@ def test_static_joint_control_reverses_the_ordering_at_the_shortest_length(exper
     ci = f"{gap.mean:+.3f}" + (f" ({gap.ci_name} {gap.low:+.3f}, {gap.high:+.3f}; n={gap.n})"
                                if gap.low is not None else "")
     rq_claim("Static (App. D) joint control: pairwise_only − hadamard ≤ 0 at the shortest length",
-             "90% CI of the paired gap below 0 (paper: −5.60 PPL at 2K)",
+             f"{gap.ci_name} of the paired gap below 0 (paper: −5.60 PPL at 2K)",
              f"L={b.seqlen}: {ci}; hadamard {[round(v, 3) for v in had]}, pairwise_only {[round(v, 3) for v in pw]}; "
              + (gap.float_order.text() if gap.float_order else "float order: –"),
              verdict=verdict, stat=gap.mean, noise=gap.noise)

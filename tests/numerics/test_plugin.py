@@ -17,6 +17,10 @@ def test_holds(rq_claim, rq_record):
     rq_record("demo table", name="x", value=3.5)
     assert 1.0 < 2.0
 
+def test_records_the_same_row_again(rq_record):
+    rq_record("demo table", name="x", value=3.5)
+    rq_record("demo table", name="y", value=3.5)
+
 @pytest.mark.xfail(reason="measured: a=3.0 >= b=2.0", strict=True)
 def test_does_not_hold(rq_claim):
     rq_claim("C9 (demo)", "a < b", "3.0 < 2.0", False)
@@ -47,7 +51,7 @@ def test_claims_table_printed_and_written(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_rqplugin_claims=CLAIMS_TESTS)
     out = pytester.path / "claims"
     result = pytester.runpytest(f"--rq-claims-out={out}")
-    result.assert_outcomes(passed=1, xfailed=1)
+    result.assert_outcomes(passed=2, xfailed=1)
     result.stdout.fnmatch_lines([
         "*rope_quant: demo table*",
         "*rope_quant claims table*",
@@ -57,7 +61,8 @@ def test_claims_table_printed_and_written(pytester: pytest.Pytester) -> None:
     payload = json.loads((out / "claims.json").read_text())
     verdicts = {c["claim"]: c["verdict"] for c in payload["claims"]}
     assert verdicts == {"C0 (demo)": "holds", "C9 (demo)": "fails (xfail)"}
-    assert payload["tables"]["demo table"] == [{"name": "x", "value": 3.5}]
+    # the row recorded by two tests is kept once, a different row kept
+    assert payload["tables"]["demo table"] == [{"name": "x", "value": 3.5}, {"name": "y", "value": 3.5}]
     assert "| C0 (demo) |" in (out / "claims.md").read_text()
 
 
@@ -286,14 +291,14 @@ def test_claims_table_survives_xdist(pytester: pytest.Pytester, monkeypatch) -> 
     serial = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--rq-claims-out={serial_out}")
     parallel = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", f"--rq-claims-out={xdist_out}")
 
-    serial.assert_outcomes(passed=7, failed=1, xfailed=1)
-    parallel.assert_outcomes(passed=7, failed=1, xfailed=1)
+    serial.assert_outcomes(passed=8, failed=1, xfailed=1)
+    parallel.assert_outcomes(passed=8, failed=1, xfailed=1)
     parallel.stdout.fnmatch_lines(["*2 workers*", "*rope_quant claims table*", "*C9 (demo)*fails (xfail)*"])
     table = _claims_table(xdist_out)
     assert table == _claims_table(serial_out)
     assert len(table["claims"]) == 9
     assert {c["claim"]: c["verdict"] for c in table["claims"]}["C7 (demo)"] == "FAILED"
-    assert len(table["tables"]["demo table"]) == 7
+    assert len(table["tables"]["demo table"]) == 8  # 9 recorded: the row two tests record is kept once
     assert sorted(p.name for p in xdist_out.iterdir()) == ["claims.json", "claims.md"]
 
 
