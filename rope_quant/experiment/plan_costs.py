@@ -49,7 +49,7 @@ FAKEQUANT_OVERHEAD = 1.23
 CPU_QUANT_FORWARD_OVERHEAD = {"float32": 1.15, "bfloat16": 2.2, "float16": 1.15}
 #: GPTQ's host work on the widest linear (down_proj, in-features = intermediate): float32 Hessian copies at the
 #: peak (the accumulator, its act_order permutation, the damped copy, its Cholesky factor, the inverse and the
-#: inverse's upper factor: counted in ``rope_quant/quant/gptq.py``) and float32 copies of the weight (Wf, Q,
+#: inverse's upper factor: counted in ``rope_quant/quant/gptq_solve.py``) and float32 copies of the weight (Wf, Q,
 #: codes, the error terms); the copy count of the weight was fitted to the probe's peak RSS.
 GPTQ_HESSIAN_COPIES = 6
 GPTQ_WEIGHT_COPIES = 5

@@ -16,7 +16,7 @@ import torch
 
 from rope_quant.experiment import pipeline
 from rope_quant.experiment.config import RunConfig
-from rope_quant.quant import gptq, rtn
+from rope_quant.quant import gptq, gptq_solve, rtn
 from rope_quant.quant.quantizers import QuantConfig
 from tests._support import tiny_llama
 from tests._support.host_syncs import count_host_syncs, marginal
@@ -72,14 +72,14 @@ def test_gptq_syncs_per_linear_group_not_per_column() -> None:
 
 def test_the_counter_sees_a_per_column_sync() -> None:
     """The measurement can fail: a column loop that reads one scalar per column shows up per layer."""
-    real = gptq._gptq_flagged
+    real = gptq_solve._gptq_flagged
 
     def per_column_read(W, H, bits, cfg, clip_ratio):  # type: ignore[no-untyped-def]
         for j in range(W.shape[1]):
             float(H[j, j])
         return real(W, H, bits, cfg, clip_ratio)
     mp = pytest.MonkeyPatch()
-    mp.setattr(gptq, "_gptq_flagged", per_column_read)
+    mp.setattr(gptq_solve, "_gptq_flagged", per_column_read)
     try:
         counts = {k: _gptq_syncs(*k) for k in [(2, 2), (4, 2)]}
     finally:
