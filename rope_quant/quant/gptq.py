@@ -30,12 +30,10 @@ from torch import nn
 
 from rope_quant.model import arch, layer_stages, offload
 from rope_quant.quant import deferred, gptq_layer
-from rope_quant.quant.gptq_solve import (  # noqa: F401 (re-exported: the solve's names as gptq's)
+from rope_quant.quant.gptq_solve import (  # noqa: F401 (the public ones re-exported: the solve's names as gptq's)
     GPTQ_CALLS,
     HessianAccumulator,
     _error_terms,
-    _gptq,
-    _gptq_flagged,
     _gptq_stacked,
     gptq_quantize,
     gptq_quantize_shared,

@@ -97,7 +97,7 @@ class GPTQConfig:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The precision of the Hessian sums and the factorisation (the loop: :func:`gptq.loop_dtype`)."""
+        """The precision of the Hessian sums and the factorisation (the loop: :func:`gptq_solve.loop_dtype`)."""
         return torch.float64 if self.float64 else torch.float32
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rope_quant.quant import gptq, hessian_check, rtn
+from rope_quant.quant import gptq, gptq_solve, hessian_check, rtn
 from rope_quant.quant.gptq import HessianAccumulator
 from rope_quant.quant.rtn import GPTQConfig, GPTQError
 
@@ -75,10 +75,10 @@ def test_stacked_rows_equal_separate_solves(cfg: GPTQConfig, dtype: torch.dtype)
     Wq, _, H = _problem(48, dtype=dtype)
     Wk, Wv = _problem(16, seed=1, dtype=dtype)[0], _problem(24, seed=2, dtype=dtype)[0]
     calls = gptq.GPTQ_CALLS["linear"]
-    stacked = gptq._gptq_stacked([Wq, Wk, Wv], H, 4, cfg, 1.0)
+    stacked = gptq_solve._gptq_stacked([Wq, Wk, Wv], H, 4, cfg, 1.0)
     assert gptq.GPTQ_CALLS["linear"] == calls + 1  # one factorisation and one column loop
     for W, (Q, C, S, finite) in zip((Wq, Wk, Wv), stacked, strict=True):
-        Q1, C1, S1 = gptq._gptq(W, H, 4, cfg, 1.0)
+        Q1, C1, S1 = gptq_solve._gptq(W, H, 4, cfg, 1.0)
         assert bool(finite) and Q.shape == W.shape and Q.dtype == W.dtype
         if dtype == torch.float64:
             torch.testing.assert_close(Q, Q1, rtol=0, atol=1e-12)

@@ -10,7 +10,7 @@ import torch
 
 from rope_quant.experiment import data, weight_cache
 from rope_quant.experiment.pipeline import GPTQConfig, RunConfig, build_quantized_model
-from rope_quant.quant import gptq, packing, rtn
+from rope_quant.quant import gptq, gptq_solve, packing, rtn
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
@@ -51,7 +51,7 @@ def test_gptq_and_rtn_codes_dequantise_bit_for_bit(cfg, bits):
     W = torch.randn(24, 40, generator=g)
     X = torch.randn(200, 40, generator=g) * torch.linspace(0.1, 3, 40)
     H = 2 * X.T @ X / 200
-    Q, codes, scales = gptq._gptq(W, H, bits, cfg, 1.0)
+    Q, codes, scales = gptq_solve._gptq(W, H, bits, cfg, 1.0)
     assert packing.bitwise_equal(Q, gptq.gptq_quantize(W, H, bits, cfg))  # the public path is unchanged
     wc = packing.WeightCodes.from_codes(codes, scales, bits, cfg.group_size, Q)
     assert packing.encode(Q, wc) is wc
