@@ -6,6 +6,9 @@ the decoder stack (``model.model``): lm_head is full precision in every variant,
 isolates what the pipeline adds. Targets (0.1.0): W4A4KV4 fake-quant ≤ 1.5× plain; R3 pairwise_only
 ≤ 1.02× and hadamard ≤ 1.05× of the same quantised forward without R3; calibration statistics ≤ 1.10×
 plain; peak memory ≤ 2 GB at 8192 tokens with a chunked lm_head.
+
+``slow``: the four take ≈ 3.6 min of the 2-core machine (forwards of 2048–8192 tokens, repeated), outside CI's
+40-minute budget; ``tox -e bench`` (``pytest -m bench --run-slow``) runs them with the other benchmarks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from rope_quant.quant import deferred
 from rope_quant.rotations import attention
 
 L_FWD = 2048
+pytestmark = pytest.mark.slow
+
 W4A4KV4 = dict(w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4, seqlen=256, calib_windows=1)
 
 

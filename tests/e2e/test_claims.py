@@ -303,6 +303,10 @@ def test_c5_phi_star_attains_minimum_and_excess_ordering(experiment, rq_claim, r
     assert ordering, means
 
 
+#: C6 and C7 run in the ``slow`` subset: both are decided under the sequential rule (C6 not resolvable within 40
+#: seeds, C7 holds at 9; docs/runs/decided-epyc-2threads.json), and their 24 cells (≈ 6 min of the 2-core
+#: machine's 24-min e2e layer) kept the default run over CI's 40-minute budget (docs/measurements.md).
+@pytest.mark.slow
 def test_c6_objective_mismatch(experiment, rq_claim) -> None:
     """C6 (§5, App. J): φ* has a lower surrogate objective than the branch-matched φ̂ control, but does not
     beat it in perplexity.
@@ -391,6 +395,7 @@ def _c7_claim(parts: dict[int, Verdict], rq_claim, what: str) -> None:
     assert not verdict.failed, verdict.text()
 
 
+@pytest.mark.slow
 def test_c7_long_context_gap_positive(experiment, rq_claim, rq_record, e2e_budget) -> None:
     """C7 (long context, App. A.4): the pairwise_only − hadamard gap is positive at every evaluated L, with a
     paired interval over the seeds at every length (the mean gap's sign is asserted; the interval decides)."""
