@@ -16,7 +16,7 @@ AUTO_DTYPE = "auto"
 
 def add_common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     """The cell configuration (model, corpus, seeds, rotations, bits, budget) and the results options."""
-    from rope_quant.experiment.config import PIPELINE_ROTATIONS, AngleRule, DType, Estimator, Objective, WeightMode
+    from rope_quant.experiment.specs import PIPELINE_ROTATIONS, AngleRule, DType, Estimator, Objective, WeightMode
 
     rotations = tuple(k.value for k in PIPELINE_ROTATIONS)
     g = parser.add_argument_group("cell configuration")
