@@ -1,7 +1,7 @@
 """The cost plan of a run (before committing): predicted peak GPU memory, host RAM, disk and wall time per stage.
 
 The model is read on the meta device (no weights). Memory is counted from the shapes: the stored model, the
-largest float64 block of the rotation algebra (:mod:`rope_quant.rotations.offline` folds one block at a time),
+largest float64 block of the rotation algebra (:mod:`rope_quant.rotations.folding` folds one block at a time),
 the whip samples and fit matrices, GPTQ's layer inputs and Hessians, the activations of one window (of a batch
 of windows in a GPU's calibration). On the CPU, time is FLOP count over the measured rates times fitted
 overheads; on a GPU it is per unit of the work (:class:`rope_quant.experiment.plan_costs.GpuCosts`, measured on
@@ -25,7 +25,7 @@ from rope_quant.core import hadamard
 from rope_quant.experiment import plan_costs as pc
 from rope_quant.experiment.stages import StageName
 from rope_quant.model import arch, shapes
-from rope_quant.rotations.offline import fold_block_rows
+from rope_quant.rotations.folding import fold_block_rows
 from rope_quant.rotations.whip import AUTO_ANALYTIC_ABOVE
 
 __all__ = ["PlanError", "PlanDoesNotFit", "Protocol", "PAPER", "ModelCost", "Stage", "Plan", "read_model",
@@ -231,7 +231,7 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
     block += 3 * k_r4 ** 2 * 8  # the R4 Hadamard factor (built as integers, then float64)
     retained = pc.HOST_RETAINED_BYTES  # CPU: resident after the rotation stage (plan_costs)
     rot_flops = 2 * mc.hidden * (2 * mc.vocab * mc.hidden + mc.n_layers * mc.layer_params) + mc.hidden * r4_tok
-    fold_rate = rate64 if dtype == "float32" else dev.flops["float32"]  # offline.fold_dtype
+    fold_rate = rate64 if dtype == "float32" else dev.flops["float32"]  # folding.fold_dtype
     add(StageName.ROTATION, block + mc.hidden ** 2 * 8, 0 if gpu else block + mc.hidden ** 2 * 8, 0,
         rot_flops * pc.ROTATION_OVERHEAD / fold_rate, p.seeds)
     if p.gptq:

@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from rope_quant.core import hadamard
+from rope_quant.rotations import folding
 from rope_quant.rotations import offline as rotation
 from rope_quant.rotations.offline import (
     AlreadyRotatedError,
@@ -268,7 +269,8 @@ def test_rotate_model_never_subtracts_the_embedding_mean(monkeypatch):
     def forbidden(model):
         raise AssertionError("rotate_model must not subtract the embedding mean for RMSNorm models")
 
-    monkeypatch.setattr(rotation, "subtract_embedding_mean", forbidden)
+    for module in (rotation, folding):  # rotate_model reads offline's name, the untie / fuse steps folding's
+        monkeypatch.setattr(module, "subtract_embedding_mean", forbidden)
     model = _synthetic(False)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(8))
     ref = _logits(model, ids)

@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from rope_quant.rotations import offline, online_r4
+from rope_quant.rotations import folding, offline, online_r4
 from tests.numerics.scale_pipeline_probe import CONFIGS, SLOW_CASES, run_probe, stage_report
 
 
@@ -92,20 +92,20 @@ def test_fold_blocks_are_bounded_in_bytes_and_give_the_unblocked_bits(monkeypatc
     """Host RSS at paper scale: a float64 fold block holds at most _FUSE_BLOCK_BYTES at paper widths, the embedded
     widths keep their 16384-row blocks, and any blocking (uneven last block, rows and columns) gives the bits of
     one unblocked product."""
-    steps = {w: next(iter(offline._blocks(10 ** 6, w))).stop for w in (576, 640, 4096, 8192)}
+    steps = {w: next(iter(folding._blocks(10 ** 6, w))).stop for w in (576, 640, 4096, 8192)}
     assert steps == {576: 16384, 640: 16384, 4096: 4096, 8192: 2048}
-    assert all(8 * w * rows <= offline._FUSE_BLOCK_BYTES for w, rows in steps.items())
+    assert all(8 * w * rows <= folding._FUSE_BLOCK_BYTES for w, rows in steps.items())
     torch.manual_seed(1)
     w = torch.randn(50, 24)
     m = torch.linalg.qr(torch.randn(24, 24, dtype=torch.float64))[0]
     whole_right, whole_left = w.clone(), w.T.clone()
-    offline.fold_right(whole_right, m)
-    offline.fold_left(m.T, whole_left)
-    monkeypatch.setattr(offline, "_FUSE_BLOCK_BYTES", 7 * 24 * 8)  # blocks of 7 rows: 7 blocks, the last of 1
-    assert [len(range(50)[b]) for b in offline._blocks(50, 24)] == [7] * 7 + [1]
+    folding.fold_right(whole_right, m)
+    folding.fold_left(m.T, whole_left)
+    monkeypatch.setattr(folding, "_FUSE_BLOCK_BYTES", 7 * 24 * 8)  # blocks of 7 rows: 7 blocks, the last of 1
+    assert [len(range(50)[b]) for b in folding._blocks(50, 24)] == [7] * 7 + [1]
     right, left = w.clone(), w.T.clone()
-    offline.fold_right(right, m)
-    offline.fold_left(m.T, left)
+    folding.fold_right(right, m)
+    folding.fold_left(m.T, left)
     assert torch.equal(right, whole_right) and torch.equal(left, whole_left)
     torch.testing.assert_close(right.double(), w.double() @ m, rtol=0, atol=1e-6)
 
