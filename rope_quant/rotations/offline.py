@@ -52,8 +52,6 @@ from rope_quant.rotations.errors import (
     UnsupportedArchitectureError,
 )
 from rope_quant.rotations.folding import (
-    ORTHO_ATOL,  # noqa: F401 (re-exported: offline.ORTHO_ATOL)
-    R1_DENSE_MAX,  # noqa: F401 (re-exported: offline.R1_DENSE_MAX)
     _blocks,
     _check_rotation,
     _lm_head,
