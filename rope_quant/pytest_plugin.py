@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_FUTILITY, DEFAULT_MAX_SEEDS, DEFAULT_MODEL
+from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_FUTILITY, DEFAULT_MAX_SEEDS, DEFAULT_MODEL, DEFAULT_SHAPE, Shape
 from rope_quant.io import atomic_write_text, markdown_table  # stdlib only: keeps the plugin light
 from rope_quant.seeds import SeedSpecError, parse_seeds  # stdlib only
 
@@ -61,6 +61,7 @@ class RQOptions:
     max_seeds: int = DEFAULT_MAX_SEEDS
     time_budget: float | None = None
     futility: float = DEFAULT_FUTILITY
+    shape: str = DEFAULT_SHAPE.value
     extra: dict[str, Any] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -117,6 +118,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--rq-futility", default=None, metavar="P",
         help=f"with --rq-until-decided: stop a claim early when its chance of a decision by M is below P (default "
         f"{DEFAULT_FUTILITY:g}; 0 turns it off)",
+    )
+    group.addoption(
+        "--rq-shape", default=DEFAULT_SHAPE.value, choices=[s.value for s in Shape],
+        help=f"with --rq-until-decided: the sequential boundary (default {DEFAULT_SHAPE.value}: valid for skewed "
+        "and heavy-tailed per-seed effects; normal: the Pocock t boundary, which assumes normal per-seed effects "
+        "and needs fewer seeds; docs/verdicts.md)",
     )
 
 
@@ -207,6 +214,7 @@ def pytest_configure(config: pytest.Config) -> None:
         replicates=replicates,
         until_decided=until, max_seeds=max_seeds, time_budget=budget,
         futility=_parse_futility(config.getoption("--rq-futility")),
+        shape=config.getoption("--rq-shape"),
     )
     config.stash[_STORE] = _Collector()
     config.pluginmanager.register(config.stash[_STORE], "rope_quant_collector")

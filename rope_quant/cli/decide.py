@@ -24,6 +24,7 @@ def _seconds(text: str) -> float:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from rope_quant.core.boundary import DEFAULT_SHAPE, Shape
     from rope_quant.core.sequential import DEFAULT_FUTILITY, DEFAULT_MAX_SEEDS
 
     p = sub.add_parser("decide", help=HELP)
@@ -36,6 +37,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--futility", type=float, default=DEFAULT_FUTILITY, metavar="P",
                    help=f"stop a claim early when its chance of a decision by M is below P (default "
                         f"{DEFAULT_FUTILITY:g}; 0 turns it off)")
+    p.add_argument("--shape", choices=[s.value for s in Shape], default=DEFAULT_SHAPE.value,
+                   help=f"the sequential boundary (default {DEFAULT_SHAPE.value}: valid for skewed and heavy-tailed "
+                        "per-seed effects; normal: the Pocock t boundary, fewer seeds, assumes normal effects)")
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="weight cache (default DIR/cache)")
     p.add_argument("--progress", action="store_true", help="per-stage progress of each cell")
     return p
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         raise CLIError(str(exc)) from None
     cell_fn = cells.function(args, out)
     result = decide.decide_directory(out, manifest, max_seeds=args.max_seeds, time_budget=args.time_budget,
-                                     futility=args.futility, cell_fn=cell_fn, cache_dir=args.cache_dir)
+                                     futility=args.futility, shape=args.shape, cell_fn=cell_fn,
+                                     cache_dir=args.cache_dir)
     print(decide.table(result, decide.claims_of(manifest)))
     print(f"decide: {result.stopped}; decisions in {out / decide.DECISIONS_FILE}")
     return 0

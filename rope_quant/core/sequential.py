@@ -7,7 +7,13 @@ rule keeps the same structure and spends the 5% over the planned looks (a group-
 
 * the **plan**: looks at ``n = n0, n0 + 1, …, M`` seeds (``n0`` the seeds given, ``M`` the most the run may
   use), every seed replicated (``k = n``: ``B`` is the replicate order's own paired t interval, exact);
-* at every look both intervals are the paired t intervals at one per-look level ``α'`` per side;
+* at every look both intervals are read at the plan's **boundary** (:mod:`rope_quant.core.boundary`). The
+  default, ``skew_robust``, is Hall's skewness-corrected t against critical values taken least-favourably over
+  a family of per-seed laws (normal, t₃, gamma at skewness ±1, ±2), so the error bound below holds for skewed
+  and heavy-tailed seeds; ``normal`` is the paired t interval at one Pocock level ``α'`` per side, described
+  next, valid for normal seeds and cheaper in seeds (docs/verdicts.md);
+* a claim of ``P`` parts (refuted if any part is) spends its refuted side at ``α / P`` per part
+  (:attr:`Plan.parts`); its holds side needs no adjustment (every part must hold);
 * ``α'`` is the **Pocock level for the t statistic**: the largest ``α'`` with
   ``P(some look n in n0…M has t_n > t_{1−α'}(n − 1)) ≤ α`` when the effect lies on the boundary. For normal
   per-seed differences the sequence ``t_n0 … t_M`` of one float order is pivotal: its law does not depend on
@@ -42,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rope_quant.core.boundary import DEFAULT_SHAPE, Boundary, Shape, bounds, critical_values
 from rope_quant.core.verdict import (
     Form,
     Outcome,
@@ -67,7 +74,10 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Plan:
-    """Looks at ``first`` (n0) … ``max_seeds`` (M) seeds; ``alpha`` per side spent equally over them; an open
+    """Looks at ``first`` (n0) … ``max_seeds`` (M) seeds; ``alpha`` per side spent over them under the boundary
+    ``shape`` (:mod:`rope_quant.core.boundary`: skew-robust by default, ``normal`` is the Pocock t rule that
+    assumes normal per-seed effects); a claim of ``parts`` parts spends its refuted side at α / parts (it is
+    refuted if any part is: Bonferroni, which is Holm's first step, the only one that decides the claim); an open
     claim stops for futility from ``futility_from`` seeds when its chance of a decision by M is below
     ``futility`` (0 turns that off)."""
 
@@ -76,6 +86,8 @@ class Plan:
     alpha: float = ALPHA
     futility: float = DEFAULT_FUTILITY
     futility_from: int = FUTILITY_FROM
+    shape: Shape = DEFAULT_SHAPE
+    parts: int = 1
 
     def __post_init__(self) -> None:
         if self.first < 2:
@@ -87,6 +99,9 @@ class Plan:
             raise PlanError(f"alpha must lie in (0, 0.5), got {self.alpha}")
         if not 0.0 <= self.futility < 1.0:
             raise PlanError(f"futility must lie in [0, 1), got {self.futility}")
+        if self.parts < 1:
+            raise PlanError(f"a claim has at least 1 part, got {self.parts}")
+        object.__setattr__(self, "shape", Shape(self.shape))
 
     @property
     def looks(self) -> int:
@@ -95,12 +110,25 @@ class Plan:
 
     @property
     def alpha_look(self) -> float:
-        """α' per side at every look (:func:`per_look_alpha`)."""
-        return per_look_alpha(self.first, self.max_seeds, self.alpha)
+        """The one-look level per side of the "holds" side (α' of the Pocock t rule for the normal shape)."""
+        return self.boundary.alpha_look
+
+    @property
+    def boundary(self) -> Boundary:
+        """The critical values per look (:func:`rope_quant.core.boundary.critical_values`)."""
+        a, holds = critical_values(self.first, self.max_seeds, self.alpha, self.shape)
+        refuted = holds if self.parts == 1 else critical_values(self.first, self.max_seeds,
+                                                                 self.alpha / self.parts, self.shape)[1]
+        return Boundary(self.first, self.shape, holds, refuted, a)
+
+    def with_parts(self, parts: int) -> Plan:
+        """This plan for one part of a claim of ``parts`` parts."""
+        return replace(self, parts=parts)
 
     def describe(self) -> str:
-        return (f"sequential: looks at {self.first}…{self.max_seeds} seeds, every seed replicated, "
-                f"α {self.alpha:g} per side over all looks ({self.alpha_look:.3g} per look)")
+        parts = f"; refuted side at α/{self.parts} (claim of {self.parts} parts)" if self.parts > 1 else ""
+        return (f"sequential ({self.shape.value} boundary): looks at {self.first}…{self.max_seeds} seeds, every "
+                f"seed replicated, α {self.alpha:g} per side over all looks ({self.alpha_look:.3g} per look){parts}")
 
 
 CALIBRATION_PATHS = 50_000
@@ -147,9 +175,7 @@ def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | N
                               margin=margin, tokens=tokens, with_budget=False)
         return replace(v, outcome=Outcome.INCONCLUSIVE, budget=None, rule=RULE_SEQUENTIAL,
                        note=f"the sequential rule needs every seed replicated ({why})")
-    v = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens, alpha=plan.alpha_look,
-                          with_budget=False)
-    v = replace(v, rule=RULE_SEQUENTIAL, level=1.0 - 2.0 * plan.alpha_look)
+    v = read(form, margin, diffs, shifts, plan, tokens=tokens)
     where = f"look {look} of {plan.looks} ({n} seeds), {plan.alpha_look:.3g} per side per look"
     if v.decided:
         return replace(v, note=where)
@@ -165,6 +191,38 @@ def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | N
         return v
     fixed = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens)
     return replace(v, stop=stop_reason(form, margin, v, fixed, plan))
+
+
+def read(form: Form, margin: float, diffs: Sequence[float], shifts: Sequence[float], plan: Plan, *,
+         tokens: int | None = None) -> Verdict:
+    """The plan's boundary at the look of ``len(diffs)`` seeds, every seed replicated: the primary interval A and
+    the replicate order's interval B at the "holds" critical value (the verdict's ``low``/``high`` and
+    ``float_order.low_b``/``high_b``), their union read for "holds", and the same at the "refuted" critical value
+    for "refuted" (wider for a claim of parts). The numbers the interval does not change (σ_num, the bias) are
+    :func:`rope_quant.core.verdict.decide_replicated`'s."""
+    import numpy as np
+
+    from rope_quant.core.power import masks
+
+    n = len(diffs)
+    base = decide_replicated(form, diffs, shifts, margin=margin, tokens=tokens, alpha=plan.alpha_look,
+                             with_budget=False)
+    if n < 2 or base.float_order is None or base.float_order.sigma is None:
+        return replace(base, rule=RULE_SEQUENTIAL, level=plan.boundary.level)
+    c_holds, c_refuted = plan.boundary.at(n)
+    p = np.asarray([diffs], dtype=np.float64)
+    q = p + np.asarray([shifts], dtype=np.float64)
+    side, b = _bounds(form, margin)
+    la, ha = (float(x[0, 0]) for x in bounds(p, n, [c_holds], plan.shape))
+    lb, hb = (float(x[0, 0]) for x in bounds(q, n, [c_holds], plan.shape))
+    holds, _ = masks(side, b, min(la, lb), max(ha, hb))
+    ra, rha = (float(x[0, 0]) for x in bounds(p, n, [c_refuted], plan.shape))
+    rb, rhb = (float(x[0, 0]) for x in bounds(q, n, [c_refuted], plan.shape))
+    _, refuted = masks(side, b, min(ra, rb), max(rha, rhb))
+    outcome = Outcome.HOLDS if holds else Outcome.REFUTED if refuted else Outcome.INCONCLUSIVE
+    fo = replace(base.float_order, low_b=lb, high_b=hb)
+    return replace(base, outcome=outcome, low=la, high=ha, float_order=fo, rule=RULE_SEQUENTIAL,
+                   level=plan.boundary.level, shape=plan.shape.value, parts=plan.parts)
 
 
 FUTILITY_RUNS = 4000
@@ -212,7 +270,7 @@ def _predictive_counts(form: Form, margin: float, diffs: Sequence[float], shifts
     new_q = theta + beta + u + rng.standard_normal((runs, m - n)) * se
     p = np.hstack([np.broadcast_to(d, (runs, n)), new_p])
     q = np.hstack([np.broadcast_to(d + sh, (runs, n)), new_q])
-    out = simulate(form, margin, p, q, plan.first, plan.alpha_look)
+    out = simulate(form, margin, p, q, plan.boundary)
     holds, refuted = out["holds"][:, n - plan.first + 1:], out["refuted"][:, n - plan.first + 1:]
     decided = holds | refuted
     first = decided.argmax(1)
@@ -289,33 +347,30 @@ def stop_reason(form: Form, margin: float, v: Verdict, fixed: Verdict, plan: Pla
 # ----------------------------------------------------------------------------- the rule vectorised
 
 
-def simulate(form: Form, margin: float, primary: Any, replicate: Any, first: int, alpha_look: float) -> dict[str, Any]:
-    """The rule at every look ``n = first … M`` over runs (rows), vectorised: ``primary`` (runs × M) the per-seed
-    paired differences, ``replicate`` (runs × M) the same seeds in the other float order (every seed
-    replicated). Returns boolean arrays (runs × looks) ``holds`` / ``refuted`` at each look and, per run, the
-    ``first`` decision (``"holds"`` / ``"refuted"`` / ``""``) as two masks and ``seeds`` (the seeds at the
-    first decision, ``M`` when none)."""
+def simulate(form: Form, margin: float, primary: Any, replicate: Any, boundary: Boundary) -> dict[str, Any]:
+    """The rule at every look ``n = boundary.first … M`` over runs (rows), vectorised: ``primary`` (runs × M) the
+    per-seed paired differences, ``replicate`` (runs × M) the same seeds in the other float order (every seed
+    replicated); the intervals of :func:`read` at ``boundary`` (a plan's, or :meth:`Boundary.fixed` for one
+    level at every look). Returns boolean arrays (runs × looks) ``holds`` / ``refuted`` at each look and, per
+    run, the ``first`` decision (``"holds"`` / ``"refuted"`` / ``""``) as two masks and ``seeds`` (the seeds at
+    the first decision, ``M`` when none)."""
     import numpy as np
-    from scipy import stats as st
 
     from rope_quant.core.power import masks
 
     p, q = np.asarray(primary, dtype=np.float64), np.asarray(replicate, dtype=np.float64)
     runs, m = p.shape
+    first = boundary.first
     ns = np.arange(first, m + 1)
-    t = st.t.ppf(1.0 - alpha_look, ns - 1)
-
-    def bounds(x: Any) -> tuple[Any, Any]:
-        s1, s2 = np.cumsum(x, 1)[:, first - 1:], np.cumsum(x * x, 1)[:, first - 1:]
-        mean = s1 / ns
-        var = np.maximum(s2 - s1 * mean, 0.0) / (ns - 1)
-        half = t * np.sqrt(var / ns)
-        return mean - half, mean + half
-
-    la, ha = bounds(p)
-    lb, hb = bounds(q)
+    looks = len(ns)
     side, b = _bounds(form, margin)
-    holds, refuted = masks(side, b, np.minimum(la, lb), np.maximum(ha, hb))
+    la, ha = bounds(p, first, boundary.holds[:looks], boundary.shape)
+    lb, hb = bounds(q, first, boundary.holds[:looks], boundary.shape)
+    holds, _ = masks(side, b, np.minimum(la, lb), np.maximum(ha, hb))
+    if boundary.refuted[:looks] != boundary.holds[:looks]:
+        la, ha = bounds(p, first, boundary.refuted[:looks], boundary.shape)
+        lb, hb = bounds(q, first, boundary.refuted[:looks], boundary.shape)
+    _, refuted = masks(side, b, np.minimum(la, lb), np.maximum(ha, hb))
     decided = holds | refuted
     any_ = decided.any(1)
     idx = np.where(any_, decided.argmax(1), len(ns) - 1)
@@ -349,7 +404,7 @@ def expected_seeds(form: Form, margin: float, theta: float, beta: float, su: flo
                    runs: int = 4000, seed: int = 20261128) -> Expected:
     """:class:`Expected` by simulation of ``runs`` runs of the plan at the true values."""
     p, q = draw(theta, beta, su, se, runs, plan.max_seeds, seed)
-    out = simulate(form, margin, p, q, plan.first, plan.alpha_look)
+    out = simulate(form, margin, p, q, plan.boundary)
     return Expected(float(out["seeds"].mean()), float((out["first_holds"] | out["first_refuted"]).mean()),
                     float(out["first_holds"].mean()), float(out["first_refuted"].mean()))
 
@@ -365,6 +420,24 @@ class Looked:
     seeds: tuple[int, ...]
     stopped: str
     lines: tuple[str, ...]
+
+
+def replay(form: Form, diffs: Sequence[float], shifts: Sequence[float], plan: Plan, *, margin: float = 0.0,
+           tokens: int | None = None) -> Verdict:
+    """The rule read look by look over recorded seeds (``diffs`` and ``shifts`` in seed order), as
+    :func:`until_decided` would have read them: the verdict at the first look that decides or stops, else at
+    the last recorded look (open: more seeds than were recorded would be needed). A claims JSON's ``diffs`` and
+    ``float_order.shifts`` are such a record; this is how a decision is re-read under another boundary."""
+    if len(diffs) != len(shifts):
+        raise ValueError(f"{len(diffs)} differences but {len(shifts)} shifts: replay needs every seed replicated")
+    if len(diffs) < plan.first:
+        raise PlanError(f"{len(diffs)} recorded seeds are fewer than the plan's first look ({plan.first})")
+    v = decide(form, diffs[:plan.first], shifts[:plan.first], plan, margin=margin, tokens=tokens)
+    for n in range(plan.first + 1, min(len(diffs), plan.max_seeds) + 1):
+        if not open_at(v, n - 1, plan):
+            break
+        v = decide(form, diffs[:n], shifts[:n], plan, margin=margin, tokens=tokens)
+    return v
 
 
 def open_at(v: Verdict, n: int, plan: Plan) -> bool:

@@ -177,6 +177,19 @@ class Verdict:
     refutable: bool | None = None
     """An open part under the sequential rule: whether its predictive chance of being refuted by M is at least the
     futility level (None: not judged). A claim of parts that can no longer hold stops once no open part is."""
+    shape: str = ""
+    """The sequential rule's boundary shape (:class:`rope_quant.core.boundary.Shape`); "" under the fixed-n rule."""
+    parts: int = 1
+    """The parts the claim this verdict belongs to has, as the refuted side was spent (1: a claim of one part)."""
+    skewness: float | None = None
+    """The per-seed paired differences' sample skewness g1 (n ≥ 3): how far a decision leans on the tails."""
+    kurtosis: float | None = None
+    """Their sample excess kurtosis g2 (n ≥ 4)."""
+    claim_error: str = ""
+    """A claim of parts: the error the claim carries per side (:func:`combine_all`)."""
+    diffs: tuple[float, ...] = ()
+    """The per-seed paired differences the verdict was read from, in seed order (with ``float_order.shifts``, what
+    a later rule needs to replay the decision look by look: :func:`rope_quant.core.sequential.replay`)."""
 
     @property
     def ci_name(self) -> str:
@@ -340,10 +353,38 @@ def combine_all(parts: Iterable[Verdict], note: str = "") -> Verdict:
     """A claim made of parts: fails / refuted if any part is (fails first), holds if all hold, otherwise
     inconclusive with the largest budget among its undecided parts (none if any part has none). Under the
     sequential rule it stops when every open part has stopped, or when one has (so the claim cannot hold) and no
-    other is likely to be refuted (:attr:`Verdict.refutable`)."""
+    other is likely to be refuted (:attr:`Verdict.refutable`). A claim of two or more sampled parts carries its
+    error in ``claim_error`` (:func:`claim_error`)."""
     items = list(parts)
     if not items:
         raise ValueError("combine_all needs at least one part")
+    error = claim_error(items)
+    out = _combine(items, note)
+    return replace(out, claim_error=error) if error else out
+
+
+ALPHA_SIDE = 0.05
+"""The error per side the rule promises for one interval (the sequential rule spends it over its looks)."""
+
+
+def claim_error(parts: Sequence[Verdict]) -> str:
+    """The error a claim of parts carries per side. "Holds" needs every part to hold (an intersection-union test:
+    no adjustment, ≤ 5%). "Refuted" needs one part refuted, so the parts' errors add: the sequential rule spends
+    the refuted side at α / P per part when its plan names the P parts (Bonferroni, Holm's first step — the only
+    step that decides the claim); otherwise the bound is P × 5%. "" for fewer than two sampled parts."""
+    sampled = [v for v in parts if v.form is not None]
+    p = len(sampled)
+    if p < 2:
+        return ""
+    if all(v.shape and v.parts >= p for v in sampled):
+        return (f"≤ {ALPHA_SIDE:.0%} per side for the claim: holds needs all {p} parts; refuted spent at "
+                f"{ALPHA_SIDE:.0%}/{p} per part")
+    return (f"holds ≤ {ALPHA_SIDE:.0%} (all {p} parts must hold); refuted ≤ {p} × {ALPHA_SIDE:.0%} = "
+            f"{min(1.0, p * ALPHA_SIDE):.0%} (any one of the {p} parts refutes it)")
+
+
+def _combine(items: list[Verdict], note: str) -> Verdict:
+    """:func:`combine_all` without the claim's error."""
     for bad in (Outcome.FAILS, Outcome.REFUTED):
         hit = [v for v in items if v.outcome is bad]
         if hit:
@@ -447,12 +488,14 @@ def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float
     from rope_quant.core import stats  # deferred: scipy
 
     ci = stats.paired_ci(d, [0.0] * len(d), level)
+    skew, kurt = tails(d)
     every = len(shifts) == len(d)  # every seed replicated: shifts[i] is seed i's
     sd_rep = stats.sample_sd([x + float(y) for x, y in zip(d, shifts, strict=True)]) if every else None
     fo = float_order(shifts, ci.n, ci.mean, ci.sd, sd_rep, alpha)
     if fo.sigma is None:
         return _primary_only(form, d, fo, fo.reason, margin, tokens)
-    primary = Verdict(Outcome.INCONCLUSIVE, form, ci.n, ci.mean, ci.sd, ci.low, ci.high, margin, rule=RULE_REPLICATES)
+    primary = Verdict(Outcome.INCONCLUSIVE, form, ci.n, ci.mean, ci.sd, ci.low, ci.high, margin, rule=RULE_REPLICATES,
+                      skewness=skew, kurtosis=kurt, diffs=tuple(d))
     v = replace(primary, outcome=Outcome.INCONCLUSIVE, budget=None, noise=fo.sigma, float_order=fo)
     side, b = _bounds(form, margin)
     low, high = v.bounds
@@ -466,6 +509,21 @@ def decide_replicated(form: Form, diffs: Sequence[float], shifts: Sequence[float
     if not with_budget:
         return v
     return replace(v, budget=budget_replicated(form, ci.n, ci.mean, ci.sd, fo, margin=margin, tokens=tokens))
+
+
+def tails(d: Sequence[float]) -> tuple[float | None, float | None]:
+    """(g1, g2): the sample skewness (n ≥ 3) and excess kurtosis (n ≥ 4) of the per-seed differences; None where
+    too few seeds or no spread."""
+    n = len(d)
+    if n < 3:
+        return None, None
+    mean = sum(d) / n
+    m2 = sum((x - mean) ** 2 for x in d) / n
+    if not m2 > 0:
+        return None, None
+    m3 = sum((x - mean) ** 3 for x in d) / n
+    m4 = sum((x - mean) ** 4 for x in d) / n
+    return m3 / m2 ** 1.5, (m4 / m2 ** 2 - 3.0 if n >= 4 else None)
 
 
 def _primary_only(form: Form, d: list[float], fo: FloatOrder, why: str, margin: float,

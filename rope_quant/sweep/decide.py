@@ -28,6 +28,7 @@ from typing import Any
 
 from rope_quant.core import sequential
 from rope_quant.core.verdict import Form, Outcome, Verdict
+from rope_quant.defaults import Shape
 from rope_quant.io import atomic_write_json
 from rope_quant.sweep.cellkind import CellKindName, SweepError, config_seed, kind_of, run_of, with_overrides
 from rope_quant.sweep.manifest import Manifest
@@ -97,7 +98,7 @@ class Outcomes:
     built: bool
 
 
-def _state(out: Path, first: int, max_seeds: int) -> dict[str, Any]:
+def _state(out: Path, first: int, max_seeds: int, shape: str) -> dict[str, Any]:
     path = out / STATE_FILE
     if path.is_file():
         state = json.loads(path.read_text())
@@ -105,8 +106,13 @@ def _state(out: Path, first: int, max_seeds: int) -> dict[str, Any]:
             raise DecideError(f"{path}: this directory's plan was fixed at --max-seeds {state['max_seeds']} (looks "
                               f"{state['first']}…{state['max_seeds']}); rerun with --max-seeds {state['max_seeds']}, "
                               "or decide in a fresh directory (changing M after looking breaks the error bound)")
+        fixed = state.get("shape", "normal")  # a plan written before the boundary had a shape used the t boundary
+        if fixed != shape:
+            raise DecideError(f"{path}: this directory's plan was fixed with --shape {fixed}; rerun with --shape "
+                              f"{fixed}, or decide in a fresh directory (changing the boundary after looking "
+                              "breaks the error bound)")
         return state
-    return {"first": first, "max_seeds": max_seeds, "added": []}
+    return {"first": first, "max_seeds": max_seeds, "shape": shape, "added": []}
 
 
 def check_inputs(manifest: Manifest, max_seeds: int, time_budget: float | None,
@@ -141,7 +147,7 @@ def check_inputs(manifest: Manifest, max_seeds: int, time_budget: float | None,
 
 def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_seeds: int = sequential.DEFAULT_MAX_SEEDS,
                      time_budget: float | None = None, futility: float = sequential.DEFAULT_FUTILITY,
-                     cell_fn: Any = None,
+                     shape: str = sequential.DEFAULT_SHAPE.value, cell_fn: Any = None,
                      replicate: Callable[[Any], Any | None] = replicate_config, cache_dir: Any = None,
                      log: Callable[[str], None] | None = print, run_cells_kw: Mapping[str, Any] | None = None
                      ) -> Outcomes:
@@ -151,8 +157,8 @@ def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_see
     out = Path(out)
     claims = check_inputs(manifest, max_seeds, time_budget, replicate)
     say = log or (lambda _line: None)
-    state = _state(out, len(manifest.seeds()), max_seeds)
-    plan = sequential.Plan(int(state["first"]), int(state["max_seeds"]), futility=futility)
+    state = _state(out, len(manifest.seeds()), max_seeds, shape)
+    plan = sequential.Plan(int(state["first"]), int(state["max_seeds"]), futility=futility, shape=Shape(shape))
     template = {name: cfg for name, cfg in manifest.cells}
 
     def make(name: str, seed: int) -> Any:
@@ -275,7 +281,7 @@ def _finish(out: Path, claims: list[Claim], verdicts: Mapping[str, tuple[Verdict
     seeds = {c.name: verdicts[c.name][1] for c in claims}
     atomic_write_json(out / DECISIONS_FILE, {
         "plan": {"first": plan.first, "max_seeds": plan.max_seeds, "alpha": plan.alpha,
-                 "alpha_per_look": plan.alpha_look, "futility": plan.futility,
+                 "alpha_per_look": plan.alpha_look, "futility": plan.futility, "shape": plan.shape.value,
                  "rule": sequential.RULE_SEQUENTIAL},
         "stopped": stopped,
         "claims": [{"claim": c.label, "config": c.name, "control": c.control, "seeds": seeds[c.name],

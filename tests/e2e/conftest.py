@@ -90,17 +90,18 @@ class Experiment:
 
     def paired_claim(self, form: Any, treatment: Sequence[float], control: Sequence[float], *,
                      replicates: Mapping[int, tuple[float, float]] | str | None, margin: float = 0.0,
-                     tokens: int | None = None) -> Any:
+                     tokens: int | None = None, parts: int = 1) -> Any:
         """The fixed-n rule's :func:`~rope_quant.core.verdict.paired_claim`, or with ``--rq-until-decided`` the
-        sequential rule's (:func:`rope_quant.core.sequential.paired_claim`)."""
+        sequential rule's (:func:`rope_quant.core.sequential.paired_claim`); ``parts``: the sampled parts of the
+        claim this one belongs to (the sequential rule spends its refuted side at α / parts)."""
         if self.plan is None:
             from rope_quant.core.verdict import paired_claim
 
             return paired_claim(form, treatment, control, replicates=replicates, margin=margin, tokens=tokens)
         from rope_quant.core import sequential
 
-        return sequential.paired_claim(form, treatment, control, self.plan, replicates=replicates, margin=margin,
-                                       tokens=tokens)
+        return sequential.paired_claim(form, treatment, control, self.plan.with_parts(parts), replicates=replicates,
+                                       margin=margin, tokens=tokens)
 
     def decided(self, evaluate: Callable[[Experiment], Any], name: str,
                 verdict_of: Callable[[Any], Any] = lambda r: r[0]) -> tuple[Any, Experiment]:
@@ -359,4 +360,4 @@ def sequential_plan(rq_options, budget: E2EBudget) -> Any:
         return None
     from rope_quant.core.sequential import Plan
 
-    return Plan(len(budget.seeds), rq_options.max_seeds, futility=rq_options.futility)
+    return Plan(len(budget.seeds), rq_options.max_seeds, futility=rq_options.futility, shape=rq_options.shape)

@@ -181,7 +181,8 @@ def _c4_ppl(experiment) -> tuple[Verdict, list[Verdict], list[float], Any]:
                                      margin=margin.value, tokens=experiment.tokens(experiment.budget.support_windows),
                                      replicates=experiment.replicate_pairs({"r3_block": BLOCKS[i + 1]},
                                                                            {"r3_block": BLOCKS[i]},
-                                                                           r3="block_hadamard", **w))
+                                                                           r3="block_hadamard", **w),
+                                     parts=len(BLOCKS) - 1)
              for i in range(len(BLOCKS) - 1)]
     robust = gaps[0] > gaps[-1]
     verdict = combine_all([deterministic(robust, "robust part: gap(b=2) <= gap(b=d_h)"), *parts])
@@ -364,7 +365,7 @@ def _long_gaps(experiment, rq_record, lengths: tuple[int, ...], table: str) -> d
 
     return {length: experiment.paired_claim(Form.GREATER, pw_ppl, had_ppl,
                                             tokens=experiment.budget.long_windows * length,
-                                            replicates=replicates(length))
+                                            replicates=replicates(length), parts=len(per_seed))
             for length, (pw_ppl, had_ppl) in per_seed.items()}
 
 
