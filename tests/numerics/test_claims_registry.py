@@ -296,3 +296,44 @@ def test_importing_the_claims_layer_stays_light() -> None:
             "print(sorted(m for m in ('torch', 'numpy', 'scipy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_results_directory_is_a_store(tmp_path: Path) -> None:
+    """``sweep.claim_store.DirectoryStore`` reads a ``compare`` directory's complete records: C3's cells are the
+    comparator's config with their overrides (the directory names them otherwise), the replicates are the
+    ``.float-order`` cells; the verdict is the rule's on the recorded values. A cell the directory lacks is named
+    with its seed; a cell scored on support windows is refused."""
+    from rope_quant.experiment.config import RunConfig
+    from rope_quant.sweep.claim_store import DirectoryStore
+    from rope_quant.sweep.decide import REPLICATE_SUFFIX, replicate_config
+    from rope_quant.sweep.manifest import Manifest, build_manifest
+    from rope_quant.sweep.runner import run_cells
+
+    seeds = (0, 1, 2, 3)
+    variants = {"hadamard": {"r3": "hadamard"}, "pw-rows": {"r3": "pairwise_only"},
+                "pw-k": {"r3": "pairwise_only", "estimator": "k_only"}}
+    plain = build_manifest(RunConfig.from_flat(seqlen=64), variants, seeds, study="compare")
+    reps = [(n + REPLICATE_SUFFIX, replicate_config(c)) for n, c in plain.cells if n != "hadamard"]
+    assert all(c is not None for _, c in reps)
+    manifest = Manifest([*plain.cells, *reps], study="compare", comparator="hadamard")
+
+    def ppl(cfg: RunConfig) -> float:
+        flat = cfg.flat()
+        shared = np.random.default_rng(cfg.seed).normal(0, 0.4)
+        own = np.random.default_rng([cfg.seed, len(str(flat["r3"])), len(str(flat["estimator"]))]).normal(0, 0.05)
+        return float(14.0 + shared + own + 2.0 * (flat["r3"] == "pairwise_only")
+                     - 0.5 * (flat["estimator"] == "k_only") + 0.02 * cfg.quant.w.gptq.float64)
+
+    run_cells(manifest, tmp_path, cell_fn=lambda cfg: {"ppl": ppl(cfg), "n_tokens": 4096}, log=None)
+    store = DirectoryStore(tmp_path)
+    result = engine.evaluate(paper.C3, store, seeds)
+    by = {(n, cfg.seed): ppl(cfg) for n, cfg in manifest.cells}
+    direct = verdict.paired_claim(
+        Form.LESS, [by[("pw-k", s)] for s in seeds], [by[("pw-rows", s)] for s in seeds], tokens=4096,
+        replicates={i: (by[("pw-k" + REPLICATE_SUFFIX, s)], by[("pw-rows" + REPLICATE_SUFFIX, s)])
+                    for i, s in enumerate(seeds)})
+    assert result.verdict == direct and direct.outcome is Outcome.HOLDS and result.parts[0].tokens == 4096
+    with pytest.raises(MissingCellError, match=r"cell \{r3=pairwise_plus_hadamard\} at seed 0"):
+        engine.evaluate(paper.C2, store, seeds)
+    with pytest.raises(ValueError, match="scored by support"):
+        engine.evaluate(paper.C4_PPL, store, seeds)
