@@ -1,0 +1,317 @@
+"""The claims as data: a :class:`Claim` names its cells, its parts and what it asks of an architecture.
+
+A claim of the paper (or beyond it) is a list of :class:`Part`\\ s over named **cells**. A cell is a set of flat
+config overrides (``{"r3": "pairwise_only", "estimator": "k_only"}``, the names of
+:meth:`rope_quant.experiment.config.RunConfig.from_flat`) on top of the study's base config; two reserved keys
+say how the cell is scored when that is not the budget's evaluation windows (:data:`SCORING`, :data:`LENGTH`:
+C4's support windows, C7's long-context protocol of App. A.4). A part compares a treatment and a control (a
+cell, or a :class:`Diff` of two cells: App. F's gap of gaps) in one :class:`~rope_quant.core.verdict.Form`,
+with one :class:`Statistic` (the paired rule of docs/verdicts.md, or a criterion without sampling error) and
+one :class:`MarginRule`. :func:`rope_quant.claims.engine.evaluate` decides any claim over any store; adding a
+claim is one :func:`register` call (docs/ARCHITECTURE.md, "Adding a claim").
+
+Standard library and :mod:`rope_quant.core.verdict` only (no torch, numpy or scipy at import).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+
+from rope_quant.core.verdict import Form
+
+Override = str | int | float | bool
+"""One flat config value of a cell."""
+
+
+class Metric(StrEnum):
+    """What a part reads from a cell's result (a key of the cell record's ``result``)."""
+
+    PPL = "ppl"
+    K_RANGE_MEAN = "k_range_mean"
+    K_REL_ERR = "k_rel_err"
+
+
+class Scoring(StrEnum):
+    """How a cell is scored; the store resolves it against its budget (absent from a cell: ``EVAL``)."""
+
+    EVAL = "eval"  # the budget's evaluation windows (short context)
+    SUPPORT = "support"  # the budget's support windows (C4, Table M)
+    LONG = "long"  # the App. A.4 long-context protocol at the cell's LENGTH
+
+
+SCORING = "scoring"
+"""The reserved cell key naming a :class:`Scoring` (not a config field: the store resolves it)."""
+LENGTH = "length"
+"""The reserved cell key of a long-context cell's context length L (with ``scoring="long"``)."""
+
+
+class Statistic(StrEnum):
+    """How a part reads its per-seed values."""
+
+    PAIRED = "paired"  # the rule on treatment − control per seed, with the float-order replicates
+    EVERY_SEED = "every_seed"  # no sampling error: the form's sign holds in every seed (holds or fails)
+    MEANS = "means"  # no sampling error: the form's sign holds between the seed means
+    WITHIN_SHARE = "within_share"  # no sampling error: |mean(t − c)| < share · mean(reference − c)
+
+
+class MarginKind(StrEnum):
+    """Where a part's margin comes from."""
+
+    NONE = "none"  # GREATER / LESS: the boundary is 0
+    EQUIVALENCE = "equivalence"  # verdict.equivalence_margin of the comparator cell's mean ppl
+    FIXED = "fixed"  # a value in the metric's units
+
+
+class Premise(StrEnum):
+    """What a claim asks of an architecture (``model/arch.py`` answers; the claims of a model that lacks one are
+    not run there)."""
+
+    ROPE = "rope"  # rotary position embeddings on q and k: R3 acts after RoPE
+    R1_FOLDABLE = "r1_foldable"  # R1 folds into the weights (no sandwich norms): the paper's W4A4KV4 pipeline
+    HEAD_DIM_64 = "head_dim_64"  # head_dim 64: C4's block sizes 2 … 64 end at d_h
+
+
+class ClaimError(ValueError):
+    """A claim or part that cannot be decided as written (the message names the claim and the field)."""
+
+
+class DuplicateClaimError(ClaimError):
+    """A claim id that the registry already holds."""
+
+
+class UnknownClaimError(KeyError):
+    """No claim of that id in the registry."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def cell(scoring: Scoring = Scoring.EVAL, length: int | None = None, /,
+         **overrides: Override) -> Mapping[str, Override]:
+    """A cell: flat config ``overrides``, scored by ``scoring`` (``length``: a long-context cell's L; both
+    positional, so that no override can take their place)."""
+    if (scoring is Scoring.LONG) != (length is not None):
+        raise ClaimError(f"a long-context cell needs a length and only it takes one (scoring {scoring.value}, "
+                         f"length {length})")
+    for reserved in (SCORING, LENGTH):
+        if reserved in overrides:
+            raise ClaimError(f"{reserved!r} is a reserved cell key: pass the scoring (and length) first, "
+                             f"positionally: cell(Scoring.LONG, 4096, r3=...)")
+    out: dict[str, Override] = dict(overrides)
+    if scoring is not Scoring.EVAL:
+        out[SCORING] = scoring.value
+    if length is not None:
+        out[LENGTH] = int(length)
+    return MappingProxyType(out)
+
+
+def scoring_of(c: Mapping[str, Override]) -> Scoring:
+    """A cell's :class:`Scoring` (``EVAL`` when it names none)."""
+    return Scoring(str(c.get(SCORING, Scoring.EVAL.value)))
+
+
+def overrides_of(c: Mapping[str, Override]) -> dict[str, Override]:
+    """A cell's config overrides, the reserved keys left out."""
+    return {k: v for k, v in c.items() if k not in (SCORING, LENGTH)}
+
+
+def cell_key(c: Mapping[str, Override]) -> str:
+    """The canonical text of a cell: its items sorted, as JSON (``scoring="eval"`` dropped: it is the default)."""
+    items = {k: c[k] for k in sorted(c) if not (k == SCORING and c[k] == Scoring.EVAL.value)}
+    return json.dumps(items, separators=(",", ":"), default=str)
+
+
+def describe(c: Mapping[str, Override]) -> str:
+    """A cell as a reader writes it: ``r3=pairwise_only, estimator=k_only`` (``defaults`` when empty)."""
+    return ", ".join(f"{k}={v}" for k, v in c.items()) or "defaults"
+
+
+@dataclass(frozen=True)
+class Diff:
+    """A side that is the per-seed difference of two cells (``of`` − ``minus``; App. F's gap at one setting)."""
+
+    of: str
+    minus: str
+
+
+Side = str | Diff
+"""A part's treatment or control: a cell name of the claim, or a :class:`Diff` of two."""
+
+
+@dataclass(frozen=True)
+class MarginRule:
+    """A part's margin: none, the equivalence margin of ``comparator``'s mean ppl, or a fixed ``value``."""
+
+    kind: MarginKind = MarginKind.NONE
+    comparator: str | None = None
+    value: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is MarginKind.EQUIVALENCE and not self.comparator:
+            raise ClaimError("an equivalence margin names its comparator cell")
+        if self.kind is MarginKind.FIXED and not (self.value is not None and self.value > 0):
+            raise ClaimError(f"a fixed margin is a positive number, got {self.value!r}")
+
+    @classmethod
+    def equivalence(cls, comparator: str) -> MarginRule:
+        return cls(MarginKind.EQUIVALENCE, comparator=comparator)
+
+    @classmethod
+    def fixed(cls, value: float) -> MarginRule:
+        return cls(MarginKind.FIXED, value=float(value))
+
+
+NO_MARGIN = MarginRule()
+_MARGIN_FORMS = (Form.EQUIVALENT, Form.NON_INFERIOR, Form.NON_SUPERIOR)
+
+
+def side_cells(side: Side) -> tuple[str, ...]:
+    """The cell names a side reads."""
+    return (side.of, side.minus) if isinstance(side, Diff) else (side,)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One comparison of a claim: ``treatment`` against ``control`` in ``form``, read by ``statistic`` on
+    ``metric``. ``reference`` / ``share``: :attr:`Statistic.WITHIN_SHARE`'s scale (C2's robust part: a quarter
+    of pairwise_only's gap). ``note``: the text a deterministic part's verdict carries."""
+
+    name: str
+    treatment: Side
+    control: Side
+    form: Form
+    statistic: Statistic = Statistic.PAIRED
+    margin: MarginRule = NO_MARGIN
+    metric: Metric = Metric.PPL
+    reference: str | None = None
+    share: float | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        needs = self.form in _MARGIN_FORMS
+        if self.statistic is Statistic.PAIRED and needs != (self.margin.kind is not MarginKind.NONE):
+            raise ClaimError(f"part {self.name!r}: {self.form.value} " + (
+                "needs a margin" if needs else "takes no margin (its boundary is 0)"))
+        if self.statistic is not Statistic.PAIRED:
+            if self.form not in (Form.GREATER, Form.LESS) and self.statistic is not Statistic.WITHIN_SHARE:
+                raise ClaimError(f"part {self.name!r}: {self.statistic.value} reads greater or less, not "
+                                 f"{self.form.value}")
+            if self.margin.kind is not MarginKind.NONE:
+                raise ClaimError(f"part {self.name!r}: {self.statistic.value} takes no margin")
+        within = self.statistic is Statistic.WITHIN_SHARE
+        if within != (self.reference is not None and self.share is not None):
+            raise ClaimError(f"part {self.name!r}: reference and share go with {Statistic.WITHIN_SHARE.value} only")
+        if within and (self.form is not Form.EQUIVALENT or not self.share or self.share <= 0):
+            raise ClaimError(f"part {self.name!r}: {Statistic.WITHIN_SHARE.value} is an equivalence within a "
+                             "positive share")
+
+    def cells(self) -> tuple[str, ...]:
+        """Every cell name the part reads, in order, once each."""
+        names = [*side_cells(self.treatment), *side_cells(self.control)]
+        names += [self.margin.comparator] if self.margin.comparator else []
+        names += [self.reference] if self.reference else []
+        return tuple(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim as data. ``id``: the registry's key (``C2``); ``title``: the claims table's claim column;
+    ``statement``: the paper's claim in words; ``section``: where the paper makes it; ``cells``: name → cell;
+    ``parts``: combined by :func:`rope_quant.core.verdict.combine_all` in this order; ``premises``: what it asks
+    of an architecture; ``outside``: what the claim asserts beyond its parts that no cell value carries (a closed
+    form, an assertion of its test), empty when nothing."""
+
+    id: str
+    title: str
+    statement: str
+    section: str
+    cells: Mapping[str, Mapping[str, Override]]
+    parts: tuple[Part, ...]
+    premises: tuple[Premise, ...] = (Premise.ROPE,)
+    outside: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", str(self.id))
+        cells = MappingProxyType({str(k): MappingProxyType(dict(v)) for k, v in self.cells.items()})
+        object.__setattr__(self, "cells", cells)
+        object.__setattr__(self, "parts", tuple(self.parts))
+        if not self.id or not self.parts:
+            raise ClaimError(f"claim {self.id!r}: needs an id and at least one part")
+        names = [p.name for p in self.parts]
+        if len(set(names)) != len(names):
+            raise ClaimError(f"claim {self.id!r}: part names repeat: {names}")
+        for p in self.parts:
+            unknown = [n for n in p.cells() if n not in cells]
+            if unknown:
+                raise ClaimError(f"claim {self.id!r}, part {p.name!r}: no cell named {', '.join(unknown)} "
+                                 f"(cells: {', '.join(cells)})")
+
+    def cell_names(self) -> tuple[str, ...]:
+        """The cells the parts read, in the order they first read them."""
+        return tuple(dict.fromkeys(n for p in self.parts for n in p.cells()))
+
+
+class Registry:
+    """Claims by id, in registration order; a taken id is refused."""
+
+    def __init__(self, claims: Mapping[str, Claim] | None = None) -> None:
+        self._claims: dict[str, Claim] = dict(claims or {})
+
+    def register(self, claim: Claim) -> Claim:
+        if claim.id in self._claims:
+            raise DuplicateClaimError(f"claim id {claim.id!r} is already registered ({self._claims[claim.id].title})")
+        self._claims[claim.id] = claim
+        return claim
+
+    def get(self, claim_id: str) -> Claim:
+        try:
+            return self._claims[claim_id]
+        except KeyError:
+            raise UnknownClaimError(f"no claim {claim_id!r}; registered: {', '.join(self._claims) or 'none'}") \
+                from None
+
+    def claims(self) -> tuple[Claim, ...]:
+        return tuple(self._claims.values())
+
+    def ids(self) -> tuple[str, ...]:
+        return tuple(self._claims)
+
+
+_ACTIVE: list[Registry] = [Registry()]
+
+
+def active() -> Registry:
+    """The registry in use (the default one, or the innermost :func:`temporary`)."""
+    return _ACTIVE[-1]
+
+
+def register(claim: Claim) -> Claim:
+    """Add ``claim`` to the registry in use; a taken id raises :class:`DuplicateClaimError`."""
+    return active().register(claim)
+
+
+def get(claim_id: str) -> Claim:
+    """The claim of ``claim_id`` (:class:`UnknownClaimError`, a KeyError, when none)."""
+    return active().get(claim_id)
+
+
+def claims() -> tuple[Claim, ...]:
+    """Every registered claim, in registration order."""
+    return active().claims()
+
+
+@contextmanager
+def temporary(*, empty: bool = False) -> Iterator[Registry]:
+    """A registry in use inside the block: a copy of the one in use (``empty``: none of its claims); what is
+    registered inside is gone after it."""
+    reg = Registry() if empty else Registry({c.id: c for c in active().claims()})
+    _ACTIVE.append(reg)
+    try:
+        yield reg
+    finally:
+        _ACTIVE.remove(reg)

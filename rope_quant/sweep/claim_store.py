@@ -1,0 +1,90 @@
+"""A results directory as a claims store (:class:`rope_quant.claims.stores.Store`): its complete cell records.
+
+A claim's cell (flat config overrides, ``rope_quant/claims/registry.py``) at a seed is the directory's
+**comparator** config at that seed with the overrides applied (``with_overrides``), found among the manifest's
+cells by its key (a ``compare`` directory's configs are its base config with each config's overrides, so the
+claim's ``{"r3": "pairwise_only", "estimator": "k_only"}`` is the directory's k_only cell whatever it is named).
+Its float-order replicate is the same config with GPTQ in the other float mode
+(:func:`rope_quant.sweep.decide.replicate_config`: the cells ``rope-quant decide`` adds). A value is read only
+from a complete record (:func:`rope_quant.sweep.records.is_complete`). The directory's plain run cells are scored
+at its own evaluation windows: a claim cell scored otherwise (C4's support windows, C7's long-context protocol)
+is refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rope_quant.claims.registry import Metric, Override, Scoring, describe, overrides_of, scoring_of
+from rope_quant.claims.stores import MissingCellError, ReplicateValues
+from rope_quant.sweep.cellkind import SweepError, config_seed, with_overrides
+from rope_quant.sweep.decide import replicate_config
+from rope_quant.sweep.manifest import Manifest, cell_relpath, load_manifest
+from rope_quant.sweep.records import is_complete, read_record
+
+
+class DirectoryStore:
+    """The :class:`~rope_quant.claims.stores.Store` of results directory ``out`` (its manifest read once)."""
+
+    def __init__(self, out: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
+        self.out = Path(out)
+        self.manifest = manifest if manifest is not None else load_manifest(out)
+        self._by_key = {cfg.key(): (name, cfg) for name, cfg in self.manifest.cells}
+        self._base = {config_seed(cfg): cfg for name, cfg in self.manifest.cells if name == self.manifest.comparator}
+
+    def config(self, cell: Mapping[str, Override], seed: int) -> Any:
+        """The config of ``cell`` at ``seed``: the comparator's with the cell's overrides."""
+        scoring = scoring_of(cell)
+        if scoring is not Scoring.EVAL:
+            raise SweepError(f"cell {{{describe(cell)}}} is scored by {scoring.value}: a results directory holds plain "
+                             "run cells scored at its own evaluation windows")
+        base = self._base.get(int(seed))
+        if base is None:
+            raise MissingCellError(cell, seed, f"comparator {self.manifest.comparator!r} (the base config)")
+        return with_overrides(base, **overrides_of(cell))
+
+    def _read(self, cfg: Any, metric: str) -> float | None:
+        hit = self._by_key.get(cfg.key())
+        if hit is None:
+            return None
+        path = self.out / cell_relpath(hit[0], cfg)
+        if not is_complete(path, cfg.key()):
+            return None
+        value = ((read_record(path) or {}).get("result") or {}).get(str(metric))
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+    def values(self, cell: Mapping[str, Override], seeds: Sequence[int], metric: str = Metric.PPL) -> list[float]:
+        out = []
+        for seed in seeds:
+            value = self._read(self.config(cell, seed), metric)
+            if value is None:
+                raise MissingCellError(cell, seed, metric)
+            out.append(value)
+        return out
+
+    def replicates(self, cell: Mapping[str, Override], seeds: Sequence[int],
+                   metric: str = Metric.PPL) -> ReplicateValues:
+        found: dict[int, float] = {}
+        for seed in seeds:
+            rep = replicate_config(self.config(cell, seed))
+            if rep is None:
+                return None  # weights not GPTQ: no float-order replicate exists
+            value = self._read(rep, metric)
+            if value is not None:
+                found[int(seed)] = value
+        return found or None
+
+    def tokens(self, cell: Mapping[str, Override]) -> int | None:
+        """The scored tokens of the cell's first complete record (None when no record says)."""
+        for seed in self._base:
+            cfg = self.config(cell, seed)
+            hit = self._by_key.get(cfg.key())
+            if hit is None or not is_complete(path := self.out / cell_relpath(hit[0], cfg), cfg.key()):
+                continue
+            n = ((read_record(path) or {}).get("result") or {}).get("n_tokens")
+            return int(n) if isinstance(n, int) and n > 0 else None
+        return None
