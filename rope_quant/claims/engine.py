@@ -94,12 +94,16 @@ class ClaimResult:
 
 def evaluate(claim: Claim, store: Store, seeds: Sequence[int], plan: Plan | None = None) -> ClaimResult:
     """Decide ``claim`` at ``seeds`` over ``store``: the fixed-n rule, or the sequential rule at its look
-    ``len(seeds)`` when ``plan`` is given. A value missing from the store raises the store's
+    ``len(seeds)`` when ``plan`` is given (a claim of P sampled parts spends each part's refuted side at α / P:
+    :attr:`rope_quant.core.sequential.Plan.parts`). A value missing from the store raises the store's
     :class:`~rope_quant.claims.stores.MissingCellError` (a KeyError naming the cell and the seed)."""
     seeds = tuple(int(s) for s in seeds)
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"claim {claim.id}: seeds repeat: {list(seeds)}")
     reader = _Reader(claim, store, seeds)
+    sampled = sum(p.statistic is Statistic.PAIRED for p in claim.parts)
+    if plan is not None and sampled > 1:
+        plan = plan.with_parts(sampled)  # refuted if any part is: the claim's refuted side is spent at α / parts
     results = tuple(_part(claim, part, reader, plan) for part in claim.parts)
     combined = rule.combine_all([r.verdict for r in results])
     return ClaimResult(claim, seeds, combined, results, RULE_FIXED if plan is None else RULE_SEQUENTIAL)

@@ -115,6 +115,12 @@ def scoring_of(c: Mapping[str, Override]) -> Scoring:
     return Scoring(str(c.get(SCORING, Scoring.EVAL.value)))
 
 
+def length_of(c: Mapping[str, Override]) -> int | None:
+    """A long-context cell's context length L (None for any other cell)."""
+    value = c.get(LENGTH)
+    return None if value is None else int(value)
+
+
 def overrides_of(c: Mapping[str, Override]) -> dict[str, Override]:
     """A cell's config overrides, the reserved keys left out."""
     return {k: v for k, v in c.items() if k not in (SCORING, LENGTH)}

@@ -30,14 +30,36 @@ from typing import Any
 from rope_quant.defaults import DEFAULT_SHAPE, Shape
 
 __all__ = ["DEFAULT_SHAPE", "FAMILY", "Boundary", "Shape", "bounds", "critical_values", "draw_law", "hall",
-           "hall_inverse", "statistic"]
+           "hall_inverse", "per_look_alpha", "statistic"]
 
 
 FAMILY = ("normal", "t3", "gamma_skew1", "gamma_skew2")
 """The per-seed laws the skew-robust boundary is calibrated on; each is used in both tails (x and −x)."""
 CALIBRATION_PATHS = 50_000
-"""Paths per law behind :func:`critical_values` (the normal shape's α' uses the same count)."""
+"""Paths per law behind :func:`critical_values`, and the standard normal paths behind :func:`per_look_alpha`."""
 _SEED = 20261128
+
+
+@functools.lru_cache(maxsize=32)
+def per_look_alpha(first: int, max_seeds: int, alpha: float = 0.05) -> float:
+    """The Pocock per-look level α' of the one-sided paired t test for looks at ``first … max_seeds`` seeds (the
+    ``normal`` boundary): the α-quantile of ``min_n p_n`` (``p_n`` the one-sided t p-value at ``n`` seeds) over
+    standard normal paths (the t sequence is pivotal), at its 99% lower confidence bound (so the spent error
+    exceeds α only with the calibration's 1% chance); never below the Bonferroni split ``α / L``."""
+    import numpy as np
+    from scipy import special
+
+    if max_seeds == first:
+        return alpha
+    z = np.random.default_rng(_SEED).standard_normal((CALIBRATION_PATHS, max_seeds))
+    ns = np.arange(first, max_seeds + 1)
+    s1, s2 = np.cumsum(z, 1)[:, first - 1:], np.cumsum(z * z, 1)[:, first - 1:]
+    mean = s1 / ns
+    var = np.maximum(s2 - s1 * mean, 1e-300) / (ns - 1)
+    smallest = special.stdtr(ns - 1, -mean / np.sqrt(var / ns)).min(1)
+    r = CALIBRATION_PATHS
+    k = max(0, int(math.floor(alpha * r - 2.326 * math.sqrt(r * alpha * (1 - alpha)))))
+    return float(max(alpha / (max_seeds - first + 1), np.partition(smallest, k)[k]))
 
 
 def draw_law(name: str, rng: Any, shape: tuple[int, ...]) -> Any:
@@ -146,7 +168,7 @@ def critical_values(first: int, max_seeds: int, alpha: float,
     """``(α_look, c)``: the boundary ``c_n`` for looks ``n = first … max_seeds`` at ``alpha`` per side over all
     looks, and the one-look level it spends per side.
 
-    ``normal``: ``t_{1−α'}(n − 1)`` with the Pocock α' (:func:`rope_quant.core.sequential.per_look_alpha`).
+    ``normal``: ``t_{1−α'}(n − 1)`` with the Pocock α' (:func:`per_look_alpha`).
     ``skew_robust``: the least-favourable boundary over :data:`FAMILY` (module docstring), α″ found by bisection
     with the error target lowered by 2.326 binomial sd of the calibration (so it exceeds α only with the
     calibration's 1% chance)."""
@@ -155,8 +177,6 @@ def critical_values(first: int, max_seeds: int, alpha: float,
 
     ns = np.arange(first, max_seeds + 1)
     if shape is Shape.NORMAL:
-        from rope_quant.core.sequential import per_look_alpha
-
         a = per_look_alpha(first, max_seeds, alpha)
         return a, tuple(float(c) for c in st.t.ppf(1.0 - a, ns - 1))
     rng = np.random.default_rng(_SEED)

@@ -18,9 +18,9 @@ rule keeps the same structure and spends the 5% over the planned looks (a group-
   ``P(some look n in n0…M has t_n > t_{1−α'}(n − 1)) ≤ α`` when the effect lies on the boundary. For normal
   per-seed differences the sequence ``t_n0 … t_M`` of one float order is pivotal: its law does not depend on
   the mean or the variance. So ``α'`` is computed once per ``(n0, M)`` from standard normal paths
-  (:func:`per_look_alpha`, 50 000 paths from a fixed seed, the α-quantile of each path's smallest one-sided p
-  taken at its 99% lower confidence bound), and it holds for every variance. It is never below the Bonferroni
-  split ``α / L`` (``L = M − n0 + 1``), which is valid by the union bound alone;
+  (:func:`rope_quant.core.boundary.per_look_alpha`, 50 000 paths from a fixed seed, the α-quantile of each
+  path's smallest one-sided p taken at its 99% lower confidence bound), and it holds for every variance. It is
+  never below the Bonferroni split ``α / L`` (``L = M − n0 + 1``), which is valid by the union bound alone;
 * **validity**: the union of ``A`` and ``B`` reads a wrong "holds" (or "refuted") only if the interval of the
   float order whose effect lies on the boundary clears it at some look, which has probability ≤ α per side,
   summed over every look up to ``M``. Looking less often (a batch of seeds at a time) only removes looks;
@@ -42,7 +42,6 @@ library only at import time; numpy/scipy when a number is computed.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -64,6 +63,8 @@ RULE_SEQUENTIAL = "union of the primary and the float-order replicate intervals,
 """The rule name a sequential verdict carries (claims JSON ``rule``)."""
 UNRESOLVABLE_FACTOR = 10
 """A claim open at M whose fixed-n budget at the stop exceeds this many times M reads "not resolvable"."""
+_CALIBRATION_SEED = 20261128
+"""The fixed seed of the futility stop's simulated continuations."""
 FUTILITY_FROM = 5
 """The fewest seeds at which futility is judged (fewer estimate the noises too loosely)."""
 
@@ -129,33 +130,6 @@ class Plan:
         parts = f"; refuted side at α/{self.parts} (claim of {self.parts} parts)" if self.parts > 1 else ""
         return (f"sequential ({self.shape.value} boundary): looks at {self.first}…{self.max_seeds} seeds, every "
                 f"seed replicated, α {self.alpha:g} per side over all looks ({self.alpha_look:.3g} per look){parts}")
-
-
-CALIBRATION_PATHS = 50_000
-"""Standard normal paths behind :func:`per_look_alpha`."""
-_CALIBRATION_SEED = 20261128
-
-
-@functools.lru_cache(maxsize=32)
-def per_look_alpha(first: int, max_seeds: int, alpha: float = ALPHA) -> float:
-    """The Pocock per-look level α' of the one-sided paired t test for looks at ``first … max_seeds`` seeds:
-    the α-quantile of ``min_n p_n`` (``p_n`` the one-sided t p-value at ``n`` seeds) over standard normal paths
-    (the t sequence is pivotal), at its 99% lower confidence bound (so the spent error exceeds α only with the
-    calibration's 1% chance); never below the Bonferroni split ``α / L``."""
-    import numpy as np
-    from scipy import special
-
-    if max_seeds == first:
-        return alpha
-    z = np.random.default_rng(_CALIBRATION_SEED).standard_normal((CALIBRATION_PATHS, max_seeds))
-    ns = np.arange(first, max_seeds + 1)
-    s1, s2 = np.cumsum(z, 1)[:, first - 1:], np.cumsum(z * z, 1)[:, first - 1:]
-    mean = s1 / ns
-    var = np.maximum(s2 - s1 * mean, 1e-300) / (ns - 1)
-    smallest = special.stdtr(ns - 1, -mean / np.sqrt(var / ns)).min(1)
-    r = CALIBRATION_PATHS
-    k = max(0, int(math.floor(alpha * r - 2.326 * math.sqrt(r * alpha * (1 - alpha)))))
-    return float(max(alpha / (max_seeds - first + 1), np.partition(smallest, k)[k]))
 
 
 def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | None, plan: Plan, *,
