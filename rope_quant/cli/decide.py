@@ -1,7 +1,8 @@
 """``rope-quant decide DIR``: add seeds to a results directory until each claim is decided (the sequential rule).
 
-The loop is :func:`rope_quant.sweep.decide.decide_directory`; this module parses and checks the flags (bad input
-exits 2 before anything is built) and prints the claims table.
+The loop is :func:`rope_quant.sweep.decide.decide_directory` (a compare directory's paired configs), or on a
+``rope-quant claims`` directory :func:`rope_quant.sweep.claims_decide.decide_claims` (the registry's claims); this
+module parses and checks the flags (bad input exits 2 before anything is built) and prints the claims table.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     if not 0.0 <= args.futility < 1.0:
         raise CLIError(f"--futility {args.futility:g}: must lie in [0, 1) (0 turns the early stop off)")
     manifest = load_manifest(out)
+    from rope_quant.sweep.claims_sweep import is_claims_study
+
+    if is_claims_study(manifest.study):  # a `rope-quant claims` directory: the registry's claims
+        return _decide_claims(args, cells, out, manifest)
     try:
         decide.check_inputs(manifest, args.max_seeds, args.time_budget, decide.replicate_config)
     except decide.DecideError as exc:
@@ -67,4 +72,42 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
                                      cache_dir=args.cache_dir)
     print(decide.table(result, decide.claims_of(manifest)))
     print(f"decide: {result.stopped}; decisions in {out / decide.DECISIONS_FILE}")
+    return 0
+
+
+def _decide_claims(args: argparse.Namespace, cells: Cells, out: Path, manifest: Any) -> int:
+    """The registry's claims of a claims directory under the sequential rule; DIR/decisions.json (and .md) in the
+    claims JSON's shape, with the plan and why each claim stopped."""
+    from rope_quant.analysis import claims_report as cr
+    from rope_quant.claims import registry
+    from rope_quant.cli.claims import left_out
+    from rope_quant.core.sequential import RULE_SEQUENTIAL
+    from rope_quant.sweep import claims_decide as cd
+    from rope_quant.sweep.cellkind import run_of
+    from rope_quant.sweep.claim_store import DirectoryStore
+    from rope_quant.sweep.decide import DECISIONS_FILE
+
+    store = DirectoryStore(out, manifest)
+    cd.check_claims_inputs(store, args.max_seeds, args.time_budget)
+    dropped = left_out(registry.claims(), run_of(store.comparator()).model)
+    planned, absent = cd.planned_claims(store, [c for c in registry.claims() if c.id not in dropped])
+    for claim in absent:
+        dropped[claim.id] = (f"not in this directory (its cells are not in the manifest): `rope-quant claims "
+                             f"--claims {claim.id}` into it adds them")
+    if not planned:
+        raise CLIError(f"{out}: no registered claim has its cells in this directory")
+    plan, decided = cd.decide_claims(out, manifest, planned, max_seeds=args.max_seeds, time_budget=args.time_budget,
+                                     futility=args.futility, shape=args.shape, cell_fn=cells.function(args, out),
+                                     cache_dir=args.cache_dir)
+    plan_dict = {"first": plan.first, "max_seeds": plan.max_seeds, "alpha": plan.alpha,
+                 "alpha_per_look": plan.alpha_look, "futility": plan.futility, "shape": plan.shape.value,
+                 "rule": RULE_SEQUENTIAL}
+    data = cr.payload(out, DirectoryStore(out), [d.result for d in decided], dropped, "rope-quant decide",
+                      row_extra={d.result.id: {"stopped": d.stopped} for d in decided}, plan=plan_dict)
+    files = cr.write_claims(out, data, name=DECISIONS_FILE, markdown="decisions.md")
+    print(cr.claims_markdown(data["claims"]))
+    for line in cr.left_out_lines(dropped):
+        print(line)
+    print(f"decide: {len(decided)} claim(s) read under the sequential rule ({plan.describe()}); decisions in "
+          f"{files[0]}")
     return 0

@@ -156,6 +156,10 @@ def sweep(args: argparse.Namespace, cells: Cells, build: Build,
     manifest = build(args, chosen, used)
     configs = len({name for name, _ in manifest.cells})  # cell names are the configs (each run per seed)
     mode = check_memory(args, configs=configs, seeds=len(chosen))  # exit 2 with the remedy before anything loads
+    if getattr(args, "dry_run", False):  # a command's --dry-run: every check made, nothing run or written
+        print_settings(args, manifest.cells[0][1], used)
+        print(f"dry run: {len(manifest)} cells planned; nothing was run or written to {args.out}", flush=True)
+        return 0
     with set_default_mode(mode):
         return execute(args, cells, manifest, used, report_fn)
 

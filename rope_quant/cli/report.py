@@ -71,6 +71,16 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     print(st.summary())
     if args.check:
         return 0 if st.done else 1
+    from rope_quant.sweep.claims_sweep import is_claims_study
+    from rope_quant.sweep.manifest import study_of
+
+    if is_claims_study(study_of(manifest)):  # a `rope-quant claims` directory: the claims table
+        from rope_quant.cli.claims import write_report
+
+        rep = write_report(out)
+        print(rep["markdown"])
+        print("wrote " + ", ".join(str(Path(f).relative_to(out)) for f in rep["files"]))
+        return 0
     family = None
     if args.family is not None:
         family = [s.strip() for s in args.family.split(",") if s.strip()]

@@ -47,6 +47,23 @@ class DirectoryStore:
             raise MissingCellError(cell, seed, f"comparator {self.manifest.comparator!r} (the base config)")
         return with_overrides(base, **overrides_of(cell))
 
+    def seeds(self) -> list[int]:
+        """The seeds at which the directory holds its comparator (the base of every claim cell), in manifest order."""
+        return list(self._base)
+
+    def comparator(self, seed: int | None = None) -> Any:
+        """The comparator's config at ``seed`` (default: the first seed), the base of every claim cell."""
+        if not self._base:
+            raise SweepError(f"{self.out}: the manifest has no cell of its comparator {self.manifest.comparator!r}")
+        return self._base[next(iter(self._base)) if seed is None else int(seed)]
+
+    def planned(self, cell: Mapping[str, Override], seed: int) -> bool:
+        """Whether the manifest names ``cell``'s config at ``seed`` (computed or not); False for a cell scored
+        otherwise than at the directory's evaluation windows."""
+        if scoring_of(cell) is not Scoring.EVAL or int(seed) not in self._base:
+            return False
+        return self.config(cell, seed).key() in self._by_key
+
     def _read(self, cfg: Any, metric: str) -> float | None:
         hit = self._by_key.get(cfg.key())
         if hit is None:

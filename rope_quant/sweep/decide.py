@@ -98,7 +98,8 @@ class Outcomes:
     built: bool
 
 
-def _state(out: Path, first: int, max_seeds: int, shape: str) -> dict[str, Any]:
+def plan_state(out: Path, first: int, max_seeds: int, shape: str) -> dict[str, Any]:
+    """The plan kept in ``DIR/decide.json`` (a new one at ``first`` seeds); a changed M or shape is refused."""
     path = out / STATE_FILE
     if path.is_file():
         state = json.loads(path.read_text())
@@ -157,7 +158,7 @@ def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_see
     out = Path(out)
     claims = check_inputs(manifest, max_seeds, time_budget, replicate)
     say = log or (lambda _line: None)
-    state = _state(out, len(manifest.seeds()), max_seeds, shape)
+    state = plan_state(out, len(manifest.seeds()), max_seeds, shape)
     plan = sequential.Plan(int(state["first"]), int(state["max_seeds"]), futility=futility, shape=Shape(shape))
     template = {name: cfg for name, cfg in manifest.cells}
 

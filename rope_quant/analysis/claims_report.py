@@ -1,0 +1,128 @@
+"""The claims table of a claims directory (``rope-quant claims``; read by ``report DIR`` and ``decide DIR``).
+
+Each claim of the registry is decided by :func:`rope_quant.claims.engine.evaluate` over the directory's records
+(:class:`~rope_quant.sweep.claim_store.DirectoryStore`) and written in the shape of the pytest plugin's
+``--rq-claims-out`` (``DIR/claims.json``, ``DIR/claims.md``; docs/verdicts.md, "The claims JSON"): schema 2, one
+row per claim with the plugin's keys (``test`` and ``outcome`` are None: no pytest test ran) and the engine's
+(``id``, ``section``, ``statement``, ``seeds``, ``rule``). The payload also names the model and its content
+fingerprint, the protocol (seeds, windows, calibration tokens), the device, the machine the cells ran on
+(``DIR/env.json``) and the claims left out with the reason. A claim whose cell has no complete record reads
+inconclusive, the missing cell and seed named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rope_quant.claims.engine import ClaimResult
+from rope_quant.claims.registry import Claim
+from rope_quant.io import atomic_write_text, json_text, markdown_table
+from rope_quant.sweep.claims_decide import claim_seeds, evaluate
+
+if TYPE_CHECKING:
+    from rope_quant.sweep.claim_store import DirectoryStore
+
+CLAIMS_SCHEMA = 2
+"""The claims JSON's layout (``rope_quant.pytest_plugin.CLAIMS_SCHEMA``; a test keeps the two equal)."""
+CLAIMS_JSON = "claims.json"
+CLAIMS_MD = "claims.md"
+#: The columns of the claims table, as the pytest plugin prints them (``budget to decide`` when any row has one).
+COLUMNS = ("claim", "model", "expected", "measured", "verdict")
+BUDGET_COLUMN = "budget to decide"
+
+
+def evaluate_directory(store: DirectoryStore, claims: Sequence[Claim]) -> list[ClaimResult]:
+    """Every claim at its seeds in the directory, by the fixed-n rule."""
+    return [evaluate(c, store, claim_seeds(c, store)) for c in claims]
+
+
+def row(result: ClaimResult, model: str | None, **extra: Any) -> dict[str, Any]:
+    """A claims JSON row: the engine's row plus the plugin's ``test`` and ``outcome`` (None: no pytest test)."""
+    out = result.to_dict(model=model)
+    out.update(test=None, outcome=None)
+    if result.claim.outside:
+        out["outside"] = result.claim.outside
+    out.update(extra)
+    return json.loads(json_text(out))
+
+
+def claims_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The claims table (the plugin's columns; the budget column when a claim is undecided with a budget)."""
+    shown = [{**r, BUDGET_COLUMN: r.get("budget") or ""} for r in rows]
+    columns = [*COLUMNS, *([BUDGET_COLUMN] if any(r[BUDGET_COLUMN] for r in shown) else [])]
+    return markdown_table(shown, columns)
+
+
+def left_out_lines(left_out: Mapping[str, str]) -> list[str]:
+    """One line per claim left out: ``left out: ID: reason``."""
+    return [f"left out: {cid}: {why}" for cid, why in left_out.items()]
+
+
+def _env(out: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((out / "env.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _fingerprint(run: Any) -> str | None:
+    """The model's content hash: the manifest's ``model_id``, else computed from its files when they are here."""
+    if getattr(run, "model_id", None):
+        return str(run.model_id)
+    try:
+        from rope_quant.experiment.identity import model_identity
+
+        return model_identity(run.model)
+    except Exception:  # noqa: BLE001 - a model no longer on this machine: no fingerprint, not a failed report
+        return None
+
+
+def describe_directory(out: str | os.PathLike[str], store: DirectoryStore) -> dict[str, Any]:
+    """The payload's ``model``, ``protocol``, ``device`` and ``machine`` of a claims directory."""
+    from rope_quant.sweep.cellkind import run_of
+
+    manifest = store.manifest
+    run = run_of(store.comparator())
+    env = _env(Path(out))
+    evals = run.eval_windows
+    return {
+        "model": {"name": run.model, "fingerprint": _fingerprint(run),
+                  "fingerprint_basis": "SHA-256 of the model files (rope_quant.experiment.identity)"},
+        "protocol": {"seeds": store.seeds(), "corpus": run.corpus, "corpus_id": run.corpus_id,
+                     "seqlen": run.seqlen, "calib_windows": run.calib_windows,
+                     "calibration_tokens": run.calib_windows * run.seqlen, "eval_windows": evals,
+                     "eval_tokens": None if evals is None else evals * run.seqlen,
+                     "bits": f"W{run.w_bits}A{run.a_bits}K{run.k_bits}V{run.v_bits}", "weights": str(run.weights),
+                     "comparator": manifest.comparator, "dtype": str(run.dtype)},
+        "device": {"requested": str(run.device), **((env or {}).get("device") or {})},
+        "machine": env,
+    }
+
+
+def payload(out: str | os.PathLike[str], store: DirectoryStore, results: Sequence[ClaimResult],
+            left_out: Mapping[str, str], source: str, row_extra: Mapping[str, Mapping[str, Any]] | None = None,
+            **extra: Any) -> dict[str, Any]:
+    """The claims JSON of a claims directory (the plugin's schema-2 payload plus its description); ``row_extra``:
+    claim id → keys added to its row."""
+    from rope_quant.sweep.cellkind import run_of
+
+    about = describe_directory(out, store)
+    model = run_of(store.comparator()).model
+    rows = [row(r, model, **(row_extra or {}).get(r.id, {})) for r in results]
+    return {"schema": CLAIMS_SCHEMA, "source": source, "claims": rows, "tables": {},
+            **about, "left_out": [{"id": cid, "reason": why} for cid, why in left_out.items()], **extra}
+
+
+def write_claims(out: str | os.PathLike[str], data: Mapping[str, Any], name: str = CLAIMS_JSON,
+                 markdown: str | None = CLAIMS_MD) -> list[Path]:
+    """Write the claims JSON (and its table as Markdown) into ``out``; returns the paths written."""
+    out = Path(out)
+    written = [atomic_write_text(out / name, json_text(dict(data)))]
+    if markdown:
+        written.append(atomic_write_text(out / markdown, claims_markdown(data["claims"]) + "\n"))
+    return written

@@ -1,0 +1,175 @@
+"""``rope-quant claims``: the paper's claims decided over one sweep directory, on any supported model.
+
+The cells every chosen claim reads (its parts' treatment and control cells as config overrides on the
+comparator, each with its float-order replicate) at the seeds given become one manifest
+(:mod:`rope_quant.sweep.claims_sweep`, study ``claims``), run through the one sweep path
+(:func:`rope_quant.cli.execute.sweep`: resume, shards, cell claims, Slurm). Before any model loads the plan is
+printed: the claims left out and why, the cells per claim, and the cost estimate of ``rope-quant plan``
+(``--dry-run`` stops there). The end, and ``rope-quant report DIR`` later, write the claims table
+(``DIR/claims.json``, ``DIR/claims.md``: :mod:`rope_quant.analysis.claims_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rope_quant.cli.args import CLIError, parse_names, parse_seed_list
+from rope_quant.cli.common import DEFAULT_SEEDS, base_config, check_comparator, resolve_budget
+from rope_quant.cli.execute import Cells, sweep
+from rope_quant.cli.options import add_sweep
+
+HELP = "the paper's claims: every claim's cells and float-order replicates as one sweep, then the claims table"
+SOURCE = "rope-quant report"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from rope_quant.claims import registry
+
+    ids = ", ".join(registry.active().ids())
+    p = sub.add_parser("claims", help=HELP, description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--claims", default=None, metavar="ID,ID,...",
+                   help=f"the claims to run (default: every registered claim a plain run cell can score); ids: {ids}")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the input, print the plan (claims left out, cells per claim, cost estimate) and stop: "
+                        "nothing is run or written")
+    return add_sweep(p)
+
+
+def chosen_claims(text: str | None) -> list[Any]:
+    """The claims named by ``--claims`` (every registered one by default); an unknown id is refused."""
+    from rope_quant.claims import registry
+
+    if text is None:
+        return list(registry.claims())
+    return [registry.get(i) for i in parse_names(text, "claim", registry.active().ids())]
+
+
+def premise_reason(claim: Any, model: str) -> str | None:
+    """Why ``model`` lacks a premise of ``claim`` (from its config alone), or None; a config that cannot be read
+    is left to the model checks."""
+    from rope_quant.claims.registry import Premise
+    from rope_quant.cli.common import head_dim, r1_refusal
+
+    for premise in claim.premises:
+        if premise is Premise.R1_FOLDABLE:
+            why = r1_refusal(model)
+            if why:
+                return f"model {model} refuses R1 ({why}): the claim's W4A4KV4 pipeline folds R1 into the weights"
+        elif premise is Premise.HEAD_DIM_64:
+            try:
+                d = head_dim(model)
+            except CLIError:
+                continue
+            if d != 64:
+                return f"model {model} has head_dim {d}: the claim's block sizes 2 … 64 end at a head_dim of 64"
+    return None  # Premise.ROPE: every registered architecture applies RoPE to q and k
+
+
+def left_out(claims: Sequence[Any], model: str) -> dict[str, str]:
+    """Claim id → why it is left out: its cells are not plain run cells, or the model lacks a premise."""
+    from rope_quant.sweep.claims_sweep import scoring_reason
+
+    out: dict[str, str] = {}
+    for claim in claims:
+        why = scoring_reason(claim) or premise_reason(claim, model)
+        if why:
+            out[claim.id] = why
+    return out
+
+
+def _seed_count(args: argparse.Namespace) -> None:
+    seeds = DEFAULT_SEEDS if args.seeds is None else parse_seed_list(args.seeds)
+    if len(seeds) < 2:
+        raise CLIError(f"--seeds {args.seeds}: the claims need at least 2 seeds (a paired interval needs two); "
+                       "e.g. --seeds 0,1,2")
+
+
+def cost_lines(args: argparse.Namespace, manifest: Any) -> list[str]:
+    """The cost estimate of ``rope-quant plan`` for this sweep: one plan seed per weight build, the cells as its
+    evaluations (config only, no weights); a line saying why when the plan cannot model it."""
+    from rope_quant.experiment import memory_check
+    from rope_quant.experiment.plan import format_plan
+
+    budget = resolve_budget(args)[0]
+    builds = len({cfg.weight_key() for _, cfg in manifest.cells})
+    per_build = -(-len(manifest) // max(1, builds))
+    try:
+        protocol = memory_check.protocol_for(budget["calib_windows"], budget["seqlen"], budget.get("eval_windows"),
+                                             args.whip_epochs, per_build, builds, str(budget["weights"]) == "gptq")
+        plan = memory_check.plan_for(args.model, args.device, args.dtype, protocol, offload=args.offload == "cpu")
+    except Exception as exc:  # noqa: BLE001 - an estimate the plan cannot make must not stop the run
+        return [f"cost estimate: none ({type(exc).__name__}: {exc})"]
+    return [f"cost estimate (`rope-quant plan`, {builds} weight builds (seed × bits × float order) as its seeds, "
+            f"≤ {per_build} cells each as its configs):", format_plan(plan)]
+
+
+def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], seeds: Sequence[int],
+               dropped: Mapping[str, str]) -> None:
+    """The plan on stdout, before any model loads: claims left out, cells per claim, totals and the cost."""
+    from rope_quant.analysis.claims_report import left_out_lines
+    from rope_quant.io import markdown_table
+    from rope_quant.sweep.claims_sweep import cells_per_claim, comparator_at
+
+    for line in left_out_lines(dropped):
+        print(line, flush=True)
+    per_claim = cells_per_claim(claims, comparator_at(manifest.cells[0][1], seeds[0], args.comparator))
+    rows = [{"claim": c.id, "cells per seed": ", ".join(per_claim[c.id])} for c in claims]
+    print(f"claims plan: {len(claims)} claims at seeds {','.join(map(str, seeds))} on {args.model} (every cell "
+          f"the comparator {args.comparator}'s config with the claim's overrides)", flush=True)
+    print(markdown_table(rows, ["claim", "cells per seed"]), flush=True)
+    reps = sum(name.endswith(".float-order") for name, _ in manifest.cells)
+    print(f"cells: {len(manifest)} in all ({len(manifest) // len(seeds)} per seed), {reps} of them float-order "
+          "replicates (GPTQ rebuilt in the other float mode)", flush=True)
+    if reps == 0:
+        print("note: no float-order replicate (the weights are not GPTQ): every paired part will read "
+              "inconclusive; --weights gptq gives each cell its replicate", flush=True)
+    for line in cost_lines(args, manifest):
+        print(line, flush=True)
+
+
+def write_report(out: str | Path) -> dict[str, Any]:
+    """The claims table of claims directory ``out``: every registered claim read over its records (fixed-n),
+    written to DIR/claims.json and DIR/claims.md; ``{"markdown", "files"}`` as the sweep path prints them."""
+    from rope_quant.analysis import claims_report as cr
+    from rope_quant.claims import registry
+    from rope_quant.sweep.cellkind import run_of
+    from rope_quant.sweep.claim_store import DirectoryStore
+
+    store = DirectoryStore(out)
+    dropped = left_out(registry.claims(), run_of(store.comparator()).model)
+    results = cr.evaluate_directory(store, [c for c in registry.claims() if c.id not in dropped])
+    data = cr.payload(out, store, results, dropped, SOURCE)
+    files = cr.write_claims(out, data)
+    lines = [cr.claims_markdown(data["claims"]), "", *cr.left_out_lines(dropped)]
+    if (Path(out) / "decisions.json").is_file():
+        lines.append(f"this table reads the fixed-n rule at every seed present; the sequential decisions of "
+                     f"`rope-quant decide` are in {Path(out) / 'decisions.json'}")
+    return {"markdown": "\n".join(lines), "files": files}
+
+
+def run(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.sweep.claims_sweep import claims_manifest
+
+    chosen = chosen_claims(args.claims)  # an unknown id: exit 2 before anything else
+    _seed_count(args)
+    check_comparator(args.comparator, ())
+    defaulted = args.weights is None
+    if defaulted:  # the rule reads each cell's float-order replicate: only GPTQ weights have one
+        args.weights = "gptq"
+
+    def build(args: argparse.Namespace, seeds: tuple[int, ...], used: list[str]) -> Any:
+        if defaulted:
+            used.append("weights=gptq (the claims' default on every device: the float-order replicate is GPTQ's)")
+        dropped = left_out(chosen, args.model)
+        kept = [c for c in chosen if c.id not in dropped]
+        if not kept:
+            raise CLIError(f"no claim left to run on {args.model}: "
+                           + "; ".join(f"{cid}: {why}" for cid, why in dropped.items()))
+        manifest = claims_manifest(base_config(args), kept, seeds, comparator=args.comparator)
+        print_plan(args, manifest, kept, seeds, dropped)
+        return manifest
+
+    return sweep(args, cells, build, write_report)

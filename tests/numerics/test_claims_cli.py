@@ -1,0 +1,262 @@
+"""``rope-quant claims`` and ``report`` / ``decide`` on a claims directory, with a stand-in cell function.
+
+The stand-in draws a perplexity from the seed (shared by the seed's cells), the R3, the estimator and the GPTQ float
+mode, so that the claims have effects to find: pairwise_only is 2 PPL above hadamard, k_only 0.5 PPL below rows.
+The sweep must write exactly the cells the claims read (treatment, control, their float-order replicates) and
+resume without recomputing a complete cell; the report must write the engine's verdicts on the same directory in
+the pytest plugin's claims JSON shape; bad input must stop before any cell runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rope_quant import cli
+from rope_quant.claims import engine, registry
+from rope_quant.core import sequential
+from rope_quant.core.verdict import Outcome
+from rope_quant.sweep.claim_store import DirectoryStore
+from rope_quant.sweep.decide import REPLICATE_SUFFIX
+from rope_quant.sweep.manifest import read_manifest
+from rope_quant.sweep.records import complete_records
+
+TINY = ["--seqlen", "64", "--calib-windows", "1", "--eval-windows", "1", "--quiet"]
+ENGINE_KEYS = ("claim", "id", "section", "statement", "model", "expected", "measured", "holds", "decision",
+               "numbers", "parts", "verdict", "budget", "seeds", "rule")
+
+
+def ppl(cfg) -> float:
+    f = cfg.flat()
+    shared = np.random.default_rng(f["seed"]).normal(0, 0.4)
+    own = np.random.default_rng([f["seed"], len(f["r3"]), len(f["estimator"]), int(f["gptq"].float64)]).normal(0, 0.05)
+    return float(14.0 + shared + own + 2.0 * (f["r3"] == "pairwise_only") - 0.5 * (f["estimator"] == "k_only"))
+
+
+class Cells:
+    """The stand-in cell function; records each config it computes (``kill_after``: a kill after that many)."""
+
+    def __init__(self, kill_after: int | None = None) -> None:
+        self.calls: list = []
+        self.kill_after = kill_after
+
+    def __call__(self, cfg) -> dict:
+        if self.kill_after is not None and len(self.calls) >= self.kill_after:
+            raise KeyboardInterrupt  # a killed run: this cell leaves no record
+        self.calls.append(cfg)
+        value = ppl(cfg)
+        return {"ppl": value, "n_tokens": 64, "k_range_mean": value / 4, "k_rel_err": value / 100}
+
+
+def _ident(cfg) -> tuple:
+    f = cfg.flat()
+    return f["seed"], f["r3"], f["estimator"], f["gptq"].float64
+
+
+def _claims(out: Path, *flags: str, cells: Cells | None = None) -> int:
+    return cli.main(["claims", "--out", str(out), *TINY, *flags], cell_fn=cells or Cells())
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> Path:
+    """A claims directory of C1 and C3 at seeds 0, 1, 2, every cell computed."""
+    out = tmp_path_factory.mktemp("claims") / "c13"
+    assert _claims(out, "--claims", "C1,C3", "--seeds", "0-2") == 0
+    return out
+
+
+def test_the_sweep_writes_each_claims_cells_and_their_replicates(tmp_path: Path, capsys) -> None:
+    """C1 (pairwise_only vs hadamard) and C3 (k_only vs rows, rows being pairwise_only) at two seeds: the
+    comparator, pairwise_only and k_only, each with its float-order replicate (GPTQ in the other float mode), each
+    computed once; the plan (cells per claim, the cost estimate) is printed before the cells run."""
+    out, cells = tmp_path / "cl", Cells()
+    assert _claims(out, "--claims", "C1,C3", "--seeds", "0,1", cells=cells) == 0
+    printed = capsys.readouterr().out
+    configs = (("hadamard", "rows"), ("pairwise_only", "rows"), ("pairwise_only", "k_only"))
+    expected = {(s, r3, est, f64) for s in (0, 1) for r3, est in configs for f64 in (False, True)}
+    assert [_ident(c) for c in cells.calls if _ident(c) not in expected] == []
+    assert sorted(map(_ident, cells.calls)) == sorted(expected)  # each once, none missing
+    data = read_manifest(out)
+    assert data["study"] == "claims" and data["comparator"] == "hadamard"
+    names = {(c["name"], c["seed"]) for c in data["cells"]}
+    base = {"hadamard", "pairwise_only", "pairwise_only+estimator=k_only"}
+    assert names == {(n + rep, s) for n in base for rep in ("", REPLICATE_SUFFIX) for s in (0, 1)}
+    for rec in complete_records(out):
+        assert rec["config"]["quant"]["w"]["gptq"]["float64"] is rec["name"].endswith(REPLICATE_SUFFIX)
+    assert printed.index("claims plan: 2 claims") < printed.index("rope-quant claims: 12 cells")
+    assert "| C3 | pairwise_only+estimator=k_only, pairwise_only+estimator=k_only.float-order, pairwise_only" in printed
+    assert "cost estimate" in printed and (out / "claims.json").is_file()
+
+
+def test_a_killed_run_resumes_computing_only_the_missing_cells(tmp_path: Path) -> None:
+    """A run killed after five cells exits 130; the same command computes only the cells without a record (none of
+    the five again); a record then lost alone is the only cell a third run computes."""
+    out, first = tmp_path / "cl", Cells(kill_after=5)
+    assert _claims(out, "--claims", "C1,C3", "--seeds", "0,1", cells=first) == 130
+    second = Cells()
+    assert _claims(out, "--claims", "C1,C3", "--seeds", "0,1", cells=second) == 0
+    done = [_ident(c) for c in first.calls + second.calls]
+    assert len(first.calls) == 5 and len(second.calls) == 7 and len(set(done)) == 12
+    lost = next(p for p in (out / "cells" / "pairwise_only").glob("seed1-*.json"))
+    lost.unlink()
+    third = Cells()
+    assert _claims(out, "--claims", "C1,C3", "--seeds", "0,1", cells=third) == 0
+    assert [_ident(c) for c in third.calls] == [(1, "pairwise_only", "rows", False)]
+
+
+def test_the_shards_split_the_cells(tmp_path: Path) -> None:
+    out, cells = tmp_path / "cl", Cells()
+    for i in range(2):
+        assert _claims(out, "--claims", "C3", "--seeds", "0,1", "--shard", f"{i}/2", cells=cells) == 0
+    # per seed: the comparator, k_only and rows (pairwise_only), the last two with their replicates
+    assert len(cells.calls) == 10 and len({_ident(c) for c in cells.calls}) == 10
+
+
+def test_report_writes_the_engines_verdicts_in_the_claims_json(swept: Path, tmp_path: Path, capsys) -> None:
+    """``report DIR`` on a claims directory: each claim's row is ``engine.evaluate`` over the same directory at its
+    seeds (C1 holds every seed, C3 holds); a claim without cells there reads inconclusive naming the cell and seed;
+    the claims scored otherwise are left out with the reason; the model, protocol and device are named."""
+    out = tmp_path / "copy"
+    shutil.copytree(swept, out)
+    (out / "claims.json").unlink()
+    assert cli.main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((out / "claims.json").read_text())
+    rows = {r["id"]: r for r in data["claims"]}
+    store = DirectoryStore(out)
+    for cid in ("C1", "C3"):
+        direct = json.loads(json.dumps(engine.evaluate(registry.get(cid), store, (0, 1, 2)).to_dict("smollm2-135m")))
+        assert {k: rows[cid][k] for k in ENGINE_KEYS} == {k: direct[k] for k in ENGINE_KEYS}
+    assert rows["C1"]["decision"]["outcome"] == "holds" and rows["C3"]["decision"]["outcome"] == "holds"
+    assert rows["C2"]["decision"]["outcome"] == "inconclusive"
+    assert "no ppl for cell {r3=pairwise_plus_hadamard} at seed 0" in rows["C2"]["verdict"]
+    assert {d["id"] for d in data["left_out"]} == {"C4-ppl", "C7", "C7-8K"} and "C4-ppl" not in rows
+    assert data["model"]["name"] == "smollm2-135m" and data["model"]["fingerprint"]
+    assert data["protocol"]["seeds"] == [0, 1, 2] and data["protocol"]["calibration_tokens"] == 64
+    assert data["device"]["requested"] == "cpu" and data["schema"] == 2
+    assert (out / "claims.md").read_text().strip() in printed and "left out: C7:" in printed
+
+
+def test_a_missing_cell_reads_inconclusive_and_is_named(swept: Path, tmp_path: Path) -> None:
+    """A record lost from the directory: the claims that read it are inconclusive, naming their cell and the seed
+    (the report does not crash, nor read the claim at fewer seeds)."""
+    out = tmp_path / "copy"
+    shutil.copytree(swept, out)
+    next((out / "cells" / "pairwise_only").glob("seed1-*.json")).unlink()
+    assert cli.main(["report", str(out)]) == 0
+    rows = {r["id"]: r for r in json.loads((out / "claims.json").read_text())["claims"]}
+    for cid, cell in (("C1", "{r3=pairwise_only}"), ("C3", "{r3=pairwise_only, estimator=rows}")):
+        assert rows[cid]["decision"]["outcome"] == "inconclusive", rows[cid]["verdict"]
+        assert f"missing cell: no ppl for cell {cell} at seed 1" in rows[cid]["verdict"]
+
+
+def test_the_claims_json_has_the_pytest_plugins_keys(swept: Path, pytester: pytest.Pytester) -> None:
+    """The plugin's ``--rq-claims-out`` payload and row keys (a claim recorded with a verdict and parts) are all in
+    the report's, and the Markdown table has the plugin's columns."""
+    from rope_quant import pytest_plugin
+    from rope_quant.analysis import claims_report
+
+    pytester.makepyfile(test_rq_shape=(
+        "from rope_quant.core.verdict import deterministic\n"
+        "def test_claim(rq_claim, rq_machine):\n"
+        "    rq_machine({'cpu_model': 'x'})\n"
+        "    v = deterministic(True, 'a note')\n"
+        "    rq_claim('C0 (demo)', 'a < b', '1 < 2', verdict=v, parts={'p': v}, a=1.0)\n"))
+    plugin_out = pytester.path / "claims"
+    pytester.runpytest(f"--rq-claims-out={plugin_out}").assert_outcomes(passed=1)
+    plugin = json.loads((plugin_out / "claims.json").read_text())
+    ours = json.loads((swept / "claims.json").read_text())
+    assert set(plugin) <= set(ours), set(plugin) - set(ours)
+    assert set(plugin["claims"][0]) <= set(ours["claims"][0]), set(plugin["claims"][0]) - set(ours["claims"][0])
+    assert claims_report.CLAIMS_SCHEMA == pytest_plugin.CLAIMS_SCHEMA == ours["schema"]
+    header = (plugin_out / "claims.md").read_text().splitlines()[0]
+    assert (swept / "claims.md").read_text().startswith(header)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--claims", "C1,C99"], "unknown claim 'C99'"),
+    (["--claims", "App-f"], "did you mean 'App-F'"),
+    (["--seeds", "0"], "the claims need at least 2 seeds"),
+    (["--claims", "C7,C4-ppl"], "no claim left to run on smollm2-135m: C7: its cells are scored on the long-context"),
+])
+def test_bad_input_is_refused_before_any_cell_runs(tmp_path: Path, capsys, flags: list[str], message: str) -> None:
+    out, cells = tmp_path / "cl", Cells()
+    assert _claims(out, *flags, cells=cells) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert cells.calls == [] and not out.exists()
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    out, cells = tmp_path / "cl", Cells()
+    assert _claims(out, "--dry-run", cells=cells) == 0
+    printed = capsys.readouterr().out
+    for text in ("left out: C4-ppl: its cells are scored on the budget's support windows", "left out: C7:",
+                 "claims plan: 9 claims at seeds 0,1,2", "| App-F |", "cost estimate", "dry run: "):
+        assert text in printed, text
+    assert cells.calls == [] and not out.exists()
+
+
+def test_help_lists_the_flags(capsys) -> None:
+    assert cli.main(["claims", "--help"]) == 0
+    text = capsys.readouterr().out
+    for flag in ("--model", "--out", "--seeds", "--device", "--claims", "--dry-run", "--shard", "--slurm",
+                 "--slurm-param", "--no-resume", "--weights"):
+        assert flag in text, flag
+
+
+def test_decide_adds_seeds_for_the_open_claim_only(swept: Path, tmp_path: Path, capsys) -> None:
+    """``decide DIR`` on a claims directory of seeds 0, 1: C1 (every seed) is decided at the first look; C3 is open
+    at two seeds (the rule's per-look t interval is wide) and gets seeds until it holds, each added seed holding
+    only the comparator and C3's cells; each row is the engine's sequential reading at its seeds; a second run
+    computes nothing."""
+    out, cells = tmp_path / "two", Cells()
+    assert _claims(out, "--claims", "C1,C3", "--seeds", "0,1", cells=Cells()) == 0
+    assert cli.main(["decide", str(out), "--max-seeds", "6"], cell_fn=cells) == 0
+    data = json.loads((out / "decisions.json").read_text())
+    rows = {r["id"]: r for r in data["claims"]}
+    assert rows["C1"]["seeds"] == [0, 1] and rows["C1"]["decision"]["outcome"] == "holds"
+    assert rows["C3"]["decision"]["outcome"] == "holds" and len(rows["C3"]["seeds"]) > 2, rows["C3"]["verdict"]
+    added = {(c["name"], c["seed"]) for c in read_manifest(out)["cells"] if c["seed"] >= 2}
+    c3 = {"hadamard", "pairwise_only", "pairwise_only.float-order", "pairwise_only+estimator=k_only",
+          "pairwise_only+estimator=k_only.float-order"}
+    assert added == {(n, s) for n in c3 for s in rows["C3"]["seeds"][2:]}
+    assert sorted(map(_ident, cells.calls)) == sorted(set(map(_ident, cells.calls)))
+    plan = sequential.Plan(2, 6, futility=data["plan"]["futility"], shape=data["plan"]["shape"])
+    direct = engine.evaluate(registry.get("C3"), DirectoryStore(out), rows["C3"]["seeds"], plan.with_parts(1))
+    assert rows["C3"]["decision"] == json.loads(json.dumps(direct.verdict.to_dict()))
+    assert rows["C3"]["rule"] == engine.RULE_SEQUENTIAL and direct.verdict.outcome is Outcome.HOLDS
+    again = Cells()
+    assert cli.main(["decide", str(out), "--max-seeds", "6"], cell_fn=again) == 0
+    assert again.calls == [] and "decisions in" in capsys.readouterr().out
+
+
+def test_decide_refuses_a_claims_directory_without_replicates(tmp_path: Path, capsys) -> None:
+    out, cells = tmp_path / "rtn", Cells()
+    assert _claims(out, "--claims", "C3", "--seeds", "0,1", "--weights", "rtn", cells=cells) == 0
+    assert all(not c.quant.w.gptq.float64 for c in cells.calls) and len(cells.calls) == 6
+    assert cli.main(["decide", str(out)], cell_fn=Cells()) == 2
+    assert "has no float-order replicate (its weights are not GPTQ)" in capsys.readouterr().err
+
+
+def test_decide_stops_a_claim_whose_cell_fails(tmp_path: Path) -> None:
+    """A cell that fails to compute at an added seed stops its claim there, naming the cell, instead of adding seeds
+    to M; the other claims are read as before."""
+    out = tmp_path / "fail"
+    assert _claims(out, "--claims", "C1,C3", "--seeds", "0,1", cells=Cells()) == 0
+
+    def failing(cfg) -> dict:
+        if cfg.seed == 2 and cfg.estimator == "k_only":
+            raise RuntimeError("simulated out of memory")
+        return Cells()(cfg)
+
+    assert cli.main(["decide", str(out), "--max-seeds", "6"], cell_fn=failing) == 0
+    rows = {r["id"]: r for r in json.loads((out / "decisions.json").read_text())["claims"]}
+    assert rows["C3"]["stopped"].startswith("a cell failed (no ppl for cell {r3=pairwise_only, estimator=k_only} at "
+                                            "seed 2)"), rows["C3"]["stopped"]
+    assert rows["C3"]["decision"]["outcome"] == "inconclusive" and rows["C1"]["decision"]["outcome"] == "holds"
+    assert max(c["seed"] for c in read_manifest(out)["cells"]) == 2
