@@ -47,37 +47,30 @@ def chosen_claims(text: str | None) -> list[Any]:
     return [registry.get(i) for i in parse_names(text, "claim", registry.active().ids())]
 
 
-def premise_reason(claim: Any, model: str) -> str | None:
-    """Why ``model`` lacks a premise of ``claim`` (from its config alone), or None; a config that cannot be read
-    is left to the model checks."""
-    from rope_quant.claims.registry import Premise
-    from rope_quant.cli.common import head_dim, r1_refusal
-
-    for premise in claim.premises:
-        if premise is Premise.R1_FOLDABLE:
-            why = r1_refusal(model)
-            if why:
-                return f"model {model} refuses R1 ({why}): the claim's W4A4KV4 pipeline folds R1 into the weights"
-        elif premise is Premise.HEAD_DIM_64:
-            try:
-                d = head_dim(model)
-            except CLIError:
-                continue
-            if d != 64:
-                return f"model {model} has head_dim {d}: the claim's block sizes 2 … 64 end at a head_dim of 64"
-    return None  # Premise.ROPE: every registered architecture applies RoPE to q and k
-
-
-def left_out(claims: Sequence[Any], model: str) -> dict[str, str]:
-    """Claim id → why it is left out: its cells are not plain run cells, or the model lacks a premise."""
+def applicable(claims: Sequence[Any], model: str) -> tuple[list[Any], dict[str, str]]:
+    """The claims that run on ``model`` (each as :func:`rope_quant.claims.premises.adapt` runs it there: a
+    refused R1 becomes ``r1=identity``, named in its title), and claim id → why the others are left out: their
+    cells are not plain run cells, or the model lacks a premise. Read from the model's config alone; a config
+    that cannot be read is left to the model checks."""
+    from rope_quant.claims.premises import adapt, premises_of_checkpoint
+    from rope_quant.model.arch import ArchitectureError
+    from rope_quant.model.loading import ModelLoadError
     from rope_quant.sweep.claims_sweep import scoring_reason
 
+    try:
+        premises = premises_of_checkpoint(model)
+    except (ModelLoadError, ArchitectureError):
+        premises = {}
+    kept: list[Any] = []
     out: dict[str, str] = {}
     for claim in claims:
-        why = scoring_reason(claim) or premise_reason(claim, model)
-        if why:
-            out[claim.id] = why
-    return out
+        why = scoring_reason(claim)
+        got = adapt(claim, premises) if why is None else why
+        if isinstance(got, str):
+            out[claim.id] = why or f"model {model} lacks a premise: {got}"
+        else:
+            kept.append(got)
+    return kept, out
 
 
 def _seed_count(args: argparse.Namespace) -> None:
@@ -139,8 +132,8 @@ def write_report(out: str | Path) -> dict[str, Any]:
     from rope_quant.sweep.claim_store import DirectoryStore
 
     store = DirectoryStore(out)
-    dropped = left_out(registry.claims(), run_of(store.comparator()).model)
-    results = cr.evaluate_directory(store, [c for c in registry.claims() if c.id not in dropped])
+    kept, dropped = applicable(registry.claims(), run_of(store.comparator()).model)
+    results = cr.evaluate_directory(store, kept)
     data = cr.payload(out, store, results, dropped, SOURCE)
     files = cr.write_claims(out, data)
     lines = [cr.claims_markdown(data["claims"]), "", *cr.left_out_lines(dropped)]
@@ -163,8 +156,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     def build(args: argparse.Namespace, seeds: tuple[int, ...], used: list[str]) -> Any:
         if defaulted:
             used.append("weights=gptq (the claims' default on every device: the float-order replicate is GPTQ's)")
-        dropped = left_out(chosen, args.model)
-        kept = [c for c in chosen if c.id not in dropped]
+        kept, dropped = applicable(chosen, args.model)
         if not kept:
             raise CLIError(f"no claim left to run on {args.model}: "
                            + "; ".join(f"{cid}: {why}" for cid, why in dropped.items()))

@@ -80,7 +80,7 @@ def _decide_claims(args: argparse.Namespace, cells: Cells, out: Path, manifest: 
     claims JSON's shape, with the plan and why each claim stopped."""
     from rope_quant.analysis import claims_report as cr
     from rope_quant.claims import registry
-    from rope_quant.cli.claims import left_out
+    from rope_quant.cli.claims import applicable
     from rope_quant.core.sequential import RULE_SEQUENTIAL
     from rope_quant.sweep import claims_decide as cd
     from rope_quant.sweep.cellkind import run_of
@@ -89,8 +89,8 @@ def _decide_claims(args: argparse.Namespace, cells: Cells, out: Path, manifest: 
 
     store = DirectoryStore(out, manifest)
     cd.check_claims_inputs(store, args.max_seeds, args.time_budget)
-    dropped = left_out(registry.claims(), run_of(store.comparator()).model)
-    planned, absent = cd.planned_claims(store, [c for c in registry.claims() if c.id not in dropped])
+    kept, dropped = applicable(registry.claims(), run_of(store.comparator()).model)
+    planned, absent = cd.planned_claims(store, kept)
     for claim in absent:
         dropped[claim.id] = (f"not in this directory (its cells are not in the manifest): `rope-quant claims "
                              f"--claims {claim.id}` into it adds them")

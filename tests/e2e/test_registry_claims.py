@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from rope_quant.claims import registry
-from rope_quant.claims.premises import Protocol, premises_of, protocol_for
+from rope_quant.claims.premises import adapt, premises_of
 from rope_quant.claims.registry import Metric, Override, Scoring, length_of, overrides_of, scoring_of
 from rope_quant.claims.stores import ReplicateValues
 from rope_quant.defaults import DEFAULT_MODEL
@@ -50,13 +50,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 class ExperimentStore:
     """The :class:`rope_quant.claims.stores.Store` of an :class:`Experiment`: each cell computed (and memoised)
-    on first read; ``extra``: overrides of the claim's protocol added to every cell."""
+    on first read."""
 
-    def __init__(self, exp: Any, extra: Mapping[str, Override]) -> None:
-        self.exp, self.extra = exp, dict(extra)
+    def __init__(self, exp: Any) -> None:
+        self.exp = exp
 
     def _overrides(self, cell: Mapping[str, Override]) -> dict[str, Any]:
-        out: dict[str, Any] = {**overrides_of(cell), **self.extra}
+        out: dict[str, Any] = dict(overrides_of(cell))
         if scoring_of(cell) is Scoring.SUPPORT:
             out["eval_windows"] = self.exp.budget.support_windows
         return out
@@ -112,18 +112,17 @@ def test_registry_claim(uexp, claim_id: str, rq_claim) -> None:
     from rope_quant.claims.engine import evaluate
 
     exp, premises = uexp
-    claim = registry.get(claim_id)
-    protocol: Protocol = protocol_for(claim, premises)
-    if protocol.skip:
-        pytest.skip(f"{claim.id} on {exp.model}: the architecture lacks a premise ({protocol.skip})")
+    claim = adapt(registry.get(claim_id), premises)
+    if isinstance(claim, str):
+        pytest.skip(f"{claim_id} on {exp.model}: the architecture lacks a premise ({claim})")
+    adapted = claim
 
     def run(e: Any) -> Any:
-        result = evaluate(claim, ExperimentStore(e, protocol.overrides), e.budget.seeds, plan=e.plan)
+        result = evaluate(adapted, ExperimentStore(e), e.budget.seeds, plan=e.plan)
         return result.verdict, result
 
     (verdict, result), _ = exp.decided(run, claim.id)
     row = result.to_dict(model=exp.model)
-    title = claim.title + (f" [deviation: {protocol.deviation}]" if protocol.deviation else "")
-    rq_claim(title, row["expected"], row["measured"], model=exp.model, verdict=verdict,
+    rq_claim(claim.title, row["expected"], row["measured"], model=exp.model, verdict=verdict,
              parts=result.part_verdicts if len(result.parts) > 1 else None, **row["numbers"])
     assert not verdict.failed, verdict.text()

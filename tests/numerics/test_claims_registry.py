@@ -102,13 +102,15 @@ def test_the_fixed_n_engine_gives_the_rules_verdict(cells) -> None:
 
 
 def test_the_sequential_engine_gives_the_sequential_rules_verdict(cells) -> None:
-    """With a plan the engine reads the sequential rule at look len(seeds), as ``sequential.paired_claim`` does;
-    at the first look and at a later one (where futility is judged)."""
+    """With a plan the engine reads the sequential rule at look len(seeds), as ``sequential.paired_claim`` does
+    with the plan of a claim of 2 sampled parts (its refuted side at α/2); at the first look and at a later one
+    (where futility is judged)."""
     store, values, reps = cells
     claim = _claim("T-seq", EQUIV, Part("gap", "pairwise_only", "hadamard", Form.GREATER))
     margin = verdict.equivalence_margin(float(np.mean(values["hadamard"]))).value
     for plan, n in ((sequential.Plan(5, 12), 5), (sequential.Plan(3, 8), 5)):
         result = engine.evaluate(claim, store, SEEDS[:n], plan)
+        plan = plan.with_parts(2)
         pairs = {i: (reps["pairwise_plus_hadamard"][i], reps["hadamard"][i]) for i in range(n)}
         equiv = sequential.paired_claim(Form.EQUIVALENT, values["pairwise_plus_hadamard"][:n], values["hadamard"][:n],
                                         plan, replicates=pairs, margin=margin, tokens=6144)
@@ -117,7 +119,8 @@ def test_the_sequential_engine_gives_the_sequential_rules_verdict(cells) -> None
                                       tokens=6144)
         assert result.part_verdicts == {"pph ≡ hadamard": equiv, "gap": gap}
         assert result.verdict == verdict.combine_all([equiv, gap]) and result.rule == engine.RULE_SEQUENTIAL
-        assert gap.rule == sequential.RULE_SEQUENTIAL and gap.outcome is Outcome.HOLDS
+        assert gap.rule == sequential.RULE_SEQUENTIAL and gap.outcome is Outcome.HOLDS and gap.parts == 2
+        assert result.verdict.claim_error.startswith("≤ 5% per side for the claim")
     assert engine.evaluate(claim, store, SEEDS).verdict.rule != sequential.RULE_SEQUENTIAL  # no plan: fixed-n
 
 
