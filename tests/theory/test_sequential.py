@@ -32,7 +32,9 @@ from rope_quant.core.verdict import FloatOrder, Form, Outcome, _bounds, budget_r
 RUNS = 20_000
 TOL = 0.015
 PLAN = Plan(3, 40, shape=Shape.NORMAL)
-SHAPES = [Shape.NORMAL, Shape.SKEW_ROBUST]
+SHAPES = [Shape.NORMAL, pytest.param(Shape.SKEW_ROBUST, marks=pytest.mark.slow)]
+"""The skew-robust boundary on these normal scenarios is ``slow`` (the theory layer's time): the default layer
+checks it on the normal law in tests/theory/test_sequential_skew.py."""
 
 
 def test_per_look_level_lies_between_bonferroni_and_the_fixed_level() -> None:
