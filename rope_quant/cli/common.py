@@ -12,12 +12,14 @@ import sys
 from typing import Any
 
 from rope_quant.cli.args import CLIError, check_name, flag, parse_names, parse_seed_list, unknown_name
+from rope_quant.cli.options import KEY_QUANT_FLAGS
 
 DEFAULT_CONFIGS = ("hadamard", "pairwise_only", "pairwise_plus_hadamard", "identity")
 DEFAULT_SEEDS = (0, 1, 2)
 #: Flat config fields that have a flag of the same name: errors from below name the flag instead.
 FLAGGED_FIELDS = ("whip_epochs", "calib_windows", "eval_windows", "average_length", "seqlen", "w_bits", "a_bits",
-                  "k_bits", "v_bits", "r3_block")
+                  "k_bits", "v_bits", "r3_block", "k_quant", "k_token_group", "k_residual", "k_sinks", "k_min_bits",
+                  "k_max_bits", "k_avg_bits")
 
 
 def flags_for_fields(message: str, fields: tuple[str, ...] = FLAGGED_FIELDS) -> str:
@@ -141,6 +143,22 @@ def head_dim(model: str) -> int:
         raise CLIError(f"model {model}: {exc}") from exc
 
 
+def check_key_quant(cfg: Any, model: str) -> None:
+    """What the key quantiser's parameters need of the model's geometry, from its config alone (rope_pair_bits:
+    integer widths over head_dim/2 pairs averaging the target); a :class:`PipelineError` names the field."""
+    from rope_quant.experiment.config import PipelineError
+    from rope_quant.quant.key_quantizers import KeyQuantError
+
+    option = cfg.quant.key_option()
+    check = getattr(option, "check_head_dim", None)
+    if check is None:
+        return
+    try:
+        check(head_dim(model))
+    except KeyQuantError as exc:
+        raise PipelineError(str(exc)) from None
+
+
 def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
     """The ``RunConfig`` shared by every cell of the command (seed and R3 set per cell; flat names)."""
     import dataclasses
@@ -157,9 +175,11 @@ def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
                   **({} if args.whip_epochs is None else {"whip_epochs": args.whip_epochs}),
                   device=args.device, dtype=args.dtype, gptq=dataclasses.replace(GPTQConfig(), mse=bool(w_mse)),
                   **budget)
+    fields.update({name: getattr(args, name) for name in KEY_QUANT_FLAGS if getattr(args, name, None) is not None})
     fields.update(overrides)
     try:
         cfg = config.RunConfig.from_flat(**fields)
+        check_key_quant(cfg, args.model)
     except config.PipelineError as exc:
         raise CLIError(flags_for_fields(str(exc))) from None
     from rope_quant.experiment.identity import resolve_identity

@@ -65,6 +65,10 @@ def describe(cfg: Any) -> str:
             f"{weights} R1={r1} R2={rot.r2.value} R4={'hadamard' if rot.r4 else 'off'} "
             f"estimator={run.estimator} angle={run.angle} seqlen={run.seqlen} calib_windows={run.calib_windows} "
             f"eval_windows={evals} device={run.device} dtype={run.dtype}")
+    kq = run.quant.kq
+    if not kq.is_default:  # another key quantiser than the paper's per-token rule, with its parameters
+        given = ", ".join(f"{k}={v}" for k, v in kq.params().items() if v is not None)
+        line += f"\nkey quantiser: {kq.kind}" + (f" ({given})" if given else "")
     if rot.deviations:
         line += "\ndeviations from the paper's rotations: " + "; ".join(rot.deviations)
     return line

@@ -54,6 +54,7 @@ def add_common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     for q in ("w", "a", "k", "v"):
         g.add_argument(f"--{q}-bits", type=int, default=4, metavar="B",
                        help=f"{q.upper()} bits (16 = off; default 4)")
+    add_key_quant(g)
     g.add_argument("--weights", default=None, choices=values(WeightMode),
                    help="weight quantiser, cached per seed (default: CPU rtn, CUDA gptq as in the paper)")
     g.add_argument("--w-mse", action=argparse.BooleanOptionalAction, default=None,
@@ -85,6 +86,31 @@ def add_common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
     r.add_argument("--force-new-manifest", action="store_true",
                    help="replace the manifest of --out even when it describes a different study "
                         "(default: refuse with the changed settings)")
+
+
+#: The key-quantiser flags: each sets the flat config field of its name (``--k-token-group`` -> ``k_token_group``).
+KEY_QUANT_FLAGS = ("k_quant", "k_token_group", "k_residual", "k_sinks", "k_min_bits", "k_max_bits", "k_avg_bits")
+
+
+def add_key_quant(g: argparse._ArgumentGroup) -> None:
+    """``--k-quant`` and its parameters (docs/key_quantizers.md); unset ones take the quantiser's defaults."""
+    from rope_quant.quant.key_quantizers import DEFAULT_KEY_QUANT, KeyQuantName
+
+    g.add_argument("--k-quant", default=None, metavar="NAME",
+                   help=f"key quantiser, fed --k-bits: {', '.join(values(KeyQuantName))} (default "
+                        f"{DEFAULT_KEY_QUANT.value}: the paper's dynamic per-token rule; docs/key_quantizers.md)")
+    g.add_argument("--k-token-group", type=int, default=None, metavar="G",
+                   help="kivi / kvquant_prerope: tokens per per-channel group (default 32 / 128)")
+    g.add_argument("--k-residual", type=int, default=None, metavar="R",
+                   help="kivi: the most recent R tokens stay in full precision, R >= G (default 128)")
+    g.add_argument("--k-sinks", type=int, default=None, metavar="S",
+                   help="sink: the first S tokens stay in 16 bits (default 4)")
+    g.add_argument("--k-min-bits", type=int, default=None, metavar="B",
+                   help="rope_pair_bits: the smallest width of a pair (default 2)")
+    g.add_argument("--k-max-bits", type=int, default=None, metavar="B",
+                   help="rope_pair_bits: the largest width of a pair (default 8)")
+    g.add_argument("--k-avg-bits", type=float, default=None, metavar="B",
+                   help="rope_pair_bits: the mean width (default --k-bits; head_dim/2 times it must be an integer)")
 
 
 def add_sweep_options(parser: argparse.ArgumentParser) -> None:

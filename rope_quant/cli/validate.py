@@ -147,6 +147,30 @@ def check_corpus_text(name: str, seqlen: int) -> None:
         raise CLIError(str(exc)) from None
 
 
+def check_key_quant(args: argparse.Namespace) -> None:
+    """``--k-quant`` names a registered key quantiser (else the closest names) and its parameters are valid with
+    the other K flags (the config's own checks, named by flag): before any model loads."""
+    name = getattr(args, "k_quant", None)
+    if name is None:
+        given = [f for f in ("k_token_group", "k_residual", "k_sinks", "k_min_bits", "k_max_bits", "k_avg_bits")
+                 if getattr(args, f, None) is not None]
+        if not given:
+            return
+    from rope_quant.cli.common import flags_for_fields
+    from rope_quant.experiment.specs import KEY_QUANT_PARAMS, KeyQuantSpec, PipelineError
+    from rope_quant.quant import key_quantizers as keyq
+    from rope_quant.quant.quantizers import QuantConfig
+
+    if name is not None and name not in keyq.names():
+        raise unknown_name("--k-quant", name, keyq.names())
+    try:
+        spec = KeyQuantSpec(name or keyq.DEFAULT_KEY_QUANT.value,
+                            **{p: getattr(args, f"k_{p}", None) for p in KEY_QUANT_PARAMS})
+        spec.option(QuantConfig(bits=args.k_bits))
+    except PipelineError as exc:
+        raise CLIError(flags_for_fields(str(exc))) from None
+
+
 def validate_common(args: argparse.Namespace) -> None:
     """Device, model, corpus, bits, whip epochs, R1, output paths and the corpus text: all before any load."""
     from rope_quant.cli.common import resolve_budget, resolve_r1
@@ -158,6 +182,7 @@ def validate_common(args: argparse.Namespace) -> None:
     check_corpus(args.corpus)
     for q in ("w", "a", "k", "v"):
         check_bits(getattr(args, f"{q}_bits"), f"--{q}-bits", low=2, high=OFF_BITS, error=CLIError)
+    check_key_quant(args)
     if args.whip_epochs is not None and args.whip_epochs < 1:
         raise CLIError(f"--whip-epochs must be an integer >= 1, got {args.whip_epochs}")
     budget, _ = resolve_budget(args)

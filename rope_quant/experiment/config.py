@@ -3,7 +3,8 @@
 A :class:`RunConfig` holds the model, corpus and seed plus five specs (defined in
 :mod:`rope_quant.experiment.specs`, with their names and checks; this module re-exports them)::
 
-    quant     QuantSpecs    weights (WeightSpec: mode, bits, clip, GPTQConfig), a/k/v (QuantConfig), static scope
+    quant     QuantSpecs    weights (WeightSpec: mode, bits, clip, GPTQConfig), a/k/v (QuantConfig), static scope,
+                            the key quantiser (KeyQuantSpec: per_token by default, kivi, kvquant_prerope, ...)
     rotation  RotationSpec  offline R1, R2 (RotationKind) and the online R4 flag
     online    R3Spec        R3 transform and block, angle estimator, objective, angle rule (φ̂ or φ*)
     budget    Budget        seqlen, calibration windows, evaluation windows
@@ -51,6 +52,7 @@ from rope_quant.experiment.specs import (
     Budget,
     DType,
     Estimator,
+    KeyQuantSpec,
     PipelineError,
     QuantSpecs,
     R3Spec,
@@ -78,6 +80,7 @@ __all__ = [
     "Objective",
     "DType",
     "WeightSpec",
+    "KeyQuantSpec",
     "QuantSpecs",
     "WhipSpec",
     "RotationSpec",

@@ -71,6 +71,7 @@ from rope_quant.experiment.config import (
     RunConfig,
     WeightMode,
 )
+from rope_quant.experiment.key_quant import key_quantizers
 from rope_quant.experiment.stages import StageName, stage
 from rope_quant.io import save_tensors
 from rope_quant.quant import gptq, rtn
@@ -139,7 +140,7 @@ class QuantizedModel:
         """Switch this model to another R3 / K-V setting in place (steps 6-7 only) and return it.
 
         Only fields that change neither the weights nor the calibration statistics may differ (the R3
-        fields, K/V bits/groups/clips, the static KV control, eval_windows); anything else raises
+        fields, K/V bits/groups/clips, the key quantiser, the static KV control, eval_windows); anything else raises
         :class:`PipelineError`. This is the paired design: every R3 variant reuses the same rotated,
         quantised model and the same calibration sample.
         """
@@ -154,6 +155,10 @@ class QuantizedModel:
         self.timing["angles_s"] = time.perf_counter() - t
         t = time.perf_counter()
         attention.install_attention(self.model, transforms_, k=cfg.quant.k, v=cfg.quant.v)
+        key_quant = key_quantizers(self.model, cfg, self.geometry, self.calib, progress)
+        if key_quant is not None:  # another key quantiser than the paper's per-token rule (k_quant)
+            for st, kq in zip(attention.attention_states(self.model), key_quant, strict=True):
+                st.key_quant = kq
         if cfg.quant.static_kv:
             if self.calib is None:
                 raise PipelineError("the static KV control needs the calibration windows")

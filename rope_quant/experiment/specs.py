@@ -1,9 +1,9 @@
 """The specs a :class:`~rope_quant.experiment.config.RunConfig` is composed of, and the names they take.
 
-A spec is a small frozen dataclass of one concern: :class:`WeightSpec` and :class:`QuantSpecs` (the
-quantisers), :class:`WhipSpec` and :class:`RotationSpec` (the offline rotations), :class:`R3Spec` (the
-online R3 and its angles), :class:`Budget` (windows), :class:`Runtime` (device, dtype). Each checks its
-fields when built and raises :class:`PipelineError` on a bad value. Names with a fixed set of values are
+A spec is a small frozen dataclass of one concern: :class:`WeightSpec`, :class:`KeyQuantSpec` and
+:class:`QuantSpecs` (the quantisers), :class:`WhipSpec` and :class:`RotationSpec` (the offline rotations),
+:class:`R3Spec` (the online R3 and its angles), :class:`Budget` (windows), :class:`Runtime` (device, dtype). Each
+checks its fields when built and raises :class:`PipelineError` on a bad value. Names with a fixed set of values are
 ``StrEnum`` members (:class:`WeightMode`, :class:`StaticScope`, :class:`Estimator`, :class:`DType`).
 
 :mod:`rope_quant.experiment.config` holds :class:`~rope_quant.experiment.config.RunConfig`, the flat names
@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from rope_quant.calib.objectives import GRID_OBJECTIVES, AngleRule, Objective
 from rope_quant.calib.rules import PoolingRule
+from rope_quant.quant import key_quantizers as keyq
 from rope_quant.quant.quantizers import QuantConfig, check_bits, check_clip
 from rope_quant.quant.rtn import GPTQConfig
 from rope_quant.rotations.offline import RotationConfig, RotationKind
@@ -34,6 +35,7 @@ __all__ = [
     "DType",
     "PIPELINE_ROTATIONS",
     "WeightSpec",
+    "KeyQuantSpec",
     "QuantSpecs",
     "WhipSpec",
     "RotationSpec",
@@ -146,15 +148,71 @@ def _act_default() -> QuantConfig:
     return QuantConfig(bits=4)
 
 
+#: The config fields of :class:`KeyQuantSpec` that are an option's own parameters (None: the option's default).
+KEY_QUANT_PARAMS = ("token_group", "residual", "sinks", "min_bits", "max_bits", "avg_bits")
+
+
+@dataclass(frozen=True)
+class KeyQuantSpec:
+    """Which key quantiser a cell uses (``k_quant``, a :mod:`rope_quant.quant.key_quantizers` registry name) and
+    its own parameters; the bits, and the per-token rule's group / clip / symmetry, stay in ``QuantSpecs.k``.
+
+    The default, ``per_token``, is the paper's rule: with it every parameter is None and no key changes. A
+    parameter the chosen quantiser does not take must stay None; one it takes is filled with the option's
+    default when None, so a config that spells a default out has the key of one that does not (docs/
+    key_quantizers.md). Flat names: ``k_quant``, ``k_token_group`` (KIVI / KVQuant's G), ``k_residual`` (KIVI's
+    R), ``k_sinks`` (S), ``k_min_bits`` / ``k_max_bits`` / ``k_avg_bits`` (rope_pair_bits' widths and target).
+    """
+
+    kind: str = field(default=keyq.DEFAULT_KEY_QUANT.value, metadata={"flat": "k_quant"})
+    token_group: int | None = None
+    residual: int | None = None
+    sinks: int | None = None
+    min_bits: int | None = None
+    max_bits: int | None = None
+    avg_bits: float | None = None
+
+    def __post_init__(self) -> None:
+        kind = self.kind.value if isinstance(self.kind, enum.Enum) else self.kind
+        try:
+            defaults = keyq.spec_defaults(kind)
+        except keyq.KeyQuantError as exc:
+            raise PipelineError(f"k_quant: {exc}") from None
+        _set(self, "kind", str(kind))
+        for name in KEY_QUANT_PARAMS:
+            if getattr(self, name) is None and name in defaults:
+                _set(self, name, defaults[name])
+        if isinstance(self.avg_bits, int) and not isinstance(self.avg_bits, bool):
+            _set(self, "avg_bits", float(self.avg_bits))
+
+    @property
+    def is_default(self) -> bool:
+        """The paper's per-token rule."""
+        return self.kind == keyq.DEFAULT_KEY_QUANT.value
+
+    def params(self) -> dict[str, Any]:
+        """The option's own parameters (config field -> value; None where the option does not take it)."""
+        return {name: getattr(self, name) for name in KEY_QUANT_PARAMS}
+
+    def option(self, k: QuantConfig) -> keyq.KeyQuantOption:
+        """The registry option with the cell's K settings ``k``; :class:`PipelineError` on a bad value."""
+        try:
+            return keyq.option_from(self.kind, k, **self.params())
+        except keyq.KeyQuantError as exc:
+            raise PipelineError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class QuantSpecs:
-    """Every quantiser of a cell: weights, activations (a), keys (k), values (v), and the static control."""
+    """Every quantiser of a cell: weights, activations (a), keys (k), values (v), the static control, and which
+    key quantiser reads the K settings (``kq``, default the paper's per-token rule)."""
 
     w: WeightSpec = field(default_factory=WeightSpec, metadata={"prefix": "w"})
     a: QuantConfig = field(default_factory=_act_default, metadata={"prefix": "a"})
     k: QuantConfig = field(default_factory=_act_default, metadata={"prefix": "k"})
     v: QuantConfig = field(default_factory=_act_default, metadata={"prefix": "v"})
     static_scope: StaticScope | None = None
+    kq: KeyQuantSpec = field(default_factory=KeyQuantSpec, metadata={"prefix": "k"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.w, WeightSpec):
@@ -166,6 +224,20 @@ class QuantSpecs:
             check_bits(spec.bits, f"{name}_bits", low=2, error=PipelineError)
         if self.static_scope is not None:
             _set(self, "static_scope", _choice(StaticScope, self.static_scope, "static_scope"))
+        if not isinstance(self.kq, KeyQuantSpec):
+            raise PipelineError(f"kq must be a KeyQuantSpec, got {type(self.kq).__name__}")
+        self.kq.option(self.k)  # every parameter checked here, before any model loads
+        if self.kq.avg_bits is not None and self.kq.avg_bits == self.k.bits:
+            _set(self, "kq", dataclasses.replace(self.kq, avg_bits=None))  # the target k_bits spelled out
+        if not self.kq.is_default:
+            if self.static_scope is not None and self.static_kv:
+                raise PipelineError(f"static_scope={self.static_scope.value} replaces the K quantiser with the "
+                                    f"static per-channel control: k_quant={self.kq.kind} needs static_scope "
+                                    "None or 'act'")
+
+    def key_option(self) -> keyq.KeyQuantOption:
+        """The cell's key quantiser (:mod:`rope_quant.quant.key_quantizers`) with its checked parameters."""
+        return self.kq.option(self.k)
 
     @property
     def static_act(self) -> bool:

@@ -73,6 +73,10 @@ def check_compressed(cfg: Any, head_dim: int) -> None:
                           "(export it with --format hf)")
     if w.bits > 8:
         raise ExportError(f"--format compressed-tensors packs 1..8-bit integer weights, the cell has w_bits={w.bits}")
+    kq = getattr(cfg.quant, "kq", None)
+    if kq is not None and not kq.is_default and cfg.quant.k.enabled:
+        raise ExportError(f"--format compressed-tensors describes a per-token KV cache; this cell's keys use "
+                          f"k_quant={kq.kind} (docs/key_quantizers.md), which it cannot carry")
     split = transforms.foldability(cfg.online.transform, head_dim, cfg.online.block)
     kv = cfg.quant.k.enabled or cfg.quant.v.enabled
     if split.online is not None and not split.online_is_hadamard:

@@ -16,12 +16,21 @@ lives on the model, never in globals), then
    ``M_q = M_k^{-T}`` (orthogonal ``M``: the same matrix), the logits are unchanged in exact arithmetic;
 2. streams K diagnostics on the post-R3 keys of the new tokens (before quantisation);
 3. fake-quantises K and V per token per head (asymmetric dynamic INT-b, group = head_dim by default),
-   or with the static per-channel control (App. A.6, D) when one is installed;
+   or with the static per-channel control (App. A.6, D) when one is installed, or K with the layer's key
+   quantiser from :mod:`rope_quant.quant.key_quantizers` when the cell names another (``kivi``,
+   ``kvquant_prerope``, ``rope_pair_bits``, ``sink``): on the post-R3 key, except a ``pre_rope`` quantiser
+   (``kvquant_prerope``), which gets the post-RoPE key before R3, undoes RoPE itself at the keys' positions
+   (``position_ids`` of the new tokens, else 0..T-1), quantises, re-applies RoPE, and R3 then acts on the result;
 4. calls the library's SDPA function.
 
 With a KV cache the function sees the whole cache (stored un-rotated, un-quantised) at every step and
 re-applies R3 and the per-token quantiser to it: both are token-local, so this equals quantising each
-token once when it enters the cache.
+token once when it enters the cache. A streaming key quantiser (KIVI's and KVQuant's groups of G tokens,
+quantised once complete and, for KIVI, outside the full-precision window) depends on the cache length: at
+one new token the cache's state is exact as well; over many new tokens (a window's forward) every query is
+given the state of the cache at its own length, by attending over [K̂; K] (the quantised and the full-precision
+copy) with a mask that lets query i see key j's quantised copy exactly when j lies in the quantised prefix
+at length i + 1 (twice the keys and a dense mask for that forward; the softmax equals the per-query one).
 
 Calibration mode (:func:`calibration_hooks`) streams the pre-RoPE q/k (projection or q/k-norm outputs) into
 :class:`rope_quant.calib.stats.CalibrationStats` through forward hooks that are removed afterwards.
@@ -93,6 +102,8 @@ class AttentionState:
     ``diagnostics``: a :class:`rope_quant.calib.diagnostics.KDiagnostics`-like object with ``update(k)``.
     ``observers``: callables ``fn(layer_idx, key, value)`` seeing post-R3, pre-quantisation K and V of the
     new tokens (used to calibrate the static control).
+    ``key_quant``: a :class:`rope_quant.quant.key_quantizers.KeyQuantizer` used for K instead of ``k``
+    (None, the default: ``k``, the paper's per-token rule, exactly as before).
     """
 
     layer_idx: int
@@ -104,6 +115,7 @@ class AttentionState:
     diagnostics: Any = None
     observers: list[Callable[[int, torch.Tensor, torch.Tensor], None]] = field(default_factory=list)
     enabled: bool = True
+    key_quant: Any = None
 
     @property
     def k_bits(self) -> int:
@@ -152,6 +164,7 @@ def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     """Attention function: R3 on post-RoPE q/k, K diagnostics, K/V fake-quant, then the library's SDPA."""
     state: AttentionState | None = getattr(module, STATE_ATTR, None)
     if state is not None and state.enabled:
+        post_rope = key
         if state.transform is not None:  # q and k may get different maps (M_q = M_k^{-T}); default: both apply()
             tr = state.transform
             query = getattr(tr, "apply_query", tr.apply)(query)
@@ -163,9 +176,70 @@ def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
                 state.diagnostics.update(k_new, layer=state.layer_idx)
             for fn in state.observers:
                 fn(state.layer_idx, k_new, v_new)
+        if state.key_quant is not None:
+            value = _apply_quant(value, state.v, state.v_static, "v")
+            return _key_quant_attention(module, state, query, post_rope, key, value, attention_mask, kwargs)
         key = _apply_quant(key, state.k, state.k_static, "k")
         value = _apply_quant(value, state.v, state.v_static, "v")
     return _sdpa()(module, query, key, value, attention_mask, **kwargs)
+
+
+def _key_positions(kwargs: dict[str, Any], n_new: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Positions of the cache's keys, (b or 1, kv_len): the new tokens' ``position_ids`` continued backwards
+    over the cache (left padding included), else 0..kv_len-1."""
+    base = torch.arange(kv_len, device=device).unsqueeze(0)
+    pid = kwargs.get("position_ids")
+    if not torch.is_tensor(pid) or pid.dim() != 2 or pid.shape[-1] != n_new:
+        return base
+    return base + (pid[:, :1].to(device) - (kv_len - n_new))
+
+
+def _key_quant_attention(module: nn.Module, state: AttentionState, query: torch.Tensor, post_rope: torch.Tensor,
+                         key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                         kwargs: dict[str, Any]):
+    """SDPA with the layer's key quantiser (``key``: the post-R3 key; ``post_rope``: the key before R3)."""
+    kq = state.key_quant
+    positions = _key_positions(kwargs, query.shape[-2], key.shape[-2], key.device) if kq.needs_positions else None
+    if kq.pre_rope:  # quantised before RoPE inside the quantiser, then R3 on the re-rotated key as on any key
+        k_hat = kq(post_rope, positions)
+        if state.transform is not None:
+            k_hat = getattr(state.transform, "apply_key", state.transform.apply)(k_hat)
+    else:
+        k_hat = kq(key, positions)
+    if not kq.streaming:
+        return _sdpa()(module, query, k_hat, value, attention_mask, **kwargs)
+    return _streaming_sdpa(module, query, k_hat, key, value, attention_mask, kq, kwargs)
+
+
+def _streaming_sdpa(module: nn.Module, query: torch.Tensor, k_hat: torch.Tensor, k_fp: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None, kq: Any, kwargs: dict[str, Any]):
+    """Each query sees the cache as it stood at its own length: keys of the quantised prefix at that length from
+    ``k_hat``, the others from ``k_fp`` (module docstring)."""
+    n_new, kv_len = query.shape[-2], k_fp.shape[-2]
+    prefix = kq.quantized_prefix(torch.arange(kv_len - n_new + 1, kv_len + 1))  # per query, on the host
+    first, last = int(prefix[0]), int(prefix[-1])
+    if first == last:  # one state for every query (a decode step, or no group completed in this forward)
+        key = k_fp if last == 0 else torch.cat([k_hat[..., :last, :], k_fp[..., last:, :]], dim=-2)
+        return _sdpa()(module, query, key, value, attention_mask, **kwargs)
+    device = query.device
+    use_q = (torch.arange(kv_len)[None, :] < prefix[:, None]).to(device)  # (n_new, kv_len)
+    if attention_mask is None:
+        causal = kwargs.get("is_causal")
+        if causal is None:
+            causal = getattr(module, "is_causal", True)
+        rows = torch.arange(kv_len - n_new, kv_len, device=device)[:, None]
+        base = torch.arange(kv_len, device=device)[None, :] <= rows if causal else torch.ones_like(use_q)
+        base = base[None, None]
+    else:
+        base = attention_mask[..., :kv_len]
+        base = base.expand(*base.shape[:-2], n_new, kv_len)
+    if base.dtype == torch.bool:
+        mask = torch.cat([base & use_q, base & ~use_q], dim=-1)
+    else:  # an additive float mask
+        neg = torch.finfo(base.dtype).min
+        mask = torch.cat([base.masked_fill(~use_q, neg), base.masked_fill(use_q, neg)], dim=-1)
+    rest = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    return _sdpa()(module, query, torch.cat([k_hat, k_fp], dim=-2), torch.cat([value, value], dim=-2), mask, **rest)
 
 
 def register_attention(name: str = ATTN_NAME) -> str:
@@ -272,23 +346,28 @@ def set_attn_implementation(model: nn.Module, name: str) -> None:
 def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None, *,
                       k: QuantConfig = KV_OFF, v: QuantConfig = KV_OFF,
                       k_static: Sequence[Any] | None = None, v_static: Sequence[Any] | None = None,
-                      diagnostics: Any = None, name: str = ATTN_NAME) -> list[AttentionState]:
+                      diagnostics: Any = None, key_quant: Sequence[Any] | None = None,
+                      name: str = ATTN_NAME) -> list[AttentionState]:
     """Attach an :class:`AttentionState` to every layer's attention and select the custom function.
 
-    ``k``/``v``: the dynamic K and V quantisers (default off). ``transforms``/``k_static``/``v_static``:
+    ``k``/``v``: the dynamic K and V quantisers (default off). ``transforms``/``k_static``/``v_static``/
+    ``key_quant`` (a :class:`~rope_quant.quant.key_quantizers.KeyQuantizer` used for K instead of ``k``):
     one entry per layer (or None). Returns the states, which
     callers may edit in place (e.g. swap ``diagnostics``). The previous implementation is remembered on
     the model for :func:`uninstall_attention`.
     """
     geom = check_model(model)
     mods = attention_modules(model)
-    for what, seq in (("transforms", transforms), ("k_static", k_static), ("v_static", v_static)):
+    for what, seq in (("transforms", transforms), ("k_static", k_static), ("v_static", v_static),
+                      ("key_quant", key_quant)):
         if seq is not None and len(seq) != geom.n_layers:
             raise AttentionWrapError(
                 f"{what}: expected {geom.n_layers} entries (one per layer), got {len(seq)}")
     for spec, what in ((k, "k"), (v, "v")):
         if not isinstance(spec, QuantConfig):
             raise AttentionWrapError(f"{what} must be a QuantConfig, got {type(spec).__name__}")
+    if key_quant is not None and k_static is not None:
+        raise AttentionWrapError("key_quant and k_static both replace the K quantiser: give one")
     register_attention(name)
     states = []
     for i, mod in enumerate(mods):
@@ -297,7 +376,7 @@ def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None,
             k=k, v=v,
             k_static=None if k_static is None else k_static[i],
             v_static=None if v_static is None else v_static[i],
-            diagnostics=diagnostics,
+            diagnostics=diagnostics, key_quant=None if key_quant is None else key_quant[i],
         )
         setattr(mod, STATE_ATTR, st)
         states.append(st)
