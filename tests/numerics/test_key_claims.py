@@ -6,6 +6,7 @@ the key of W_K with a foldable R3 folded in."""
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -226,3 +227,50 @@ def test_a_pre_rope_quantiser_sees_the_key_of_w_k_with_a_foldable_r3_folded_in()
     float_error, other = (online - deployed).abs().max().item(), (online - pre_r3).abs().max().item()
     assert float_error < 1e-5  # measured 1.5e-7
     assert other > 1e-3 and other > 1000 * float_error  # measured 4.6e-3: the old behaviour is another model
+
+
+def _row(model: str, claim_id: str, mean: float, outcome: str, *, with_id: bool) -> dict:
+    decision = {"outcome": outcome, "mean": mean, "low": mean - 0.2, "high": mean + 0.2, "margin": 0.09,
+                "float_order": {"low_b": mean - 0.3, "high_b": mean + 0.1}}
+    row = {"claim": f"Keys: {claim_id}", "model": model, "decision": decision,
+           "test": f"tests/e2e/test_registry_claims.py::test_registry_claim[{model}-{claim_id}]"}
+    return {**row, "id": claim_id} if with_id else row
+
+
+def test_the_figure_draws_one_point_per_key_claim_and_one_panel_per_model_and_setting(tmp_path: Path) -> None:
+    """Two claims JSONs (the pytest plugin's rows name the claim in their test id, the report's in ``id``): every
+    decided key claim is one point with the verdict's interval (the union with the replicate interval), in the
+    panel of its model and setting; rows of other claims and undecided rows without an interval are left out."""
+    from rope_quant.analysis.key_claims_figure import claim_parts, key_claims_figure, key_points, plot_key_claims
+
+    rows = {"smol": [], "gemma": []}
+    for i, claim in enumerate(keys.KEY_CLAIMS):
+        rows["smol"].append(_row("smollm2-135m", claim.id, 0.1 * i, "holds", with_id=False))
+        if claim.id.endswith("-KV4"):
+            rows["gemma"].append(_row("gemma3-270m", claim.id, -0.5, "refuted", with_id=True))
+    rows["smol"].append({"claim": "C1", "model": "smollm2-135m", "decision": {"mean": 1.0, "low": 0.5, "high": 1.5},
+                         "test": "tests/e2e/test_claims.py::test_c1"})
+    rows["gemma"].append({**_row("gemma3-270m", "K-kivi-id-W4A4KV4", 0.0, "inconclusive", with_id=True),
+                          "decision": {"outcome": "inconclusive", "mean": None, "low": None, "high": None}})
+    paths = []
+    for name, r in rows.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "claims.json").write_text(json.dumps({"schema": 2, "claims": r}))
+        paths.append(tmp_path / name)
+    points = key_points([row for p in paths for row in json.loads((p / "claims.json").read_text())["claims"]])
+    assert len(points) == 16 + 8
+    first = next(p for p in points if p.model == "smollm2-135m" and (p.scheme, p.r3, p.setting) == ("kvquant", "id",
+                                                                                                      "KV4"))
+    assert (first.low, first.high) == pytest.approx((-0.3, 0.2))  # the union of the two intervals
+    fig = key_claims_figure(points)
+    axes = fig.axes
+    assert len(axes) == 3  # smollm2 KV4, smollm2 W4A4KV4, gemma KV4
+    assert [len(ax.containers) for ax in axes] == [8, 8, 8]
+    assert all(ax.get_legend() is not None for ax in axes)
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["kvquant", "pairbits", "sink", "kivi"]
+    out = plot_key_claims(paths, tmp_path / "keys.png")
+    assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert claim_parts("x[gemma3-270m-K-sink-fold-W4A4KV4]") == ("sink", "fold", "W4A4KV4")
+    assert claim_parts("K-sink-fold-KV4x") is None
+    with pytest.raises(ValueError, match="no key claim"):
+        key_claims_figure([])
