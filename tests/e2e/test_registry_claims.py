@@ -1,13 +1,18 @@
-"""The paper's claims from the registry (rope_quant/claims), on the checkpoints named with ``--rq-model``.
+"""The registry's claims (rope_quant/claims) through the e2e suite's paired experiment.
 
 ``pytest -m e2e --rq-model PATH`` (a local Hugging Face directory, a GGUF file, or an embedded name other than
 the default) runs every registry claim whose premises the model meets (rope_quant/claims/premises.py), through
 the same :class:`Experiment` as the default suite (paired cells, float-order replicates, ``--rq-until-decided``)
 and decided by the one engine (``rope_quant.claims.engine.evaluate``). A claim whose only missing premise is a
 foldable R1 runs with ``r1=identity`` and names that deviation in its row; any other missing premise skips it with
-its reason. The default model's claims are the default suite's (tests/e2e/test_claims.py and its siblings): on
-it this module runs nothing, so the default run's time and table do not change. The claims the default suite
-runs in ``slow`` (:data:`SLOW`) are ``slow`` here too.
+its reason; its model-dependent values (head_dim, the best foldable R3) are resolved from the model's config and a
+claim at equal bits per key element is checked before any cell runs (``premises.adapt``, as ``rope-quant claims``).
+
+On the default model the paper's claims (group ``paper``) are the default suite's (tests/e2e/test_claims.py and
+its siblings state each one): this module runs there only the registry claims that no test module states (the key
+quantisers of claims/keys.py), all in ``slow``, so the default run's time and table do not change. The claims the
+default suite runs in ``slow`` (:data:`SLOW`) and the key claims are ``slow`` on every model. Select one with
+``-k`` and its id (``-k K-kvquant-id-KV4``; the test ids are ``<model>-<claim id>``).
 
 Each test attaches its row (``rq_claim``) and fails on a claim refuted or failed, never on inconclusive.
 """
@@ -20,8 +25,8 @@ from typing import Any
 import pytest
 
 from rope_quant.claims import registry
-from rope_quant.claims.premises import adapt, premises_of
-from rope_quant.claims.registry import Metric, Override, Scoring, length_of, overrides_of, scoring_of
+from rope_quant.claims.premises import adapt, facts_of
+from rope_quant.claims.registry import PAPER, Metric, Override, Scoring, length_of, overrides_of, scoring_of
 from rope_quant.claims.stores import ReplicateValues
 from rope_quant.defaults import DEFAULT_MODEL
 
@@ -33,15 +38,26 @@ def _user_models(config: pytest.Config) -> tuple[str, ...]:
     return tuple(m for m in (config.getoption("--rq-model") or ()) if m.lower() != DEFAULT_MODEL)
 
 
+def _default_model_runs(config: pytest.Config) -> bool:
+    """The default model is in the session: no ``--rq-model``, or the default named among them."""
+    named = config.getoption("--rq-model") or ()
+    return not named or any(m.lower() == DEFAULT_MODEL for m in named)
+
+
+def _slow(claim: registry.Claim) -> bool:
+    return claim.id in SLOW or claim.group != PAPER
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "claim_id" not in metafunc.fixturenames:
         return
-    models = _user_models(metafunc.config)
-    ids = [c.id for c in registry.claims()]
-    params = [pytest.param(m, c, id=f"{m.rstrip('/').split('/')[-1]}-{c}",
-                           marks=[pytest.mark.slow] if c in SLOW else [])
-              for m in models for c in ids]
-    if not params:  # the default model: the default suite decides these claims
+    params = [pytest.param(m, c.id, id=f"{m.rstrip('/').split('/')[-1]}-{c.id}",
+                           marks=[pytest.mark.slow] if _slow(c) else [])
+              for m in _user_models(metafunc.config) for c in registry.claims()]
+    if _default_model_runs(metafunc.config):  # the claims no test module states (the paper's are the suite's)
+        params += [pytest.param(DEFAULT_MODEL, c.id, id=f"{DEFAULT_MODEL}-{c.id}", marks=pytest.mark.slow)
+                   for c in registry.claims() if c.group != PAPER]
+    if not params:  # the default model and no claim beyond the paper's: the default suite decides them
         params = [pytest.param(DEFAULT_MODEL, "", id="no-checkpoint-named", marks=pytest.mark.skip(
             reason=f"no checkpoint named: {DEFAULT_MODEL}'s claims are the default suite's (test_claims.py); "
                    "--rq-model PATH decides the registry's claims on a checkpoint"))]
@@ -89,11 +105,15 @@ class ExperimentStore:
 
 
 @pytest.fixture(scope="module")
-def uexp(umodel, e2e_cache, e2e_budget, rq_options, experiment_factory):
-    """The paired experiment on a user's checkpoint, with the premises its architecture meets."""
+def uexp(request, umodel, e2e_cache, e2e_budget, rq_options, experiment_factory):
+    """The paired experiment on the model (the default suite's own on the default model, sharing its cells), with
+    the facts its config gives (premises, head_dim, q/k norms)."""
     from rope_quant.core.sequential import Plan
     from rope_quant.model.loading import ModelNotFoundError, load_model
 
+    if umodel == DEFAULT_MODEL:
+        exp = request.getfixturevalue("experiment")
+        return exp, facts_of(exp.base[0])
     Experiment, _ = experiment_factory  # noqa: N806 (a class)
     try:
         base = load_model(umodel, device="cpu")
@@ -103,16 +123,17 @@ def uexp(umodel, e2e_cache, e2e_budget, rq_options, experiment_factory):
             if rq_options.until_decided else None)
     exp = Experiment(base, e2e_cache, e2e_budget, rq_options.corpus, model=umodel, plan=plan,
                      time_budget=rq_options.time_budget)
-    return exp, premises_of(base[0])
+    return exp, facts_of(base[0])
 
 
 def test_registry_claim(uexp, claim_id: str, rq_claim) -> None:
-    """One registry claim on the user's checkpoint: decided by the engine (fixed-n, or the sequential rule with
-    ``--rq-until-decided``), its row recorded with the model and any deviation; fails on refuted or fails."""
+    """One registry claim on the model: adapted to it (premises, model-dependent values, equal bits at the
+    budget's T), decided by the engine (fixed-n, or the sequential rule with ``--rq-until-decided``), its row
+    recorded with the model and any deviation; fails on refuted or fails."""
     from rope_quant.claims.engine import evaluate
 
-    exp, premises = uexp
-    claim = adapt(registry.get(claim_id), premises)
+    exp, facts = uexp
+    claim = adapt(registry.get(claim_id), facts, seq_len=exp.budget.seqlen)
     if isinstance(claim, str):
         pytest.skip(f"{claim_id} on {exp.model}: the architecture lacks a premise ({claim})")
     adapted = claim
