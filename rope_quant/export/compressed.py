@@ -105,10 +105,10 @@ def check_compressed(cfg: Any, head_dim: int) -> None:
                           "(export it with --format hf)")
     if w.bits > 8:
         raise ExportError(f"--format compressed-tensors packs 1..8-bit integer weights, the cell has w_bits={w.bits}")
-    kq = getattr(cfg.quant, "kq", None)
-    why = key_quant_refusal(kq.kind) if kq is not None and cfg.quant.k.enabled else None
+    kind = str(getattr(getattr(cfg.quant, "kq", None), "kind", "per_token"))
+    why = key_quant_refusal(kind) if cfg.quant.k.enabled else None
     if why is not None:
-        raise ExportError(f"--format compressed-tensors cannot carry this cell's keys, k_quant={kq.kind}: {why} "
+        raise ExportError(f"--format compressed-tensors cannot carry this cell's keys, k_quant={kind}: {why} "
                           "(docs/export.md; --format hf writes the weights without any KV quantisation)")
     split = transforms.foldability(cfg.online.transform, head_dim, cfg.online.block)
     kv = cfg.quant.k.enabled or cfg.quant.v.enabled

@@ -722,6 +722,8 @@ def test_the_axis_keys_are_canonical_and_share_weights_and_statistics():
 @pytest.mark.parametrize("flat,match", [
     (dict(k_quant="kvi"), r"unknown key quantiser 'kvi' \(did you mean 'kivi'\?\); valid: per_token, kivi"),
     (dict(k_quant="kivi", k_residual=16), r"k_residual=16 is smaller than the token group k_token_group=32"),
+    (dict(k_quant="per_token_window", k_residual=16), r"k_residual=16 is smaller than the token group k_token_group"),
+    (dict(k_quant="per_token_window", k_sinks=4), r"k_sinks does not apply to the key quantiser per_token_window"),
     (dict(k_quant="kivi", k_token_group=0), r"k_token_group must be an integer >= 1, got 0"),
     (dict(k_quant="kvquant_prerope", k_token_group=-4), r"k_token_group must be an integer >= 1, got -4"),
     (dict(k_quant="sink", k_sinks=-1), r"k_sinks must be an integer >= 0, got -1"),
@@ -759,6 +761,8 @@ def _no_load(model: str, device: str):
 @pytest.mark.parametrize("flags,message", [
     (["--k-quant", "kvi"], "unknown --k-quant 'kvi' (did you mean 'kivi'?); valid: per_token, kivi"),
     (["--k-quant", "kivi", "--k-residual", "8"], "--k-residual=8 is smaller than the token group --k-token-group=32"),
+    (["--k-quant", "per_token_window", "--k-token-group", "64", "--k-residual", "32"],
+     "--k-residual=32 is smaller than the token group --k-token-group=64"),
     (["--k-quant", "kivi", "--k-token-group", "0"], "--k-token-group must be an integer >= 1, got 0"),
     (["--k-quant", "sink", "--k-sinks", "-2"], "--k-sinks must be an integer >= 0, got -2"),
     (["--k-quant", "rope_pair_bits", "--k-min-bits", "1"], "--k-min-bits must be an integer between 2 and 16"),
