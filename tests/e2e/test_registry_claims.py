@@ -3,7 +3,9 @@
 ``pytest -m e2e --rq-model PATH`` (a local Hugging Face directory, a GGUF file, or an embedded name other than
 the default) runs every registry claim whose premises the model meets (rope_quant/claims/premises.py), through
 the same :class:`Experiment` as the default suite (paired cells, float-order replicates, ``--rq-until-decided``)
-and decided by the one engine (``rope_quant.claims.engine.evaluate``). A claim whose only missing premise is a
+and decided by the one engine (``rope_quant.claims.engine.evaluate``), on the path ``gpu_e2e`` shares
+(tests/_support/registry_front.py): the plan of the model's whole claims table is printed before it loads, and
+a table that does not fit this machine is refused with the plan's remedy. A claim whose only missing premise is a
 foldable R1 runs with ``r1=identity`` and names that deviation in its row; any other missing premise skips it with
 its reason. The default model's claims are the default suite's (tests/e2e/test_claims.py and its siblings): on
 it this module runs nothing, so the default run's time and table do not change. The claims the default suite
@@ -14,15 +16,9 @@ Each test attaches its row (``rq_claim``) and fails on a claim refuted or failed
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
 import pytest
 
 from rope_quant.claims import registry
-from rope_quant.claims.premises import adapt, premises_of
-from rope_quant.claims.registry import Metric, Override, Scoring, length_of, overrides_of, scoring_of
-from rope_quant.claims.stores import ReplicateValues
 from rope_quant.defaults import DEFAULT_MODEL
 
 SLOW = {"C6", "C7", "C7-8K", "App-F", "beyond-commuting", "beyond-range", "beyond-range-pph"}
@@ -48,81 +44,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(("umodel", "claim_id"), params, scope="module")
 
 
-class ExperimentStore:
-    """The :class:`rope_quant.claims.stores.Store` of an :class:`Experiment`: each cell computed (and memoised)
-    on first read."""
-
-    def __init__(self, exp: Any) -> None:
-        self.exp = exp
-
-    def _overrides(self, cell: Mapping[str, Override]) -> dict[str, Any]:
-        out: dict[str, Any] = dict(overrides_of(cell))
-        if scoring_of(cell) is Scoring.SUPPORT:
-            out["eval_windows"] = self.exp.budget.support_windows
-        return out
-
-    def _value(self, cell: Mapping[str, Override], seed: int, metric: str, **rep: Any) -> float:
-        ov = {**self._overrides(cell), **rep}
-        if scoring_of(cell) is Scoring.LONG:
-            length = int(length_of(cell) or 0)
-            return float(self.exp.long_context(seed, (length,), **ov)[length].ppl)
-        return float(self.exp.cell(seed, **ov)[str(metric)])
-
-    def values(self, cell: Mapping[str, Override], seeds: Sequence[int], metric: str = Metric.PPL) -> list[float]:
-        return [self._value(cell, int(s), metric) for s in seeds]
-
-    def replicates(self, cell: Mapping[str, Override], seeds: Sequence[int],
-                   metric: str = Metric.PPL) -> ReplicateValues:
-        got = self.exp.over_replicates(lambda seed, rep: self._value(cell, seed, metric, **rep))
-        if isinstance(got, str):
-            return got
-        chosen = {int(s) for s in seeds}
-        out = {self.exp.replicate_seeds[i]: v for i, v in got.items() if self.exp.replicate_seeds[i] in chosen}
-        return out or None
-
-    def tokens(self, cell: Mapping[str, Override]) -> int | None:
-        scoring = scoring_of(cell)
-        if scoring is Scoring.LONG:
-            return self.exp.budget.long_windows * int(length_of(cell) or 0)
-        return self.exp.tokens(self.exp.budget.support_windows if scoring is Scoring.SUPPORT else None,
-                               **self._overrides(cell))
-
-
 @pytest.fixture(scope="module")
-def uexp(umodel, e2e_cache, e2e_budget, rq_options, experiment_factory):
-    """The paired experiment on a user's checkpoint, with the premises its architecture meets."""
-    from rope_quant.core.sequential import Plan
-    from rope_quant.model.loading import ModelNotFoundError, load_model
+def ufront(umodel, e2e_cache, e2e_budget, rq_options, experiment_factory):
+    """The registry front of a user's checkpoint at the e2e CPU budget (tests/_support/registry_front.py): the
+    plan of its claims table printed before the model loads, then the paired experiment."""
+    from tests._support.registry_front import open_front
 
     Experiment, _ = experiment_factory  # noqa: N806 (a class)
-    try:
-        base = load_model(umodel, device="cpu")
-    except ModelNotFoundError as exc:
-        pytest.fail(f"--rq-model {umodel!r}: {exc}")
-    plan = (Plan(len(e2e_budget.seeds), rq_options.max_seeds, futility=rq_options.futility, shape=rq_options.shape)
-            if rq_options.until_decided else None)
-    exp = Experiment(base, e2e_cache, e2e_budget, rq_options.corpus, model=umodel, plan=plan,
-                     time_budget=rq_options.time_budget)
-    return exp, premises_of(base[0])
+    return open_front(umodel, "cpu", e2e_budget, corpus=rq_options.corpus, experiment_cls=Experiment,
+                      cache=e2e_cache, rq_options=rq_options, protocol="e2e CPU budget", missing=pytest.fail)
 
 
-def test_registry_claim(uexp, claim_id: str, rq_claim) -> None:
+def test_registry_claim(ufront, claim_id: str, rq_claim) -> None:
     """One registry claim on the user's checkpoint: decided by the engine (fixed-n, or the sequential rule with
     ``--rq-until-decided``), its row recorded with the model and any deviation; fails on refuted or fails."""
-    from rope_quant.claims.engine import evaluate
+    from tests._support.registry_front import decide_claim
 
-    exp, premises = uexp
-    claim = adapt(registry.get(claim_id), premises)
-    if isinstance(claim, str):
-        pytest.skip(f"{claim_id} on {exp.model}: the architecture lacks a premise ({claim})")
-    adapted = claim
-
-    def run(e: Any) -> Any:
-        result = evaluate(adapted, ExperimentStore(e), e.budget.seeds, plan=e.plan)
-        return result.verdict, result
-
-    (verdict, result), _ = exp.decided(run, claim.id)
-    row = result.to_dict(model=exp.model)
-    rq_claim(claim.title, row["expected"], row["measured"], model=exp.model, verdict=verdict,
-             parts=result.part_verdicts if len(result.parts) > 1 else None, **row["numbers"])
+    verdict, _ = decide_claim(ufront, claim_id, rq_claim)
     assert not verdict.failed, verdict.text()
