@@ -10,7 +10,10 @@ parametrization's CPU run (tests/e2e/test_paper_protocol_cpu.py, :data:`PAPER` c
    the plan's remedy, all before the model loads; then the model and the paired :class:`Experiment`;
 2. :class:`ExperimentStore`: the experiment as a claims store (each cell computed and memoised on first read);
 3. :func:`decide_claim`: one claim through ``Experiment.decided`` (fixed-n, or the sequential rule with
-   ``--rq-until-decided``) and :func:`rope_quant.claims.engine.evaluate`, its row recorded with ``rq_claim``.
+   ``--rq-until-decided``) and :func:`rope_quant.claims.engine.evaluate`, its row recorded with ``rq_claim`` and
+   the run's description (the model and the fingerprint of its files, the protocol, the device:
+   :func:`rope_quant.analysis.claims_report.describe_run`, the keys ``rope-quant report DIR`` writes) with
+   ``rq_run``.
 """
 
 from __future__ import annotations
@@ -112,14 +115,14 @@ class ExperimentStore:
 class Front:
     """One checkpoint's registry front: the model, its experiment (None when no claim runs there: the model is
     not loaded), each claim as it runs there (a str: why it skips), the plan printed before the model loaded,
-    and the offload mode it runs with."""
+    the offload mode it runs with and the run's description for the claims JSON (``rq_run``)."""
 
     model: str
     exp: Any
     claims: dict[str, Claim | str]
     plan: str
     offload: str = "none"
-    extra: dict[str, Any] = field(default_factory=dict)
+    about: dict[str, Any] = field(default_factory=dict)
 
 
 def table_claims(premises: Mapping[Any, str | None]) -> dict[str, Claim | str]:
@@ -259,13 +262,26 @@ def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_
            if rq_options.until_decided else None)
     exp = experiment_cls(base, cache, budget, corpus, model=model, device=device, plan=seq,
                          time_budget=rq_options.time_budget)
-    return Front(model, exp, claims, text, mode)
+    return Front(model, exp, claims, text, mode, describe(exp, device, protocol))
 
 
-def decide_claim(front: Front, claim_id: str, rq_claim: Any) -> tuple[Any, Any]:
+def describe(exp: Any, device: str, protocol: str) -> dict[str, Any]:
+    """The run's description in the claims JSON (``model``, ``protocol``, ``device``), as ``rope-quant report
+    DIR`` writes it: the comparator's config with the model's and the corpus's content hashes, and the
+    protocol's name."""
+    from rope_quant.analysis.claims_report import describe_run
+    from rope_quant.defaults import DEFAULT_COMPARATOR
+    from rope_quant.experiment.envinfo import device_description
+    from rope_quant.experiment.identity import resolve_identity
+
+    run = resolve_identity(exp.config(exp.budget.seeds[0], r3=DEFAULT_COMPARATOR))
+    return describe_run(run, exp.budget.seeds, DEFAULT_COMPARATOR, device_description(device), name=protocol)
+
+
+def decide_claim(front: Front, claim_id: str, rq_claim: Any, rq_run: Any) -> tuple[Any, Any]:
     """``claim_id`` on the front's model: skipped with the missing premise, or decided by the engine over the
     experiment's cells (``Experiment.decided``: the sequential rule with ``--rq-until-decided``) and recorded
-    with ``rq_claim``; returns (verdict, :class:`~rope_quant.claims.engine.ClaimResult`)."""
+    with ``rq_claim`` (its run with ``rq_run``); returns (verdict, :class:`~rope_quant.claims.engine.ClaimResult`)."""
     from rope_quant.claims.engine import evaluate
 
     claim = front.claims[claim_id]
@@ -280,6 +296,7 @@ def decide_claim(front: Front, claim_id: str, rq_claim: Any) -> tuple[Any, Any]:
 
     (verdict, result), _ = exp.decided(run, adapted.id)
     row = result.to_dict(model=exp.model)
+    rq_run(front.about)
     rq_claim(adapted.title, row["expected"], row["measured"], model=exp.model, verdict=verdict,
-             parts=result.part_verdicts if len(result.parts) > 1 else None, **row["numbers"])
+             parts=result.part_verdicts if len(result.parts) > 1 else None, claim_id=adapted.id, **row["numbers"])
     return verdict, result

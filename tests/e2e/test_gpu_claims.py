@@ -61,10 +61,10 @@ def gpu_front(gpu_model, rq_options, e2e_cache, experiment_factory):
 
 
 @pytest.mark.gpu_e2e
-def test_gpu_registry_claim(gpu_front, gpu_claim: str, rq_claim) -> None:
+def test_gpu_registry_claim(gpu_front, gpu_claim: str, rq_claim, rq_run) -> None:
     """One registry claim on the checkpoint under the paper's protocol: decided by the engine, its row recorded
     with the model and any deviation; fails on refuted or fails."""
     from tests._support.registry_front import decide_claim
 
-    verdict, _ = decide_claim(gpu_front, gpu_claim, rq_claim)
+    verdict, _ = decide_claim(gpu_front, gpu_claim, rq_claim, rq_run)
     assert not verdict.failed, verdict.text()

@@ -10,8 +10,9 @@ the claims row (:func:`~tests._support.registry_front.decide_claim`). The model 
 
 Random weights decide nothing about the paper: the verdicts are read, not asserted. Asserted: the plan is printed
 before the model loads and names the table; each claim's row is the engine's verdict over the cells the paper's
-protocol defines at this budget (re-read independently through a memory store, C3 with its replicates); a claim
-whose premise the shape lacks (C4's head_dim 64) skips with its reason.
+protocol defines at this budget (re-read independently through a memory store, C3 with its replicates), and the
+plugin's claims JSON of that row names the model with the fingerprint of its files, the protocol and the device;
+a claim whose premise the shape lacks (C4's head_dim 64) skips with its reason.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from typing import Any
 
 import pytest
 
+from rope_quant.analysis import claims_report
 from rope_quant.claims import engine, registry
 from rope_quant.claims.registry import overrides_of
 from rope_quant.claims.stores import MemoryStore
+from rope_quant.experiment.identity import corpus_identity, model_identity
 from rope_quant.pytest_plugin import RQOptions
 from tests._support.registry_front import PAPER, Front, decide_claim, open_front
 
@@ -70,11 +73,12 @@ def test_the_plan_of_the_table_comes_before_the_model(cpu_front) -> None:
 
 
 @pytest.mark.parametrize("claim_id", CLAIMS)
-def test_a_registry_claim_on_the_paper_path(cpu_front, claim_id: str, rq_claim, request) -> None:
-    """The claim decided on the front, recorded as a claims row; the same verdict from the cells re-read."""
+def test_a_registry_claim_on_the_paper_path(cpu_front, claim_id: str, rq_claim, rq_run, request) -> None:
+    """The claim decided on the front, recorded as a claims row with its run; the same verdict from the cells
+    re-read; the row and the run in the plugin's claims JSON."""
     front, _ = cpu_front
     exp = front.exp
-    verdict, result = decide_claim(front, claim_id, rq_claim)
+    verdict, result = decide_claim(front, claim_id, rq_claim, rq_run)
     claim = registry.get(claim_id)
     assert result.seeds == SEEDS and result.rule == engine.RULE_FIXED
     if claim_id != "C3":  # parts without sampling error: decided either way
@@ -110,10 +114,30 @@ def test_a_registry_claim_on_the_paper_path(cpu_front, claim_id: str, rq_claim, 
     if claim_id == "C3":
         assert numbers["ppl(k_only) − ppl(rows) < 0"]["replicates"].keys() == {"0", "1"}
         assert rows[0]["decision"]["float_order"]["k"] == 2
+    payload = claims_json(request.node.user_properties)
+    assert [(r["id"], r["model"], r["outcome"]) for r in payload["claims"]] == [(claim_id, front.model, "passed")]
+    assert payload["model"] == {"name": front.model, "fingerprint": model_identity(front.model),
+                                "fingerprint_basis": claims_report.FINGERPRINT_BASIS}
+    assert payload["protocol"]["name"] == CPU_PAPER.name and payload["protocol"]["seeds"] == list(SEEDS)
+    assert (payload["protocol"]["calibration_tokens"], payload["protocol"]["eval_tokens"]) == (256, 256)
+    assert payload["protocol"]["corpus_id"] == corpus_identity("pydoc") and payload["device"]["requested"] == "cpu"
+    assert payload["runs"] == [{k: payload[k] for k in claims_report.RUN_KEYS}]
 
 
-def test_a_claim_whose_premise_the_shape_lacks_skips_with_the_reason(cpu_front, rq_claim) -> None:
+def claims_json(user_properties: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The plugin's claims JSON of one passed test with these report properties (its collector, fed one report)."""
+    from types import SimpleNamespace
+
+    from rope_quant import pytest_plugin
+
+    collector = pytest_plugin._Collector()
+    collector.pytest_runtest_logreport(SimpleNamespace(when="call", outcome="passed", skipped=False,
+                                                       user_properties=user_properties))
+    return json.loads(json.dumps(collector.payload()))
+
+
+def test_a_claim_whose_premise_the_shape_lacks_skips_with_the_reason(cpu_front, rq_claim, rq_run) -> None:
     front, _ = cpu_front
     with pytest.raises(pytest.skip.Exception, match="C4-ppl on .*: the architecture lacks a premise "
                                                    r"\(head_dim_64: head_dim 128"):
-        decide_claim(front, "C4-ppl", rq_claim)
+        decide_claim(front, "C4-ppl", rq_claim, rq_run)

@@ -55,10 +55,10 @@ def ufront(umodel, e2e_cache, e2e_budget, rq_options, experiment_factory):
                       cache=e2e_cache, rq_options=rq_options, protocol="e2e CPU budget", missing=pytest.fail)
 
 
-def test_registry_claim(ufront, claim_id: str, rq_claim) -> None:
+def test_registry_claim(ufront, claim_id: str, rq_claim, rq_run) -> None:
     """One registry claim on the user's checkpoint: decided by the engine (fixed-n, or the sequential rule with
     ``--rq-until-decided``), its row recorded with the model and any deviation; fails on refuted or fails."""
     from tests._support.registry_front import decide_claim
 
-    verdict, _ = decide_claim(ufront, claim_id, rq_claim)
+    verdict, _ = decide_claim(ufront, claim_id, rq_claim, rq_run)
     assert not verdict.failed, verdict.text()
