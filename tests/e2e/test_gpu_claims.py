@@ -39,11 +39,10 @@ from rope_quant.pytest_plugin import options
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "gpu_claim" in metafunc.fixturenames:
+    if "gpu_claim" in metafunc.fixturenames:  # the model module-scoped alone: one front per model
         models = options(metafunc.config).models
-        params = [pytest.param(m, c.id, id=f"{m.rstrip('/').split('/')[-1]}-{c.id}")
-                  for m in models for c in registry.claims()]
-        metafunc.parametrize(("gpu_model", "gpu_claim"), params, scope="module")
+        metafunc.parametrize("gpu_model", models, ids=[m.rstrip("/").split("/")[-1] for m in models], scope="module")
+        metafunc.parametrize("gpu_claim", [c.id for c in registry.claims()])
 
 
 @pytest.fixture(scope="module")

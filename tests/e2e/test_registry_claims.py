@@ -33,15 +33,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "claim_id" not in metafunc.fixturenames:
         return
     models = _user_models(metafunc.config)
-    ids = [c.id for c in registry.claims()]
-    params = [pytest.param(m, c, id=f"{m.rstrip('/').split('/')[-1]}-{c}",
-                           marks=[pytest.mark.slow] if c in SLOW else [])
-              for m in models for c in ids]
-    if not params:  # the default model: the default suite decides these claims
-        params = [pytest.param(DEFAULT_MODEL, "", id="no-checkpoint-named", marks=pytest.mark.skip(
-            reason=f"no checkpoint named: {DEFAULT_MODEL}'s claims are the default suite's (test_claims.py); "
-                   "--rq-model PATH decides the registry's claims on a checkpoint"))]
-    metafunc.parametrize(("umodel", "claim_id"), params, scope="module")
+    if not models:  # the default model: the default suite decides these claims
+        metafunc.parametrize(("umodel", "claim_id"), [pytest.param(
+            DEFAULT_MODEL, "", id="no-checkpoint-named", marks=pytest.mark.skip(
+                reason=f"no checkpoint named: {DEFAULT_MODEL}'s claims are the default suite's (test_claims.py); "
+                       "--rq-model PATH decides the registry's claims on a checkpoint"))])
+        return
+    # the model module-scoped alone (the claims function-scoped): one front per model, its claims in a row
+    metafunc.parametrize("umodel", models, ids=[m.rstrip("/").split("/")[-1] for m in models], scope="module")
+    metafunc.parametrize("claim_id", [pytest.param(c.id, marks=[pytest.mark.slow] if c.id in SLOW else [])
+                                      for c in registry.claims()])
 
 
 @pytest.fixture(scope="module")

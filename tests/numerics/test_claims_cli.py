@@ -219,6 +219,21 @@ def test_bad_input_is_refused_before_any_cell_runs(tmp_path: Path, capsys, flags
     assert cells.calls == [] and not out.exists()
 
 
+def test_a_table_that_does_not_fit_is_refused_after_its_plan(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The claims plan (cells per claim, cost estimate) is printed, then the memory check refuses the run with the
+    plan's remedy (exit 2) before any model loads or cell runs."""
+    from rope_quant.experiment import memory_check
+
+    monkeypatch.setenv(memory_check.ENV_HOST, "0.01")  # 10 MiB of host RAM
+    out, cells = tmp_path / "cl", Cells()
+    assert _claims(out, "--claims", "C1", "--seeds", "0,1", cells=cells) == 2
+    captured = capsys.readouterr()
+    assert "claims plan: 1 claims" in captured.out and "cost estimate" in captured.out
+    assert "the plan for this run does not fit: stage" in captured.err
+    assert "use a smaller --calib-windows" in captured.err
+    assert cells.calls == [] and not out.exists()
+
+
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path, capsys) -> None:
     out, cells = tmp_path / "cl", Cells()
     assert _claims(out, "--dry-run", cells=cells) == 0
