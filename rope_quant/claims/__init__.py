@@ -1,9 +1,11 @@
-"""The claims layer: the paper's claims as data (registry.py, paper.py), where their cells' values come from
-(stores.py) and the one engine that decides them (engine.py). Above ``experiment/`` and ``core/``, below
-``sweep/`` and ``cli/``; imports only ``core/`` (docs/ARCHITECTURE.md). Importing the package registers the
-paper's entries (paper.py); nothing heavy is imported.
+"""The claims layer: the paper's claims as data (registry.py, paper.py), the key quantisers against R3 (keys.py),
+where their cells' values come from (stores.py), the equal-bits checks (bits.py) and the one engine that decides
+them (engine.py). Above ``experiment/`` and ``core/``, below ``sweep/`` and ``cli/``; imports only ``core/`` at
+import (docs/ARCHITECTURE.md). Importing the package registers the paper's entries (paper.py), then the key
+quantisers' (keys.py); nothing heavy is imported.
 """
 
 from __future__ import annotations
 
+from rope_quant.claims import keys as keys
 from rope_quant.claims import paper as paper

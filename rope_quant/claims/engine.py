@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rope_quant.claims.registry import Claim, Diff, MarginKind, Metric, Part, Side, Statistic
+from rope_quant.claims.registry import Claim, ClaimError, Diff, MarginKind, Metric, Part, Side, Statistic
 from rope_quant.claims.stores import ReplicateValues, Store
 from rope_quant.core import verdict as rule
 from rope_quant.core.verdict import Form, Margin, Outcome, Verdict
@@ -100,7 +100,16 @@ def evaluate(claim: Claim, store: Store, seeds: Sequence[int], plan: Plan | None
     seeds = tuple(int(s) for s in seeds)
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"claim {claim.id}: seeds repeat: {list(seeds)}")
+    todo = claim.unresolved()
+    if todo:
+        raise ClaimError(f"claim {claim.id}: cells {', '.join(todo)} hold model-dependent values "
+                         f"({', '.join(sorted({v.value for got in todo.values() for v in got.values()}))}): "
+                         "resolve them for the model first (rope_quant.claims.premises.adapt)")
     reader = _Reader(claim, store, seeds)
+    if claim.equal_bits:  # the bits each cell measured after calibration (rope_pair_bits' widths), where recorded
+        from rope_quant.claims.bits import check_measured_bits
+
+        check_measured_bits(claim, reader.optional_values)
     sampled = sum(p.statistic is Statistic.PAIRED for p in claim.parts)
     if plan is not None and sampled > 1:
         plan = plan.with_parts(sampled)  # refuted if any part is: the claim's refuted side is spent at α / parts
@@ -127,6 +136,13 @@ class _Reader:
                                  f"{len(self.seeds)} seeds")
             self._values[(side, metric)] = got
         return self._values[(side, metric)]
+
+    def optional_values(self, name: str, metric: str = Metric.K_BITS.value) -> list[float] | None:
+        """A cell's ``metric`` at every seed, or None where the store does not hold it at some seed."""
+        try:
+            return self.values(name, metric)
+        except KeyError:  # MissingCellError, or a store's own KeyError for a result without the metric
+            return None
 
     def replicates(self, side: Side, metric: str) -> ReplicateValues:
         """Seed → the side's value in the other float order (a Diff: the difference of its cells')."""

@@ -7,7 +7,14 @@ nearest protocol a claim runs under where one premise is missing (named in its r
 
 A claim whose only missing premise is ``r1_foldable`` runs with ``r1=identity`` in every cell (R2, R4 and the
 online R3 unchanged; the paper's pipeline without R1, the deviation named); any other missing premise skips
-the claim with its reason. The model is imported lazily: this module loads no torch at import.
+the claim with its reason.
+
+A cell value that depends on the model (a :class:`~rope_quant.claims.registry.Resolve` sentinel) is replaced
+from the model's config, :class:`ModelFacts` (no weights): ``HEAD_DIM`` by d, ``EQUAL_PAIR_AVG`` by
+k_bits − 32/d, ``BEST_FOLDABLE_R3`` by :func:`best_foldable_r3` (its settings with it). A claim with
+``equal_bits`` is then checked at the evaluation windows' length T (claims/bits.py) before any model loads. The
+pytest front (tests/e2e/test_registry_claims.py) and ``rope-quant claims`` both go through :func:`adapt`, so they
+run the same cells. The model and the configs are imported lazily: this module loads no torch at import.
 """
 
 from __future__ import annotations
@@ -17,7 +24,19 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-from rope_quant.claims.registry import Claim, Override, Premise
+from rope_quant.claims.registry import Claim, ClaimError, Override, Premise, Resolve
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the claims read of a model's config: its premises (premise → None where met, else why not), its
+    ``head_dim`` (None where the adapter cannot read it), whether its attention has per-head q/k norms (Qwen3,
+    Gemma 3) and its ``model_type``."""
+
+    premises: Mapping[Premise, str | None]
+    head_dim: int | None = None
+    qk_norms: bool = False
+    model_type: str = ""
 
 
 def premises_of(model: Any) -> dict[Premise, str | None]:
@@ -39,11 +58,108 @@ def premises_of(model: Any) -> dict[Premise, str | None]:
 
 def premises_of_checkpoint(name_or_path: str) -> dict[Premise, str | None]:
     """:func:`premises_of` from a checkpoint's config alone (no weights loaded: the CLI's plan)."""
+    return facts_of_checkpoint(name_or_path).premises  # type: ignore[return-value]
+
+
+def facts_of(model: Any) -> ModelFacts:
+    """:class:`ModelFacts` of ``model`` (a loaded model, or anything with its ``config``)."""
+    from rope_quant.model import arch
+
+    premises = premises_of(model)
+    if premises[Premise.ROPE] is not None:
+        return ModelFacts(premises)
+    spec = arch.spec_for(model)
+    return ModelFacts(premises, arch.dims(model).head_dim, bool(spec.q_norm and spec.k_norm), spec.model_type)
+
+
+def facts_of_checkpoint(name_or_path: str) -> ModelFacts:
+    """:func:`facts_of` from a checkpoint's config alone (no weights loaded)."""
     from types import SimpleNamespace
 
     from rope_quant.model.loading import load_config
 
-    return premises_of(SimpleNamespace(config=load_config(name_or_path)))
+    return facts_of(SimpleNamespace(config=load_config(name_or_path)))
+
+
+#: The best foldable R3 of docs/foldable_r3.md's study (3 seeds, KV4 alone and with GPTQ weights), by whether the
+#: architecture has per-head q/k norms: there only per-pair scales fold (into the norm weights; a Givens part
+#: does not fold through the RMS), and ``prerope_channel_scale`` was the best that folds on Gemma 3; without them
+#: every RoPE-commuting R3 folds into W_Q/W_K, and ``pairwise_scaled`` with per-head range-objective angles was the
+#: best on SmolLM2.
+BEST_FOLDABLE_R3: dict[bool, dict[str, Override]] = {
+    True: {"r3": "prerope_channel_scale"},
+    False: {"r3": "pairwise_scaled", "estimator": "per_head", "objective": "range"},
+}
+
+
+def best_foldable_r3(facts: ModelFacts) -> dict[str, Override] | str:
+    """The overrides of the best foldable R3 on a model with ``facts`` (:data:`BEST_FOLDABLE_R3`), or why it
+    cannot run there (not registered, does not fold whole at this head_dim)."""
+    from rope_quant.core import transforms
+
+    chosen = BEST_FOLDABLE_R3[facts.qk_norms]
+    name = str(chosen["r3"])
+    head_dim = facts.head_dim or 0
+    try:
+        folding = transforms.foldability(name, head_dim)
+        transforms.commutes_with_rope(name, head_dim)
+    except Exception as exc:  # noqa: BLE001 - an R3 that cannot be built here is the claim's skip reason
+        return f"the best foldable R3 {name} cannot run at head_dim {head_dim}: {type(exc).__name__}: {exc}"
+    if not folding.folds or folding.online is not None:
+        return f"the best foldable R3 {name} does not fold whole into the weights (online factor {folding.online})"
+    return dict(chosen)
+
+
+def resolve(claim: Claim, facts: ModelFacts) -> Claim | str:
+    """``claim`` with every :class:`Resolve` sentinel replaced from ``facts`` (its title naming what each became),
+    itself when it has none, or why it cannot run on the model (a str)."""
+    todo = claim.unresolved()
+    if not todo:
+        return claim
+    d = facts.head_dim
+    if d is None:
+        return "its cells depend on the model's head_dim, which its config does not give"
+    cells: dict[str, Mapping[str, Override]] = {}
+    named: dict[str, dict[str, Override]] = {}
+    for name, cell in claim.cells.items():
+        out: dict[str, Override] = {}
+        for key, value in cell.items():
+            if key not in todo.get(name, {}):
+                out.setdefault(key, value)
+                continue
+            got = _resolved(todo[name][key], key, cell, facts)
+            if isinstance(got, str):
+                return got
+            clash = [k for k in got if k != key and k in cell]
+            if clash:
+                raise ClaimError(f"claim {claim.id}, cell {name!r}: {key}={value} sets {', '.join(clash)}, which the "
+                                 "cell also sets")
+            out.update(got)
+            for k, v in got.items():
+                named.setdefault(str(value), {})[k] = v
+        cells[name] = MappingProxyType(out)
+    label = "; ".join(f"{_LABEL[Resolve(v)]}: {', '.join(f'{k}={x}' for k, x in items.items())}"
+                      for v, items in named.items())
+    return replace(claim, cells=cells, title=f"{claim.title} [on {facts.model_type or 'this model'}: {label}]")
+
+
+_LABEL = {Resolve.HEAD_DIM: "G = head_dim", Resolve.EQUAL_PAIR_AVG: "equal-bits mean width",
+          Resolve.BEST_FOLDABLE_R3: "best foldable R3"}
+
+
+def _resolved(what: Resolve, key: str, cell: Mapping[str, Override], facts: ModelFacts) -> dict[str, Override] | str:
+    assert facts.head_dim is not None
+    d = facts.head_dim
+    if what is Resolve.HEAD_DIM:
+        return {key: d}
+    if what is Resolve.EQUAL_PAIR_AVG:  # widths {b − 1, b} averaging b − 32/d: payload + two ranges = b + 32/d
+        bits = cell.get("k_bits", 4)
+        if isinstance(bits, bool) or not isinstance(bits, int):
+            raise ClaimError(f"{Resolve.EQUAL_PAIR_AVG.value} needs an integer k_bits, got {bits!r}")
+        return {key: bits - 32 / d}
+    if key != "r3":
+        raise ClaimError(f"{Resolve.BEST_FOLDABLE_R3.value} is the value of 'r3', not of {key!r}")
+    return best_foldable_r3(facts)
 
 
 @dataclass(frozen=True)
@@ -67,13 +183,39 @@ def protocol_for(claim: Claim, premises: Mapping[Premise, str | None]) -> Protoc
     return Protocol({}, skip="; ".join(f"{p.value}: {why}" for p, why in missing.items()))
 
 
-def adapt(claim: Claim, premises: Mapping[Premise, str | None]) -> Claim | str:
-    """``claim`` as it runs on a model with ``premises``: itself, a copy whose every cell carries the nearest
-    protocol's overrides and whose title names the deviation, or the reason it cannot run (a str)."""
-    protocol = protocol_for(claim, premises)
+def adapt(claim: Claim, model: Mapping[Premise, str | None] | ModelFacts, *, seq_len: int | None = None
+          ) -> Claim | str:
+    """``claim`` as it runs on a model: itself, a copy whose every cell carries the nearest protocol's overrides
+    (its title naming the deviation) and its model-dependent values resolved (:func:`resolve`), or the reason
+    it cannot run (a str). ``model``: the model's :class:`ModelFacts` (its premises alone do for a claim without
+    :class:`Resolve` sentinels). A claim with ``equal_bits`` is checked at T = ``seq_len`` (the evaluation
+    windows' length) from its resolved configs: :class:`ClaimError` naming the cells and their bits where a
+    part compares unequal bits."""
+    facts = model if isinstance(model, ModelFacts) else None
+    premises = facts.premises if facts is not None else model
+    protocol = protocol_for(claim, premises)  # type: ignore[arg-type]
     if protocol.skip:
         return protocol.skip
-    if not protocol.overrides:
-        return claim
-    cells = {name: MappingProxyType({**cell, **protocol.overrides}) for name, cell in claim.cells.items()}
-    return replace(claim, cells=cells, title=f"{claim.title} [deviation: {protocol.deviation}]")
+    adapted = claim
+    if protocol.overrides:
+        cells = {name: MappingProxyType({**cell, **protocol.overrides}) for name, cell in claim.cells.items()}
+        adapted = replace(claim, cells=cells, title=f"{claim.title} [deviation: {protocol.deviation}]")
+    if claim.unresolved() or claim.equal_bits:
+        if facts is None:
+            raise ClaimError(f"claim {claim.id} depends on the model's config (head_dim, architecture): adapt it "
+                             "with the model's ModelFacts (premises.facts_of), not its premises alone")
+        got = resolve(adapted, facts)
+        if isinstance(got, str):
+            return got
+        adapted = got
+    if claim.equal_bits:
+        from rope_quant.claims.bits import check_equal_bits
+
+        if seq_len is None:
+            raise ClaimError(f"claim {claim.id} compares at equal bits per key element: adapt it with the evaluation "
+                             "windows' length (seq_len)")
+        assert facts is not None
+        if facts.head_dim is None:
+            return "it compares at equal bits per key element, which needs the model's head_dim (its config has none)"
+        check_equal_bits(adapted, facts.head_dim, seq_len)
+    return adapted

@@ -10,6 +10,12 @@ with one :class:`Statistic` (the paired rule of docs/verdicts.md, or a criterion
 one :class:`MarginRule`. :func:`rope_quant.claims.engine.evaluate` decides any claim over any store; adding a
 claim is one :func:`register` call (docs/ARCHITECTURE.md, "Adding a claim").
 
+A cell value that depends on the model (its head_dim, the best foldable R3 of its architecture) is a
+:class:`Resolve` sentinel, replaced from the model's config by :func:`rope_quant.claims.premises.adapt` before any
+store reads the cell. A claim belongs to a **group** (:data:`PAPER`: the paper's claims and the rows beyond it that
+the e2e suite's test modules state; :data:`KEYS`: the key quantisers against R3); ``equal_bits`` says its parts
+compare cells at equal bits per key element, checked from the configs before any model loads.
+
 Standard library and :mod:`rope_quant.core.verdict` only (no torch, numpy or scipy at import).
 """
 
@@ -34,6 +40,22 @@ class Metric(StrEnum):
     PPL = "ppl"
     K_RANGE_MEAN = "k_range_mean"
     K_REL_ERR = "k_rel_err"
+    K_BITS = "k_bits_per_element"  # the stored bits per key element of the cell's key cache (after calibration)
+
+
+class Resolve(StrEnum):
+    """A cell value that depends on the model, resolved from its config (no weights) by
+    :func:`rope_quant.claims.premises.adapt`; a cell holding one is never read from a store."""
+
+    HEAD_DIM = "<head_dim>"  # the model's head_dim d (KVQuant's and KIVI's token group G = d)
+    EQUAL_PAIR_AVG = "<equal_pair_avg>"  # rope_pair_bits' mean width k_bits − 32/d: two widths at k_bits + 32/d
+    BEST_FOLDABLE_R3 = "<best_foldable_r3>"  # the key "r3": the best foldable R3 of the architecture (its settings)
+
+
+PAPER = "paper"
+"""The group of the paper's claims and the measured rows beyond it (claims/paper.py: the e2e tests state each)."""
+KEYS = "keys"
+"""The group of the key-quantiser claims (claims/keys.py): other answers to 4-bit keys against the online R3."""
 
 
 class Scoring(StrEnum):
@@ -65,6 +87,14 @@ class MarginKind(StrEnum):
     NONE = "none"  # GREATER / LESS: the boundary is 0
     EQUIVALENCE = "equivalence"  # verdict.equivalence_margin of the comparator cell's mean ppl
     FIXED = "fixed"  # a value in the metric's units
+
+
+def unresolved(c: Mapping[str, Override]) -> dict[str, Resolve]:
+    """The cell's keys whose value is a :class:`Resolve` sentinel."""
+    return {k: Resolve(v) for k, v in c.items() if isinstance(v, str) and v in _RESOLVE_VALUES}
+
+
+_RESOLVE_VALUES = frozenset(r.value for r in Resolve)
 
 
 class Premise(StrEnum):
@@ -230,7 +260,10 @@ class Claim:
     ``statement``: the paper's claim in words; ``section``: where the paper makes it; ``cells``: name → cell;
     ``parts``: combined by :func:`rope_quant.core.verdict.combine_all` in this order; ``premises``: what it asks
     of an architecture; ``outside``: what the claim asserts beyond its parts that no cell value carries (a closed
-    form, an assertion of its test), empty when nothing."""
+    form, an assertion of its test), empty when nothing; ``group``: :data:`PAPER`, :data:`KEYS` or another
+    package's; ``equal_bits``: every part compares cells that store equal bits per key element (checked from the
+    configs by :func:`rope_quant.claims.premises.adapt`, and on the cells' measured ``k_bits_per_element`` by the
+    engine)."""
 
     id: str
     title: str
@@ -240,9 +273,12 @@ class Claim:
     parts: tuple[Part, ...]
     premises: tuple[Premise, ...] = (Premise.ROPE,)
     outside: str = ""
+    group: str = PAPER
+    equal_bits: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "id", str(self.id))
+        object.__setattr__(self, "group", str(self.group))
         cells = MappingProxyType({str(k): MappingProxyType(dict(v)) for k, v in self.cells.items()})
         object.__setattr__(self, "cells", cells)
         object.__setattr__(self, "parts", tuple(self.parts))
@@ -260,6 +296,10 @@ class Claim:
     def cell_names(self) -> tuple[str, ...]:
         """The cells the parts read, in the order they first read them."""
         return tuple(dict.fromkeys(n for p in self.parts for n in p.cells()))
+
+    def unresolved(self) -> dict[str, dict[str, Resolve]]:
+        """Cell name → its keys still holding a :class:`Resolve` sentinel (empty: the claim can be read)."""
+        return {n: got for n, c in self.cells.items() if (got := unresolved(c))}
 
 
 class Registry:
@@ -281,11 +321,15 @@ class Registry:
             raise UnknownClaimError(f"no claim {claim_id!r}; registered: {', '.join(self._claims) or 'none'}") \
                 from None
 
-    def claims(self) -> tuple[Claim, ...]:
-        return tuple(self._claims.values())
+    def claims(self, group: str | None = None) -> tuple[Claim, ...]:
+        return tuple(c for c in self._claims.values() if group is None or c.group == group)
 
-    def ids(self) -> tuple[str, ...]:
-        return tuple(self._claims)
+    def ids(self, group: str | None = None) -> tuple[str, ...]:
+        return tuple(c.id for c in self.claims(group))
+
+    def groups(self) -> tuple[str, ...]:
+        """The groups of the registered claims, in registration order."""
+        return tuple(dict.fromkeys(c.group for c in self._claims.values()))
 
 
 _ACTIVE: list[Registry] = [Registry()]
@@ -306,9 +350,14 @@ def get(claim_id: str) -> Claim:
     return active().get(claim_id)
 
 
-def claims() -> tuple[Claim, ...]:
-    """Every registered claim, in registration order."""
-    return active().claims()
+def claims(group: str | None = None) -> tuple[Claim, ...]:
+    """Every registered claim (of ``group`` when given), in registration order."""
+    return active().claims(group)
+
+
+def groups() -> tuple[str, ...]:
+    """The groups of the registered claims (:data:`PAPER`, :data:`KEYS`, …)."""
+    return active().groups()
 
 
 @contextmanager

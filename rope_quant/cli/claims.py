@@ -30,8 +30,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
     ids = ", ".join(registry.active().ids())
     p = sub.add_parser("claims", help=HELP, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--claims", default=None, metavar="ID,ID,...",
-                   help=f"the claims to run (default: every registered claim a plain run cell can score); ids: {ids}")
+    p.add_argument("--claims", default=None, metavar="ID,GROUP,...",
+                   help=f"the claims to run, by id or group ({', '.join(registry.groups())}: every claim of the "
+                        f"group; default: the {registry.PAPER} group's claims a plain run cell can score); ids: {ids}")
     p.add_argument("--dry-run", action="store_true",
                    help="check the input, print the plan (claims left out, cells per claim, cost estimate) and stop: "
                         "nothing is run or written")
@@ -39,38 +40,65 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def chosen_claims(text: str | None) -> list[Any]:
-    """The claims named by ``--claims`` (every registered one by default); an unknown id is refused."""
+    """The claims named by ``--claims``: ids and group names (a group: every claim of it, in registration order),
+    the paper's group by default; an unknown name is refused."""
     from rope_quant.claims import registry
 
     if text is None:
-        return list(registry.claims())
-    return [registry.get(i) for i in parse_names(text, "claim", registry.active().ids())]
+        return list(registry.claims(registry.PAPER))
+    groups = registry.groups()
+    out: dict[str, Any] = {}
+    for name in parse_names(text, "claim", [*registry.active().ids(), *groups]):
+        for claim in registry.claims(name) if name in groups else (registry.get(name),):
+            out.setdefault(claim.id, claim)
+    return list(out.values())
 
 
-def applicable(claims: Sequence[Any], model: str) -> tuple[list[Any], dict[str, str]]:
+def applicable(claims: Sequence[Any], model: str, seq_len: int) -> tuple[list[Any], dict[str, str]]:
     """The claims that run on ``model`` (each as :func:`rope_quant.claims.premises.adapt` runs it there: a
-    refused R1 becomes ``r1=identity``, named in its title), and claim id → why the others are left out: their
-    cells are not plain run cells, or the model lacks a premise. Read from the model's config alone; a config
-    that cannot be read is left to the model checks."""
-    from rope_quant.claims.premises import adapt, premises_of_checkpoint
+    refused R1 becomes ``r1=identity``, named in its title; model-dependent values resolved; a claim at equal
+    bits per key element checked at T = ``seq_len``, the evaluation windows' length), and claim id → why the
+    others are left out: their cells are not plain run cells, or the model lacks a premise. Read from the model's
+    config alone; a config that cannot be read is left to the model checks. Unequal bits stop the run
+    (:class:`CLIError` naming the cells and their bits)."""
+    from rope_quant.claims.premises import ModelFacts, adapt, facts_of_checkpoint
+    from rope_quant.claims.registry import ClaimError
     from rope_quant.model.arch import ArchitectureError
     from rope_quant.model.loading import ModelLoadError
     from rope_quant.sweep.claims_sweep import scoring_reason
 
     try:
-        premises = premises_of_checkpoint(model)
+        facts = facts_of_checkpoint(model)
     except (ModelLoadError, ArchitectureError):
-        premises = {}
+        facts = ModelFacts({})
     kept: list[Any] = []
     out: dict[str, str] = {}
     for claim in claims:
         why = scoring_reason(claim)
-        got = adapt(claim, premises) if why is None else why
+        try:
+            got = adapt(claim, facts, seq_len=seq_len) if why is None else why
+        except ClaimError as exc:
+            raise CLIError(str(exc)) from None
         if isinstance(got, str):
             out[claim.id] = why or f"model {model} lacks a premise: {got}"
         else:
             kept.append(got)
     return kept, out
+
+
+def directory_claims(store: Any) -> tuple[list[Any], dict[str, str]]:
+    """The claims a claims directory's table reads: the paper's group (a claim without cells there reads
+    inconclusive, naming them) and every claim of another group whose cells the directory plans, adapted to its
+    model at its evaluation windows' T; claim id → why the others are left out."""
+    from rope_quant.claims import registry
+    from rope_quant.sweep.cellkind import run_of
+    from rope_quant.sweep.claims_decide import planned_claims
+
+    comparator = run_of(store.comparator())
+    kept, dropped = applicable(registry.claims(), comparator.model, comparator.budget.seqlen)
+    planned, _ = planned_claims(store, [c for c in kept if c.group != registry.PAPER])
+    chosen = {c.id for c in planned}
+    return [c for c in kept if c.group == registry.PAPER or c.id in chosen], dropped
 
 
 def _seed_count(args: argparse.Namespace) -> None:
@@ -127,12 +155,10 @@ def write_report(out: str | Path) -> dict[str, Any]:
     """The claims table of claims directory ``out``: every registered claim read over its records (fixed-n),
     written to DIR/claims.json and DIR/claims.md; ``{"markdown", "files"}`` as the sweep path prints them."""
     from rope_quant.analysis import claims_report as cr
-    from rope_quant.claims import registry
-    from rope_quant.sweep.cellkind import run_of
     from rope_quant.sweep.claim_store import DirectoryStore
 
     store = DirectoryStore(out)
-    kept, dropped = applicable(registry.claims(), run_of(store.comparator()).model)
+    kept, dropped = directory_claims(store)
     results = cr.evaluate_directory(store, kept)
     data = cr.payload(out, store, results, dropped, SOURCE)
     files = cr.write_claims(out, data)
@@ -156,11 +182,12 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     def build(args: argparse.Namespace, seeds: tuple[int, ...], used: list[str]) -> Any:
         if defaulted:
             used.append("weights=gptq (the claims' default on every device: the float-order replicate is GPTQ's)")
-        kept, dropped = applicable(chosen, args.model)
+        base = base_config(args)
+        kept, dropped = applicable(chosen, args.model, base.budget.seqlen)
         if not kept:
             raise CLIError(f"no claim left to run on {args.model}: "
                            + "; ".join(f"{cid}: {why}" for cid, why in dropped.items()))
-        manifest = claims_manifest(base_config(args), kept, seeds, comparator=args.comparator)
+        manifest = claims_manifest(base, kept, seeds, comparator=args.comparator)
         print_plan(args, manifest, kept, seeds, dropped)
         return manifest
 

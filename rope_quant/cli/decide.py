@@ -89,7 +89,8 @@ def _decide_claims(args: argparse.Namespace, cells: Cells, out: Path, manifest: 
 
     store = DirectoryStore(out, manifest)
     cd.check_claims_inputs(store, args.max_seeds, args.time_budget)
-    kept, dropped = applicable(registry.claims(), run_of(store.comparator()).model)
+    comparator = run_of(store.comparator())
+    kept, dropped = applicable(registry.claims(), comparator.model, comparator.budget.seqlen)
     planned, absent = cd.planned_claims(store, kept)
     for claim in absent:
         dropped[claim.id] = (f"not in this directory (its cells are not in the manifest): `rope-quant claims "

@@ -24,7 +24,7 @@ from rope_quant.quant import key_quantizers as keyq
 from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
 
-__all__ = ["key_pair_energies", "key_quantizers"]
+__all__ = ["key_bits_per_element", "key_pair_energies", "key_quantizers"]
 
 #: The RoPE layout of the keys the attention function sees (transformers' rotate_half; as the calibration).
 LAYOUT = "rotate_half"
@@ -90,3 +90,20 @@ def key_quantizers(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGe
                 for i in range(geom.n_layers)]
     except keyq.KeyQuantError as exc:
         raise PipelineError(str(exc)) from None
+
+
+def key_bits_per_element(model: nn.Module, cfg: RunConfig, head_dim: int, seq_len: int) -> float | None:
+    """The bits per key element the cell's key cache stores at T = ``seq_len`` (scales, zero points and
+    full-precision tokens included: :meth:`~rope_quant.quant.key_quantizers.KeyQuantOption.bits_per_element`);
+    for ``rope_pair_bits`` the calibrated widths of every layer and KV head installed in ``model``. None under the
+    static per-channel control (its scales are per channel, not the option's)."""
+    if cfg.quant.static_kv:
+        return None
+    option = cfg.quant.key_option()
+    if not option.needs_energies:
+        return float(option.bits_per_element(head_dim, seq_len))
+    widths = [np.asarray(st.key_quant.widths) for st in attention.attention_states(model)
+              if getattr(st.key_quant, "widths", None) is not None]
+    if not widths:
+        raise PipelineError(f"k_quant={option.name}: no calibrated widths are installed in the model")
+    return float(option.bits_per_element(head_dim, seq_len, widths=np.stack(widths)))

@@ -71,7 +71,7 @@ from rope_quant.experiment.config import (
     RunConfig,
     WeightMode,
 )
-from rope_quant.experiment.key_quant import key_quantizers
+from rope_quant.experiment.key_quant import key_bits_per_element, key_quantizers
 from rope_quant.experiment.stages import StageName, stage
 from rope_quant.io import save_tensors
 from rope_quant.quant import gptq, rtn
@@ -421,4 +421,7 @@ def run_cell(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
         "weight_cache_hit": qm.weight_cache_hit, "rotation_fit": qm.rotation_fit,
         "timing": {**qm.timing, "eval_s": eval_s}, **_fold_status(qm),
     }
+    k_bits = key_bits_per_element(qm.model, cfg, qm.geometry.head_dim, res.seqlen)
+    if k_bits is not None:  # the key cache's bits per element at the evaluation windows' length (claims: equal bits)
+        out["k_bits_per_element"] = k_bits
     return json.loads(json.dumps(out, default=float))

@@ -12,6 +12,11 @@ symmetric as the cell} where the cell quantises activations; ``kv_cache_scheme``
 (one scheme for K and V: the format has no separate V fields). Clip ratios and different K/V settings have
 no field: they are listed in ``rope_quant_export.json`` notes.
 
+The key quantisers (docs/key_quantizers.md): ``kv_cache_scheme`` is one ``QuantizationArgs`` for the whole cache
+as attention stores it (post-RoPE), one ``num_bits``, dynamic only per token / tensor / group of channels. It
+carries the paper's per-token rule (``per_token``); every other option is refused with the reason
+(:data:`KEY_QUANT_FORMS`).
+
 ``transform_config`` (inside ``quantization_config``, compressed-tensors 0.20): the online parts.
 * R4: on every ``down_proj`` input (location ``input``). Power-of-two sizes: type ``hadamard`` (the format's
   deterministic Sylvester matrix, checked equal to ours). Other sizes (SmolLM2: 1536): type
@@ -40,13 +45,40 @@ from rope_quant.export.fold import ExportError, LayoutError
 from rope_quant.io import atomic_write_json, to_jsonable
 from rope_quant.model import arch
 
-__all__ = ["PINNED", "R4_SCHEME", "R3_SCHEME", "require", "check_compressed", "quantization_config",
-           "transform_config", "codes_int8", "write_compressed"]
+__all__ = ["PINNED", "R4_SCHEME", "R3_SCHEME", "KEY_QUANT_FORMS", "key_quant_refusal", "require", "check_compressed",
+           "quantization_config", "transform_config", "codes_int8", "write_compressed"]
 
 #: The compressed-tensors version this module is written against (the ``[export]`` extra pins it).
 PINNED = "0.20.0"
 R4_SCHEME = "R4"
 R3_SCHEME = "R3"
+
+
+_PER_CHANNEL_STATIC = ("kv_cache_scheme's per-channel strategy is static (one calibrated range per channel for "
+                       "the whole cache: QuantizationArgs refuses dynamic=True with strategy channel) and its groups "
+                       "run over channels within a token, not over tokens")
+#: Key quantiser → None where ``kv_cache_scheme`` (compressed-tensors 0.20) can carry it, else why not.
+KEY_QUANT_FORMS: dict[str, str | None] = {
+    "per_token": None,  # dynamic per token (strategy token), or per group of channels (strategy group)
+    "kivi": ("per-channel ranges over groups of G tokens, computed as the cache grows, with the R most recent "
+             f"tokens in 16 bits: {_PER_CHANNEL_STATIC}, and it has no field for a full-precision window"),
+    "kvquant_prerope": ("keys quantised before RoPE and RoPE re-applied after dequantisation: kv_cache_scheme "
+                        "quantises the cache as attention stores it (post-RoPE) and has no field for the place; "
+                        f"{_PER_CHANNEL_STATIC}"),
+    "rope_pair_bits": ("a bit width per RoPE pair (channels of different widths in one head): kv_cache_scheme has "
+                       "one num_bits for every element"),
+    "sink": ("the first S tokens in 16 bits: kv_cache_scheme quantises every token alike (no field for an "
+             "unquantised subset of tokens)"),
+    "per_token_window": ("the R most recent tokens and the group being filled in 16 bits: kv_cache_scheme quantises "
+                         "every token alike (no field for a full-precision window)"),
+}
+
+
+def key_quant_refusal(name: str) -> str | None:
+    """Why ``kv_cache_scheme`` cannot carry key quantiser ``name`` (None: it can)."""
+    if name in KEY_QUANT_FORMS:
+        return KEY_QUANT_FORMS[name]
+    return f"{name} is not a built-in key quantiser and declares no compressed-tensors form"
 
 
 def require() -> Any:
@@ -74,9 +106,10 @@ def check_compressed(cfg: Any, head_dim: int) -> None:
     if w.bits > 8:
         raise ExportError(f"--format compressed-tensors packs 1..8-bit integer weights, the cell has w_bits={w.bits}")
     kq = getattr(cfg.quant, "kq", None)
-    if kq is not None and not kq.is_default and cfg.quant.k.enabled:
-        raise ExportError(f"--format compressed-tensors describes a per-token KV cache; this cell's keys use "
-                          f"k_quant={kq.kind} (docs/key_quantizers.md), which it cannot carry")
+    why = key_quant_refusal(kq.kind) if kq is not None and cfg.quant.k.enabled else None
+    if why is not None:
+        raise ExportError(f"--format compressed-tensors cannot carry this cell's keys, k_quant={kq.kind}: {why} "
+                          "(docs/export.md; --format hf writes the weights without any KV quantisation)")
     split = transforms.foldability(cfg.online.transform, head_dim, cfg.online.block)
     kv = cfg.quant.k.enabled or cfg.quant.v.enabled
     if split.online is not None and not split.online_is_hadamard:

@@ -13,6 +13,8 @@ R3 at equal bits:
 ``rope_pair_bits``  integer bits per RoPE frequency pair (both channels of a pair alike) allocated from the
                     pairs' energies so that the mean is the target; per-token scales per group of equal widths
 ``sink``            RotateKV's attention-sink protection: the first S tokens in 16 bits, the rest per token
+``per_token_window`` the per-token rule with KIVI's full-precision tokens (the R most recent and the group being
+                    filled): KIVI's reference at equal bits (with G = head_dim both store the same bits)
 =================== ============================================================================================
 
 Each option is a small frozen dataclass of named, checked parameters (:class:`KeyQuantOption`): it states its
@@ -71,6 +73,7 @@ __all__ = [
     "KVQuantPreRoPEOption",
     "RopePairBitsOption",
     "SinkOption",
+    "PerTokenWindowOption",
     "KeyQuantizer",
     "PerTokenQuantizer",
     "ChannelGroupQuantizer",
@@ -78,6 +81,7 @@ __all__ = [
     "KVQuantPreRoPEQuantizer",
     "RopePairBitsQuantizer",
     "SinkQuantizer",
+    "PerTokenWindowQuantizer",
     "register",
     "unregister",
     "names",
@@ -110,6 +114,7 @@ class KeyQuantName(StrEnum):
     KVQUANT_PREROPE = "kvquant_prerope"
     ROPE_PAIR_BITS = "rope_pair_bits"
     SINK = "sink"
+    PER_TOKEN_WINDOW = "per_token_window"
 
 
 #: The paper's key quantiser, the default of every cell.
@@ -369,6 +374,19 @@ class ChannelGroupQuantizer(KeyQuantizer):
 @dataclass
 class KiviQuantizer(ChannelGroupQuantizer):
     """KIVI's keys: per channel over groups of G tokens, the R most recent tokens in full precision."""
+
+
+@dataclass
+class PerTokenWindowQuantizer(ChannelGroupQuantizer):
+    """The per-token rule ``cfg`` on KIVI's quantised prefix (complete groups of G tokens older than the window of
+    R), the other tokens in full precision: KIVI's bits-matched reference. The rule is token-local, so only which
+    tokens are quantised depends on the cache length (the streaming state KIVI has)."""
+
+    cfg: QuantConfig = dataclasses.field(default_factory=QuantConfig)
+    name: str = KeyQuantName.PER_TOKEN_WINDOW.value
+
+    def _quantize(self, head: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return fake_quant(head, self.cfg)
 
 
 @dataclass
@@ -738,6 +756,53 @@ class SinkOption(KeyQuantOption):
         return SinkQuantizer(self.config(), self.sinks)
 
 
+@dataclass(frozen=True)
+class PerTokenWindowOption(KeyQuantOption):
+    """KIVI's bits-matched reference: the per-token rule (``group_size``, ``clip_ratio``, ``symmetric`` as for
+    ``per_token``) on the tokens KIVI quantises, and KIVI's full-precision tokens (the ``residual`` most recent and
+    the group of ``group`` being filled) in 16 bits. With G = head_dim and a whole-head per-token group, a token
+    costs b + 32/d in both, so the two store the same bits at every T (KIVI Sec. 3.3, Algorithm 1)."""
+
+    group: int = 32
+    residual: int = 128
+    group_size: int = -1
+    clip_ratio: float = 1.0
+    symmetric: bool = False
+
+    name: ClassVar[str] = KeyQuantName.PER_TOKEN_WINDOW.value
+    paper: ClassVar[str] = ("KIVI's full-precision tokens (Liu et al., ICML 2024; arXiv:2402.02750, Sec. 3.3, "
+                            "Algorithm 1) around the paper's dynamic per-token rule (Sec. 4, A.6): KIVI's "
+                            "reference at equal bits")
+    online_step: ClassVar[str] = ("full-precision window of R tokens: each new key is kept in 16 bits until its "
+                                  "group of G leaves the window, then its tokens are quantised per token")
+    spec_params: ClassVar[Mapping[str, str]] = {"token_group": "group", "residual": "residual"}
+    token_settings: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _int_in(self.group, "k_token_group", 1)
+        _int_in(self.residual, "k_residual", 0)
+        if self.residual < self.group:
+            raise KeyQuantError(f"per_token_window: the full-precision window k_residual={self.residual} is smaller "
+                                f"than the token group k_token_group={self.group} (KIVI's window: R >= G)")
+        self.config()
+
+    def config(self) -> QuantConfig:
+        return QuantConfig(bits=self.bits, group_size=self.group_size, clip_ratio=self.clip_ratio,
+                           symmetric=self.symmetric)
+
+    def bits_per_element(self, head_dim: int, seq_len: int, **kwargs: Any) -> float:
+        """With n = G·⌊max(T − R, 0)/G⌋ (KIVI's count): (n·(b + 32/g) + (T − n)·16)/T, g the per-token group."""
+        d, t = _geometry(head_dim, seq_len)
+        if self.bits >= OFF_BITS:
+            return float(FULL_BITS)
+        n = max(t - self.residual, 0) // self.group * self.group
+        return (n * _token_overhead(self.bits, self.group_size, d, self.symmetric) + (t - n) * FULL_BITS) / t
+
+    def build(self, ctx: KeyQuantContext) -> KeyQuantizer:
+        return PerTokenWindowQuantizer(self.bits, self.group, self.residual, cfg=self.config())
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
@@ -775,7 +840,8 @@ def unregister(name: str) -> None:
     del _REGISTRY[name]
 
 
-for _option in (PerTokenOption, KiviOption, KVQuantPreRoPEOption, RopePairBitsOption, SinkOption):
+for _option in (PerTokenOption, KiviOption, KVQuantPreRoPEOption, RopePairBitsOption, SinkOption,
+                PerTokenWindowOption):
     register(_option)
 assert list(_REGISTRY) == [m.value for m in KeyQuantName]
 

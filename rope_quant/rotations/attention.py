@@ -18,9 +18,11 @@ lives on the model, never in globals), then
 3. fake-quantises K and V per token per head (asymmetric dynamic INT-b, group = head_dim by default),
    or with the static per-channel control (App. A.6, D) when one is installed, or K with the layer's key
    quantiser from :mod:`rope_quant.quant.key_quantizers` when the cell names another (``kivi``,
-   ``kvquant_prerope``, ``rope_pair_bits``, ``sink``): on the post-R3 key, except a ``pre_rope`` quantiser
-   (``kvquant_prerope``), which gets the post-RoPE key before R3, undoes RoPE itself at the keys' positions
-   (``position_ids`` of the new tokens, else 0..T-1), quantises, re-applies RoPE, and R3 then acts on the result;
+   ``kvquant_prerope``, ``rope_pair_bits``, ``sink``, ``per_token_window``): on the post-R3 key. A ``pre_rope``
+   quantiser (``kvquant_prerope``) undoes RoPE itself at the keys' positions (``position_ids`` of the new
+   tokens, else 0..T-1), quantises, and re-applies RoPE: with an R3 that commutes with RoPE (a foldable one) it
+   gets the post-R3 key, whose pre-RoPE form is the key of W_K with R3 folded in; with an online R3 (Hadamard)
+   it gets the post-RoPE key before R3, and R3 then acts on the result;
 4. calls the library's SDPA function.
 
 With a KV cache the function sees the whole cache (stored un-rotated, un-quantised) at every step and
@@ -200,10 +202,14 @@ def _key_quant_attention(module: nn.Module, state: AttentionState, query: torch.
     """SDPA with the layer's key quantiser (``key``: the post-R3 key; ``post_rope``: the key before R3)."""
     kq = state.key_quant
     positions = _key_positions(kwargs, query.shape[-2], key.shape[-2], key.device) if kq.needs_positions else None
-    if kq.pre_rope:  # quantised before RoPE inside the quantiser, then R3 on the re-rotated key as on any key
-        k_hat = kq(post_rope, positions)
-        if state.transform is not None:
-            k_hat = getattr(state.transform, "apply_key", state.transform.apply)(k_hat)
+    tr = state.transform
+    if kq.pre_rope and tr is not None and not getattr(tr, "commutes_with_rope", False):
+        # an online R3 acts after RoPE: quantised before RoPE (inside the quantiser), then R3 on the re-rotated key
+        k_hat = getattr(tr, "apply_key", tr.apply)(kq(post_rope, positions))
+    elif kq.pre_rope:
+        # no R3, or one that commutes with RoPE: R3·RoPE(k) = RoPE(R3·k), the key of W_K with R3 folded in, so the
+        # quantiser undoes RoPE on the post-R3 key and quantises the folded pre-RoPE key (as a deployment would)
+        k_hat = kq(key, positions)
     else:
         k_hat = kq(key, positions)
     if not kq.streaming:

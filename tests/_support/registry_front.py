@@ -4,10 +4,14 @@ Shared by ``pytest -m e2e --rq-model PATH`` (tests/e2e/test_registry_claims.py, 
 ``pytest -m gpu_e2e`` (tests/e2e/test_gpu_claims.py, the paper's protocol :data:`PAPER` on CUDA) and that
 parametrization's CPU run (tests/e2e/test_paper_protocol_cpu.py, :data:`PAPER` cut to a tiny budget):
 
-1. :func:`open_front`: the checkpoint's premises from its config (no weights), each registry claim as it runs
-   there (:func:`rope_quant.claims.premises.adapt`: itself, the nearest protocol with the deviation named, or the
-   reason it skips), the plan of the whole table (time and memory: :func:`table_plan`) printed, or a refusal with
-   the plan's remedy, all before the model loads; then the model and the paired :class:`Experiment`;
+1. :func:`open_front`: the checkpoint's facts from its config (no weights: premises, head_dim, q/k norms;
+   :func:`rope_quant.claims.premises.facts_of_checkpoint`), each claim of its table as it runs there
+   (:func:`rope_quant.claims.premises.adapt` at the budget's seqlen: itself, the nearest protocol with the deviation
+   named, its model-dependent values resolved, or the reason it skips; a claim at equal bits per key element whose
+   cells store unequal bits at that T fails the front), the plan of the whole table (time and memory:
+   :func:`table_plan`) printed, or a refusal with the plan's remedy, all before the model loads; then the model and
+   the paired :class:`Experiment` (or an experiment the caller already holds: the default suite's on the default
+   model);
 2. :class:`ExperimentStore`: the experiment as a claims store (each cell computed and memoised on first read);
 3. :func:`decide_claim`: one claim through ``Experiment.decided`` (fixed-n, or the sequential rule with
    ``--rq-until-decided``) and :func:`rope_quant.claims.engine.evaluate`, its row recorded with ``rq_claim`` and
@@ -27,6 +31,7 @@ from typing import Any
 import pytest
 
 from rope_quant.claims import registry
+from rope_quant.claims.premises import ModelFacts
 from rope_quant.claims.registry import (
     Claim,
     Metric,
@@ -125,11 +130,15 @@ class Front:
     about: dict[str, Any] = field(default_factory=dict)
 
 
-def table_claims(premises: Mapping[Any, str | None]) -> dict[str, Claim | str]:
-    """Every registry claim as it runs on a model with ``premises``: the claim (adapted), or why it skips."""
+def table_claims(facts: ModelFacts, seq_len: int, claims: Iterable[Claim] | None = None) -> dict[str, Claim | str]:
+    """Every registry claim (or each of ``claims``) as it runs on a model with ``facts`` (its config's:
+    :func:`rope_quant.claims.premises.facts_of_checkpoint`) at evaluation windows of ``seq_len`` tokens: the claim
+    adapted (premises, model-dependent values resolved: :func:`rope_quant.claims.premises.adapt`), or why it skips.
+    A claim at equal bits per key element whose cells store unequal bits at T = ``seq_len`` raises
+    :class:`~rope_quant.claims.registry.ClaimError` (the cells and their bits named)."""
     from rope_quant.claims.premises import adapt
 
-    return {c.id: adapt(c, premises) for c in registry.claims()}
+    return {c.id: adapt(c, facts, seq_len=seq_len) for c in (registry.claims() if claims is None else claims)}
 
 
 def _replicated_cells(claim: Claim) -> set[str]:
@@ -223,21 +232,29 @@ def _stderr(line: str) -> None:
 
 def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_cls: Any, cache: str,
                rq_options: Any, protocol: str, missing: Callable[[str], Any] = pytest.skip,
-               offload: str = "auto", log: Callable[[str], None] = _stderr) -> Front:
+               offload: str = "auto", log: Callable[[str], None] = _stderr,
+               claims: Sequence[Claim] | None = None, experiment: Callable[[], Any] | None = None) -> Front:
     """The front of ``model`` on ``device`` at ``budget`` (module docstring, step 1). A model that cannot be
-    found calls ``missing`` with the reason (``pytest.skip`` by default; ``pytest.fail`` where it must exist)."""
-    from rope_quant.claims.premises import premises_of_checkpoint
+    found calls ``missing`` with the reason (``pytest.skip`` by default; ``pytest.fail`` where it must exist).
+    ``claims``: the claims of its table (default: every registry claim); ``experiment``: where the front does not
+    load the model itself, the experiment it runs its cells in (called after the plan is printed: the default
+    suite's ``experiment`` fixture on the default model, sharing its cells)."""
+    from rope_quant.claims.premises import facts_of_checkpoint
+    from rope_quant.claims.registry import ClaimError
     from rope_quant.experiment import plan as planning
     from rope_quant.model.arch import ArchitectureError
     from rope_quant.model.loading import ModelLoadError, ModelNotFoundError, load_model
 
     try:
-        premises = premises_of_checkpoint(model)
+        facts = facts_of_checkpoint(model)
     except (ModelNotFoundError, ModelLoadError, ArchitectureError) as exc:
         missing(f"--rq-model {model!r}: {exc}")
         raise  # missing() raised; this line is for the type checker
-    claims = table_claims(premises)
-    running = [c for c in claims.values() if not isinstance(c, str)]
+    try:
+        table = table_claims(facts, budget.seqlen, claims)
+    except ClaimError as exc:  # unequal bits per key element at this T: refused before the model loads
+        pytest.fail(f"{model}: {exc}", pytrace=False)
+    running = [c for c in table.values() if not isinstance(c, str)]
     mode, text = "none", f"registry claims plan: {model}: no claim runs"
     if running:
         try:
@@ -248,21 +265,24 @@ def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_
         except planning.PlanError as exc:
             text = f"registry claims plan: {model}: none ({exc})"
         else:
-            text = plan_text(model, device, budget, protocol, claims, plan, cells, builds)
+            text = plan_text(model, device, budget, protocol, table, plan, cells, builds)
             mode = decision.offload.value
             if decision.note:
                 text += "\n" + decision.note
     log(text)
     if not running:
-        return Front(model, None, claims, text)
-    base = load_model(model, device="cpu" if mode == "cpu" else device)
-    from rope_quant.core.sequential import Plan
+        return Front(model, None, table, text)
+    if experiment is not None:  # the caller's experiment (its model already loaded)
+        exp = experiment()
+    else:
+        from rope_quant.core.sequential import Plan
 
-    seq = (Plan(len(budget.seeds), rq_options.max_seeds, futility=rq_options.futility, shape=rq_options.shape)
-           if rq_options.until_decided else None)
-    exp = experiment_cls(base, cache, budget, corpus, model=model, device=device, plan=seq,
-                         time_budget=rq_options.time_budget)
-    return Front(model, exp, claims, text, mode, describe(exp, device, protocol))
+        base = load_model(model, device="cpu" if mode == "cpu" else device)
+        seq = (Plan(len(budget.seeds), rq_options.max_seeds, futility=rq_options.futility, shape=rq_options.shape)
+               if rq_options.until_decided else None)
+        exp = experiment_cls(base, cache, budget, corpus, model=model, device=device, plan=seq,
+                             time_budget=rq_options.time_budget)
+    return Front(model, exp, table, text, mode, describe(exp, device, protocol))
 
 
 def describe(exp: Any, device: str, protocol: str) -> dict[str, Any]:

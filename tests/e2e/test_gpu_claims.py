@@ -5,7 +5,8 @@ Run on a CUDA node with local checkpoints (nothing is downloaded)::
     pytest -m gpu_e2e --rq-model /ckpt/Llama-3.2-1B --rq-model /ckpt/Mistral-7B-v0.3 \
            --rq-corpus=/data/wikitext-2-raw --rq-seeds 0-2 [--rq-until-decided] [--rq-claims-out=DIR]
 
-One test per (model, registry claim) (rope_quant/claims/paper.py), through the registry fronts' one path
+One test per (model, registry claim) (the paper's, rope_quant/claims/paper.py, and the key quantisers',
+rope_quant/claims/keys.py), through the registry fronts' one path
 (tests/_support/registry_front.py, shared with ``-m e2e --rq-model``): the same paired :class:`Experiment`, the
 same :class:`~tests._support.registry_front.ExperimentStore` and the one engine
 (:func:`rope_quant.claims.engine.evaluate`). Without ``--rq-model`` the embedded SmolLM2-135M runs at these
@@ -20,7 +21,10 @@ the plan of its whole claims table (time and memory on this GPU) is printed, and
 fails with the plan's remedy (a model that fits only streamed runs with ``--offload cpu``'s layer streaming).
 
 Premises: a claim whose only missing premise is a foldable R1 runs with ``r1=identity`` and its row names the
-deviation; any other missing premise skips it with its reason (:func:`rope_quant.claims.premises.adapt`).
+deviation; any other missing premise skips it with its reason (:func:`rope_quant.claims.premises.adapt`, from
+the checkpoint's config before the model loads). A key claim's model-dependent values (G = head_dim, the mean
+width, the best foldable R3) are resolved there too, and its cells are checked to store equal bits per key element
+at T = 2048: unequal bits fail the model's claims before it loads, naming the cells and their bits.
 
 Verdicts: the rule of the CPU claims (docs/verdicts.md). The numerical replicates are the first K seeds
 (``--rq-replicates K``, default every seed up to 3) rebuilt with GPTQ in the other float mode (float64 when the

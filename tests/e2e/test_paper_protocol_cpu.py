@@ -3,8 +3,9 @@
 The path of ``pytest -m gpu_e2e`` (tests/e2e/test_gpu_claims.py), with the device ``cpu``: the protocol object
 (:data:`~tests._support.registry_front.PAPER`, cut to 2 × 128 calibration tokens and 2 scored windows of 128;
 seeds 0 and 1, each with its float-order replicate), the front (:func:`~tests._support.registry_front.open_front`:
-premises, the plan of the claims table before the model loads, the paired experiment), the store, the engine and
-the claims row (:func:`~tests._support.registry_front.decide_claim`). The model is Llama-3-8B's published shape
+premises and model-dependent values from the config, equal bits per key element at T = 128, the plan of the claims
+table before the model loads, the paired experiment), the store, the engine and the claims row
+(:func:`~tests._support.registry_front.decide_claim`). The model is Llama-3-8B's published shape
 (head_dim 128, 4 query heads per KV head, RoPE base 5e5) narrowed to 4 query heads and cut to 2 layers and a
 1024-row vocabulary, random weights, saved as a checkpoint with a pydoc-trained tokenizer.
 

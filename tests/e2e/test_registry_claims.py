@@ -1,24 +1,36 @@
-"""The paper's claims from the registry (rope_quant/claims), on the checkpoints named with ``--rq-model``.
+"""The registry's claims (rope_quant/claims) through the e2e suite's paired experiment.
 
 ``pytest -m e2e --rq-model PATH`` (a local Hugging Face directory, a GGUF file, or an embedded name other than
 the default) runs every registry claim whose premises the model meets (rope_quant/claims/premises.py), through
 the same :class:`Experiment` as the default suite (paired cells, float-order replicates, ``--rq-until-decided``)
 and decided by the one engine (``rope_quant.claims.engine.evaluate``), on the path ``gpu_e2e`` shares
-(tests/_support/registry_front.py): the plan of the model's whole claims table is printed before it loads, and
-a table that does not fit this machine is refused with the plan's remedy. A claim whose only missing premise is a
-foldable R1 runs with ``r1=identity`` and names that deviation in its row; any other missing premise skips it with
-its reason. The default model's claims are the default suite's (tests/e2e/test_claims.py and its siblings): on
-it this module runs nothing, so the default run's time and table do not change. The claims the default suite
-runs in ``slow`` (:data:`SLOW`) are ``slow`` here too.
+(tests/_support/registry_front.py). A claim whose only missing premise is a foldable R1 runs with ``r1=identity``
+and names that deviation in its row; any other missing premise skips it with its reason. Each claim is adapted to
+the model from its config alone, before the model loads (``premises.adapt``, as ``rope-quant claims``): its
+model-dependent values (head_dim, the best foldable R3) resolved, and a claim at equal bits per key element checked
+at the budget's seqlen (unequal bits fail the model's claims, naming the cells and their bits). Then the plan of the
+model's whole claims table is printed, and a table that does not fit this machine is refused with the plan's
+remedy. One front per model: its claims run in a row, and the next model's front replaces it.
+
+On the default model the paper's claims (group ``paper``) are the default suite's (tests/e2e/test_claims.py and
+its siblings state each one): this module runs there only the registry claims that no test module states (the key
+quantisers of claims/keys.py), all in ``slow``, in the default suite's own ``experiment`` (sharing its cells), so
+the default run's time and table do not change. The claims the default suite runs in ``slow`` (:data:`SLOW`) and
+the key claims are ``slow`` on every model. Select one with ``-k`` and its id (``-k K-kvquant-id-KV4``; the test ids
+are ``<model>-<claim id>``).
 
 Each test attaches its row (``rq_claim``) and fails on a claim refuted or failed, never on inconclusive.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
 from rope_quant.claims import registry
+from rope_quant.claims.registry import PAPER
 from rope_quant.defaults import DEFAULT_MODEL
 
 SLOW = {"C6", "C7", "C7-8K", "App-F", "beyond-commuting", "beyond-range", "beyond-range-pph"}
@@ -29,36 +41,75 @@ def _user_models(config: pytest.Config) -> tuple[str, ...]:
     return tuple(m for m in (config.getoption("--rq-model") or ()) if m.lower() != DEFAULT_MODEL)
 
 
+def _default_model_runs(config: pytest.Config) -> bool:
+    """The default model is in the session: no ``--rq-model``, or the default named among them."""
+    named = config.getoption("--rq-model") or ()
+    return not named or any(m.lower() == DEFAULT_MODEL for m in named)
+
+
+def _slow(claim: registry.Claim) -> bool:
+    return claim.id in SLOW or claim.group != PAPER
+
+
+def _claims_on(model: str) -> tuple[registry.Claim, ...]:
+    """The claims this module runs on ``model``: every registry claim on a named checkpoint; on the default model
+    those no test module states (group != paper)."""
+    return tuple(c for c in registry.claims() if model != DEFAULT_MODEL or c.group != PAPER)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "claim_id" not in metafunc.fixturenames:
         return
-    models = _user_models(metafunc.config)
-    if not models:  # the default model: the default suite decides these claims
-        metafunc.parametrize(("umodel", "claim_id"), [pytest.param(
-            DEFAULT_MODEL, "", id="no-checkpoint-named", marks=pytest.mark.skip(
-                reason=f"no checkpoint named: {DEFAULT_MODEL}'s claims are the default suite's (test_claims.py); "
-                       "--rq-model PATH decides the registry's claims on a checkpoint"))])
-        return
-    # the model module-scoped alone (the claims function-scoped): one front per model, its claims in a row
-    metafunc.parametrize("umodel", models, ids=[m.rstrip("/").split("/")[-1] for m in models], scope="module")
-    metafunc.parametrize("claim_id", [pytest.param(c.id, marks=[pytest.mark.slow] if c.id in SLOW else [])
-                                      for c in registry.claims()])
+    models = [*_user_models(metafunc.config), *([DEFAULT_MODEL] if _default_model_runs(metafunc.config) else [])]
+    # function-scoped, model by model in this order (the claims differ by model: the front is held per model by
+    # ``fronts``, not by a module-scoped parameter, which pytest would regroup by claim across models)
+    params = [pytest.param(m, c.id, id=f"{m.rstrip('/').split('/')[-1]}-{c.id}",
+                           marks=[pytest.mark.slow] if _slow(c) else [])
+              for m in models for c in _claims_on(m)]
+    if not params:  # the default model and no claim beyond the paper's: the default suite decides them
+        params = [pytest.param(DEFAULT_MODEL, "", id="no-checkpoint-named", marks=pytest.mark.skip(
+            reason=f"no checkpoint named: {DEFAULT_MODEL}'s claims are the default suite's (test_claims.py); "
+                   "--rq-model PATH decides the registry's claims on a checkpoint"))]
+    metafunc.parametrize(("umodel", "claim_id"), params)
 
 
 @pytest.fixture(scope="module")
-def ufront(umodel, e2e_cache, e2e_budget, rq_options, experiment_factory):
-    """The registry front of a user's checkpoint at the e2e CPU budget (tests/_support/registry_front.py): the
-    plan of its claims table printed before the model loads, then the paired experiment."""
+def fronts() -> Iterator[dict[str, Any]]:
+    """The front of the model whose claims run now (model -> its front, or what opening it raised, which each of
+    its claims then reads): one model's at a time, the next model's replacing it."""
+    held: dict[str, Any] = {}
+    yield held
+    held.clear()
+
+
+@pytest.fixture
+def ufront(request, umodel, fronts, e2e_cache, e2e_budget, rq_options, experiment_factory):
+    """The registry front of ``umodel`` at the e2e CPU budget (tests/_support/registry_front.py), opened once per
+    model: the plan of its claims table printed before the model loads, then the paired experiment (on the default
+    model the default suite's own, sharing its cells)."""
     from tests._support.registry_front import open_front
 
-    Experiment, _ = experiment_factory  # noqa: N806 (a class)
-    return open_front(umodel, "cpu", e2e_budget, corpus=rq_options.corpus, experiment_cls=Experiment,
-                      cache=e2e_cache, rq_options=rq_options, protocol="e2e CPU budget", missing=pytest.fail)
+    if umodel not in fronts:
+        fronts.clear()  # the previous model's front (its weights) goes first
+        Experiment, _ = experiment_factory  # noqa: N806 (a class)
+        shared = (lambda: request.getfixturevalue("experiment")) if umodel == DEFAULT_MODEL else None
+        try:
+            fronts[umodel] = open_front(umodel, "cpu", e2e_budget, corpus=rq_options.corpus, experiment_cls=Experiment,
+                                        cache=e2e_cache, rq_options=rq_options, protocol="e2e CPU budget",
+                                        missing=pytest.fail, claims=_claims_on(umodel), experiment=shared)
+        except BaseException as exc:  # a refused front (pytest.fail, pytest.skip) refuses each of its claims
+            fronts[umodel] = exc
+            raise
+    front = fronts[umodel]
+    if isinstance(front, BaseException):
+        raise front
+    return front
 
 
 def test_registry_claim(ufront, claim_id: str, rq_claim, rq_run) -> None:
-    """One registry claim on the user's checkpoint: decided by the engine (fixed-n, or the sequential rule with
-    ``--rq-until-decided``), its row recorded with the model and any deviation; fails on refuted or fails."""
+    """One registry claim on the model: adapted to it (premises, model-dependent values, equal bits at the
+    budget's T), decided by the engine (fixed-n, or the sequential rule with ``--rq-until-decided``), its row
+    recorded with the model and any deviation; fails on refuted or fails."""
     from tests._support.registry_front import decide_claim
 
     verdict, _ = decide_claim(ufront, claim_id, rq_claim, rq_run)

@@ -148,6 +148,42 @@ def test_ct_refuses_what_the_format_cannot_express(over, error, words) -> None:
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
+@pytest.mark.parametrize(("flat", "words"), [
+    ({"k_quant": "kivi"}, ["k_quant=kivi", "QuantizationArgs refuses dynamic=True with strategy channel",
+                           "full-precision window"]),
+    ({"k_quant": "kvquant_prerope"}, ["before RoPE", "post-RoPE", "strategy channel"]),
+    ({"k_quant": "rope_pair_bits", "k_max_bits": 6}, ["a bit width per RoPE pair", "one num_bits"]),
+    ({"k_quant": "sink"}, ["first S tokens in 16 bits", "every token alike"]),
+    ({"k_quant": "per_token_window"}, ["R most recent tokens", "every token alike"]),
+])
+def test_ct_refuses_each_key_quantiser_it_cannot_carry_with_the_reason(flat, words) -> None:
+    with pytest.raises(fold.ExportError) as info:
+        compressed.check_compressed(cell(weights="rtn", r3="hadamard", k_bits=4, **flat), 16)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_ct_key_quantiser_forms_are_the_formats_own_limits() -> None:
+    """Every built-in key quantiser has an answer; per_token's is the scheme the export writes; the reasons stand on
+    compressed-tensors' own model: no dynamic per-channel strategy, one integer width, and no field that names a
+    place (pre-RoPE), a token subset or a window (a new field fails this test: re-examine the table)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from pydantic import ValidationError
+
+    from rope_quant.quant import key_quantizers as keyq
+
+    assert set(compressed.KEY_QUANT_FORMS) == {m.value for m in keyq.KeyQuantName}
+    assert [n for n, why in compressed.KEY_QUANT_FORMS.items() if why is None] == ["per_token"]
+    with pytest.raises(ValidationError, match="dynamic"):
+        QuantizationArgs(num_bits=4, type="int", strategy="channel", dynamic=True)
+    with pytest.raises(ValidationError):
+        QuantizationArgs(num_bits=[3, 4], type="int", strategy="token", dynamic=True)
+    assert set(QuantizationArgs.model_fields) == {
+        "num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
+        "scale_dtype", "zp_dtype", "observer", "observer_kwargs"}
+    assert compressed.key_quant_refusal("someone_elses") is not None
+    compressed.check_compressed(cell(weights="rtn", r3="hadamard", k_bits=4, k_quant="per_token"), 16)
+
+
 def test_ct_quantization_config_fields_for_a4kv4() -> None:
     """The activation and KV settings go where the format has fields (validated by its own pydantic models)."""
     from compressed_tensors.quantization import QuantizationConfig

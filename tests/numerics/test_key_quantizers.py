@@ -93,7 +93,7 @@ THETA = 10000.0 ** (-np.arange(0, 16, 2) / 16)  # head_dim 16
 
 
 def test_names_come_from_the_enum_and_every_option_states_its_online_step_and_source():
-    assert keyq.names()[:5] == [m.value for m in keyq.KeyQuantName]
+    assert keyq.names()[:len(keyq.KeyQuantName)] == [m.value for m in keyq.KeyQuantName]
     assert keyq.DEFAULT_KEY_QUANT == "per_token" and RunConfig().quant.kq.kind == "per_token"
     steps = {}
     for name in keyq.KeyQuantName:
@@ -102,6 +102,7 @@ def test_names_come_from_the_enum_and_every_option_states_its_online_step_and_so
         steps[name.value] = cls.online_step
     assert steps["per_token"] == "none" and "RoPE re-applied" in steps["kvquant_prerope"]
     assert "window of R tokens" in steps["kivi"] and "first S tokens" in steps["sink"]
+    assert "window of R tokens" in steps["per_token_window"]
     assert keyq.option_class("kvquant_prerope").pre_rope and keyq.option_class("rope_pair_bits").needs_energies
     with pytest.raises(keyq.UnknownKeyQuantError, match=r"did you mean 'kivi'\?"):
         keyq.option_class("kivl")
@@ -169,6 +170,39 @@ def test_kivi_quantised_prefix_by_hand(group, residual, table):
     assert {t: q.quantized_prefix(t) for t in table} == table
     lengths = torch.tensor(list(table))
     assert q.quantized_prefix(lengths).tolist() == list(table.values())
+
+
+# ----------------------------------------------------------------------------- per_token_window (KIVI's reference)
+
+
+def test_per_token_window_is_the_per_token_rule_on_kivis_quantised_tokens():
+    """KIVI's bits-matched reference: the per-token rule on exactly the tokens KIVI quantises (complete groups of G
+    older than the window of R), every other token unchanged; the same prefix as KIVI at every length."""
+    x = _keys()  # T = 45
+    bits, group, residual = 3, 8, 12
+    q = keyq.option_from("per_token_window", QuantConfig(bits=bits), token_group=group,
+                         residual=residual).build(keyq.KeyQuantContext(16))
+    kivi = keyq.KiviQuantizer(bits, group, residual)
+    assert isinstance(q, keyq.PerTokenWindowQuantizer) and q.streaming and not q.pre_rope
+    lengths = torch.arange(0, 300)
+    assert torch.equal(q.quantized_prefix(lengths), kivi.quantized_prefix(lengths))
+    n = q.quantized_prefix(45)
+    assert n == 32
+    out = q(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(out[..., :n, :], ref_per_token(x[..., :n, :], bits), rtol=0, atol=1e-12)
+    assert np.array_equal(out[..., n:, :], x[..., n:, :])  # the window and the open group: exact
+    # the rule is token-local: a quantised token keeps its value as the cache grows (45 -> 90 tokens)
+    x90 = torch.from_numpy(_keys((2, 3, 90, 16), seed=5))
+    assert torch.equal(q(x90)[..., :n, :], q(x90[..., :45, :])[..., :n, :])
+    # bits: the per-token tokens at b + 32/d, the others at 16 (KIVI's count); KIVI at G = d stores the same
+    opt = keyq.option_from("per_token_window", QuantConfig(bits=4), token_group=64, residual=64)
+    n512 = 64 * ((512 - 64) // 64)
+    assert opt.bits_per_element(64, 512) == pytest.approx((n512 * 4.5 + (512 - n512) * 16) / 512)
+    kivi_opt = keyq.option_from("kivi", QuantConfig(bits=4), token_group=64, residual=64)
+    for t in (64, 100, 512, 2048):
+        assert opt.bits_per_element(64, t) == pytest.approx(kivi_opt.bits_per_element(64, t))
+    with pytest.raises(keyq.KeyQuantError, match="k_residual=8 is smaller than the token group k_token_group=16"):
+        keyq.option_from("per_token_window", QuantConfig(bits=4), token_group=16, residual=8)
 
 
 # ----------------------------------------------------------------------------- KVQuant pre-RoPE
@@ -380,7 +414,7 @@ def _scaled_llama():
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("name", ["kivi", "kvquant_prerope"])
+@pytest.mark.parametrize("name", ["kivi", "kvquant_prerope", "per_token_window"])
 def test_a_window_forward_gives_every_query_the_cache_at_its_own_length(name):
     """One forward over 40 tokens equals decoding them one by one (each step quantises the cache it holds), and
     differs from giving every query the end-of-window cache."""
@@ -388,7 +422,8 @@ def test_a_window_forward_gives_every_query_the_cache_at_its_own_length(name):
     geom = attention.check_model(model)
     inv = [arch.layer_inv_freq(model, i, geom.head_dim)[0] for i in range(geom.n_layers)]
     ctx = [keyq.KeyQuantContext(16, 2, inv[i]) for i in range(geom.n_layers)]
-    option = keyq.option_from(name, QuantConfig(bits=2), token_group=4, **({"residual": 8} if name == "kivi" else {}))
+    option = keyq.option_from(name, QuantConfig(bits=2), token_group=4,
+                              **({} if name == "kvquant_prerope" else {"residual": 8}))
     quantizers = [option.build(c) for c in ctx]
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(0))
     attention.install_attention(model, None, key_quant=quantizers)
@@ -512,14 +547,17 @@ def test_the_pipeline_installs_each_key_quantiser_and_returns_to_the_default(emb
     cfg = RunConfig.from_flat(**TINY, w_bits=16, weights="none", a_bits=16, k_bits=3, v_bits=16, r3="identity")
     qm = build_quantized_model(cfg, base=base, corpus=corpus)
     assert all(s.key_quant is None for s in qm.states)
-    ppl = {"per_token": run_cell(cfg, qm=qm)["ppl"]}
+    first = run_cell(cfg, qm=qm)
+    ppl = {"per_token": first["ppl"]}
+    assert first["k_bits_per_element"] == cfg.quant.k.bits + 32 / qm.geometry.head_dim  # the paper's rule, whole head
     # no R3: the post-R3 pair energies are the calibration statistics' pre-RoPE ones (RoPE keeps a² + b²)
     measured = key_pair_energies(qm.model, qm.geometry, qm.calib)
     np.testing.assert_allclose(measured, qm.stats.pair_energies("k"), rtol=1e-5)
     kinds = {"kivi": (dict(k_token_group=8, k_residual=16), keyq.KiviQuantizer),
              "kvquant_prerope": (dict(k_token_group=16), keyq.KVQuantPreRoPEQuantizer),
              "rope_pair_bits": (dict(k_max_bits=6), keyq.RopePairBitsQuantizer),
-             "sink": (dict(k_sinks=4), keyq.SinkQuantizer)}
+             "sink": (dict(k_sinks=4), keyq.SinkQuantizer),
+             "per_token_window": (dict(k_token_group=8, k_residual=16), keyq.PerTokenWindowQuantizer)}
     for name, (params, cls) in kinds.items():
         other = cfg.override(k_quant=name, **params)
         assert (other.weight_key(), other.stats_key()) == (cfg.weight_key(), cfg.stats_key())  # paired reuse
@@ -532,7 +570,12 @@ def test_the_pipeline_installs_each_key_quantiser_and_returns_to_the_default(emb
             assert np.all(widths[..., :2] > widths[..., 6:])  # the scaled-up pairs got more bits than the scaled-down
         if name == "kvquant_prerope":  # each layer's own RoPE frequencies
             assert all(np.allclose(s.key_quant.inv_freq.numpy(), qm.inv_freq) for s in qm.states)
-        ppl[name] = run_cell(other, qm=qm)["ppl"]
+        result = run_cell(other, qm=qm)
+        ppl[name] = result["ppl"]
+        # the cell records its key cache's bits per element at its windows' T (rope_pair_bits: the calibrated widths)
+        widths = {"widths": np.stack([s.key_quant.widths for s in qm.states])} if name == "rope_pair_bits" else {}
+        assert result["k_bits_per_element"] == other.quant.key_option().bits_per_element(
+            qm.geometry.head_dim, result["seqlen"], **widths)
     assert all(np.isfinite(v) for v in ppl.values()) and len({round(v, 9) for v in ppl.values()}) == len(ppl)
     qm.reconfigure(cfg)
     assert all(s.key_quant is None for s in qm.states) and run_cell(cfg, qm=qm)["ppl"] == ppl["per_token"]
@@ -691,7 +734,7 @@ def test_the_axis_keys_are_canonical_and_share_weights_and_statistics():
     (dict(k_quant="rope_pair_bits", k_min_bits=6, k_max_bits=5), r"k_min_bits 6 exceeds k_max_bits 5"),
     (dict(k_residual=8), r"k_residual does not apply to the key quantiser per_token"),
     (dict(k_quant="kivi", k_sinks=2), r"k_sinks does not apply to the key quantiser kivi \(it takes k_token_group"),
-    (dict(k_quant="kivi", k_group=16), r"k_group .* apply to per_token and sink, not to kivi"),
+    (dict(k_quant="kivi", k_group=16), r"k_group .* apply to per_token and sink and per_token_window, not to kivi"),
     (dict(k_quant="sink", static_scope="kv"), r"static_scope=kv replaces the K quantiser"),
 ])
 def test_bad_parameters_are_refused_when_the_config_is_built(flat, match):

@@ -1,0 +1,83 @@
+"""Equal bits per key element: a claim that compares key quantisers compares cells that store the same bits.
+
+A key cache of T tokens and head_dim d costs each cell's key quantiser ``bits_per_element(d, T)`` bits per element
+(payload, every scale and zero point at 16 bits, full-precision tokens at 16 bits: docs/key_quantizers.md). A
+claim with ``equal_bits`` (registry.py) is checked twice: from the cells' configs alone, before any model loads
+(:func:`check_equal_bits`, run by :func:`rope_quant.claims.premises.adapt`), and on the bits each cell measured
+after its calibration (``k_bits_per_element`` of the cell result: rope_pair_bits' allocated widths) by the engine
+(:func:`check_measured_bits`). Either raises :class:`~rope_quant.claims.registry.ClaimError` naming the cells and
+their bits.
+
+The config is read through ``rope_quant.experiment.config`` (imported when a check runs, never at import).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from rope_quant.claims.registry import Claim, ClaimError, Override, describe, overrides_of, side_cells
+
+TOLERANCE = 1e-9
+"""Two cells store equal bits when their bits per element differ by at most this (float rounding of the counts)."""
+
+
+def key_bits(cell: Mapping[str, Override], head_dim: int, seq_len: int) -> float:
+    """Bits per key element that ``cell`` (flat config overrides, resolved) stores at head_dim and T = ``seq_len``,
+    from its config alone (rope_pair_bits before calibration: its bound, every width in [min, max] used)."""
+    from rope_quant.experiment.config import PipelineError, RunConfig
+
+    try:
+        option = RunConfig.from_flat(**overrides_of(cell)).quant.key_option()
+        return float(option.bits_per_element(int(head_dim), int(seq_len)))
+    except (PipelineError, ValueError) as exc:
+        raise ClaimError(f"cell {{{describe(cell)}}}: its key quantiser cannot be read: {exc}") from None
+
+
+def compared_cells(claim: Claim) -> list[tuple[str, tuple[str, ...]]]:
+    """(part name, the cells it compares) for every part that compares cells (sampled or not)."""
+    out = []
+    for part in claim.parts:
+        names = tuple(dict.fromkeys([*side_cells(part.treatment), *side_cells(part.control)]))
+        if len(names) > 1:
+            out.append((part.name, names))
+    return out
+
+
+def check_equal_bits(claim: Claim, head_dim: int, seq_len: int) -> dict[str, float]:
+    """Cell name → bits per key element at (head_dim, T) for a claim with ``equal_bits``; :class:`ClaimError`
+    naming the part, its cells and their bits where a part compares cells of unequal bits."""
+    bits = {name: key_bits(claim.cells[name], head_dim, seq_len) for name in claim.cell_names()}
+    _compare(claim, lambda name: [bits[name]], f"at head_dim {head_dim}, T = {seq_len} (from the configs)")
+    return bits
+
+
+def check_measured_bits(claim: Claim, measured: Callable[[str], Sequence[float] | None]) -> None:
+    """The engine's check after calibration: ``measured(cell name)`` gives the cell's ``k_bits_per_element`` per
+    seed (None where the store has none); the cells of a part that all carry it must agree at every seed."""
+    got = {name: measured(name) for name in claim.cell_names()}
+    known = {name: list(v) for name, v in got.items() if v is not None}
+    _compare(claim, lambda name: known.get(name), "as measured by the cells (after calibration)")
+
+
+def _compare(claim: Claim, bits_of: Callable[[str], Sequence[float] | None], where: str) -> None:
+    for part_name, names in compared_cells(claim):
+        values = {n: bits_of(n) for n in names}
+        present = {n: list(v) for n, v in values.items() if v is not None}
+        if len(present) < 2:
+            continue
+        first = next(iter(present.values()))
+        if any(len(v) != len(first) or any(not math.isclose(a, b, rel_tol=0.0, abs_tol=TOLERANCE)
+                                           for a, b in zip(v, first, strict=False))
+               for v in present.values()):
+            shown = "; ".join(f"{n} {{{describe(claim.cells[n])}}}: {_fmt(v)}" for n, v in present.items())
+            raise ClaimError(f"claim {claim.id}, part {part_name!r}: its cells do not store equal bits per key "
+                             f"element {where}: {shown}")
+
+
+def _fmt(values: Sequence[float]) -> str:
+    distinct = sorted(set(round(float(v), 9) for v in values))
+    return " / ".join(f"{v:.6g}" for v in distinct) + " bits"
+
+
+__all__ = ["TOLERANCE", "check_equal_bits", "check_measured_bits", "compared_cells", "key_bits"]
