@@ -2,8 +2,8 @@
 
 A ``pytest11`` plugin is loaded by every pytest run in the environment, in every project, so this
 one changes nothing that a project did not ask for: it registers the suite's marker names, the
-``--rq-*`` options, the ``rq_options`` / ``rq_claim`` / ``rq_record`` / ``rq_machine`` fixtures and the
-claims table, and skips this suite's ``gpu_e2e`` tests (under this repository's ``tests/`` or using this
+``--rq-*`` options, the ``rq_options`` / ``rq_claim`` / ``rq_record`` / ``rq_machine`` / ``rq_run`` fixtures and
+the claims table, and skips this suite's ``gpu_e2e`` tests (under this repository's ``tests/`` or using this
 plugin's fixtures) where CUDA is unavailable; another project's ``gpu_e2e`` marker is left alone. What only the
 rope_quant suite wants (marking tests by their ``tests/<layer>/`` directory, the hypothesis
 profiles) lives in the repository's root ``conftest.py``. Like hypothesis' own plugin, this module
@@ -12,7 +12,9 @@ selected and needs a CUDA check. Per-session state lives in ``config.stash``.
 
 Tests attach measurements with the ``rq_claim`` / ``rq_record`` fixtures. The data travels on
 ``report.user_properties`` (so it survives pytest-xdist) and is printed by
-``pytest_terminal_summary``; ``--rq-claims-out=DIR`` also writes it as JSON and Markdown.
+``pytest_terminal_summary``; ``--rq-claims-out=DIR`` also writes it as JSON and Markdown. A registry front
+describes its run with ``rq_run`` (the model and its fingerprint, the protocol, the device: the keys
+``rope-quant report DIR`` writes), so the JSON says what the claims were measured on.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ EMBEDDED_MODEL = DEFAULT_MODEL
 _CLAIMS_KEY = "rq_claim"
 _TABLE_KEY = "rq_table"
 _MACHINE_KEY = "rq_machine"
+_RUN_KEY = "rq_run"
+#: The keys of a run's description (``rq_run``), written at the top of the claims JSON when the session measured
+#: one model (``rope_quant.analysis.claims_report.RUN_KEYS``; a test keeps the two equal).
+RUN_KEYS = ("model", "protocol", "device")
 _STORE = pytest.StashKey["_Collector"]()
 #: The claims JSON's layout: 2 adds ``schema`` and each decision's ``rule`` / ``float_order``
 #: (rope_quant.analysis.reproduce reads both layouts).
@@ -226,7 +232,7 @@ def options(config: pytest.Config) -> RQOptions:
 
 
 #: The fixtures this plugin provides: a test that uses one belongs to this suite wherever it lives.
-PLUGIN_FIXTURES = frozenset({"rq_options", "rq_claim", "rq_record"})
+PLUGIN_FIXTURES = frozenset({"rq_options", "rq_claim", "rq_record", "rq_run"})
 #: This repository's test tree (absent when the package is installed from a wheel).
 SUITE_TESTS = Path(__file__).resolve().parents[1] / "tests"
 
@@ -287,16 +293,19 @@ def rq_claim(request: pytest.FixtureRequest):
     combines it with the test outcome (a failed test whose claim was not decided against reads FAILED).
     ``model``: the model the claim was measured on (default the embedded model). ``parts``: a claim made of
     parts (C4's steps, C7's lengths, App. F's settings) names each part's Verdict, so that ``report --against``
-    compares the runs part by part.
+    compares the runs part by part. ``claim_id``: the registry id (``report --against`` matches two models'
+    tables by it).
     """
 
     def record(claim: str, expected: str, measured: str, holds: bool | None = None, model: str | None = None,
-               verdict: Any = None, parts: Mapping[str, Any] | None = None, **numbers: Any) -> None:
+               verdict: Any = None, parts: Mapping[str, Any] | None = None, claim_id: str | None = None,
+               **numbers: Any) -> None:
         decided = None
         if verdict is not None:
             decided = _decision(verdict)
             holds = {"holds": True, "fails": False, "refuted": False}.get(decided["outcome"])
-        entry = {"claim": claim, "model": model or EMBEDDED_MODEL, "expected": expected, "measured": measured,
+        entry = {"claim": claim, "id": claim_id, "model": model or EMBEDDED_MODEL, "expected": expected,
+                 "measured": measured,
                  "holds": None if holds is None else bool(holds), "decision": decided,
                  "numbers": _jsonable(numbers), "test": request.node.nodeid}
         if parts:
@@ -313,6 +322,18 @@ def rq_machine(request: pytest.FixtureRequest):
 
     def record(machine: dict[str, Any]) -> None:
         request.node.user_properties.append((_MACHINE_KEY, _jsonable(machine)))
+
+    return record
+
+
+@pytest.fixture
+def rq_run(request: pytest.FixtureRequest):
+    """Attach the description of the run a claim was measured in: ``{"model": {"name", "fingerprint", ...},
+    "protocol": {...}, "device": {...}}`` (``rope_quant.analysis.claims_report.describe_run``). The claims JSON
+    lists one per model under ``runs``, and writes its keys at the top when the session measured one model."""
+
+    def record(about: Mapping[str, Any]) -> None:
+        request.node.user_properties.append((_RUN_KEY, _jsonable(dict(about))))
 
     return record
 
@@ -346,6 +367,7 @@ class _Collector:
         self.claims: list[dict[str, Any]] = []
         self.tables: dict[str, list[dict[str, Any]]] = {}
         self.machine: dict[str, Any] | None = None
+        self.runs: dict[str, dict[str, Any]] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call" and not (report.when == "setup" and report.skipped):
@@ -360,6 +382,18 @@ class _Collector:
                     rows.append(value["row"])
             elif key == _MACHINE_KEY:
                 self.machine = value
+            elif key == _RUN_KEY:  # one description per model (name and fingerprint)
+                model = value.get("model") or {}
+                self.runs.setdefault(json.dumps([model.get("name"), model.get("fingerprint")]), value)
+
+    def payload(self) -> dict[str, Any]:
+        """The claims JSON: schema, claims (with their verdict and budget columns), tables, machine, runs, and the
+        run's keys at the top when one model was measured."""
+        runs = list(self.runs.values())
+        one = {k: runs[0][k] for k in RUN_KEYS if k in runs[0]} if len(runs) == 1 else {}
+        return {"schema": CLAIMS_SCHEMA,
+                "claims": [{**c, "verdict": verdict(c), "budget": budget(c)} for c in self.claims],
+                "tables": self.tables, "machine": self.machine, **one, "runs": runs}
 
 
 def verdict(claim: dict[str, Any]) -> str:
@@ -413,9 +447,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if out and (claims or tables):
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)
-        payload = {"schema": CLAIMS_SCHEMA,
-                   "claims": [{**c, "verdict": verdict(c), "budget": budget(c)} for c in claims],
-                   "tables": tables, "machine": store.machine}
-        atomic_write_text(directory / "claims.json", json.dumps(payload, indent=2))
+        atomic_write_text(directory / "claims.json", json.dumps(store.payload(), indent=2))
         atomic_write_text(directory / "claims.md", claims_markdown(claims) + "\n")
         terminalreporter.write_line(f"claims written to {directory}/claims.json and claims.md")

@@ -5,7 +5,8 @@ Each claim of the registry is decided by :func:`rope_quant.claims.engine.evaluat
 ``--rq-claims-out`` (``DIR/claims.json``, ``DIR/claims.md``; docs/verdicts.md, "The claims JSON"): schema 2, one
 row per claim with the plugin's keys (``test`` and ``outcome`` are None: no pytest test ran) and the engine's
 (``id``, ``section``, ``statement``, ``seeds``, ``rule``). The payload also names the model and its content
-fingerprint, the protocol (seeds, windows, calibration tokens), the device, the machine the cells ran on
+fingerprint, the protocol (seeds, windows, calibration tokens), the device (:func:`describe_run`, the keys the
+plugin writes for a registry front's run: :data:`RUN_KEYS`, and ``runs``), the machine the cells ran on
 (``DIR/env.json``) and the claims left out with the reason. A claim whose cell has no complete record reads
 inconclusive, the missing cell and seed named.
 """
@@ -82,26 +83,42 @@ def _fingerprint(run: Any) -> str | None:
         return None
 
 
-def describe_directory(out: str | os.PathLike[str], store: DirectoryStore) -> dict[str, Any]:
-    """The payload's ``model``, ``protocol``, ``device`` and ``machine`` of a claims directory."""
-    from rope_quant.sweep.cellkind import run_of
+#: How the claims JSON's model fingerprint is computed (both fronts write it).
+FINGERPRINT_BASIS = "SHA-256 of the model files (rope_quant.experiment.identity)"
+#: The keys that describe a run in the claims JSON, from ``rope-quant report DIR`` and from pytest's
+#: ``--rq-claims-out`` alike (:func:`describe_run`; ``runs`` lists one such description per model).
+RUN_KEYS = ("model", "protocol", "device")
 
-    manifest = store.manifest
-    run = run_of(store.comparator())
-    env = _env(Path(out))
+
+def describe_run(run: Any, seeds: Sequence[int], comparator: str, device: Mapping[str, Any] | None = None,
+                 fingerprint: str | None = None, name: str = "rope-quant claims") -> dict[str, Any]:
+    """The ``model`` (name, fingerprint of its files), ``protocol`` and ``device`` of a claims table whose cells are
+    ``run`` (a ``RunConfig``: the comparator's) with each claim's overrides, at ``seeds``. ``device``: the device's
+    description (``envinfo.device_description``); ``fingerprint``: the model's content hash when known (default:
+    ``run.model_id``, else computed from the model's files when they are here); ``name``: where the protocol
+    comes from (the claims sweep's flags, or a pytest front's protocol: ``paper``)."""
     evals = run.eval_windows
     return {
-        "model": {"name": run.model, "fingerprint": _fingerprint(run),
-                  "fingerprint_basis": "SHA-256 of the model files (rope_quant.experiment.identity)"},
-        "protocol": {"seeds": store.seeds(), "corpus": run.corpus, "corpus_id": run.corpus_id,
+        "model": {"name": run.model, "fingerprint": fingerprint or _fingerprint(run),
+                  "fingerprint_basis": FINGERPRINT_BASIS},
+        "protocol": {"name": name, "seeds": [int(s) for s in seeds], "corpus": run.corpus, "corpus_id": run.corpus_id,
                      "seqlen": run.seqlen, "calib_windows": run.calib_windows,
                      "calibration_tokens": run.calib_windows * run.seqlen, "eval_windows": evals,
                      "eval_tokens": None if evals is None else evals * run.seqlen,
                      "bits": f"W{run.w_bits}A{run.a_bits}K{run.k_bits}V{run.v_bits}", "weights": str(run.weights),
-                     "comparator": manifest.comparator, "dtype": str(run.dtype)},
-        "device": {"requested": str(run.device), **((env or {}).get("device") or {})},
-        "machine": env,
+                     "comparator": comparator, "dtype": str(run.dtype)},
+        "device": {"requested": str(run.device), **(device or {})},
     }
+
+
+def describe_directory(out: str | os.PathLike[str], store: DirectoryStore) -> dict[str, Any]:
+    """The payload's ``model``, ``protocol``, ``device`` and ``machine`` of a claims directory."""
+    from rope_quant.sweep.cellkind import run_of
+
+    env = _env(Path(out))
+    about = describe_run(run_of(store.comparator()), store.seeds(), store.manifest.comparator,
+                         (env or {}).get("device"))
+    return {**about, "machine": env}
 
 
 def payload(out: str | os.PathLike[str], store: DirectoryStore, results: Sequence[ClaimResult],
@@ -115,7 +132,8 @@ def payload(out: str | os.PathLike[str], store: DirectoryStore, results: Sequenc
     model = run_of(store.comparator()).model
     rows = [row(r, model, **(row_extra or {}).get(r.id, {})) for r in results]
     return {"schema": CLAIMS_SCHEMA, "source": source, "claims": rows, "tables": {},
-            **about, "left_out": [{"id": cid, "reason": why} for cid, why in left_out.items()], **extra}
+            **about, "runs": [{k: about[k] for k in RUN_KEYS}],
+            "left_out": [{"id": cid, "reason": why} for cid, why in left_out.items()], **extra}
 
 
 def write_claims(out: str | os.PathLike[str], data: Mapping[str, Any], name: str = CLAIMS_JSON,

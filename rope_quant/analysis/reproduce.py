@@ -10,7 +10,10 @@ different rules are compared, and the header says that a flip may be the rule's.
 verdict is the decision rule's GREATER form (:mod:`rope_quant.core.verdict`; no numerical spread) on
 ``config − comparator``: worse / better / undecided.
 Directories from another protocol or model are refused with the fields that differ (seeds, device and the
-GPTQ float mode may differ: they are what a reproduction varies).
+GPTQ float mode may differ: they are what a reproduction varies). Two claims JSONs of different models (each of
+one model: its top-level ``model`` with the fingerprint of its files, or its rows' one model name) are compared
+claim by claim, matched by the registry id: the header names each model with its fingerprint, protocol and
+device, and the fields of the protocols that differ; a flipped verdict is then a difference between the models.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Number:
     verdict: str
     outcome: str = ""  # holds / fails / refuted / inconclusive (a flip compares these, not the verdict's text)
     float_order: str = ""  # σ_num and bias over the numerical replicates, where the claim recorded them
+    deviation: str = ""  # the nearest protocol the claim ran under on this model (its title's "[deviation: …]")
 
     @property
     def half_width(self) -> float | None:
@@ -138,15 +142,52 @@ def _rule(payload: Mapping[str, Any]) -> str:
     return " + ".join(sorted(str(r) for r in rules)) if rules else LEGACY_RULE
 
 
-def _claims_numbers(path: Path) -> tuple[dict[str, Number], dict[str, Any]]:
+def _claims_payload(path: Path) -> Mapping[str, Any]:
     payload = json.loads(path.read_text())
     if not isinstance(payload, Mapping) or "claims" not in payload:
         raise ReproduceError(f"{path} is not a claims JSON (no 'claims' key)")
     if not isinstance(payload["claims"], list):
         raise ReproduceError(f"{path}: 'claims' is not a list")
+    return payload
+
+
+_DEVIATION = " [deviation: "
+
+
+def _title(claim: Mapping[str, Any]) -> tuple[str, str]:
+    """A row's claim title without its deviation, and the deviation (empty when none)."""
+    title = str(claim.get("claim", "?"))
+    if _DEVIATION in title and title.endswith("]"):
+        head, _, rest = title.partition(_DEVIATION)
+        return head, rest[:-1]
+    return title, ""
+
+
+def run_of(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The one run a claims JSON describes (its top-level ``model``, ``protocol``, ``device``, or its one ``runs``
+    entry); from its rows' model names alone when it has no description; empty when it holds several models."""
+    if isinstance(payload.get("model"), Mapping):
+        return {k: payload.get(k) for k in ("model", "protocol", "device")}
+    runs = payload.get("runs") or []
+    if len(runs) == 1 and isinstance(runs[0], Mapping):
+        return dict(runs[0])
+    names = {str(c.get("model", "?")) for c in payload.get("claims", []) if isinstance(c, Mapping)}
+    return {"model": {"name": names.pop(), "fingerprint": None}} if len(names) == 1 else {}
+
+
+def _model_key(run: Mapping[str, Any]) -> tuple[Any, Any] | None:
+    model = run.get("model") or {}
+    return (model.get("name"), model.get("fingerprint")) if model else None
+
+
+def _claims_numbers(payload: Mapping[str, Any], by_id: bool = False) -> tuple[dict[str, Number], dict[str, Any]]:
+    """Each claim's (and part's) number; keyed by claim and model, or (``by_id``: two models' tables) by the
+    claim's registry id (its title, deviation left out, where a row has no id)."""
     numbers: dict[str, Number] = {}
     for claim in payload["claims"]:
-        label = f"{claim['claim']} [{claim.get('model', '?')}]"
+        title, deviation = _title(claim)
+        key = str(claim.get("id") or title) if by_id else f"{claim['claim']} [{claim.get('model', '?')}]"
+        label = title if by_id else key
         d = claim.get("decision") or {}
         mean, low, high, n = d.get("mean"), d.get("low"), d.get("high"), d.get("n")
         verdict = str(claim.get("verdict", ""))
@@ -155,12 +196,13 @@ def _claims_numbers(path: Path) -> tuple[dict[str, Number], dict[str, Any]]:
             pair = _paired_series(claim.get("numbers") or {})
             if pair is not None:
                 label, (mean, low, high, n) = f"{label} ({pair[0]})", pair[1]
-        numbers[label] = Number(label, mean, low, high, n, verdict, outcome, _float_order(d))
+                key = key if by_id else label
+        numbers[key] = Number(label, mean, low, high, n, verdict, outcome, _float_order(d), deviation)
         for name, part in (claim.get("parts") or {}).items():  # a claim of parts: each part its own row
             if isinstance(part, Mapping) and part.get("outcome"):
-                numbers[f"{label} · {name}"] = Number(
+                numbers[f"{key} · {name}"] = Number(
                     f"{label} · {name}", part.get("mean"), part.get("low"), part.get("high"), int(part.get("n") or 0),
-                    str(part.get("text") or part["outcome"]), str(part["outcome"]), _float_order(part))
+                    str(part.get("text") or part["outcome"]), str(part["outcome"]), _float_order(part), deviation)
     return numbers, {**(payload.get("machine") or {}), "_rule": _rule(payload)}
 
 
@@ -177,19 +219,45 @@ def _paired_series(numbers: Mapping[str, Any]) -> tuple[str, tuple[float, float,
     return f"{a} − {b}", (ci.mean, ci.low, ci.high, ci.n)
 
 
-def _load(path: Path) -> tuple[str, dict[str, Number], dict[str, Any]]:
+def _load(path: Path) -> tuple[str, dict[str, Number], dict[str, Any], Mapping[str, Any] | None]:
     if path.is_dir():
         if (path / "manifest.json").is_file():
-            return "directory", *_dir_numbers(path)
+            return "directory", *_dir_numbers(path), None
         if (path / "claims.json").is_file():
-            return "claims", *_claims_numbers(path / "claims.json")
-        raise ReproduceError(f"{path} holds neither a manifest.json (results directory) nor a claims.json")
+            path = path / "claims.json"
+        else:
+            raise ReproduceError(f"{path} holds neither a manifest.json (results directory) nor a claims.json")
     if path.is_file():
         try:
-            return "claims", *_claims_numbers(path)
+            payload = _claims_payload(path)
         except json.JSONDecodeError as exc:
             raise ReproduceError(f"{path} is not valid JSON: {exc}") from exc
+        return "claims", *_claims_numbers(payload), payload
     raise ReproduceError(f"{path} does not exist")
+
+
+def _run_line(run: Mapping[str, Any]) -> str:
+    """A model with its fingerprint, its protocol and its device, in one line."""
+    model, protocol, device = (run.get(k) or {} for k in ("model", "protocol", "device"))
+    line = f"{model.get('name', '?')} (fingerprint {model.get('fingerprint') or 'not recorded'})"
+    if protocol:
+        evals = protocol.get("eval_windows")
+        line += (f"; protocol {protocol.get('name') or '?'}: {protocol.get('bits')}, {protocol.get('weights')}, "
+                 f"{protocol.get('calib_windows')} x {protocol.get('seqlen')} calibration, "
+                 f"{'every' if evals is None else evals} eval windows, seeds {protocol.get('seeds')}")
+    if device:
+        line += f"; device {device.get('cuda_name') or device.get('requested')}"
+    return line
+
+
+def _cross_model_lines(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    """The header of two models' claims tables: each run, and the protocol fields that differ."""
+    pa, pb = a.get("protocol") or {}, b.get("protocol") or {}
+    differ = [f"{k}: {pa.get(k)!r} vs {pb.get(k)!r}" for k in dict.fromkeys([*pa, *pb])
+              if k != "seeds" and pa.get(k) != pb.get(k)]
+    return [f"- **two models**, rows matched by claim id: this {_run_line(a)}; other {_run_line(b)}",
+            "- a flipped verdict is a difference between the models (or their protocols), not a failed reproduction"
+            + (f"; protocol fields that differ: {'; '.join(differ)}" if differ else "")]
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -233,24 +301,36 @@ def compare_against(this: str | Path, other: str | Path) -> str:
     """Markdown: each number of ``this`` beside ``other``'s, Δ in units of this run's CI half-width, flipped
     verdicts flagged. Raises :class:`ReproduceError` for runs that cannot be compared."""
     a_path, b_path = Path(this), Path(other)
-    a_kind, a, a_env = _load(a_path)
-    b_kind, b, b_env = _load(b_path)
+    a_kind, a, a_env, a_payload = _load(a_path)
+    b_kind, b, b_env, b_payload = _load(b_path)
     if a_kind != b_kind:
         raise ReproduceError(f"cannot compare a {a_kind} ({a_path}) with a {b_kind} ({b_path}): give two results "
                              "directories or two claims JSONs")
+    cross: list[str] = []
+    if a_payload is not None and b_payload is not None:
+        a_run, b_run = run_of(a_payload), run_of(b_payload)
+        ka, kb = _model_key(a_run), _model_key(b_run)
+        if ka is not None and kb is not None and ka != kb:  # two models' tables: claim by claim
+            a, b = _claims_numbers(a_payload, by_id=True)[0], _claims_numbers(b_payload, by_id=True)[0]
+            cross = _cross_model_lines(a_run, b_run)
     if a_kind == "directory":
         diff = _protocol_differences(protocol(a_path), protocol(b_path))
         if diff:
             raise ReproduceError(f"{b_path} is from another protocol or model; fields that differ: " + "; ".join(diff))
     rows: list[dict[str, str]] = []
     flipped, contradictions = 0, 0
-    for label in [*a, *(k for k in b if k not in a)]:
-        x, y = a.get(label), b.get(label)
+    deviations = any(z.deviation for z in [*a.values(), *b.values()])
+    for key in [*a, *(k for k in b if k not in a)]:
+        x, y = a.get(key), b.get(key)
+        found = x or y
+        label = found.label if found else key
         row = {"number": label, "this": _ci(x) if x else "(absent)", "other": _ci(y) if y else "(absent)",
                "Δ": "–", "Δ / half-width": "–", "verdict (this → other)": ""}
         if a_kind == "claims":
             row["float order (this → other)"] = " → ".join(
                 dict.fromkeys(z.float_order or "–" for z in (x, y) if z)) if (x or y) else ""
+        if deviations:
+            row["deviation (this → other)"] = " → ".join(z.deviation or "none" if z else "(absent)" for z in (x, y))
         only = x or y
         if only is not None and not (x and y):  # a number only one run has (a part the other did not record)
             row["verdict (this → other)"] = only.verdict
@@ -271,7 +351,7 @@ def compare_against(this: str | Path, other: str | Path) -> str:
         rows.append(row)
     rules = [env.pop("_rule", None) for env in (a_env, b_env)]
     head = [f"# Reproducibility: {a_path} against {b_path}", "",
-            f"- this: {_machine_line(a_env)}", f"- other: {_machine_line(b_env)}",
+            f"- this: {_machine_line(a_env)}", f"- other: {_machine_line(b_env)}", *cross,
             *([f"- rule: {rules[0]}"] if rules[0] and rules[0] == rules[1] else
               [f"- **different decision rules**: this {rules[0]}; other {rules[1]}: a flip may be the rule's, not "
                "the data's"] if rules[0] else []),

@@ -4,6 +4,8 @@ Each :class:`Shape` holds the values of a model card's ``config.json`` (source U
 here so the scale tests and ``rope-quant plan`` need no network. :func:`build` instantiates the model with
 transformers' own class (random weights, optionally truncated to ``layers`` decoder layers at full width);
 :func:`build_meta` does the same on the meta device (no memory), for planning and parameter counts.
+:func:`narrow` keeps a shape's architecture, head_dim, GQA ratio and RoPE base at fewer heads (a CPU test of
+the paper's protocol on the shape's kind of model).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShapeName", "Shape", "SHAPES", "ShapeError", "shape", "hf_config", "build", "build_meta",
+__all__ = ["ShapeName", "Shape", "SHAPES", "ShapeError", "shape", "narrow", "hf_config", "build", "build_meta",
            "param_count"]
 
 
@@ -85,6 +87,19 @@ def shape(name: str | ShapeName | Shape) -> Shape:
         return SHAPES[ShapeName(str(name).lower())]
     except ValueError:
         raise ShapeError(f"unknown shape {name!r}; known: {', '.join(s.value for s in ShapeName)}") from None
+
+
+def narrow(name: str | ShapeName | Shape, heads: int) -> Shape:
+    """The shape at ``heads`` query heads: head_dim, the query/KV head ratio, the RoPE base and the architecture
+    kept; hidden = heads × head_dim, the MLP width scaled by the same factor. ``heads`` must be a positive multiple
+    of the shape's query heads per KV head and at most its heads."""
+    s = shape(name)
+    group = s.heads // s.kv_heads
+    if isinstance(heads, bool) or not isinstance(heads, int) or not 0 < heads <= s.heads or heads % group:
+        raise ShapeError(f"{s.name.value}: heads must be a multiple of {group} (query heads per KV head) in "
+                         f"{group} … {s.heads}, got {heads!r}")
+    return replace(s, hidden=heads * s.head_dim, intermediate=s.intermediate * heads // s.heads, heads=heads,
+                   kv_heads=heads // group, published_params=0.0)
 
 
 def _truncated(s: Shape, layers: int | None, vocab: int | None) -> Shape:

@@ -83,3 +83,36 @@ class ByteTokenizer:
 
     def get_vocab(self) -> dict[str, int]:
         return {chr(i): i for i in range(256)}
+
+
+#: The most ids of the BPE tokenizer a random-weight shape checkpoint is saved with (trained on the pydoc corpus).
+TOKENIZER_VOCAB = 4096
+
+
+def save_shape_checkpoint(directory: Any, shape: str, layers: int, vocab: int, dtype: str = "float32",
+                          heads: int | None = None) -> Any:
+    """A random-weight paper shape (:mod:`rope_quant.model.shapes`: ``layers`` decoder layers, a ``vocab``-row
+    embedding, ``heads`` query heads through :func:`~rope_quant.model.shapes.narrow` when given) and a byte-level
+    BPE tokenizer trained on the pydoc corpus (at most :data:`TOKENIZER_VOCAB` ids), saved with
+    ``save_pretrained`` into ``directory`` (returned), loadable as ``RunConfig.model``."""
+    from pathlib import Path
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from rope_quant.model import shapes
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab, TOKENIZER_VOCAB), special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(topics.values()), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    kind = shapes.narrow(shape, heads) if heads is not None else shape
+    model = shapes.build(kind, layers=layers, vocab=vocab, seed=0, dtype=getattr(torch, dtype))
+    model.config.bos_token_id, model.config.eos_token_id = 1, 2
+    model.save_pretrained(directory)
+    fast.save_pretrained(directory)
+    return Path(directory)

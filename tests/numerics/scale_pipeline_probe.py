@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-TOKENIZER_VOCAB = 4096
+from tests._support.models import TOKENIZER_VOCAB, save_shape_checkpoint
+
 PROBE_TOKENS = 32
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2 ** 30
@@ -99,24 +100,7 @@ def time_row(r: dict) -> str:
 
 def save_checkpoint(directory: Path, shape: str, layers: int, vocab: int, dtype: str) -> None:
     """The random-weight shape and a pydoc-trained BPE tokenizer, saved for ``RunConfig.model``."""
-    from pydoc_data.topics import topics
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from rope_quant.model import shapes
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=min(vocab, TOKENIZER_VOCAB), special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(list(topics.values()), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    model = shapes.build(shape, layers=layers, vocab=vocab, seed=0, dtype=getattr(torch, dtype))
-    model.config.bos_token_id, model.config.eos_token_id = 1, 2
-    model.save_pretrained(directory)
-    fast.save_pretrained(directory)
+    save_shape_checkpoint(directory, shape, layers, vocab, dtype)
 
 
 class RssSampler:

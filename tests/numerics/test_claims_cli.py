@@ -155,26 +155,54 @@ def test_a_missing_cell_reads_inconclusive_and_is_named(swept: Path, tmp_path: P
 
 
 def test_the_claims_json_has_the_pytest_plugins_keys(swept: Path, pytester: pytest.Pytester) -> None:
-    """The plugin's ``--rq-claims-out`` payload and row keys (a claim recorded with a verdict and parts) are all in
-    the report's, and the Markdown table has the plugin's columns."""
+    """The plugin's ``--rq-claims-out`` payload and row keys (a claim recorded with its id, a verdict, parts and its
+    run's description, as a registry front records them) are all in the report's; the model (with its fingerprint),
+    the protocol and the device carry the same keys on both paths; the Markdown table has the plugin's columns."""
     from rope_quant import pytest_plugin
     from rope_quant.analysis import claims_report
 
     pytester.makepyfile(test_rq_shape=(
+        "from rope_quant.analysis.claims_report import describe_run\n"
         "from rope_quant.core.verdict import deterministic\n"
-        "def test_claim(rq_claim, rq_machine):\n"
+        "from rope_quant.experiment.config import RunConfig\n"
+        "from rope_quant.experiment.envinfo import device_description\n"
+        "def test_claim(rq_claim, rq_machine, rq_run):\n"
         "    rq_machine({'cpu_model': 'x'})\n"
+        "    rq_run(describe_run(RunConfig(model='m'), [0, 1], 'hadamard', device_description('cpu'),\n"
+        "                        fingerprint='f0', name='paper'))\n"
         "    v = deterministic(True, 'a note')\n"
-        "    rq_claim('C0 (demo)', 'a < b', '1 < 2', verdict=v, parts={'p': v}, a=1.0)\n"))
+        "    rq_claim('C0 (demo)', 'a < b', '1 < 2', verdict=v, parts={'p': v}, claim_id='C0', a=1.0)\n"))
     plugin_out = pytester.path / "claims"
     pytester.runpytest(f"--rq-claims-out={plugin_out}").assert_outcomes(passed=1)
     plugin = json.loads((plugin_out / "claims.json").read_text())
     ours = json.loads((swept / "claims.json").read_text())
     assert set(plugin) <= set(ours), set(plugin) - set(ours)
     assert set(plugin["claims"][0]) <= set(ours["claims"][0]), set(plugin["claims"][0]) - set(ours["claims"][0])
+    assert plugin["claims"][0]["id"] == "C0" and plugin["model"] == {
+        "name": "m", "fingerprint": "f0", "fingerprint_basis": claims_report.FINGERPRINT_BASIS}
+    assert pytest_plugin.RUN_KEYS == claims_report.RUN_KEYS
+    for key in claims_report.RUN_KEYS:
+        assert set(plugin[key]) == set(ours[key]), (key, set(plugin[key]) ^ set(ours[key]))
+        assert plugin["runs"] == [{k: plugin[k] for k in claims_report.RUN_KEYS}]
+        assert ours["runs"] == [{k: ours[k] for k in claims_report.RUN_KEYS}]
+    assert ours["model"]["fingerprint"] and ours["protocol"]["name"] == "rope-quant claims"
     assert claims_report.CLAIMS_SCHEMA == pytest_plugin.CLAIMS_SCHEMA == ours["schema"]
     header = (plugin_out / "claims.md").read_text().splitlines()[0]
     assert (swept / "claims.md").read_text().startswith(header)
+
+
+def test_a_session_of_two_models_lists_each_run(pytester: pytest.Pytester) -> None:
+    """Two models in one session: ``runs`` holds both descriptions, and no single ``model`` is written on top."""
+    pytester.makepyfile(test_rq_two=(
+        "import pytest\n"
+        "@pytest.mark.parametrize('name', ['a', 'b'])\n"
+        "def test_claim(rq_claim, rq_run, name):\n"
+        "    rq_run({'model': {'name': name, 'fingerprint': name * 4}, 'protocol': {}, 'device': {}})\n"
+        "    rq_claim('C0 (demo)', 'x', 'y', holds=True, model=name, claim_id='C0')\n"))
+    out = pytester.path / "claims"
+    pytester.runpytest(f"--rq-claims-out={out}").assert_outcomes(passed=2)
+    data = json.loads((out / "claims.json").read_text())
+    assert [r["model"]["name"] for r in data["runs"]] == ["a", "b"] and "model" not in data
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -188,6 +216,21 @@ def test_bad_input_is_refused_before_any_cell_runs(tmp_path: Path, capsys, flags
     assert _claims(out, *flags, cells=cells) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+    assert cells.calls == [] and not out.exists()
+
+
+def test_a_table_that_does_not_fit_is_refused_after_its_plan(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The claims plan (cells per claim, cost estimate) is printed, then the memory check refuses the run with the
+    plan's remedy (exit 2) before any model loads or cell runs."""
+    from rope_quant.experiment import memory_check
+
+    monkeypatch.setenv(memory_check.ENV_HOST, "0.01")  # 10 MiB of host RAM
+    out, cells = tmp_path / "cl", Cells()
+    assert _claims(out, "--claims", "C1", "--seeds", "0,1", cells=cells) == 2
+    captured = capsys.readouterr()
+    assert "claims plan: 1 claims" in captured.out and "cost estimate" in captured.out
+    assert "the plan for this run does not fit: stage" in captured.err
+    assert "use a smaller --calib-windows" in captured.err
     assert cells.calls == [] and not out.exists()
 
 

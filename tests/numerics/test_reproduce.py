@@ -199,3 +199,55 @@ def test_a_claim_of_parts_is_compared_part_by_part(tmp_path: Path) -> None:
     rows = {x.split("|")[1].strip(): x for x in compare_against(tmp_path / "a.json", older).splitlines()
             if x.startswith("| C7")}
     assert "(absent)" in rows["C7 [m] · L=4096"] and "| holds |" in rows["C7 [m] · L=4096"]
+
+
+def _model_table(path: Path, name: str, fingerprint: str, seqlen: int, rows: list[dict]) -> Path:
+    """A claims JSON of one model, as both fronts write it (``model``, ``protocol``, ``device``, ``runs``)."""
+    run = {"model": {"name": name, "fingerprint": fingerprint, "fingerprint_basis": "SHA-256"},
+           "protocol": {"name": "paper", "seeds": [0, 1, 2], "seqlen": seqlen, "calib_windows": 128,
+                        "eval_windows": None, "bits": "W4A4K4V4", "weights": "gptq"},
+           "device": {"requested": "cuda", "cuda_name": "NVIDIA H100"}}
+    path.write_text(json.dumps({"schema": 2, "claims": rows, "tables": {}, "machine": {}, **run, "runs": [run]}))
+    return path
+
+
+def _row(cid: str, title: str, model: str, outcome: str, mean: float | None = None, low: float | None = None,
+         high: float | None = None, **extra) -> dict:
+    decision = {"outcome": outcome, "mean": mean, "low": low, "high": high, "n": 3, "text": outcome}
+    return {"claim": title, "id": cid, "model": model, "verdict": outcome, "decision": decision, **extra}
+
+
+def test_two_models_claims_tables_compared_claim_by_claim(tmp_path: Path, capsys) -> None:
+    """``report A --against B`` on two models' claims JSONs: one row per claim (and part), matched by claim id
+    across the models' names and deviations; flips and contradictions flagged; the header names each model with
+    its fingerprint, protocol and device, and the protocol fields that differ."""
+    from rope_quant import cli
+
+    c1, c3, c7 = "C1 (Table 1) pairwise_only vs hadamard", "C3 (App. L) k_only vs rows", "C7 (long context)"
+    dev = " [deviation: R1 refused by the architecture (sandwich norms): every cell runs with r1=identity]"
+    parts = {"L=1024": {"outcome": "holds", "mean": 2.0, "low": 1.0, "high": 3.0, "n": 3, "text": "holds"}}
+    a = _model_table(tmp_path / "llama.json", "/ckpt/llama", "aaaa1111", 2048, [
+        _row("C1", c1, "/ckpt/llama", "holds", numbers={"pairwise_only": [9.0, 9.1, 9.2], "hadamard": [8, 8, 8]}),
+        _row("C3", c3, "/ckpt/llama", "holds", -0.4, -0.6, -0.2),
+        _row("C7", c7, "/ckpt/llama", "holds", 2.0, 1.0, 3.0, parts=parts),
+        _row("C4-ppl", "C4 (Table M)", "/ckpt/llama", "holds")])
+    b = _model_table(tmp_path / "gemma.json", "/ckpt/gemma", "bbbb2222", 1024, [
+        _row("C1", c1 + dev, "/ckpt/gemma", "fails", numbers={"pairwise_only": [7, 7, 7], "hadamard": [8, 8, 8]}),
+        _row("C3", c3 + dev, "/ckpt/gemma", "inconclusive", -0.1, -0.5, 0.3),
+        _row("C7", c7 + dev, "/ckpt/gemma", "holds", 1.0, 0.5, 1.5,
+             parts={"L=1024": {**parts["L=1024"], "outcome": "inconclusive", "text": "inconclusive"}})])
+    assert cli.main(["report", str(a), "--against", str(b)]) == 0
+    text = capsys.readouterr().out
+    rows = {x.split("|")[1].strip(): x for x in text.splitlines() if x.startswith("| C")}
+    assert set(rows) == {f"{c1} (pairwise_only − hadamard)", c3, c7, f"{c7} · L=1024", "C4 (Table M)"}, set(rows)
+    assert "**CONTRADICTION** holds → fails" in rows[f"{c1} (pairwise_only − hadamard)"]
+    assert "**FLIPPED** (decided ↔ inconclusive) holds → inconclusive" in rows[c3] and "+0.300" in rows[c3]
+    assert "FLIPPED" not in rows[c7] and "**FLIPPED**" in rows[f"{c7} · L=1024"]
+    assert "(absent)" in rows["C4 (Table M)"] and "none → R1 refused by the architecture" in rows[c3]
+    assert "3 verdict(s) flipped (1 contradiction(s)" in text
+    assert ("**two models**, rows matched by claim id: this /ckpt/llama (fingerprint aaaa1111); protocol paper: "
+            "W4A4K4V4, gptq, 128 x 2048 calibration, every eval windows, seeds [0, 1, 2]; device NVIDIA H100; "
+            "other /ckpt/gemma (fingerprint bbbb2222);") in text
+    assert "protocol fields that differ: seqlen: 2048 vs 1024" in text
+    same = compare_against(a, _model_table(tmp_path / "again.json", "/ckpt/llama", "aaaa1111", 2048, []))
+    assert "two models" not in same and f"{c3} [/ckpt/llama]" in same  # one model: the reproducibility report

@@ -47,6 +47,18 @@ def test_build_truncates_depth_keeps_width_and_dtype():
     assert out.shape == (1, 3, 256) and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize(("name", "heads"), [("llama-3-8b", 4), ("qwen2.5-7b", 7), ("mistral-7b", 8)])
+def test_narrow_keeps_head_dim_gqa_ratio_and_rope_base(name, heads):
+    s, n = shapes.shape(name), shapes.narrow(name, heads)
+    m = shapes.build_meta(n, layers=1)
+    d = arch.dims(m)
+    assert (d.head_dim, d.n_heads, d.n_heads // d.n_kv_heads) == (s.head_dim, heads, s.heads // s.kv_heads)
+    assert d.hidden == heads * s.head_dim and d.intermediate == s.intermediate * heads // s.heads
+    assert m.config.rope_parameters["rope_theta"] == s.rope_theta and type(m) is type(shapes.build_meta(name, 1))
+    with pytest.raises(shapes.ShapeError, match=f"multiple of {s.heads // s.kv_heads}"):
+        shapes.narrow(name, heads + 1)
+
+
 def test_bad_names_and_truncations():
     with pytest.raises(shapes.ShapeError, match="unknown shape 'llama-9b'.*llama-2-7b"):
         shapes.shape("llama-9b")

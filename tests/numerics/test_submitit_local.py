@@ -1,10 +1,12 @@
-"""A real sweep through submitit's local executor: two array tasks share one results directory.
+"""Real sweeps through submitit's local executor: two array tasks share one results directory.
 
 ``slurm.submit_slurm(..., cluster="local")`` runs each shard as its own subprocess tree, exactly as a
 Slurm array task would run it (pickled ``run_shard``, submitit's job folder), only without a cluster.
 The cell function is cheap (:mod:`submitit_cells`, a deterministic function of the config) so the test
 is about the engine: one task is SIGKILLed mid-cell and the sweep is resubmitted; no finished cell is
-lost or recomputed, and the report equals that of an unsharded run of the same manifest.
+lost or recomputed, and the report equals that of an unsharded run of the same manifest. Once for a compare
+manifest submitted through :func:`slurm.submit_slurm`, once for ``rope-quant claims --slurm 2 --slurm-param
+cluster=local`` (the claims table of ``rope-quant report DIR`` against the unsharded command's).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from rope_quant.sweep.runner import run_cells
 
 submitit = pytest.importorskip("submitit")
 
-from submitit_cells import COMPUTATIONS, KILL_AT, cell_label, counting_cell  # noqa: E402
+from submitit_cells import COMPUTATIONS, KILL_AT, cell_label, claims_cell, counting_cell  # noqa: E402
 
 CONFIGS = ("hadamard", "pairwise_only", "identity")
 SEEDS = (0, 1)
@@ -104,3 +106,86 @@ def test_local_submitit_sweep_survives_a_killed_task(tmp_path: Path, monkeypatch
     assert _strip(summary) == _strip(json.loads((whole / "summary.json").read_text()))
     assert _tables(sharded) == _tables(whole)
     assert (sharded / "summary.md").read_text() == (whole / "summary.md").read_text()
+
+
+#: ``rope-quant claims``' smallest budget (the stand-in cell function ignores it).
+CLAIMS_TINY = ["--seqlen", "64", "--calib-windows", "1", "--eval-windows", "1", "--quiet"]
+CLAIMS_ARGS = ["--claims", "C1,C3", "--seeds", "0,1"]
+#: Keys of the claims JSON that describe the run, not its claims (the machine and its timestamp).
+RUN_KEYS = frozenset({"machine"})
+
+
+def _claims_json(out: Path) -> dict[str, Any]:
+    data = json.loads((out / "claims.json").read_text())
+    return {k: v for k, v in data.items() if k not in RUN_KEYS}
+
+
+def test_claims_sweep_on_local_slurm_survives_a_killed_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``rope-quant claims --slurm 2 --slurm-param cluster=local``: task 0 is SIGKILLed inside its third cell, the
+    same command resubmitted computes only the cells without a record, and ``rope-quant report DIR``'s claims
+    JSON and table equal those of the same command run unsharded."""
+    from rope_quant import cli
+    from rope_quant.sweep.manifest import read_manifest
+
+    repo = Path(rope_quant.__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(repo), str(Path(__file__).parent),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    jobs: list[Any] = []
+    submit = slurm.submit_slurm
+
+    def recording(*args: Any, **kwargs: Any) -> list[Any]:
+        got = submit(*args, **kwargs)
+        jobs[:] = got
+        return got
+
+    monkeypatch.setattr(slurm, "submit_slurm", recording)
+    sharded, log = tmp_path / "sharded", tmp_path / "log"
+    log.mkdir()
+    (log / KILL_AT).write_text("pairwise_only+rows@0")  # seed 0's pairwise_only cell, in task 0 after hadamard
+    argv = ["claims", "--out", str(sharded), *CLAIMS_TINY, *CLAIMS_ARGS, "--slurm", "2",
+            "--slurm-param", "cluster=local", "--slurm-param", "timeout_min=3"]
+    cell_fn = functools.partial(claims_cell, str(log))
+
+    def submit_and_wait() -> list[Any]:
+        assert cli.main(argv, cell_fn=cell_fn) == 0
+        assert len(jobs) == 2
+        for job in jobs:
+            job.wait()
+        return list(jobs)
+
+    killed, survivor = submit_and_wait()
+    entries = read_manifest(sharded)["cells"]
+    assert len(entries) == 12 and {e["seed"] for e in entries[:6]} == {0}  # seed-major: task i runs seed i's cells
+    with pytest.raises(submitit.core.utils.UncompletedJobError):
+        killed.result()  # SIGKILLed inside a cell: no result
+    assert sorted(survivor.result()["ran"]) == list(range(6, 12)) and survivor.result()["failed"] == []
+    assert not (log / KILL_AT).exists()
+    done = {i for i, e in enumerate(entries) if is_complete(sharded / e["path"], e["key"])}
+    killed_at = next(i for i, e in enumerate(entries) if e["seed"] == 0 and e["name"] == "pairwise_only")
+    assert killed_at not in done and 0 < len(done - set(range(6, 12))) < 5, done  # task 0 died mid-shard
+    first = _computations(log)
+    assert first["pairwise_only+rows@0"] == 1 and sum(first.values()) == len(first) == len(done) + 1
+    records = {i: (sharded / entries[i]["path"]).read_bytes() for i in done}
+
+    again, other = submit_and_wait()  # the same command again: the resume
+    assert sorted(again.result()["ran"]) == sorted(set(range(6)) - done)
+    assert sorted(again.result()["skipped"]) == sorted(done - set(range(6, 12)))
+    assert other.result()["ran"] == [] and sorted(other.result()["skipped"]) == list(range(6, 12))
+    counts = _computations(log)
+    assert len(counts) == 12 and counts["pairwise_only+rows@0"] == 2
+    assert sum(counts.values()) == 13  # every cell once, the killed one twice: nothing finished is recomputed
+    assert all((sharded / entries[i]["path"]).read_bytes() == data for i, data in records.items())
+
+    assert cli.main(["report", str(sharded)]) == 0
+    whole, whole_log = tmp_path / "whole", tmp_path / "whole-log"
+    whole_log.mkdir()
+    assert cli.main(["claims", "--out", str(whole), *CLAIMS_TINY, *CLAIMS_ARGS],
+                    cell_fn=functools.partial(claims_cell, str(whole_log))) == 0
+    assert sorted(_computations(whole_log)) == sorted(counts)
+    capsys.readouterr()
+    ours, theirs = _claims_json(sharded), _claims_json(whole)
+    assert {r["id"]: r["decision"]["outcome"] for r in ours["claims"]}["C1"] == "holds"
+    assert ours == theirs
+    assert (sharded / "claims.md").read_text() == (whole / "claims.md").read_text()

@@ -1,0 +1,322 @@
+"""The registry fronts' one path: a checkpoint's claims table decided by the claims engine.
+
+Shared by ``pytest -m e2e --rq-model PATH`` (tests/e2e/test_registry_claims.py, the CPU budget),
+``pytest -m gpu_e2e`` (tests/e2e/test_gpu_claims.py, the paper's protocol :data:`PAPER` on CUDA) and that
+parametrization's CPU run (tests/e2e/test_paper_protocol_cpu.py, :data:`PAPER` cut to a tiny budget):
+
+1. :func:`open_front`: the checkpoint's facts from its config (no weights: premises, head_dim, q/k norms;
+   :func:`rope_quant.claims.premises.facts_of_checkpoint`), each claim of its table as it runs there
+   (:func:`rope_quant.claims.premises.adapt` at the budget's seqlen: itself, the nearest protocol with the deviation
+   named, its model-dependent values resolved, or the reason it skips; a claim at equal bits per key element whose
+   cells store unequal bits at that T fails the front), the plan of the whole table (time and memory:
+   :func:`table_plan`) printed, or a refusal with the plan's remedy, all before the model loads; then the model and
+   the paired :class:`Experiment` (or an experiment the caller already holds: the default suite's on the default
+   model);
+2. :class:`ExperimentStore`: the experiment as a claims store (each cell computed and memoised on first read);
+3. :func:`decide_claim`: one claim through ``Experiment.decided`` (fixed-n, or the sequential rule with
+   ``--rq-until-decided``) and :func:`rope_quant.claims.engine.evaluate`, its row recorded with ``rq_claim`` and
+   the run's description (the model and the fingerprint of its files, the protocol, the device:
+   :func:`rope_quant.analysis.claims_report.describe_run`, the keys ``rope-quant report DIR`` writes) with
+   ``rq_run``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from rope_quant.claims import registry
+from rope_quant.claims.premises import ModelFacts
+from rope_quant.claims.registry import (
+    Claim,
+    Metric,
+    Override,
+    Scoring,
+    Statistic,
+    length_of,
+    overrides_of,
+    scoring_of,
+    side_cells,
+)
+from rope_quant.claims.stores import ReplicateValues
+
+DEFAULT_SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class FrontProtocol:
+    """The sizes a registry front runs its cells at: ``seqlen`` tokens per window, ``calib_windows`` calibration
+    windows per seed, ``eval_windows`` scored windows per cell (None: every window of the corpus),
+    ``support_windows`` for C4's cells, ``long_windows`` per length for C7's."""
+
+    name: str
+    seqlen: int
+    calib_windows: int
+    eval_windows: int | None
+    support_windows: int = 3
+    long_windows: int = 1
+
+    def budget(self, budget_cls: Any, rq_options: Any, seeds: Sequence[int] = DEFAULT_SEEDS) -> Any:
+        """The ``E2EBudget`` of this protocol at ``--rq-seeds`` (else ``seeds``) with the session's replicates:
+        ``--rq-replicates`` K, else every seed up to 3, or every seed under ``--rq-until-decided``."""
+        chosen = tuple(rq_options.seeds or seeds)
+        given = rq_options.replicates if rq_options.replicates is not None or not rq_options.until_decided \
+            else len(chosen)
+        return budget_cls(seeds=chosen, seqlen=self.seqlen, calib_windows=self.calib_windows,
+                          eval_windows=self.eval_windows, support_windows=self.support_windows,
+                          long_windows=self.long_windows, replicates=budget_cls.replicates_for(given, chosen))
+
+
+PAPER = FrontProtocol("paper", seqlen=2048, calib_windows=128, eval_windows=None)
+"""The paper's protocol (App. A.1): 128 × 2048 calibration tokens, seqlen 2048, every evaluation window."""
+
+
+class ExperimentStore:
+    """The :class:`rope_quant.claims.stores.Store` of an ``Experiment``: each cell computed (and memoised) on
+    first read."""
+
+    def __init__(self, exp: Any) -> None:
+        self.exp = exp
+
+    def _overrides(self, cell: Mapping[str, Override]) -> dict[str, Any]:
+        out: dict[str, Any] = dict(overrides_of(cell))
+        if scoring_of(cell) is Scoring.SUPPORT:
+            out["eval_windows"] = self.exp.budget.support_windows
+        return out
+
+    def _value(self, cell: Mapping[str, Override], seed: int, metric: str, **rep: Any) -> float:
+        ov = {**self._overrides(cell), **rep}
+        if scoring_of(cell) is Scoring.LONG:
+            length = int(length_of(cell) or 0)
+            return float(self.exp.long_context(seed, (length,), **ov)[length].ppl)
+        return float(self.exp.cell(seed, **ov)[str(metric)])
+
+    def values(self, cell: Mapping[str, Override], seeds: Sequence[int], metric: str = Metric.PPL) -> list[float]:
+        return [self._value(cell, int(s), metric) for s in seeds]
+
+    def replicates(self, cell: Mapping[str, Override], seeds: Sequence[int],
+                   metric: str = Metric.PPL) -> ReplicateValues:
+        got = self.exp.over_replicates(lambda seed, rep: self._value(cell, seed, metric, **rep))
+        if isinstance(got, str):
+            return got
+        chosen = {int(s) for s in seeds}
+        out = {self.exp.replicate_seeds[i]: v for i, v in got.items() if self.exp.replicate_seeds[i] in chosen}
+        return out or None
+
+    def tokens(self, cell: Mapping[str, Override]) -> int | None:
+        scoring = scoring_of(cell)
+        if scoring is Scoring.LONG:
+            return int(self.exp.budget.long_windows * int(length_of(cell) or 0))
+        return self.exp.tokens(self.exp.budget.support_windows if scoring is Scoring.SUPPORT else None,
+                               **self._overrides(cell))
+
+
+@dataclass
+class Front:
+    """One checkpoint's registry front: the model, its experiment (None when no claim runs there: the model is
+    not loaded), each claim as it runs there (a str: why it skips), the plan printed before the model loaded,
+    the offload mode it runs with and the run's description for the claims JSON (``rq_run``)."""
+
+    model: str
+    exp: Any
+    claims: dict[str, Claim | str]
+    plan: str
+    offload: str = "none"
+    about: dict[str, Any] = field(default_factory=dict)
+
+
+def table_claims(facts: ModelFacts, seq_len: int, claims: Iterable[Claim] | None = None) -> dict[str, Claim | str]:
+    """Every registry claim (or each of ``claims``) as it runs on a model with ``facts`` (its config's:
+    :func:`rope_quant.claims.premises.facts_of_checkpoint`) at evaluation windows of ``seq_len`` tokens: the claim
+    adapted (premises, model-dependent values resolved: :func:`rope_quant.claims.premises.adapt`), or why it skips.
+    A claim at equal bits per key element whose cells store unequal bits at T = ``seq_len`` raises
+    :class:`~rope_quant.claims.registry.ClaimError` (the cells and their bits named)."""
+    from rope_quant.claims.premises import adapt
+
+    return {c.id: adapt(c, facts, seq_len=seq_len) for c in (registry.claims() if claims is None else claims)}
+
+
+def _replicated_cells(claim: Claim) -> set[str]:
+    """The cells a paired part reads (they get float-order replicates)."""
+    return {n for p in claim.parts if p.statistic is Statistic.PAIRED
+            for side in (p.treatment, p.control) for n in side_cells(side)}
+
+
+def table_cells(model: str, corpus: str, device: str, budget: Any,
+                claims: Iterable[Claim]) -> tuple[set[str], set[str], dict[int, int]]:
+    """The table's cells at the budget's seeds, from configs alone: the short-context cell keys, the weight
+    builds (seed × bits × float order) and, per long-context length, the cells scored there."""
+    from rope_quant.experiment.config import RunConfig
+    from rope_quant.quant.rtn import GPTQConfig
+
+    keys: set[str] = set()
+    builds: set[str] = set()
+    lengths: dict[int, int] = {}
+    replicated = set(budget.seeds[: budget.replicates])
+    for claim in claims:
+        paired = _replicated_cells(claim)
+        for seed in budget.seeds:
+            for name in claim.cell_names():
+                cell = claim.cells[name]
+                ov: dict[str, Any] = dict(overrides_of(cell))
+                variants = [ov]
+                if name in paired and seed in replicated:
+                    variants.append({**ov, "gptq": GPTQConfig(float64=not budget.gptq_float64)})
+                scoring = scoring_of(cell)
+                windows = budget.support_windows if scoring is Scoring.SUPPORT else budget.eval_windows
+                for v in variants:
+                    cfg = RunConfig.from_flat(model=model, corpus=corpus, seed=seed, seqlen=budget.seqlen,
+                                              device=device, calib_windows=budget.calib_windows,
+                                              eval_windows=windows, **v)
+                    builds.add(cfg.weight_key())
+                    if scoring is Scoring.LONG:
+                        length = int(length_of(cell) or 0)
+                        lengths[length] = lengths.get(length, 0) + 1
+                    else:
+                        keys.add(cfg.key())
+    return keys, builds, lengths
+
+
+def table_plan(model: str, device: str, corpus: str, budget: Any, claims: Sequence[Claim],
+               requested: str = "auto") -> tuple[Any, Any, int, int]:
+    """The plan of the whole claims table on ``model`` (its config only), ``device`` and the budget's protocol,
+    checked against this machine (:func:`rope_quant.experiment.memory_check.decide`): ``(decision, plan, short
+    cells, weight builds)``. Raises ``PlanDoesNotFit`` (the stage, the need and the remedy) when it does not fit."""
+    from rope_quant.experiment import memory_check
+    from rope_quant.experiment import plan as planning
+
+    keys, builds, lengths = table_cells(model, corpus, device, budget, claims)
+    protocol = planning.Protocol(calib_windows=budget.calib_windows, seqlen=budget.seqlen,
+                                 eval_windows=budget.eval_windows or planning.PAPER.eval_windows,
+                                 configs=max(1, math.ceil(len(keys) / max(1, len(builds)))),
+                                 seeds=max(1, len(builds)), gptq=True, long_context=tuple(sorted(lengths)))
+    decision = memory_check.decide(model, device, "float32", protocol, requested)
+    plan = memory_check.plan_for(model, device, "float32", protocol, offload=decision.offload.value == "cpu")
+    eval_tokens = protocol.eval_windows * protocol.seqlen
+    for i, stage in enumerate(plan.stages):  # the plan scores eval_tokens // L windows per L; a cell scores fewer
+        for length, cells in lengths.items():
+            if stage.name == f"long context L={length}":
+                per = stage.seconds * budget.long_windows / max(1, eval_tokens // length)
+                plan.stages[i] = replace(stage, seconds=per, repeats=cells)
+    return decision, plan, len(keys), len(builds)
+
+
+def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mapping[str, Claim | str],
+              plan: Any, cells: int, builds: int) -> str:
+    """The printed plan: the claims that run and those that skip, the cells and builds, the plan's table."""
+    from rope_quant.experiment.plan import format_plan
+
+    runs = [c.id + (" (deviation)" if "[deviation:" in c.title else "") for c in claims.values()
+            if not isinstance(c, str)]
+    skips = [f"{cid}: {why}" for cid, why in claims.items() if isinstance(why, str)]
+    evals = "every" if budget.eval_windows is None else str(budget.eval_windows)
+    return "\n".join([
+        f"registry claims plan: {model} on {device}, protocol {protocol} ({budget.calib_windows} x {budget.seqlen} "
+        f"calibration tokens, seqlen {budget.seqlen}, {evals} evaluation windows), seeds "
+        f"{','.join(map(str, budget.seeds))} ({budget.replicates} replicated in the other float order)",
+        f"claims that run: {', '.join(runs) or 'none'}",
+        *([f"claims skipped: {'; '.join(skips)}"] if skips else []),
+        f"cells: {cells} short-context cells over {builds} weight builds (seed x bits x float order); "
+        "--rq-until-decided adds seeds to the open claims only",
+        format_plan(plan)])
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.__stderr__, flush=True)
+
+
+def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_cls: Any, cache: str,
+               rq_options: Any, protocol: str, missing: Callable[[str], Any] = pytest.skip,
+               offload: str = "auto", log: Callable[[str], None] = _stderr,
+               claims: Sequence[Claim] | None = None, experiment: Callable[[], Any] | None = None) -> Front:
+    """The front of ``model`` on ``device`` at ``budget`` (module docstring, step 1). A model that cannot be
+    found calls ``missing`` with the reason (``pytest.skip`` by default; ``pytest.fail`` where it must exist).
+    ``claims``: the claims of its table (default: every registry claim); ``experiment``: where the front does not
+    load the model itself, the experiment it runs its cells in (called after the plan is printed: the default
+    suite's ``experiment`` fixture on the default model, sharing its cells)."""
+    from rope_quant.claims.premises import facts_of_checkpoint
+    from rope_quant.claims.registry import ClaimError
+    from rope_quant.experiment import plan as planning
+    from rope_quant.model.arch import ArchitectureError
+    from rope_quant.model.loading import ModelLoadError, ModelNotFoundError, load_model
+
+    try:
+        facts = facts_of_checkpoint(model)
+    except (ModelNotFoundError, ModelLoadError, ArchitectureError) as exc:
+        missing(f"--rq-model {model!r}: {exc}")
+        raise  # missing() raised; this line is for the type checker
+    try:
+        table = table_claims(facts, budget.seqlen, claims)
+    except ClaimError as exc:  # unequal bits per key element at this T: refused before the model loads
+        pytest.fail(f"{model}: {exc}", pytrace=False)
+    running = [c for c in table.values() if not isinstance(c, str)]
+    mode, text = "none", f"registry claims plan: {model}: no claim runs"
+    if running:
+        try:
+            decision, plan, cells, builds = table_plan(model, device, corpus, budget, running, offload)
+        except planning.PlanDoesNotFit as exc:
+            pytest.fail(f"{model} on {device}: the plan of the claims table does not fit this machine: {exc}",
+                        pytrace=False)
+        except planning.PlanError as exc:
+            text = f"registry claims plan: {model}: none ({exc})"
+        else:
+            text = plan_text(model, device, budget, protocol, table, plan, cells, builds)
+            mode = decision.offload.value
+            if decision.note:
+                text += "\n" + decision.note
+    log(text)
+    if not running:
+        return Front(model, None, table, text)
+    if experiment is not None:  # the caller's experiment (its model already loaded)
+        exp = experiment()
+    else:
+        from rope_quant.core.sequential import Plan
+
+        base = load_model(model, device="cpu" if mode == "cpu" else device)
+        seq = (Plan(len(budget.seeds), rq_options.max_seeds, futility=rq_options.futility, shape=rq_options.shape)
+               if rq_options.until_decided else None)
+        exp = experiment_cls(base, cache, budget, corpus, model=model, device=device, plan=seq,
+                             time_budget=rq_options.time_budget)
+    return Front(model, exp, table, text, mode, describe(exp, device, protocol))
+
+
+def describe(exp: Any, device: str, protocol: str) -> dict[str, Any]:
+    """The run's description in the claims JSON (``model``, ``protocol``, ``device``), as ``rope-quant report
+    DIR`` writes it: the comparator's config with the model's and the corpus's content hashes, and the
+    protocol's name."""
+    from rope_quant.analysis.claims_report import describe_run
+    from rope_quant.defaults import DEFAULT_COMPARATOR
+    from rope_quant.experiment.envinfo import device_description
+    from rope_quant.experiment.identity import resolve_identity
+
+    run = resolve_identity(exp.config(exp.budget.seeds[0], r3=DEFAULT_COMPARATOR))
+    return describe_run(run, exp.budget.seeds, DEFAULT_COMPARATOR, device_description(device), name=protocol)
+
+
+def decide_claim(front: Front, claim_id: str, rq_claim: Any, rq_run: Any) -> tuple[Any, Any]:
+    """``claim_id`` on the front's model: skipped with the missing premise, or decided by the engine over the
+    experiment's cells (``Experiment.decided``: the sequential rule with ``--rq-until-decided``) and recorded
+    with ``rq_claim`` (its run with ``rq_run``); returns (verdict, :class:`~rope_quant.claims.engine.ClaimResult`)."""
+    from rope_quant.claims.engine import evaluate
+
+    claim = front.claims[claim_id]
+    if isinstance(claim, str):
+        pytest.skip(f"{claim_id} on {front.model}: the architecture lacks a premise ({claim})")
+    exp = front.exp
+    adapted = claim
+
+    def run(e: Any) -> Any:
+        result = evaluate(adapted, ExperimentStore(e), e.budget.seeds, plan=e.plan)
+        return result.verdict, result
+
+    (verdict, result), _ = exp.decided(run, adapted.id)
+    row = result.to_dict(model=exp.model)
+    rq_run(front.about)
+    rq_claim(adapted.title, row["expected"], row["measured"], model=exp.model, verdict=verdict,
+             parts=result.part_verdicts if len(result.parts) > 1 else None, claim_id=adapted.id, **row["numbers"])
+    return verdict, result

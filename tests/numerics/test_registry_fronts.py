@@ -1,0 +1,132 @@
+"""The registry fronts (tests/_support/registry_front.py) before any model loads, and ``gpu_e2e``'s collection.
+
+The plan of a checkpoint's whole claims table is made from its config alone: the claims that run and those that
+skip (each adapted to the model's facts: the key claims' G = head_dim, mean width and best foldable R3 resolved,
+their equal bits per key element checked at the budget's T, unequal bits refused before anything else), the cells
+and weight builds of every claim at the seeds (float-order replicates included), the long-context cells at their
+lengths; it is printed before the model loads, and a table that does not fit this machine is refused with the
+plan's remedy. ``pytest -m gpu_e2e --collect-only`` lists one test per registry claim per model,
+each model's in a row (its front is built once), and skips them without CUDA with the reason.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rope_quant.claims import registry
+from rope_quant.claims.premises import facts_of_checkpoint
+from rope_quant.claims.registry import Claim, MarginRule, Part, cell
+from rope_quant.core.verdict import Form
+from rope_quant.experiment import memory_check
+from rope_quant.pytest_plugin import RQOptions
+from tests._support.registry_front import open_front, table_cells, table_claims
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m"  # embedded: its config is read without its weights
+
+
+def _budget(seeds: tuple[int, ...] = (0, 1, 2)) -> Any:
+    """The fields of the e2e suite's E2EBudget the front reads (its CPU defaults)."""
+    return SimpleNamespace(seeds=seeds, replicates=len(seeds), seqlen=512, calib_windows=16, eval_windows=12,
+                           support_windows=3, long_windows=1, gptq_float64=False)
+
+
+class Loaded(Exception):
+    """Raised in place of loading the model: the plan has been made by then."""
+
+
+def _front(monkeypatch: pytest.MonkeyPatch, lines: list[str], claims: list[Claim] | None = None) -> Any:
+    from rope_quant.model import loading
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        lines.append("load")
+        raise Loaded
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    return open_front(MODEL, "cpu", _budget(), corpus="pydoc", experiment_cls=None, cache="unused",
+                      rq_options=RQOptions(), protocol="e2e CPU budget", log=lines.append, claims=claims)
+
+
+def test_the_plan_of_the_whole_table_is_printed_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every claim runs on SmolLM2 (head_dim 64, R1 folds), the paper's and the key quantisers'; the builds are
+    seeds × bit settings (App. F's three, and the key claims' W16 with R1 and R2 identities) × float order; C7's
+    cells are planned at their lengths, one window each."""
+    lines: list[str] = []
+    with pytest.raises(Loaded):
+        _front(monkeypatch, lines)
+    assert len(lines) == 2 and lines[1] == "load", lines
+    text = lines[0]
+    assert f"registry claims plan: {MODEL} on cpu, protocol e2e CPU budget (16 x 512 calibration tokens" in text
+    assert "claims that run: " + ", ".join(c.id for c in registry.claims()) in text and "skipped" not in text
+    assert {registry.PAPER, registry.KEYS} <= {c.group for c in registry.claims()}
+    # the paper's 120 short-context cells and 18 builds, the key claims' 132 and 12 (the next test),
+    # sharing W4A4KV4's per-token reference (3 seeds x 2 float orders) and W4A4KV4's 6 builds
+    assert "cells: 246 short-context cells over 24 weight builds (seed x bits x float order)" in text, text
+    for length in (1024, 4096, 8192):
+        row = next(line for line in text.splitlines() if line.startswith(f"| long context L={length} |"))
+        assert row.endswith("| 12 |"), row  # 2 cells x 3 seeds x 2 float orders, one window each
+    assert "| GPTQ |" in text and "total: " in text
+
+
+def test_the_key_claims_resolve_from_the_config_and_count_their_cells() -> None:
+    """Before any model loads, the front's table holds each key claim resolved on SmolLM2's config (G = head_dim
+    = 64, the mean width 4 − 32/64, the best foldable R3 of an architecture without q/k norms); its cells are told
+    apart by their key quantiser: 8 schemes and 3 references per setting, each at 3 seeds × 2 float orders."""
+    facts = facts_of_checkpoint(MODEL)
+    table = table_claims(facts, _budget().seqlen, registry.claims(registry.KEYS))
+    assert list(table) == list(registry.active().ids(registry.KEYS)) and len(table) == 16
+    kvquant, pairbits, fold = (table[i] for i in ("K-kvquant-id-KV4", "K-pairbits-id-W4A4KV4", "K-kivi-fold-KV4"))
+    assert isinstance(kvquant, Claim) and isinstance(pairbits, Claim) and isinstance(fold, Claim)
+    assert kvquant.cells["scheme"]["k_token_group"] == 64 and not kvquant.unresolved()
+    assert pairbits.cells["scheme"]["k_avg_bits"] == 4 - 32 / 64
+    assert fold.cells["scheme"]["r3"] == "pairwise_scaled" and fold.cells["scheme"]["k_residual"] == 64
+    keys_, builds, lengths = table_cells(MODEL, "pydoc", "cpu", _budget(), [c for c in table.values()
+                                                                          if isinstance(c, Claim)])
+    assert (len(keys_), len(builds), lengths) == (2 * 11 * 3 * 2, 12, {})
+
+
+def test_unequal_bits_fail_the_front_before_the_plan_and_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim at equal bits whose cells store unequal bits at the budget's T (G = 32 at d = 64: 5 bits against the
+    per-token rule's 4.5) fails the front naming the cells and their bits: no plan printed, no model loaded."""
+    unequal = Claim("X-unequal", "x", "unequal bits", "nowhere",
+                    {"scheme": cell(k_quant="kvquant_prerope", k_token_group=32), "reference": cell(r3="hadamard")},
+                    (Part("p", "scheme", "reference", Form.NON_SUPERIOR, margin=MarginRule.equivalence("reference")),),
+                    group=registry.KEYS, equal_bits=True)
+    lines: list[str] = []
+    with pytest.raises(pytest.fail.Exception, match=rf"{MODEL}: claim X-unequal, part 'p'.*at head_dim 64, T = 512 "
+                                                    r".*scheme \{k_quant=kvquant_prerope, k_token_group=32\}: 5 bits"):
+        _front(monkeypatch, lines, claims=[registry.get("K-kvquant-id-KV4"), unequal])
+    assert lines == []
+
+
+def test_a_table_that_does_not_fit_is_refused_with_the_remedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(memory_check.ENV_HOST, "0.01")  # 10 MiB of host RAM
+    lines: list[str] = []
+    with pytest.raises(pytest.fail.Exception, match=rf"{MODEL} on cpu: the plan of the claims table does not fit "
+                                                    r"this machine: stage '.*' needs .* GiB of host RAM, 0.0 GiB "
+                                                    r"available: use a smaller --calib-windows"):
+        _front(monkeypatch, lines)
+    assert lines == []  # neither a plan printed as fitting nor a model loaded
+
+
+def test_gpu_e2e_collects_one_test_per_registry_claim_per_model() -> None:
+    """``pytest -m gpu_e2e`` over two models: each claim once per model, a model's claims in a row (collected, or
+    run and each skipped without CUDA with the reason: one pytest process either way)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    argv = [sys.executable, "-m", "pytest", "-m", "gpu_e2e", "tests/e2e/test_gpu_claims.py", "-p", "no:cacheprovider",
+            "--rq-model", "/ckpt/a", "--rq-model", "/ckpt/b", *(["--collect-only", "-q"] if cuda else ["-v", "-rs"])]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ids = [line.split("[", 1)[1].split("]", 1)[0] for line in out.stdout.splitlines()
+           if line.startswith("tests/e2e/test_gpu_claims.py::test_gpu_registry_claim[")]
+    assert ids == [f"{m}-{c.id}" for m in ("a", "b") for c in registry.claims()], out.stdout + out.stderr
+    if not cuda:  # on a CUDA machine the run itself is the gpu_e2e layer's
+        assert out.returncode == 0 and f"SKIPPED [{len(ids)}]" in out.stdout, out.stdout + out.stderr
+        assert "gpu_e2e: CUDA is not available on this machine" in out.stdout
