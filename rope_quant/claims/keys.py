@@ -27,8 +27,8 @@ stores 4 + 32/d:
   complete group outside the window); with G = d a quantised token costs 4 + 32/d in both.
 
 Each scheme × R3 (``id``: identity; ``fold``: the best foldable R3 of the architecture,
-:func:`rope_quant.claims.premises.best_foldable_r3`) × setting (``KV4``: 4-bit keys alone, W16A16K4V16 with R1
-and R2 identities, as ``rope-quant compare --configs beyond2``'s KV4 rows; ``W4A4KV4``: the paper's pipeline) is
+:func:`rope_quant.claims.premises.best_foldable_r3`) × setting (``KV4``: 4-bit keys alone, W16A16K4V16 with
+unquantised weights and no R1, R2 or R4, as the cross-model KV-only claims; ``W4A4KV4``: the paper's pipeline) is
 one claim, id ``K-<scheme>-<id|fold>-<KV4|W4A4KV4>``. The model-dependent values (G = d, the mean width, the best
 foldable R3) are :class:`~rope_quant.claims.registry.Resolve` sentinels, resolved from the model's config.
 """
@@ -54,8 +54,9 @@ from rope_quant.claims.registry import (
 from rope_quant.core.verdict import Form
 
 SETTINGS: dict[str, tuple[dict[str, Override], tuple[Premise, ...], str]] = {
-    "KV4": ({"w_bits": 16, "a_bits": 16, "k_bits": 4, "v_bits": 16, "r1": "identity", "r2": "identity"},
-            (Premise.ROPE,), "4-bit keys alone (W16A16K4V16, R1 and R2 identities)"),
+    "KV4": ({"w_bits": 16, "a_bits": 16, "k_bits": 4, "v_bits": 16, "weights": "none", "r1": "identity",
+             "r2": "identity", "r4": False},
+            (Premise.ROPE,), "4-bit keys alone (W16A16K4V16: unquantised weights, no R1, R2 or R4)"),
     "W4A4KV4": ({"w_bits": 4, "a_bits": 4, "k_bits": 4, "v_bits": 4}, PIPELINE,
                 "the paper's W4A4KV4 pipeline (GPTQ weights, whip R1, random-Hadamard R2, online R4)"),
 }

@@ -105,7 +105,8 @@ def check_compressed(cfg: Any, head_dim: int) -> None:
                           "(export it with --format hf)")
     if w.bits > 8:
         raise ExportError(f"--format compressed-tensors packs 1..8-bit integer weights, the cell has w_bits={w.bits}")
-    kind = str(getattr(getattr(cfg.quant, "kq", None), "kind", "per_token"))
+    kq = getattr(cfg.quant, "kq", None)
+    kind = str(getattr(kq, "kind", "per_token"))
     why = key_quant_refusal(kind) if cfg.quant.k.enabled else None
     if why is not None:
         raise ExportError(f"--format compressed-tensors cannot carry this cell's keys, k_quant={kind}: {why} "

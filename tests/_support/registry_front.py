@@ -76,6 +76,13 @@ PAPER = FrontProtocol("paper", seqlen=2048, calib_windows=128, eval_windows=None
 """The paper's protocol (App. A.1): 128 × 2048 calibration tokens, seqlen 2048, every evaluation window."""
 
 
+def _has_gptq(cell: Mapping[str, Override]) -> bool:
+    """Whether the cell's weights are GPTQ's: its float-order replicate is a rebuild in the other float mode. A cell
+    with unquantised weights (``weights="none"``: the key claims' 4-bit keys alone) has no float-order step, so its
+    replicate is the cell itself (the same key, read from the memo: a shift of 0)."""
+    return str(cell.get("weights", "gptq")) == "gptq"
+
+
 class ExperimentStore:
     """The :class:`rope_quant.claims.stores.Store` of an ``Experiment``: each cell computed (and memoised) on
     first read."""
@@ -90,7 +97,7 @@ class ExperimentStore:
         return out
 
     def _value(self, cell: Mapping[str, Override], seed: int, metric: str, **rep: Any) -> float:
-        ov = {**self._overrides(cell), **rep}
+        ov = {**self._overrides(cell), **({} if not _has_gptq(cell) else rep)}
         if scoring_of(cell) is Scoring.LONG:
             length = int(length_of(cell) or 0)
             return float(self.exp.long_context(seed, (length,), **ov)[length].ppl)
@@ -165,7 +172,7 @@ def table_cells(model: str, corpus: str, device: str, budget: Any,
                 cell = claim.cells[name]
                 ov: dict[str, Any] = dict(overrides_of(cell))
                 variants = [ov]
-                if name in paired and seed in replicated:
+                if name in paired and seed in replicated and _has_gptq(cell):
                     variants.append({**ov, "gptq": GPTQConfig(float64=not budget.gptq_float64)})
                 scoring = scoring_of(cell)
                 windows = budget.support_windows if scoring is Scoring.SUPPORT else budget.eval_windows
