@@ -78,7 +78,8 @@ def test_the_plan_of_the_whole_table_is_printed_before_the_model_loads(monkeypat
 def test_the_key_claims_resolve_from_the_config_and_count_their_cells() -> None:
     """Before any model loads, the front's table holds each key claim resolved on SmolLM2's config (G = head_dim
     = 64, the mean width 4 − 32/64, the best foldable R3 of an architecture without q/k norms); its cells are told
-    apart by their key quantiser: 8 schemes and 3 references per setting, each at 3 seeds, × 2 float orders under W4A4KV4 (GPTQ's); 4-bit keys alone has unquantised weights, so
+    apart by their key quantiser: 8 schemes and 3 references per setting,
+    each at 3 seeds, × 2 float orders under W4A4KV4 (GPTQ's); 4-bit keys alone has unquantised weights, so
     no float-order replicate and one build per seed."""
     facts = facts_of_checkpoint(MODEL)
     table = table_claims(facts, _budget().seqlen, registry.claims(registry.KEYS))
