@@ -87,10 +87,11 @@ class DirectoryStore:
                    metric: str = Metric.PPL) -> ReplicateValues:
         found: dict[int, float] = {}
         for seed in seeds:
-            rep = replicate_config(self.config(cell, seed))
-            if rep is None:
-                return None  # weights not GPTQ: no float-order replicate exists
-            value = self._read(rep, metric)
+            cfg = self.config(cell, seed)
+            rep = replicate_config(cfg)
+            if rep is None and _weights_quantised(cfg):
+                return None  # RTN weights: a float-order replicate is not built
+            value = self._read(cfg if rep is None else rep, metric)
             if value is not None:
                 found[int(seed)] = value
         return found or None
@@ -105,3 +106,13 @@ class DirectoryStore:
             n = ((read_record(path) or {}).get("result") or {}).get("n_tokens")
             return int(n) if isinstance(n, int) and n > 0 else None
         return None
+
+
+def _weights_quantised(cfg: Any) -> bool:
+    """Whether ``cfg`` quantises its weights. Unquantised weights (4-bit keys alone) have no step that depends on
+    the float order: the cell is its own float-order replicate (a shift of 0), as on the pytest front."""
+    from rope_quant.quant.quantizers import OFF_BITS
+    from rope_quant.sweep.decide import run_of
+
+    run = run_of(cfg)
+    return run.w_bits < OFF_BITS and str(run.weights) != "none"

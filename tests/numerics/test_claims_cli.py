@@ -18,6 +18,7 @@ import pytest
 
 from rope_quant import cli
 from rope_quant.claims import engine, registry
+from rope_quant.claims.premises import adapt, facts_of_checkpoint
 from rope_quant.core import sequential
 from rope_quant.core.verdict import Outcome
 from rope_quant.sweep.claim_store import DirectoryStore
@@ -276,6 +277,23 @@ def test_decide_adds_seeds_for_the_open_claim_only(swept: Path, tmp_path: Path, 
     again = Cells()
     assert cli.main(["decide", str(out), "--max-seeds", "6"], cell_fn=again) == 0
     assert again.calls == [] and "decisions in" in capsys.readouterr().out
+
+
+def test_a_cell_with_unquantised_weights_is_its_own_float_order_replicate(tmp_path: Path) -> None:
+    """4-bit keys alone (weights none): no float-order replicate is built, and the store reads the cell itself as
+    its replicate (a shift of 0, as the pytest front does), so the claim is decided instead of 'cannot be
+    estimated'; RTN weights still have none."""
+    out, cells = tmp_path / "kv4", Cells()
+    assert _claims(out, "--claims", "K-kvquant-id-KV4", "--seeds", "0-2", cells=cells) == 0
+    assert sum(c.quant.w.mode.value == "none" for c in cells.calls) == 6  # 2 cells x 3 seeds, no replicate
+    store = DirectoryStore(out)
+    claim = registry.get("K-kvquant-id-KV4")
+
+    adapted = adapt(claim, facts_of_checkpoint("smollm2-135m"), seq_len=64)
+    assert not isinstance(adapted, str)
+    for name in ("scheme", "reference"):
+        assert store.replicates(adapted.cells[name], (0, 1, 2)) == dict(
+            zip((0, 1, 2), store.values(adapted.cells[name], (0, 1, 2)), strict=True))
 
 
 def test_decide_refuses_a_claims_directory_without_replicates(tmp_path: Path, capsys) -> None:
