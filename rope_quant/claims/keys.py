@@ -124,7 +124,7 @@ def _claim(scheme: Scheme, r3: str, setting: str) -> Claim:
         f"equivalence margin (the reference's ±0.05 PPL scaled by its ppl), at equal bits per key element "
         f"({scheme.equal_bits}): it replaces the online Hadamard.",
         "beyond the paper (docs/key_quantizers.md)",
-        {"scheme": treatment, "reference": reference}, (part,), premises, group=KEYS, equal_bits=True)
+        {"scheme": treatment, "reference": reference}, (part,), premises, group=KEYS, equal_bits=True, question=True)
 
 
 KEY_CLAIMS: tuple[Claim, ...] = tuple(_claim(s, r3, setting) for setting in SETTINGS for s in SCHEMES for r3 in R3S)

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
+from typing import Any
 
 from rope_quant.core.verdict import Form
 
@@ -263,7 +264,9 @@ class Claim:
     form, an assertion of its test), empty when nothing; ``group``: :data:`PAPER`, :data:`KEYS` or another
     package's; ``equal_bits``: every part compares cells that store equal bits per key element (checked from the
     configs by :func:`rope_quant.claims.premises.adapt`, and on the cells' measured ``k_bits_per_element`` by the
-    engine)."""
+    engine); ``question``: a question beyond the paper rather than a statement of it (the key quantisers: does a
+    scheme replace the online Hadamard?), so either decided answer is a result and its test fails only on an
+    answer it cannot give (:meth:`fails_test`)."""
 
     id: str
     title: str
@@ -275,6 +278,13 @@ class Claim:
     outside: str = ""
     group: str = PAPER
     equal_bits: bool = False
+    question: bool = False
+
+    def fails_test(self, verdict: Any) -> bool:
+        """Whether a front's test of this claim fails on ``verdict``: a statement of the paper fails when it is
+        false or shown false (``verdict.failed``); a question only when a criterion without sampling error fails
+        (refuted is one of its answers)."""
+        return bool(verdict.outcome.value == "fails") if self.question else bool(verdict.failed)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "id", str(self.id))

@@ -19,7 +19,9 @@ the default run's time and table do not change. The claims the default suite run
 the key claims are ``slow`` on every model. Select one with ``-k`` and its id (``-k K-kvquant-id-KV4``; the test ids
 are ``<model>-<claim id>``).
 
-Each test attaches its row (``rq_claim``) and fails on a claim refuted or failed, never on inconclusive.
+Each test attaches its row (``rq_claim``) and fails on a claim refuted or failed, never on inconclusive; a
+question beyond the paper (``Claim.question``: the key claims, "does the scheme replace the online Hadamard?")
+fails only on failed, since refuted is one of its answers.
 """
 
 from __future__ import annotations
@@ -109,8 +111,9 @@ def ufront(request, umodel, fronts, e2e_cache, e2e_budget, rq_options, experimen
 def test_registry_claim(ufront, claim_id: str, rq_claim, rq_run) -> None:
     """One registry claim on the model: adapted to it (premises, model-dependent values, equal bits at the
     budget's T), decided by the engine (fixed-n, or the sequential rule with ``--rq-until-decided``), its row
-    recorded with the model and any deviation; fails on refuted or fails."""
+    recorded with the model and any deviation; fails on refuted or fails (a question beyond the paper, the key
+    claims: on fails only, refuted being one of its answers)."""
     from tests._support.registry_front import decide_claim
 
     verdict, _ = decide_claim(ufront, claim_id, rq_claim, rq_run)
-    assert not verdict.failed, verdict.text()
+    assert not registry.get(claim_id).fails_test(verdict), verdict.text()

@@ -274,3 +274,19 @@ def test_the_figure_draws_one_point_per_key_claim_and_one_panel_per_model_and_se
     assert claim_parts("K-sink-fold-KV4x") is None
     with pytest.raises(ValueError, match="no key claim"):
         key_claims_figure([])
+
+
+def test_a_key_claim_is_a_question_whose_refuted_answer_does_not_fail_its_test() -> None:
+    """The key claims ask whether a scheme replaces the online Hadamard: refuted is an answer (the test passes and
+    records it); a paper claim refuted fails its test; fails fails both."""
+    from types import SimpleNamespace
+
+    from rope_quant.core.verdict import Outcome
+
+    key, paper = registry.get("K-pairbits-id-KV4"), registry.get("C1")
+    assert key.question and not paper.question
+    refuted, fails = (SimpleNamespace(outcome=o, failed=True) for o in (Outcome.REFUTED, Outcome.FAILS))
+    holds = SimpleNamespace(outcome=Outcome.HOLDS, failed=False)
+    assert not key.fails_test(refuted) and paper.fails_test(refuted)
+    assert key.fails_test(fails) and paper.fails_test(fails)
+    assert not key.fails_test(holds) and not paper.fails_test(holds)
