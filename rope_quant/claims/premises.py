@@ -69,7 +69,7 @@ def facts_of(model: Any) -> ModelFacts:
     if premises[Premise.ROPE] is not None:
         return ModelFacts(premises)
     spec = arch.spec_for(model)
-    return ModelFacts(premises, arch.dims(model).head_dim, bool(spec.q_norm and spec.k_norm), spec.model_type)
+    return ModelFacts(premises, arch.dims(model).head_dim, spec.has_qk_norm, spec.model_type)
 
 
 def facts_of_checkpoint(name_or_path: str) -> ModelFacts:

@@ -127,6 +127,11 @@ class ArchSpec:
     refused: tuple[tuple[str, str], ...] = field(default=())
     staged: bool = True
 
+    @property
+    def has_qk_norm(self) -> bool:
+        """Whether queries and keys are RMS-normed per head before RoPE (Qwen3, Gemma 3)."""
+        return bool(self.q_norm and self.k_norm)
+
     def linear_groups(self) -> tuple[tuple[str, ...], ...]:
         """Decoder-layer linears in execution order (true-sequential GPTQ groups), names relative to a layer."""
         a, m = self.attn, self.mlp

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import rope_quant
 from rope_quant.analysis import report
@@ -181,8 +182,13 @@ def test_claims_sweep_on_local_slurm_survives_a_killed_task(tmp_path: Path, monk
     assert cli.main(["report", str(sharded)]) == 0
     whole, whole_log = tmp_path / "whole", tmp_path / "whole-log"
     whole_log.mkdir()
-    assert cli.main(["claims", "--out", str(whole), *CLAIMS_TINY, *CLAIMS_ARGS],
-                    cell_fn=functools.partial(claims_cell, str(whole_log))) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the Slurm tasks' OMP_NUM_THREADS: the claims JSON records the device's threads
+    try:
+        assert cli.main(["claims", "--out", str(whole), *CLAIMS_TINY, *CLAIMS_ARGS],
+                        cell_fn=functools.partial(claims_cell, str(whole_log))) == 0
+    finally:
+        torch.set_num_threads(threads)
     assert sorted(_computations(whole_log)) == sorted(counts)
     capsys.readouterr()
     ours, theirs = _claims_json(sharded), _claims_json(whole)
