@@ -796,3 +796,63 @@ def test_the_cli_flags_set_the_config_fields(tmp_path, model_dir):
     assert plain.quant.kq.is_default
     help_text = " ".join(parser._subparsers._group_actions[0].choices["run"].format_help().split())
     assert all(m.value in help_text for m in keyq.KeyQuantName)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+_FOREIGN_KEYQ = '''
+import dataclasses
+from typing import ClassVar
+
+from rope_quant.quant.keys.options import KeyQuantOption, PerTokenOption
+
+
+@dataclasses.dataclass(frozen=True)
+class EighthOption(PerTokenOption):
+    name: ClassVar[str] = "foreign_eighth_keys"
+    source: ClassVar[str] = "rq_foreign_keys"
+
+
+@dataclasses.dataclass(frozen=True)
+class Clash(PerTokenOption):
+    name: ClassVar[str] = "kivi"
+    source: ClassVar[str] = "rq_foreign_keys"
+
+
+def broken():
+    raise RuntimeError("this key plugin is broken")
+'''
+
+
+def test_key_quantiser_entry_points_load_once_and_skip_clashes_and_broken_plugins(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """A foreign option found through ``rope_quant.key_quant`` is registered; a clashing name and a plugin that
+    raises on load are skipped with a ``KeyQuantWarning`` naming the entry point, and the built-ins keep theirs."""
+    import sys
+    import warnings
+
+    from rope_quant.quant.keys import registry
+
+    (tmp_path / "rq_foreign_keys").mkdir()
+    (tmp_path / "rq_foreign_keys" / "__init__.py").write_text(_FOREIGN_KEYQ)
+    dist = tmp_path / "rq_foreign_keys-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rq-foreign-keys\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[rope_quant.key_quant]\neighth = rq_foreign_keys:EighthOption\n"
+                                           "clash = rq_foreign_keys:Clash\nbroken = rq_foreign_keys:broken\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            added = registry.load_entry_points(force=True)
+        assert added == ["foreign_eighth_keys"]
+        messages = [str(w.message) for w in seen if issubclass(w.category, keyq.KeyQuantWarning)]
+        assert any("'clash'" in m and "'kivi' is already registered" in m for m in messages), messages
+        assert any("'broken'" in m and "this key plugin is broken" in m for m in messages), messages
+        assert registry.option_class("kivi") is keyq.KiviOption
+        assert registry.option_class("foreign_eighth_keys").source == "rq_foreign_keys"
+        assert registry.load_entry_points() == []  # loaded once
+    finally:
+        if "foreign_eighth_keys" in registry.names():
+            registry.unregister("foreign_eighth_keys")
+        sys.modules.pop("rq_foreign_keys", None)

@@ -225,16 +225,10 @@ def load_entry_points(force: bool = False) -> list[str]:
     if _loaded and not force:
         return []
     _loaded = True
-    from importlib.metadata import entry_points
+    from rope_quant.plugins import loaded
 
     added: list[str] = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        where = f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP!r}"
-        try:
-            specs = _specs_of(ep.load())
-        except Exception as exc:  # a broken plugin must not break the registry
-            warnings.warn(f"skipping {where}: {type(exc).__name__}: {exc}", RegistryWarning, stacklevel=2)
-            continue
+    for where, value, specs in loaded(ENTRY_POINT_GROUP, _specs_of, RegistryWarning):
         for s in specs:
             if s.name in _REGISTRY and _REGISTRY[s.name].factory is s.factory:
                 continue  # the same spec seen again (force=True)
@@ -242,7 +236,7 @@ def load_entry_points(force: bool = False) -> list[str]:
                 warnings.warn(f"refusing R3 {s.name!r} from {where}: the name is already registered by "
                               f"{_REGISTRY[s.name].source}", RegistryWarning, stacklevel=2)
                 continue
-            src = s.source if s.source != "rope_quant" else ep.value
+            src = s.source if s.source != "rope_quant" else value
             _REGISTRY[s.name] = TransformSpec(**{**s.__dict__, "source": src})
             added.append(s.name)
     return added

@@ -87,20 +87,20 @@ def load_entry_points(force: bool = False) -> list[str]:
     if _loaded and not force:
         return []
     _loaded = True
-    from importlib.metadata import entry_points
+    from rope_quant.plugins import loaded
 
     added: list[str] = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        where = f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP!r}"
-        try:
-            options = _options_of(ep.load())
-            for option in options:
-                if _REGISTRY.get(str(getattr(option, "name", ""))) is option:
-                    continue
+    for where, _, options in loaded(ENTRY_POINT_GROUP, _options_of, KeyQuantWarning):
+        for option in options:
+            if _REGISTRY.get(str(getattr(option, "name", ""))) is option:
+                continue
+            try:
                 register(option)
-                added.append(option.name)
-        except Exception as exc:  # a broken plugin must not break the registry
-            warnings.warn(f"skipping {where}: {type(exc).__name__}: {exc}", KeyQuantWarning, stacklevel=2)
+            except Exception as exc:  # noqa: BLE001 - a clash or a bad option must not break the registry
+                warnings.warn(f"skipping {where}: {type(exc).__name__}: {exc}", KeyQuantWarning,
+                              stacklevel=2)
+                continue
+            added.append(option.name)
     return added
 
 
