@@ -77,7 +77,8 @@ class ClaimResult:
     def to_dict(self, model: str | None = None) -> dict[str, Any]:
         """The claims JSON row (docs/verdicts.md, "The claims JSON"; ``rope_quant.pytest_plugin``'s ``rq_claim``):
         ``claim``, ``model``, ``expected``, ``measured``, ``holds``, ``decision``, ``numbers``, ``parts``,
-        ``verdict``, ``budget``; plus ``id``, ``section``, ``statement``, ``seeds`` and ``rule``. A pytest run's
+        ``verdict``, ``budget``; plus ``id``, ``section``, ``statement``, ``seeds``, ``rule`` and ``cells`` (each
+        cell's overrides of the protocol's base config: a claim's own bits, key quantiser or R3). A pytest run's
         ``test`` and ``outcome`` are not the engine's to give."""
         decision = self.verdict.to_dict()
         return {"claim": self.claim.title, "id": self.claim.id, "section": self.claim.section,
@@ -89,7 +90,8 @@ class ClaimResult:
                 "decision": decision, "numbers": {r.name: r.numbers() for r in self.parts},
                 "parts": {r.name: r.verdict.to_dict() for r in self.parts},
                 "verdict": self.verdict.text(), "budget": _budget_text(self.verdict),
-                "seeds": list(self.seeds), "rule": self.rule}
+                "seeds": list(self.seeds), "rule": self.rule,
+                "cells": {name: dict(c) for name, c in self.claim.cells.items()}}
 
 
 def evaluate(claim: Claim, store: Store, seeds: Sequence[int], plan: Plan | None = None) -> ClaimResult:

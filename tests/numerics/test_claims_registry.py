@@ -263,6 +263,8 @@ def test_every_paper_entry_is_decided_over_a_store_of_its_cells() -> None:
         assert json.loads(json.dumps(row))["claim"] == claim.title
         assert set(row["parts"]) == {p.name for p in claim.parts}
         assert set(ROW_KEYS) <= set(row) and row["model"] == "smollm2-135m"
+        assert row["cells"] == {n: dict(c) for n, c in claim.cells.items()}  # the row says its own overrides
+    assert paper.APP_F.cells and any(c.get("w_bits") == 3 for c in paper.APP_F.cells.values())
     store = MemoryStore(tokens=6144)
     vals = {"hadamard": _series(1, 0.0), "pairwise_plus_hadamard": _series(3, 0.01), "pairwise_only": _series(2, 2.0)}
     reps = {n: _fill(store, paper.C2.cells[n], vals[n], seed=80 + i) for i, n in enumerate(vals)}
