@@ -214,20 +214,25 @@ def table_plan(model: str, device: str, corpus: str, budget: Any, claims: Sequen
 
 
 def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mapping[str, Claim | str],
-              plan: Any, cells: int, builds: int) -> str:
-    """The printed plan: the claims that run and those that skip, the cells and builds, the plan's table."""
+              plan: Any, cells: int, builds: int, selected: Sequence[str] | None = None) -> str:
+    """The printed plan: the claims that run and those that skip, the cells and builds, the plan's table (of the
+    whole table; ``selected``: the claim ids this session collected, named when fewer than the table's)."""
     from rope_quant.experiment.plan import format_plan
 
     runs = [c.id + (" (deviation)" if "[deviation:" in c.title else "") for c in claims.values()
             if not isinstance(c, str)]
     skips = [f"{cid}: {why}" for cid, why in claims.items() if isinstance(why, str)]
     evals = "every" if budget.eval_windows is None else str(budget.eval_windows)
+    chosen = [cid for cid in claims if not isinstance(claims[cid], str)
+              and (selected is None or cid in set(selected))]
     return "\n".join([
         f"registry claims plan: {model} on {device}, protocol {protocol} ({budget.calib_windows} x {budget.seqlen} "
         f"calibration tokens, seqlen {budget.seqlen}, {evals} evaluation windows), seeds "
         f"{','.join(map(str, budget.seeds))} ({budget.replicates} replicated in the other float order)",
         f"claims that run: {', '.join(runs) or 'none'}",
         *([f"claims skipped: {'; '.join(skips)}"] if skips else []),
+        *([f"this session selects {len(chosen)} of the {len(runs)} (the plan below is the whole table's): "
+           f"{', '.join(chosen) or 'none'}"] if len(chosen) < len(runs) else []),
         f"cells: {cells} short-context cells over {builds} weight builds (seed x bits x float order); "
         "--rq-until-decided adds seeds to the open claims only",
         format_plan(plan)])
@@ -240,12 +245,14 @@ def _stderr(line: str) -> None:
 def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_cls: Any, cache: str,
                rq_options: Any, protocol: str, missing: Callable[[str], Any] = pytest.skip,
                offload: str = "auto", log: Callable[[str], None] = _stderr,
-               claims: Sequence[Claim] | None = None, experiment: Callable[[], Any] | None = None) -> Front:
+               claims: Sequence[Claim] | None = None, experiment: Callable[[], Any] | None = None,
+               selected: Sequence[str] | None = None) -> Front:
     """The front of ``model`` on ``device`` at ``budget`` (module docstring, step 1). A model that cannot be
     found calls ``missing`` with the reason (``pytest.skip`` by default; ``pytest.fail`` where it must exist).
     ``claims``: the claims of its table (default: every registry claim); ``experiment``: where the front does not
     load the model itself, the experiment it runs its cells in (called after the plan is printed: the default
-    suite's ``experiment`` fixture on the default model, sharing its cells)."""
+    suite's ``experiment`` fixture on the default model, sharing its cells); ``selected``: the claim ids the
+    session collected (``-k``), named in the plan when fewer than the table's."""
     from rope_quant.claims.premises import facts_of_checkpoint
     from rope_quant.claims.registry import ClaimError
     from rope_quant.experiment import plan as planning
@@ -272,7 +279,7 @@ def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_
         except planning.PlanError as exc:
             text = f"registry claims plan: {model}: none ({exc})"
         else:
-            text = plan_text(model, device, budget, protocol, table, plan, cells, builds)
+            text = plan_text(model, device, budget, protocol, table, plan, cells, builds, selected)
             mode = decision.offload.value
             if decision.note:
                 text += "\n" + decision.note

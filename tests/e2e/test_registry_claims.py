@@ -95,10 +95,13 @@ def ufront(request, umodel, fronts, e2e_cache, e2e_budget, rq_options, experimen
         fronts.clear()  # the previous model's front (its weights) goes first
         Experiment, _ = experiment_factory  # noqa: N806 (a class)
         shared = (lambda: request.getfixturevalue("experiment")) if umodel == DEFAULT_MODEL else None
+        selected = [item.callspec.params["claim_id"] for item in request.session.items
+                    if hasattr(item, "callspec") and item.callspec.params.get("umodel") == umodel]
         try:
             fronts[umodel] = open_front(umodel, "cpu", e2e_budget, corpus=rq_options.corpus, experiment_cls=Experiment,
                                         cache=e2e_cache, rq_options=rq_options, protocol="e2e CPU budget",
-                                        missing=pytest.fail, claims=_claims_on(umodel), experiment=shared)
+                                        missing=pytest.fail, claims=_claims_on(umodel), experiment=shared,
+                                        selected=selected)
         except BaseException as exc:  # a refused front (pytest.fail, pytest.skip) refuses each of its claims
             fronts[umodel] = exc
             raise

@@ -41,7 +41,8 @@ class Loaded(Exception):
     """Raised in place of loading the model: the plan has been made by then."""
 
 
-def _front(monkeypatch: pytest.MonkeyPatch, lines: list[str], claims: list[Claim] | None = None) -> Any:
+def _front(monkeypatch: pytest.MonkeyPatch, lines: list[str], claims: list[Claim] | None = None,
+           selected: list[str] | None = None) -> Any:
     from rope_quant.model import loading
 
     def refuse(*_: Any, **__: Any) -> Any:
@@ -50,7 +51,8 @@ def _front(monkeypatch: pytest.MonkeyPatch, lines: list[str], claims: list[Claim
 
     monkeypatch.setattr(loading, "load_model", refuse)
     return open_front(MODEL, "cpu", _budget(), corpus="pydoc", experiment_cls=None, cache="unused",
-                      rq_options=RQOptions(), protocol="e2e CPU budget", log=lines.append, claims=claims)
+                      rq_options=RQOptions(), protocol="e2e CPU budget", log=lines.append, claims=claims,
+                      selected=selected)
 
 
 def test_the_plan_of_the_whole_table_is_printed_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,6 +75,17 @@ def test_the_plan_of_the_whole_table_is_printed_before_the_model_loads(monkeypat
         row = next(line for line in text.splitlines() if line.startswith(f"| long context L={length} |"))
         assert row.endswith("| 12 |"), row  # 2 cells x 3 seeds x 2 float orders, one window each
     assert "| GPTQ |" in text and "total: " in text
+    assert "this session selects" not in text  # every claim collected: nothing to name
+
+
+def test_the_plan_names_the_claims_a_session_selects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``-k`` choosing two claims the plan stays the whole table's and says which two this session runs."""
+    lines: list[str] = []
+    with pytest.raises(Loaded):
+        _front(monkeypatch, lines, selected=["C1", "K-kivi-id-KV4", "not-a-claim"])
+    total = len(registry.claims())
+    assert f"this session selects 2 of the {total} (the plan below is the whole table's): C1, K-kivi-id-KV4" in lines[0]
+    assert "cells: 213 short-context cells" in lines[0]
 
 
 def test_the_key_claims_resolve_from_the_config_and_count_their_cells() -> None:
