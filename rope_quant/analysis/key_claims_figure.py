@@ -44,6 +44,14 @@ class KeyPoint:
     high: float
     margin: float | None
     outcome: str
+    deviation: str = ""  # the protocol's deviation on this model (claims/premises.py), short: "R1 refused by …"
+
+
+def deviation_of(title: str) -> str:
+    """The short deviation a row's claim title names (``… [deviation: R1 refused by the architecture (why): …]``:
+    the words before the reason), or ""."""
+    m = re.search(r"\[deviation: ([^(:\]]+)", title or "")
+    return m[1].strip() if m else ""
 
 
 def claim_parts(text: str) -> tuple[str, str, str] | None:
@@ -81,7 +89,8 @@ def key_points(rows: Sequence[Mapping[str, Any]]) -> list[KeyPoint]:
         margin = decision.get("margin")
         out[(model, setting, scheme, r3)] = KeyPoint(model, setting, scheme, r3, float(decision["mean"]), low, high,
                                                      None if margin is None else float(margin),
-                                                     str(decision.get("outcome") or ""))
+                                                     str(decision.get("outcome") or ""),
+                                                     deviation_of(str(row.get("claim") or "")))
     return list(out.values())
 
 
@@ -119,7 +128,10 @@ def key_claims_figure(points: Sequence[KeyPoint]) -> Any:
         ax.set_xticks(range(len(schemes)), schemes)
         ax.set_xlim(-0.6, len(schemes) - 0.4)
         ax.set_ylabel("Δppl vs online Hadamard")
-        ax.set_title(f"{model} · {keys.SETTINGS[setting][2] if setting in keys.SETTINGS else setting}", fontsize=9)
+        words = keys.SETTINGS[setting][2] if setting in keys.SETTINGS else setting
+        deviations = sorted({p.deviation for p in here if p.deviation})
+        ax.set_title(f"{model} · {words}" + "".join(f"\ndeviation: {d}, R1 = identity" if d.startswith("R1 ")
+                                                   else f"\ndeviation: {d}" for d in deviations), fontsize=9)
         legend_outside(ax)
     fig.suptitle("Key quantisers against the online Hadamard at equal bits per key element\n"
                  "mean paired Δppl and the verdict's interval (filled: holds, X: refuted, open: undecided)",

@@ -248,6 +248,10 @@ def test_the_figure_draws_one_point_per_key_claim_and_one_panel_per_model_and_se
         rows["smol"].append(_row("smollm2-135m", claim.id, 0.1 * i, "holds", with_id=False))
         if claim.id.endswith("-KV4"):
             rows["gemma"].append(_row("gemma3-270m", claim.id, -0.5, "refuted", with_id=True))
+        else:  # Gemma 3's W4A4KV4 runs without R1, the deviation in the row's title
+            rows["gemma"].append({**_row("gemma3-270m", claim.id, 0.2, "inconclusive", with_id=True),
+                                  "claim": f"Keys: {claim.id} [deviation: R1 refused by the architecture (gemma3_text "
+                                           "has sandwich norms): every cell runs with r1=identity]"})
     rows["smol"].append({"claim": "C1", "model": "smollm2-135m", "decision": {"mean": 1.0, "low": 0.5, "high": 1.5},
                          "test": "tests/e2e/test_claims.py::test_c1"})
     rows["gemma"].append({**_row("gemma3-270m", "K-kivi-id-W4A4KV4", 0.0, "inconclusive", with_id=True),
@@ -258,14 +262,17 @@ def test_the_figure_draws_one_point_per_key_claim_and_one_panel_per_model_and_se
         (tmp_path / name / "claims.json").write_text(json.dumps({"schema": 2, "claims": r}))
         paths.append(tmp_path / name)
     points = key_points([row for p in paths for row in json.loads((p / "claims.json").read_text())["claims"]])
-    assert len(points) == 16 + 8
+    assert len(points) == 16 + 16
     first = next(p for p in points if p.model == "smollm2-135m" and (p.scheme, p.r3, p.setting) == ("kvquant", "id",
                                                                                                       "KV4"))
     assert (first.low, first.high) == pytest.approx((-0.3, 0.2))  # the union of the two intervals
     fig = key_claims_figure(points)
     axes = fig.axes
-    assert len(axes) == 3  # smollm2 KV4, smollm2 W4A4KV4, gemma KV4
-    assert [len(ax.containers) for ax in axes] == [8, 8, 8]
+    assert len(axes) == 4  # gemma KV4, gemma W4A4KV4, smollm2 KV4, smollm2 W4A4KV4
+    assert [len(ax.containers) for ax in axes] == [8, 8, 8, 8]
+    titles = [ax.get_title() for ax in axes]
+    assert titles[1].endswith("\ndeviation: R1 refused by the architecture, R1 = identity"), titles[1]
+    assert not any("deviation" in t for t in (titles[0], *titles[2:])), titles
     assert all(ax.get_legend() is not None for ax in axes)
     assert [t.get_text() for t in axes[0].get_xticklabels()] == ["kvquant", "pairbits", "sink", "kivi"]
     out = plot_key_claims(paths, tmp_path / "keys.png")
