@@ -2,11 +2,18 @@
 
 A key cache of T tokens and head_dim d costs each cell's key quantiser ``bits_per_element(d, T)`` bits per element
 (payload, every scale and zero point at 16 bits, full-precision tokens at 16 bits: docs/key_quantizers.md). A
-claim with ``equal_bits`` (registry.py) is checked twice: from the cells' configs alone, before any model loads
+perplexity window is read query by query: the query at position t reads the cache as it stood at length t + 1
+(a streaming group quantiser, KIVI's or KVQuant's, still holds its open group in 16 bits there). So two cells are
+at equal bits when they store the same bits at T **and** the same bits averaged over the window's query–key pairs
+(:func:`attended`); KVQuant at T against the per-token rule is equal at T only, and is compared with the per-token
+rule on its own complete groups instead (claims/keys.py).
+
+A claim with ``equal_bits`` (registry.py) is checked twice: from the cells' configs alone, before any model loads
 (:func:`check_equal_bits`, run by :func:`rope_quant.claims.premises.adapt`), and on the bits each cell measured
 after its calibration (``k_bits_per_element`` of the cell result: rope_pair_bits' allocated widths) by the engine
 (:func:`check_measured_bits`). Either raises :class:`~rope_quant.claims.registry.ClaimError` naming the cells and
-their bits.
+their bits. A claim whose cells quantise under :data:`MIN_ATTENDED_SHARE` of the keys their queries read tests
+almost no quantisation; :func:`too_few_quantised` says so, with the T that would test it.
 
 The config is read through ``rope_quant.experiment.config`` (imported when a check runs, never at import).
 """
@@ -15,23 +22,46 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from rope_quant.claims.registry import Claim, ClaimError, Override, describe, overrides_of, side_cells
 
 TOLERANCE = 1e-9
 """Two cells store equal bits when their bits per element differ by at most this (float rounding of the counts)."""
+MIN_ATTENDED_SHARE = 0.25
+"""A cell whose key quantiser quantises under this share of the query–key pairs of a window tests almost none of
+it (KIVI with G = R = 256 at T = 512: 0.2%); such a claim is not run at that T."""
+
+
+def _option(cell: Mapping[str, Override]) -> Any:
+    from rope_quant.experiment.config import PipelineError, RunConfig
+
+    try:
+        return RunConfig.from_flat(**overrides_of(cell)).quant.key_option()
+    except (PipelineError, ValueError) as exc:
+        raise ClaimError(f"cell {{{describe(cell)}}}: its key quantiser cannot be read: {exc}") from None
 
 
 def key_bits(cell: Mapping[str, Override], head_dim: int, seq_len: int) -> float:
     """Bits per key element that ``cell`` (flat config overrides, resolved) stores at head_dim and T = ``seq_len``,
     from its config alone (rope_pair_bits before calibration: its bound, every width in [min, max] used)."""
-    from rope_quant.experiment.config import PipelineError, RunConfig
-
     try:
-        option = RunConfig.from_flat(**overrides_of(cell)).quant.key_option()
-        return float(option.bits_per_element(int(head_dim), int(seq_len)))
-    except (PipelineError, ValueError) as exc:
-        raise ClaimError(f"cell {{{describe(cell)}}}: its key quantiser cannot be read: {exc}") from None
+        return float(_option(cell).bits_per_element(int(head_dim), int(seq_len)))
+    except ValueError as exc:
+        raise ClaimError(f"cell {{{describe(cell)}}}: {exc}") from None
+
+
+def attended(cell: Mapping[str, Override], head_dim: int, seq_len: int) -> tuple[float, float]:
+    """(bits, share) over the query–key pairs of a window of T = ``seq_len`` tokens, the query at position t
+    reading the cache at length t + 1: the mean bits per key element it reads, and the share of those keys that are
+    quantised."""
+    option, t = _option(cell), int(seq_len)
+    pairs = t * (t + 1) / 2
+    try:
+        bits = sum(float(option.bits_per_element(int(head_dim), n)) * n for n in range(1, t + 1)) / pairs
+    except ValueError as exc:
+        raise ClaimError(f"cell {{{describe(cell)}}}: {exc}") from None
+    return bits, sum(option.quantized_tokens(n) for n in range(1, t + 1)) / pairs
 
 
 def compared_cells(claim: Claim) -> list[tuple[str, tuple[str, ...]]]:
@@ -46,10 +76,33 @@ def compared_cells(claim: Claim) -> list[tuple[str, tuple[str, ...]]]:
 
 def check_equal_bits(claim: Claim, head_dim: int, seq_len: int) -> dict[str, float]:
     """Cell name → bits per key element at (head_dim, T) for a claim with ``equal_bits``; :class:`ClaimError`
-    naming the part, its cells and their bits where a part compares cells of unequal bits."""
+    naming the part, its cells and their bits where a part compares cells of unequal bits, stored at T or read by
+    the window's queries (:func:`attended`)."""
     bits = {name: key_bits(claim.cells[name], head_dim, seq_len) for name in claim.cell_names()}
     _compare(claim, lambda name: [bits[name]], f"at head_dim {head_dim}, T = {seq_len} (from the configs)")
+    read = {name: attended(claim.cells[name], head_dim, seq_len)[0] for name in claim.cell_names()}
+    _compare(claim, lambda name: [read[name]], f"averaged over the query–key pairs of a window of T = {seq_len} "
+                                                f"at head_dim {head_dim} (from the configs)")
     return bits
+
+
+def too_few_quantised(claim: Claim, head_dim: int, seq_len: int, longest: int = 1 << 16) -> str:
+    """Why ``claim`` tests almost no key quantisation at T = ``seq_len`` (a cell quantising under
+    :data:`MIN_ATTENDED_SHARE` of its window's query–key pairs), with the shortest T up to ``longest`` (a power of
+    two) at which it would not; "" when every cell quantises enough."""
+    shares = {name: attended(claim.cells[name], head_dim, seq_len)[1] for name in claim.cell_names()}
+    low = {n: v for n, v in shares.items() if v < MIN_ATTENDED_SHARE}
+    if not low:
+        return ""
+    t = int(seq_len)
+    while t < longest and any(attended(claim.cells[n], head_dim, t)[1] < MIN_ATTENDED_SHARE for n in low):
+        t *= 2
+    need = f"T = {t}" if t < longest or all(attended(claim.cells[n], head_dim, t)[1] >= MIN_ATTENDED_SHARE
+                                             for n in low) else f"more than T = {longest}"
+    shown = "; ".join(f"{n} {{{describe(claim.cells[n])}}}: {v:.1%}" for n, v in low.items())
+    return (f"at T = {seq_len} and head_dim {head_dim} its key quantiser quantises under {MIN_ATTENDED_SHARE:.0%} "
+            f"of the keys the window's queries read ({shown}): the claim would compare nearly unquantised caches; "
+            f"it needs evaluation windows of {need}")
 
 
 def check_measured_bits(claim: Claim, measured: Callable[[str], Sequence[float] | None]) -> None:
@@ -80,4 +133,5 @@ def _fmt(values: Sequence[float]) -> str:
     return " / ".join(f"{v:.6g}" for v in distinct) + " bits"
 
 
-__all__ = ["TOLERANCE", "check_equal_bits", "check_measured_bits", "compared_cells", "key_bits"]
+__all__ = ["MIN_ATTENDED_SHARE", "TOLERANCE", "attended", "check_equal_bits", "check_measured_bits", "compared_cells",
+           "key_bits", "too_few_quantised"]

@@ -16,7 +16,9 @@ windows' T (``equal_bits``: checked from the configs before any model loads, and
 calibration). At T = 512 (the e2e budget) with head_dim d, the paper's rule (4 bits, whole-head asymmetric)
 stores 4 + 32/d:
 
-* ``kvquant`` — ``kvquant_prerope`` with G = d tokens per channel group: with d | T, exactly 4 + 32/d;
+* ``kvquant`` — ``kvquant_prerope`` with G = d tokens per channel group stores 4 + 32/d at T (d | T), but the
+  queries of a window read its open group in 16 bits (bits.attended): the reference is ``per_token_window`` with
+  R = 0, the per-token rule on exactly KVQuant's complete groups;
 * ``pairbits`` — ``rope_pair_bits`` with widths in {3, 4} averaging 4 − 32/d: both widths in every head, so
   payload + two per-token ranges = 4 + 32/d (the calibrated allocation's bits are recorded and compared);
 * ``sink`` — no sink setting matches 4 + 32/d at T = 512: the reference is the per-token rule with the online
@@ -86,9 +88,11 @@ class Scheme:
 PER_TOKEN = "the paper's per-token rule with the online Hadamard"
 
 SCHEMES: tuple[Scheme, ...] = (
-    Scheme("kvquant", {"k_quant": "kvquant_prerope", "k_token_group": Resolve.HEAD_DIM}, {},
-           "KVQuant pre-RoPE per-channel keys (G = head_dim)", PER_TOKEN,
-           "G = d tokens per channel group (d | T): 4 + 32/d bits, the per-token rule's"),
+    Scheme("kvquant", {"k_quant": "kvquant_prerope", "k_token_group": Resolve.HEAD_DIM},
+           {"k_quant": "per_token_window", "k_token_group": Resolve.HEAD_DIM, "k_residual": 0},
+           "KVQuant pre-RoPE per-channel keys (G = head_dim)",
+           f"{PER_TOKEN} on KVQuant's complete groups (per_token_window, R = 0)",
+           "KVQuant's open group of G = d tokens in 16 bits in both cells, b + 32/d on the others"),
     Scheme("pairbits", {"k_quant": "rope_pair_bits", "k_min_bits": 3, "k_max_bits": 4,
                         "k_avg_bits": Resolve.EQUAL_PAIR_AVG}, {},
            "RoPE-pair bit allocation (widths 3/4, mean 4 − 32/d)", PER_TOKEN,

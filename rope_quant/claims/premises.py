@@ -209,7 +209,7 @@ def adapt(claim: Claim, model: Mapping[Premise, str | None] | ModelFacts, *, seq
             return got
         adapted = got
     if claim.equal_bits:
-        from rope_quant.claims.bits import check_equal_bits
+        from rope_quant.claims.bits import check_equal_bits, too_few_quantised
 
         if seq_len is None:
             raise ClaimError(f"claim {claim.id} compares at equal bits per key element: adapt it with the evaluation "
@@ -218,4 +218,7 @@ def adapt(claim: Claim, model: Mapping[Premise, str | None] | ModelFacts, *, seq
         if facts.head_dim is None:
             return "it compares at equal bits per key element, which needs the model's head_dim (its config has none)"
         check_equal_bits(adapted, facts.head_dim, seq_len)
+        why = too_few_quantised(adapted, facts.head_dim, seq_len)
+        if why:
+            return why
     return adapted

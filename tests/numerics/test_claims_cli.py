@@ -135,7 +135,12 @@ def test_report_writes_the_engines_verdicts_in_the_claims_json(swept: Path, tmp_
     assert rows["C1"]["decision"]["outcome"] == "holds" and rows["C3"]["decision"]["outcome"] == "holds"
     assert rows["C2"]["decision"]["outcome"] == "inconclusive"
     assert "no ppl for cell {r3=pairwise_plus_hadamard} at seed 0" in rows["C2"]["verdict"]
-    assert {d["id"] for d in data["left_out"]} == {"C4-ppl", "C7", "C7-8K"} and "C4-ppl" not in rows
+    left = {d["id"]: d["reason"] for d in data["left_out"]}
+    assert {i for i in left if not i.startswith("K-")} == {"C4-ppl", "C7", "C7-8K"} and "C4-ppl" not in rows
+    # at T = 64 (d = 64) KVQuant's and KIVI's streaming groups quantise under a quarter of the keys read
+    assert {i for i in left if i.startswith("K-")} == {f"K-{s}-{r}-{b}" for s in ("kvquant", "kivi")
+                                                     for r in ("id", "fold") for b in ("KV4", "W4A4KV4")}
+    assert all("it needs evaluation windows of T = " in left[i] for i in left if i.startswith("K-"))
     assert data["model"]["name"] == "smollm2-135m" and data["model"]["fingerprint"]
     assert data["protocol"]["seeds"] == [0, 1, 2] and data["protocol"]["calibration_tokens"] == 64
     assert data["device"]["requested"] == "cpu" and data["schema"] == 2
@@ -284,10 +289,10 @@ def test_a_cell_with_unquantised_weights_is_its_own_float_order_replicate(tmp_pa
     its replicate (a shift of 0, as the pytest front does), so the claim is decided instead of 'cannot be
     estimated'; RTN weights still have none."""
     out, cells = tmp_path / "kv4", Cells()
-    assert _claims(out, "--claims", "K-kvquant-id-KV4", "--seeds", "0-2", cells=cells) == 0
+    assert _claims(out, "--claims", "K-sink-id-KV4", "--seeds", "0-2", cells=cells) == 0
     assert sum(c.quant.w.mode.value == "none" for c in cells.calls) == 6  # 2 cells x 3 seeds, no replicate
     store = DirectoryStore(out)
-    claim = registry.get("K-kvquant-id-KV4")
+    claim = registry.get("K-sink-id-KV4")
 
     adapted = adapt(claim, facts_of_checkpoint("smollm2-135m"), seq_len=64)
     assert not isinstance(adapted, str)

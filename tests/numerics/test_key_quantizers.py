@@ -856,3 +856,25 @@ def test_key_quantiser_entry_points_load_once_and_skip_clashes_and_broken_plugin
         if "foreign_eighth_keys" in registry.names():
             registry.unregister("foreign_eighth_keys")
         sys.modules.pop("rq_foreign_keys", None)
+
+
+def test_per_token_window_without_a_window_is_kvquants_reference() -> None:
+    """R = 0 (refused for KIVI, whose window is R >= G) gives KVQuant's streaming groups: the same quantised prefix
+    at every cache length, the same quantised tokens and the same bits at every T, with the per-token rule on them."""
+    d, g = 64, 64
+    inv = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
+    ptw = keyq.PerTokenWindowOption(bits=4, group=g, residual=0)
+    kvq = keyq.KVQuantPreRoPEOption(bits=4, group=g)
+    built = ptw.build(keyq.KeyQuantContext(d, 2)), kvq.build(keyq.KeyQuantContext(d, 2, inv))
+    for t in (1, 63, 64, 65, 511, 512):
+        assert built[0].quantized_prefix(t) == built[1].quantized_prefix(t) == g * (t // g)
+        assert ptw.quantized_tokens(t) == kvq.quantized_tokens(t) == g * (t // g)
+        assert ptw.bits_per_element(d, t) == pytest.approx(kvq.bits_per_element(d, t))
+    assert keyq.PerTokenOption(bits=4).quantized_tokens(100) == 100
+    assert keyq.SinkOption(bits=4, sinks=4).quantized_tokens(100) == 96
+    assert keyq.KiviOption(bits=4, group=32, residual=64).quantized_tokens(100) == 32
+    assert keyq.PerTokenOption(bits=16).quantized_tokens(100) == 0
+    with pytest.raises(keyq.KeyQuantError, match="R = 0: no window"):
+        keyq.PerTokenWindowOption(bits=4, group=64, residual=32)
+    with pytest.raises(keyq.KeyQuantError, match="KIVI needs R >= G"):
+        keyq.KiviOption(bits=4, group=64, residual=0)

@@ -68,9 +68,9 @@ def test_the_plan_of_the_whole_table_is_printed_before_the_model_loads(monkeypat
     assert f"registry claims plan: {MODEL} on cpu, protocol e2e CPU budget (16 x 512 calibration tokens" in text
     assert "claims that run: " + ", ".join(c.id for c in registry.claims()) in text and "skipped" not in text
     assert {registry.PAPER, registry.KEYS} <= {c.group for c in registry.claims()}
-    # the paper's 120 short-context cells and 18 builds, the key claims' 99 and 9 (the next test),
+    # the paper's 120 short-context cells and 18 builds, the key claims' 108 and 9 (the next test),
     # sharing W4A4KV4's per-token reference (3 seeds x 2 float orders) and W4A4KV4's 6 builds
-    assert "cells: 213 short-context cells over 21 weight builds (seed x bits x float order)" in text, text
+    assert "cells: 222 short-context cells over 21 weight builds (seed x bits x float order)" in text, text
     for length in (1024, 4096, 8192):
         row = next(line for line in text.splitlines() if line.startswith(f"| long context L={length} |"))
         assert row.endswith("| 12 |"), row  # 2 cells x 3 seeds x 2 float orders, one window each
@@ -85,13 +85,14 @@ def test_the_plan_names_the_claims_a_session_selects(monkeypatch: pytest.MonkeyP
         _front(monkeypatch, lines, selected=["C1", "K-kivi-id-KV4", "not-a-claim"])
     total = len(registry.claims())
     assert f"this session selects 2 of the {total} (the plan below is the whole table's): C1, K-kivi-id-KV4" in lines[0]
-    assert "cells: 213 short-context cells" in lines[0]
+    assert "cells: 222 short-context cells" in lines[0]
 
 
 def test_the_key_claims_resolve_from_the_config_and_count_their_cells() -> None:
     """Before any model loads, the front's table holds each key claim resolved on SmolLM2's config (G = head_dim
     = 64, the mean width 4 − 32/64, the best foldable R3 of an architecture without q/k norms); its cells are told
-    apart by their key quantiser: 8 schemes and 3 references per setting,
+    apart by their key quantiser: 8 schemes and 4 references per setting (the per-token rule, on KVQuant's groups,
+    with sinks, on KIVI's tokens),
     each at 3 seeds, × 2 float orders under W4A4KV4 (GPTQ's); 4-bit keys alone has unquantised weights, so
     no float-order replicate and one build per seed."""
     facts = facts_of_checkpoint(MODEL)
@@ -104,7 +105,8 @@ def test_the_key_claims_resolve_from_the_config_and_count_their_cells() -> None:
     assert fold.cells["scheme"]["r3"] == "pairwise_scaled" and fold.cells["scheme"]["k_residual"] == 64
     keys_, builds, lengths = table_cells(MODEL, "pydoc", "cpu", _budget(), [c for c in table.values()
                                                                           if isinstance(c, Claim)])
-    assert (len(keys_), len(builds), lengths) == (11 * 3 + 11 * 3 * 2, 3 + 3 * 2, {})
+    assert kvquant.cells["reference"]["k_quant"] == "per_token_window" and kvquant.cells["reference"]["k_residual"] == 0
+    assert (len(keys_), len(builds), lengths) == (12 * 3 + 12 * 3 * 2, 3 + 3 * 2, {})
 
 
 def test_unequal_bits_fail_the_front_before_the_plan_and_the_model(monkeypatch: pytest.MonkeyPatch) -> None:

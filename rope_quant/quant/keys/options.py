@@ -80,6 +80,11 @@ class KeyQuantOption:
         """This option's quantiser for one layer."""
         raise NotImplementedError
 
+    def quantized_tokens(self, seq_len: int) -> int:
+        """How many of a cache's ``seq_len`` tokens hold quantised keys (the others are in 16 bits): every one for
+        a token-local rule at fewer than 16 bits."""
+        return 0 if self.bits >= OFF_BITS else int(seq_len)
+
 
 def _geometry(head_dim: Any, seq_len: Any) -> tuple[int, int]:
     return check_head_dim(_int_in(head_dim, "head_dim", 2)) * 2, _int_in(seq_len, "seq_len", 1)
@@ -129,8 +134,13 @@ def _window_bits(bits: int, group: int, residual: int, head_dim: int, seq_len: i
     channel per group), the other T − n tokens at 16 bits."""
     if bits >= OFF_BITS:
         return float(FULL_BITS)
-    n = max(seq_len - residual, 0) // group * group
+    n = _window_tokens(group, residual, seq_len)
     return (n * (bits + 2 * SCALE_BITS / group) + (seq_len - n) * FULL_BITS) / seq_len
+
+
+def _window_tokens(group: int, residual: int, seq_len: int) -> int:
+    """G·⌊max(T − R, 0)/G⌋: the complete groups of G tokens older than the window of R (streaming groups)."""
+    return max(int(seq_len) - residual, 0) // group * group
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,9 @@ class KiviOption(KeyQuantOption):
         d, t = _geometry(head_dim, seq_len)
         return _window_bits(self.bits, self.group, self.residual, d, t)
 
+    def quantized_tokens(self, seq_len: int) -> int:
+        return 0 if self.bits >= OFF_BITS else _window_tokens(self.group, self.residual, seq_len)
+
     def build(self, ctx: KeyQuantContext) -> KeyQuantizer:
         return KiviQuantizer(self.bits, self.group, self.residual)
 
@@ -187,6 +200,9 @@ class KVQuantPreRoPEOption(KeyQuantOption):
     def bits_per_element(self, head_dim: int, seq_len: int, **kwargs: Any) -> float:
         d, t = _geometry(head_dim, seq_len)
         return _window_bits(self.bits, self.group, 0, d, t)
+
+    def quantized_tokens(self, seq_len: int) -> int:
+        return 0 if self.bits >= OFF_BITS else _window_tokens(self.group, 0, seq_len)
 
     def build(self, ctx: KeyQuantContext) -> KeyQuantizer:
         if ctx.inv_freq is None:
@@ -292,16 +308,21 @@ class SinkOption(KeyQuantOption):
         s = min(self.sinks, t)
         return (s * FULL_BITS + (t - s) * _token_overhead(self.bits, self.group_size, d, self.symmetric)) / t
 
+    def quantized_tokens(self, seq_len: int) -> int:
+        return 0 if self.bits >= OFF_BITS else max(int(seq_len) - self.sinks, 0)
+
     def build(self, ctx: KeyQuantContext) -> KeyQuantizer:
         return SinkQuantizer(self.config(), self.sinks)
 
 
 @dataclass(frozen=True)
 class PerTokenWindowOption(KeyQuantOption):
-    """KIVI's bits-matched reference: the per-token rule (``group_size``, ``clip_ratio``, ``symmetric`` as for
-    ``per_token``) on the tokens KIVI quantises, and KIVI's full-precision tokens (the ``residual`` most recent and
-    the group of ``group`` being filled) in 16 bits. With G = head_dim and a whole-head per-token group, a token
-    costs b + 32/d in both, so the two store the same bits at every T (KIVI Sec. 3.3, Algorithm 1)."""
+    """The bits-matched reference of the streaming group quantisers: the per-token rule (``group_size``,
+    ``clip_ratio``, ``symmetric`` as for ``per_token``) on exactly the tokens KIVI quantises, and KIVI's
+    full-precision tokens (the ``residual`` most recent and the group of ``group`` being filled) in 16 bits. With
+    G = head_dim and a whole-head per-token group, a token costs b + 32/d in both, so the two store the same bits
+    at every T (KIVI Sec. 3.3, Algorithm 1). ``residual`` 0 (no window) gives KVQuant's streaming groups
+    (``kvquant_prerope`` holds the group being filled in 16 bits): its reference at every T."""
 
     group: int = 32
     residual: int = 128
@@ -322,9 +343,10 @@ class PerTokenWindowOption(KeyQuantOption):
         super().__post_init__()
         _int_in(self.group, "k_token_group", 1)
         _int_in(self.residual, "k_residual", 0)
-        if self.residual < self.group:
+        if 0 < self.residual < self.group:
             raise KeyQuantError(f"per_token_window: the full-precision window k_residual={self.residual} is smaller "
-                                f"than the token group k_token_group={self.group} (KIVI's window: R >= G)")
+                                f"than the token group k_token_group={self.group} (KIVI's window: R >= G; R = 0: no "
+                                "window, KVQuant's groups)")
         self.config()
 
     def config(self) -> QuantConfig:
@@ -336,8 +358,11 @@ class PerTokenWindowOption(KeyQuantOption):
         d, t = _geometry(head_dim, seq_len)
         if self.bits >= OFF_BITS:
             return float(FULL_BITS)
-        n = max(t - self.residual, 0) // self.group * self.group
+        n = _window_tokens(self.group, self.residual, t)
         return (n * _token_overhead(self.bits, self.group_size, d, self.symmetric) + (t - n) * FULL_BITS) / t
+
+    def quantized_tokens(self, seq_len: int) -> int:
+        return 0 if self.bits >= OFF_BITS else _window_tokens(self.group, self.residual, seq_len)
 
     def build(self, ctx: KeyQuantContext) -> KeyQuantizer:
         return PerTokenWindowQuantizer(self.bits, self.group, self.residual, cfg=self.config())
