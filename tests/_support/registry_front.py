@@ -216,7 +216,7 @@ def table_plan(model: str, device: str, corpus: str, budget: Any, claims: Sequen
 def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mapping[str, Claim | str],
               plan: Any, cells: int, builds: int, selected: Sequence[str] | None = None) -> str:
     """The printed plan: the claims that run and those that skip, the cells and builds, the plan's table (of the
-    whole table; ``selected``: the claim ids this session collected, named when fewer than the table's)."""
+    whole table; ``selected``: the claim ids collected (``-k``), named when fewer than the table's)."""
     from rope_quant.experiment.plan import format_plan
 
     runs = [c.id + (" (deviation)" if "[deviation:" in c.title else "") for c in claims.values()
@@ -231,7 +231,7 @@ def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mappi
         f"{','.join(map(str, budget.seeds))} ({budget.replicates} replicated in the other float order)",
         f"claims that run: {', '.join(runs) or 'none'}",
         *([f"claims skipped: {'; '.join(skips)}"] if skips else []),
-        *([f"this session selects {len(chosen)} of the {len(runs)} (the plan below is the whole table's): "
+        *([f"collected here: {len(chosen)} of the {len(runs)} (the plan below is the whole table's): "
            f"{', '.join(chosen) or 'none'}"] if len(chosen) < len(runs) else []),
         f"cells: {cells} short-context cells over {builds} weight builds (seed x bits x float order); "
         "--rq-until-decided adds seeds to the open claims only",
@@ -251,8 +251,8 @@ def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_
     found calls ``missing`` with the reason (``pytest.skip`` by default; ``pytest.fail`` where it must exist).
     ``claims``: the claims of its table (default: every registry claim); ``experiment``: where the front does not
     load the model itself, the experiment it runs its cells in (called after the plan is printed: the default
-    suite's ``experiment`` fixture on the default model, sharing its cells); ``selected``: the claim ids the
-    session collected (``-k``), named in the plan when fewer than the table's."""
+    suite's ``experiment`` fixture on the default model, sharing its cells); ``selected``: the claim ids
+    collected (``-k``), named in the plan when fewer than the table's."""
     from rope_quant.claims.premises import facts_of_checkpoint
     from rope_quant.claims.registry import ClaimError
     from rope_quant.experiment import plan as planning

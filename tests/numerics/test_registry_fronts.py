@@ -75,16 +75,16 @@ def test_the_plan_of_the_whole_table_is_printed_before_the_model_loads(monkeypat
         row = next(line for line in text.splitlines() if line.startswith(f"| long context L={length} |"))
         assert row.endswith("| 12 |"), row  # 2 cells x 3 seeds x 2 float orders, one window each
     assert "| GPTQ |" in text and "total: " in text
-    assert "this session selects" not in text  # every claim collected: nothing to name
+    assert "collected here:" not in text  # every claim collected: nothing to name
 
 
 def test_the_plan_names_the_claims_a_session_selects(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``-k`` choosing two claims the plan stays the whole table's and says which two this session runs."""
+    """With ``-k`` choosing two claims the plan stays the whole table's and names the two collected."""
     lines: list[str] = []
     with pytest.raises(Loaded):
         _front(monkeypatch, lines, selected=["C1", "K-kivi-id-KV4", "not-a-claim"])
     total = len(registry.claims())
-    assert f"this session selects 2 of the {total} (the plan below is the whole table's): C1, K-kivi-id-KV4" in lines[0]
+    assert f"collected here: 2 of the {total} (the plan below is the whole table's): C1, K-kivi-id-KV4" in lines[0]
     assert "cells: 222 short-context cells" in lines[0]
 
 

@@ -225,7 +225,7 @@ def load_entry_points(force: bool = False) -> list[str]:
     if _loaded and not force:
         return []
     _loaded = True
-    from rope_quant.plugins import loaded
+    from rope_quant.core.plugins import loaded
 
     added: list[str] = []
     for where, value, specs in loaded(ENTRY_POINT_GROUP, _specs_of, RegistryWarning):

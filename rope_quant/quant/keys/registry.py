@@ -87,7 +87,7 @@ def load_entry_points(force: bool = False) -> list[str]:
     if _loaded and not force:
         return []
     _loaded = True
-    from rope_quant.plugins import loaded
+    from rope_quant.core.plugins import loaded
 
     added: list[str] = []
     for where, _, options in loaded(ENTRY_POINT_GROUP, _options_of, KeyQuantWarning):

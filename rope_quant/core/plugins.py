@@ -1,7 +1,7 @@
-"""Entry points shared by the open registries (R3 transforms: ``rope_quant.r3``; key quantisers:
+"""Entry points of the open registries (R3 transforms: ``rope_quant.r3``; key quantisers:
 ``rope_quant.key_quant``): each group's objects loaded, a broken plugin skipped with a warning, never raised.
 
-Standard library only. See docs/ARCHITECTURE.md, "Extending".
+Standard library only.
 """
 
 from __future__ import annotations
