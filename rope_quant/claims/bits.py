@@ -95,10 +95,13 @@ def too_few_quantised(claim: Claim, head_dim: int, seq_len: int, longest: int = 
     if not low:
         return ""
     t = int(seq_len)
-    while t < longest and any(attended(claim.cells[n], head_dim, t)[1] < MIN_ATTENDED_SHARE for n in low):
+
+    def enough(length: int) -> bool:
+        return all(attended(claim.cells[n], head_dim, length)[1] >= MIN_ATTENDED_SHARE for n in low)
+
+    while t < longest and not enough(t):
         t *= 2
-    need = f"T = {t}" if t < longest or all(attended(claim.cells[n], head_dim, t)[1] >= MIN_ATTENDED_SHARE
-                                             for n in low) else f"more than T = {longest}"
+    need = f"T = {t}" if enough(t) else f"more than T = {longest}"
     shown = "; ".join(f"{n} {{{describe(claim.cells[n])}}}: {v:.1%}" for n, v in low.items())
     return (f"at T = {seq_len} and head_dim {head_dim} its key quantiser quantises under {MIN_ATTENDED_SHARE:.0%} "
             f"of the keys the window's queries read ({shown}): the claim would compare nearly unquantised caches; "
