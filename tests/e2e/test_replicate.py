@@ -125,3 +125,26 @@ def test_r3_variants_of_a_seed_share_one_build_and_equal_a_fresh_one(experiment_
     assert differ == [] and reused["ppl"] == fresh["ppl"] and reused["window_nll"] == fresh["window_nll"]
     exp.cell(1, r3="hadamard", **CHEAP)
     assert len(exp._models) == 2
+
+
+def test_the_memo_digest_reads_the_code_that_computes_cells_and_no_assertion_module() -> None:
+    """The cell memo's key (``source_digest``) covers every ``rope_quant`` module and every test module that hands
+    ``memo`` a cell's computation, and leaves out the modules that select cells by overrides (held in the key)
+    and assert on them: editing a claim's assertion must not recompute an hour of cells."""
+    import re
+    from pathlib import Path
+
+    import rope_quant
+    from tests.e2e import conftest
+
+    sources = conftest.digest_sources()
+    package = Path(rope_quant.__file__).parent
+    assert {p for p in sources.values() if p.is_relative_to(package)} == set(package.rglob("*.py"))
+    here = Path(conftest.__file__).resolve().parent
+    repo = here.parents[1]
+    computing = {str(p.relative_to(repo)) for p in [*here.glob("*.py"), *(repo / "tests/_support").glob("*.py")]
+                 if re.search(r"\.memo\(", p.read_text()) and p.name != "test_replicate.py"}
+    named = {name for name in sources if name.startswith("tests/")}
+    assert computing <= named, computing - named
+    assert "tests/e2e/test_claims.py" not in named and "tests/e2e/test_registry_claims.py" not in named
+    assert all(sources[name].is_file() for name in named)
