@@ -3,7 +3,8 @@
 ``compare_against(this, other)`` takes two results directories (``rope-quant compare`` / ``run`` output) or two
 claims JSONs (``pytest --rq-claims-out=DIR``: ``DIR/claims.json``). Each paired number (mean difference with its
 90% interval) is printed beside the other run's, with the difference in units of this run's CI half-width;
-every verdict that flipped is flagged. Claims JSONs name the decision rule they were decided under (``rule``; a
+every verdict that flipped is flagged; for claims JSONs, the claims whose per-seed values are identical value for value
+are counted, and the others named. Claims JSONs name the decision rule they were decided under (``rule``; a
 JSON without one predates the replicated rule: the 0.1.x single-replicate offset); two runs decided under
 different rules are compared, and the header says that a flip may be the rule's. Each claim's float order
 (σ_num and bias over the replicates, where recorded) is shown beside its interval. For directories, a number's
@@ -206,6 +207,28 @@ def _claims_numbers(payload: Mapping[str, Any], by_id: bool = False) -> tuple[di
     return numbers, {**(payload.get("machine") or {}), "_rule": _rule(payload)}
 
 
+def _per_seed(payload: Mapping[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """Each claim's per-seed series (the lists of its ``numbers``), keyed by registry id (its title where a row has
+    none): what two runs of the same cells must reproduce value for value."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for claim in payload["claims"]:
+        series = {k: v for k, v in (claim.get("numbers") or {}).items() if isinstance(v, list) and v
+                  and all(isinstance(x, (int, float)) for x in v)}
+        if series:
+            out[str(claim.get("id") or _title(claim)[0])] = series
+    return out
+
+
+def _identity_line(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    """How many claims of both runs carry the same per-seed values, value for value, and which do not."""
+    sa, sb = _per_seed(a), _per_seed(b)
+    common = [k for k in sa if k in sb]
+    differ = [k for k in common if sa[k] != sb[k]]
+    text = (f"- per-seed values: {len(common) - len(differ)} of the {len(common)} claims in both runs identical, "
+            "value for value")
+    return text + (f"; differing: {', '.join(differ)}" if differ else "")
+
+
 def _paired_series(numbers: Mapping[str, Any]) -> tuple[str, tuple[float, float, float, int]] | None:
     """("X − Y", (mean, low, high, n)) of the first two equal-length per-seed series of a claim, or None."""
     from rope_quant.core import stats
@@ -308,11 +331,12 @@ def compare_against(this: str | Path, other: str | Path) -> str:
                              "directories or two claims JSONs")
     cross: list[str] = []
     if a_payload is not None and b_payload is not None:
+        cross.append(_identity_line(a_payload, b_payload))
         a_run, b_run = run_of(a_payload), run_of(b_payload)
         ka, kb = _model_key(a_run), _model_key(b_run)
         if ka is not None and kb is not None and ka != kb:  # two models' tables: claim by claim
             a, b = _claims_numbers(a_payload, by_id=True)[0], _claims_numbers(b_payload, by_id=True)[0]
-            cross = _cross_model_lines(a_run, b_run)
+            cross += _cross_model_lines(a_run, b_run)
     if a_kind == "directory":
         diff = _protocol_differences(protocol(a_path), protocol(b_path))
         if diff:

@@ -251,3 +251,22 @@ def test_two_models_claims_tables_compared_claim_by_claim(tmp_path: Path, capsys
     assert "protocol fields that differ: seqlen: 2048 vs 1024" in text
     same = compare_against(a, _model_table(tmp_path / "again.json", "/ckpt/llama", "aaaa1111", 2048, []))
     assert "two models" not in same and f"{c3} [/ckpt/llama]" in same  # one model: the reproducibility report
+
+
+def test_claims_with_identical_per_seed_values_are_counted_and_the_others_named(tmp_path: Path) -> None:
+    """Two runs of the same cells (the CLI's table against pytest's): the report counts the claims whose per-seed
+    series agree value for value, matched by registry id, and names those that differ in any value."""
+    def payload(path: Path, c1_last: float, model: str) -> Path:
+        rows = [{"claim": "C1 title", "id": "C1", "model": model, "verdict": "holds",
+                 "decision": {"outcome": "holds", "mean": None},
+                 "numbers": {"pairwise_only": [28.0, 26.0, c1_last], "hadamard": [24.0, 23.0, 23.5], "stat": 2.7}},
+                {"claim": "C8 title", "id": "C8", "model": model, "verdict": "holds",
+                 "decision": {"outcome": "holds", "mean": None},
+                 "numbers": {"hadamard": [9.6, 9.7, 9.65], "pairwise_only": [14.7, 14.8, 14.75]}}]
+        path.write_text(json.dumps({"claims": rows, "machine": {}}))
+        return path
+
+    same = compare_against(payload(tmp_path / "a.json", 26.5, "m"), payload(tmp_path / "b.json", 26.5, "m"))
+    assert "- per-seed values: 2 of the 2 claims in both runs identical, value for value\n" in same
+    differs = compare_against(tmp_path / "a.json", payload(tmp_path / "c.json", 26.5 + 1e-9, "m"))
+    assert "- per-seed values: 1 of the 2 claims in both runs identical, value for value; differing: C1" in differs
