@@ -1,10 +1,11 @@
-"""The paper's claims and the measured rows beyond it, one registry entry each (tests/e2e states each one).
+"""The paper's claims and the measured rows beyond it, one registry entry each.
 
-Every entry holds the statement of its e2e test (tests/e2e/test_claims.py, test_lower_bits_claims.py,
-test_beyond_claims.py), the cells it reads as flat config overrides on the paper's W4A4KV4 pipeline (App. A.1,
+The e2e layer decides every entry on every model (tests/e2e/test_registry_claims.py, the default model
+included), and ``rope-quant claims`` over a sweep. Every entry holds its statement, the cells it reads as flat config overrides on the paper's W4A4KV4 pipeline (App. A.1,
 A.8: whip R1, R2 random Hadamard, online R4, GPTQ weights), and its parts. Criteria without sampling error
 (C1, C8, the every-seed K range orderings) are deterministic parts. What a claim asserts that no cell value
-carries (C5's brute-force minimum, C6's surrogate objective) is named in ``outside`` and stays with its test.
+carries (C3's mean sign, C5's brute-force minimum, C6's surrogate objective) is named in ``outside`` and is
+asserted by tests/e2e/test_claims.py on the default model.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ COMMUTING: dict[str, Mapping[str, Override]] = {
     "φ* k_only": cell(r3="pairwise_only", estimator="k_only", angle="phi_star"),
     "range per_head": cell(r3="pairwise_only", estimator="per_head", objective="range"),
 }
-"""The RoPE-commuting candidates beyond the paper (tests/e2e/test_beyond_claims.py)."""
+"""The RoPE-commuting candidates beyond the paper (``rope-quant compare --configs beyond``)."""
 
 BEYOND_COMMUTING = Claim(
     PaperClaim.BEYOND_COMMUTING, "Beyond: best commuting R3 vs hadamard, W4A4KV4",

@@ -329,8 +329,11 @@ def decide_claim(front: Front, claim_id: str, rq_claim: Any, rq_run: Any) -> tup
         return result.verdict, result
 
     (verdict, result), _ = exp.decided(run, adapted.id)
+    parts = result.part_verdicts
+    if verdict.stop.startswith("time budget"):  # the stop reaches each part still open, not "open at look k"
+        parts = {k: v if v.decided or v.stop else replace(v, stop=verdict.stop) for k, v in parts.items()}
     row = result.to_dict(model=exp.model)
     rq_run(front.about)
     rq_claim(adapted.title, row["expected"], row["measured"], model=exp.model, verdict=verdict,
-             parts=result.part_verdicts if len(result.parts) > 1 else None, claim_id=adapted.id, **row["numbers"])
+             parts=parts if len(result.parts) > 1 else None, claim_id=adapted.id, **row["numbers"])
     return verdict, result

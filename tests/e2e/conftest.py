@@ -126,8 +126,8 @@ class Experiment:
 
     def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per ``key``: in memory (this pytest run), then on disk in the cache directory
-        (:func:`cell_memo_path`: keyed by ``key`` and the source of ``rope_quant`` and ``tests/e2e``, written
-        atomically), so a warm rerun or a killed ``--rq-until-decided`` run recomputes no finished cell."""
+        (:func:`cell_memo_path`: keyed by ``key`` and the code that computes cells, :func:`source_digest`,
+        written atomically), so a warm rerun or a killed ``--rq-until-decided`` run recomputes no finished cell."""
         import pickle
 
         from rope_quant.io import atomic_write_bytes
@@ -185,12 +185,6 @@ class Experiment:
                 return f"replicate of seed {seed} failed to build: {type(exc).__name__}: {exc}"
         return out
 
-    def replicate_pairs(self, treatment: dict[str, Any], control: dict[str, Any], metric: str = "ppl",
-                        **shared: Any) -> dict[int, tuple[float, float]] | str:
-        """(treatment, control) ``metric`` of every replicated seed: ``paired_claim``'s ``replicates``."""
-        return self.over_replicates(lambda seed, rep: (float(self.cell(seed, **{**shared, **treatment, **rep})[metric]),
-                                                       float(self.cell(seed, **{**shared, **control, **rep})[metric])))
-
     def tokens(self, windows: int | None = None, **overrides: Any) -> int | None:
         """Scored tokens per cell (short context) at ``windows`` (default the budget's evaluation windows); with
         every window scored, the first seed's cell (``overrides``) says how many tokens that was."""
@@ -203,11 +197,6 @@ class Experiment:
         from rope_quant.quant.rtn import GPTQConfig
 
         return {**overrides, "gptq": GPTQConfig(float64=not self.budget.gptq_float64)}
-
-    def replicate_long_context(self, lengths: tuple[int, ...] | None = None,
-                               **overrides: Any) -> dict[int, dict[int, Any]] | str:
-        """Per replicated seed (index): :meth:`long_context` with GPTQ in the other float mode."""
-        return self.over_replicates(lambda seed, rep: self.long_context(seed, lengths, **{**overrides, **rep}))
 
     def quantized(self, cfg: Any) -> Any:
         """The built model of ``cfg``: one of the last :data:`MODELS_KEPT` built, switched in place with
@@ -354,13 +343,13 @@ def explicit_models(config: pytest.Config) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def experiment(request, e2e_cache, e2e_budget, rq_options) -> Experiment:
-    """The embedded SmolLM2-135M under the paper's W4A4KV4 pipeline (test_claims.py). With ``--rq-model``
-    naming other models only, these Llama-pipeline claims skip: the model-generic claims
-    (test_cross_model.py) run on the named models."""
+    """The embedded SmolLM2-135M under the paper's W4A4KV4 pipeline: the default model's registry front
+    (test_registry_claims.py) and the statements of test_claims.py and its siblings share it. With ``--rq-model``
+    naming other models only, those sibling statements skip; the registry claims run on the named models."""
     named = explicit_models(request.config)
     if named and DEFAULT_MODEL not in {m.lower() for m in named}:
-        pytest.skip(f"--rq-model {', '.join(named)}: the W4A4KV4 pipeline claims run on {DEFAULT_MODEL} only; "
-                    "the named models run the model-generic claims (tests/e2e/test_cross_model.py)")
+        pytest.skip(f"--rq-model {', '.join(named)}: this statement runs on {DEFAULT_MODEL} only; the registry "
+                    "claims (tests/e2e/test_registry_claims.py) run on the named models")
     base = request.getfixturevalue("embedded_model")
     return Experiment(base, e2e_cache, e2e_budget, rq_options.corpus, plan=sequential_plan(rq_options, e2e_budget),
                       time_budget=rq_options.time_budget)

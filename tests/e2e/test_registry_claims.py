@@ -1,23 +1,21 @@
-"""The registry's claims (rope_quant/claims) through the e2e suite's paired experiment.
+"""The registry's claims (rope_quant/claims) through the e2e suite's paired experiment: the paper's claims table.
 
-``pytest -m e2e --rq-model PATH`` (a local Hugging Face directory, a GGUF file, or an embedded name other than
-the default) runs every registry claim whose premises the model meets (rope_quant/claims/premises.py), through
-the same :class:`Experiment` as the default suite (paired cells, float-order replicates, ``--rq-until-decided``)
-and decided by the one engine (``rope_quant.claims.engine.evaluate``), on the path ``gpu_e2e`` shares
-(tests/_support/registry_front.py). A claim whose only missing premise is a foldable R1 runs with ``r1=identity``
-and names that deviation in its row; any other missing premise skips it with its reason. Each claim is adapted to
-the model from its config alone, before the model loads (``premises.adapt``, as ``rope-quant claims``): its
-model-dependent values (head_dim, the best foldable R3) resolved, and a claim at equal bits per key element checked
-at the budget's seqlen (unequal bits fail the model's claims, naming the cells and their bits). Then the plan of the
-model's whole claims table is printed, and a table that does not fit this machine is refused with the plan's
-remedy. One front per model: its claims run in a row, and the next model's front replaces it.
+``pytest -m e2e`` runs them on the default model; ``pytest -m e2e --rq-model PATH`` (a local Hugging Face
+directory, a GGUF file, or an embedded name) runs every registry claim whose premises the model meets
+(rope_quant/claims/premises.py), through the same :class:`Experiment` (paired cells, float-order replicates,
+``--rq-until-decided``) and decided by the one engine (``rope_quant.claims.engine.evaluate``), on the path
+``gpu_e2e`` shares (tests/_support/registry_front.py). A claim whose only missing premise is a foldable R1 runs
+with ``r1=identity`` and names that deviation in its row; any other missing premise skips it with its reason. Each
+claim is adapted to the model from its config alone, before the model loads (``premises.adapt``, as ``rope-quant
+claims``): its model-dependent values (head_dim, the best foldable R3) resolved, and a claim at equal bits per key
+element checked at the budget's seqlen (unequal bits fail the model's claims, naming the cells and their bits).
+Then the plan of the model's whole claims table is printed, and a table that does not fit this machine is refused
+with the plan's remedy. One front per model: its claims run in a row, and the next model's front replaces it.
 
-On the default model the paper's claims (group ``paper``) are the default suite's (tests/e2e/test_claims.py and
-its siblings state each one): this module runs there only the registry claims that no test module states (the key
-quantisers of claims/keys.py), all in ``slow``, in the default suite's own ``experiment`` (sharing its cells), so
-the default run's time and table do not change. The claims the default suite runs in ``slow`` (:data:`SLOW`) and
-the key claims are ``slow`` on every model. Select one with ``-k`` and its id (``-k K-kvquant-id-KV4``; the test ids
-are ``<model>-<claim id>``).
+On the default model the front runs in the default suite's own ``experiment`` (sharing its cells with
+tests/e2e/test_claims.py, which keeps the paper's statements that are not registry claims). The claims the paper's
+CPU budget cannot hold in CI's time (:data:`SLOW`) and the key claims are ``slow`` on every model. Select one with
+``-k`` and its id (``-k K-kvquant-id-KV4``; the test ids are ``<model>-<claim id>``).
 
 Each test attaches its row (``rq_claim``) and fails on a claim refuted or failed, never on inconclusive; a
 question beyond the paper (``Claim.question``: the key claims, "does the scheme replace the online Hadamard?")
@@ -36,7 +34,8 @@ from rope_quant.claims.registry import PAPER
 from rope_quant.defaults import DEFAULT_MODEL
 
 SLOW = {"C6", "C7", "C7-8K", "App-F", "beyond-commuting", "beyond-range", "beyond-range-pph"}
-"""Registry claims the default suite runs in ``slow`` (their cells would push the e2e layer past its budget)."""
+"""The paper's registry claims in ``slow``: their cells would push the e2e layer past CI's budget (C6, C7: 24
+cells; App. F: two more GPTQ builds per seed; the beyond rows: 15 more cells and two range fits per seed)."""
 
 
 def _user_models(config: pytest.Config) -> tuple[str, ...]:
@@ -53,10 +52,6 @@ def _slow(claim: registry.Claim) -> bool:
     return claim.id in SLOW or claim.group != PAPER
 
 
-def _claims_on(model: str) -> tuple[registry.Claim, ...]:
-    """The claims this module runs on ``model``: every registry claim on a named checkpoint; on the default model
-    those no test module states (group != paper)."""
-    return tuple(c for c in registry.claims() if model != DEFAULT_MODEL or c.group != PAPER)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -67,11 +62,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # ``fronts``, not by a module-scoped parameter, which pytest would regroup by claim across models)
     params = [pytest.param(m, c.id, id=f"{m.rstrip('/').split('/')[-1]}-{c.id}",
                            marks=[pytest.mark.slow] if _slow(c) else [])
-              for m in models for c in _claims_on(m)]
-    if not params:  # the default model and no claim beyond the paper's: the default suite decides them
-        params = [pytest.param(DEFAULT_MODEL, "", id="no-checkpoint-named", marks=pytest.mark.skip(
-            reason=f"no checkpoint named: {DEFAULT_MODEL}'s claims are the default suite's (test_claims.py); "
-                   "--rq-model PATH decides the registry's claims on a checkpoint"))]
+              for m in models for c in registry.claims()]
     metafunc.parametrize(("umodel", "claim_id"), params)
 
 
@@ -100,7 +91,7 @@ def ufront(request, umodel, fronts, e2e_cache, e2e_budget, rq_options, experimen
         try:
             fronts[umodel] = open_front(umodel, "cpu", e2e_budget, corpus=rq_options.corpus, experiment_cls=Experiment,
                                         cache=e2e_cache, rq_options=rq_options, protocol="e2e CPU budget",
-                                        missing=pytest.fail, claims=_claims_on(umodel), experiment=shared,
+                                        missing=pytest.fail, experiment=shared,
                                         selected=selected)
         except BaseException as exc:  # a refused front (pytest.fail, pytest.skip) refuses each of its claims
             fronts[umodel] = exc

@@ -1,6 +1,7 @@
 """The e2e claims' ``--rq-until-decided`` wiring (tests/e2e/conftest.py ``Experiment.decided``), on fake cells.
 
-The e2e conftest's :class:`Experiment` and test_claims.py's C2 evaluation are imported from their files; only
+The e2e conftest's :class:`Experiment` is imported from its file and the registry's claims are decided as the
+registry front decides them (tests/_support/registry_front.py: the engine over an ``ExperimentStore``); only
 ``pipeline.run_cell`` is replaced by a function that reads the seed, the R3 and GPTQ's float mode from the config,
 so the path a claim takes (memoised cells, replicates of every seed, seeds added only while open, the sequential
 rule) runs here in seconds. The embedded model itself is exercised by ``pytest -m e2e --rq-until-decided``.
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rope_quant.claims import paper
 from rope_quant.core.sequential import RULE_SEQUENTIAL, Plan
 from rope_quant.core.verdict import RULE_REPLICATES, Outcome
 
@@ -33,7 +35,6 @@ def _load(name: str, path: Path, monkeypatch):
 @pytest.fixture
 def wiring(monkeypatch, tmp_path):
     conftest = _load("rq_e2e_conftest_wiring", E2E / "conftest.py", monkeypatch)
-    claims = _load("rq_e2e_claims_wiring", E2E / "test_claims.py", monkeypatch)
     built: list[tuple[int, str, bool, str]] = []
 
     def fake_run_cell(cfg, cache_dir=None, base=None, **_):
@@ -52,15 +53,31 @@ def wiring(monkeypatch, tmp_path):
         budget = conftest.E2EBudget(seeds=(0, 1, 2), replicates=3)
         return conftest.Experiment(None, str(tmp_path), budget, "pydoc", plan=plan, time_budget=time_budget)
 
-    return experiment, claims, built
+    return experiment, built
+
+
+def _registry(claim):
+    """The registry front's evaluation of ``claim`` at an experiment's seeds: (verdict, ClaimResult)."""
+    from rope_quant.claims.engine import evaluate
+    from tests._support.registry_front import ExperimentStore
+
+    def run(e):
+        result = evaluate(claim, ExperimentStore(e), e.budget.seeds, plan=e.plan)
+        return result.verdict, result
+
+    return run
+
+
+EQUIV = "pairwise_plus_hadamard ≡ hadamard"
 
 
 def test_c2_until_decided_adds_replicated_seeds_only_while_open(wiring) -> None:
     """With a plan, C2 (equivalence within ±0.132 PPL, per-seed noise 0.03 around an effect of 0) is decided by
     the sequential rule after seeds were added; every cell (seed, R3, float mode) is built once, and every added
     seed carries its float-order replicate of both configs in the equivalence."""
-    experiment, claims, built = wiring
-    (verdict, equiv, margin, x), at = experiment(Plan(3, 10)).decided(claims._c2, "C2")
+    experiment, built = wiring
+    (verdict, result), at = experiment(Plan(3, 10)).decided(_registry(paper.C2), "C2")
+    equiv = result.part_verdicts[EQUIV]
     assert equiv.rule == RULE_SEQUENTIAL and equiv.outcome is Outcome.HOLDS, equiv.text()
     n = len(at.budget.seeds)
     assert 3 < n <= 10 and at.budget.replicates == n and equiv.n == n, (n, equiv.text())
@@ -72,8 +89,9 @@ def test_c2_until_decided_adds_replicated_seeds_only_while_open(wiring) -> None:
 
 
 def test_without_the_mode_the_fixed_rule_reads_the_requested_seeds(wiring) -> None:
-    experiment, claims, built = wiring
-    (verdict, equiv, margin, x), at = experiment(None).decided(claims._c2, "C2")
+    experiment, built = wiring
+    (verdict, result), at = experiment(None).decided(_registry(paper.C2), "C2")
+    equiv = result.part_verdicts[EQUIV]
     assert equiv.rule == RULE_REPLICATES and at.budget.seeds == (0, 1, 2) and equiv.n == 3
     assert max(s for s, *_ in built) == 2
 
@@ -81,19 +99,21 @@ def test_without_the_mode_the_fixed_rule_reads_the_requested_seeds(wiring) -> No
 def test_c3_until_decided_only_builds_its_own_cells(wiring) -> None:
     """C3 (k_only 0.4 PPL below rows, noise 0.03 per cell): decided by the sequential rule; the cells built are
     C3's own (pairwise_only under both estimators, both float orders), none of C2's."""
-    experiment, claims, built = wiring
-    (verdict, k_only, rows), at = experiment(Plan(3, 10)).decided(claims._c3, "C3")
+    experiment, built = wiring
+    (verdict, _), at = experiment(Plan(3, 10)).decided(_registry(paper.C3), "C3")
     assert verdict.rule == RULE_SEQUENTIAL and verdict.outcome is Outcome.HOLDS, verdict.text()
     assert {r3 for _, r3, _, _ in built} == {"pairwise_only"}
     assert len(set(built)) == len(built) == 4 * len(at.budget.seeds)  # decided at the first look here
 
 
 def test_c7_stopped_by_the_time_budget_says_so_in_every_open_part(wiring, monkeypatch) -> None:
-    """C7 recomputes its parts at the seeds used after the loop: a stop on the time budget must reach each part
-    still open (its verdict text), not read as "open at look 1"."""
+    """The registry front (``decide_claim``) re-reads a claim's parts at the seeds used after the loop: a stop on
+    the time budget must reach each part still open (its verdict text in the row), not read as "open at look 1"."""
     from types import SimpleNamespace
 
-    experiment, claims, _ = wiring
+    from tests._support.registry_front import Front, decide_claim
+
+    experiment, _ = wiring
 
     def fake_long(self, seed=0, lengths=None, **overrides):
         flat = self.config(seed, **overrides).flat()
@@ -103,7 +123,11 @@ def test_c7_stopped_by_the_time_budget_says_so_in_every_open_part(wiring, monkey
 
     monkeypatch.setattr(type(experiment(None)), "long_context", fake_long)
     exp = experiment(Plan(3, 10), time_budget=1e-6)
-    parts = claims._long_claim(exp, lambda *_, **__: None, (1024, 4096), "t", "C7")
-    assert all(v.outcome is Outcome.INCONCLUSIVE for v in parts.values())
+    rows: list[dict] = []
+    verdict, _ = decide_claim(Front("m", exp, {"C7": paper.C7}, "plan"), "C7",
+                              lambda *args, **kw: rows.append(kw), lambda about: None)
+    assert verdict.outcome is Outcome.INCONCLUSIVE and verdict.stop.startswith("time budget"), verdict.text()
+    parts = {k: v for k, v in rows[0]["parts"].items() if k.startswith("L=")}
+    assert parts and all(v.outcome is Outcome.INCONCLUSIVE for v in parts.values())
     assert all(v.stop.startswith("time budget") and "time budget" in v.text() for v in parts.values()), \
         [v.text() for v in parts.values()]
