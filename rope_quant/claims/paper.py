@@ -1,11 +1,12 @@
 """The paper's claims and the measured rows beyond it, one registry entry each.
 
 The e2e layer decides every entry on every model (tests/e2e/test_registry_claims.py, the default model
-included), and ``rope-quant claims`` over a sweep. Every entry holds its statement, the cells it reads as flat config overrides on the paper's W4A4KV4 pipeline (App. A.1,
-A.8: whip R1, R2 random Hadamard, online R4, GPTQ weights), and its parts. Criteria without sampling error
-(C1, C8, the every-seed K range orderings) are deterministic parts. What a claim asserts that no cell value
-carries (C3's mean sign, C5's brute-force minimum, C6's surrogate objective) is named in ``outside`` and is
-asserted by tests/e2e/test_claims.py on the default model.
+included), and ``rope-quant claims`` over a sweep. Every entry holds its statement, the cells it reads as flat
+config overrides on the paper's W4A4KV4 pipeline (App. A.1, A.8: whip R1, R2 random Hadamard, online R4, GPTQ
+weights), and its parts. Criteria without sampling error (C1, C8, the every-seed K range orderings) are
+deterministic parts. What a claim asserts that no cell value carries (C3's mean sign, C5's brute-force minimum,
+C6's surrogate objective) is named in ``outside`` and is asserted by tests/e2e/test_claims.py on the default
+model.
 """
 
 from __future__ import annotations
