@@ -210,10 +210,16 @@ def _claims_numbers(payload: Mapping[str, Any], by_id: bool = False) -> tuple[di
 def _per_seed(payload: Mapping[str, Any]) -> dict[str, dict[str, list[float]]]:
     """Each claim's per-seed series (the lists of its ``numbers``), keyed by registry id (its title where a row has
     none): what two runs of the same cells must reproduce value for value."""
+    def lists(obj: Any, prefix: str = "") -> dict[str, list[float]]:  # a registry row nests them under its parts
+        if isinstance(obj, Mapping):
+            return {k: v for key, val in obj.items() for k, v in lists(val, f"{prefix}{key}.").items()}
+        if isinstance(obj, list) and obj and all(isinstance(x, (int, float)) or isinstance(x, list) for x in obj):
+            return {prefix[:-1]: obj}
+        return {}
+
     out: dict[str, dict[str, list[float]]] = {}
     for claim in payload["claims"]:
-        series = {k: v for k, v in (claim.get("numbers") or {}).items() if isinstance(v, list) and v
-                  and all(isinstance(x, (int, float)) for x in v)}
+        series = lists(claim.get("numbers") or {})
         if series:
             out[str(claim.get("id") or _title(claim)[0])] = series
     return out

@@ -270,3 +270,19 @@ def test_claims_with_identical_per_seed_values_are_counted_and_the_others_named(
     assert "- per-seed values: 2 of the 2 claims in both runs identical, value for value\n" in same
     differs = compare_against(tmp_path / "a.json", payload(tmp_path / "c.json", 26.5 + 1e-9, "m"))
     assert "- per-seed values: 1 of the 2 claims in both runs identical, value for value; differing: C1" in differs
+
+
+def test_a_registry_rows_per_seed_values_nested_under_its_parts_are_compared(tmp_path: Path) -> None:
+    """A registry row keeps each part's treatment, control and replicate values under the part's name: a change in
+    a replicate pair is a differing claim too."""
+    def payload(path: Path, rep: float) -> Path:
+        row = {"claim": "C3 title", "id": "C3", "model": "m", "verdict": "holds", "decision": {"outcome": "holds"},
+               "numbers": {"k_only < rows": {"treatment": [13.9, 14.0, 14.1], "control": [15.0, 15.2, 15.1],
+                                             "margin": 0.0, "replicates": {"0": [13.8, rep]}}}}
+        path.write_text(json.dumps({"claims": [row], "machine": {}}))
+        return path
+
+    assert "1 of the 1 claims in both runs identical" in compare_against(payload(tmp_path / "a.json", 15.0),
+                                                                        payload(tmp_path / "b.json", 15.0))
+    assert "0 of the 1 claims in both runs identical, value for value; differing: C3" in compare_against(
+        tmp_path / "a.json", payload(tmp_path / "c.json", 15.01))
