@@ -304,13 +304,13 @@ def _ci(n: Number) -> str:
 def _machine_line(machine: Mapping[str, Any]) -> str:
     if not machine:
         return "machine not recorded"
-    if "cpu_model" in machine:
+    if "threads" in machine:  # the pytest plugin's machine record
         mode = (machine.get("float_mode") or {}).get("run")
         return (f"{machine.get('cpu_model')}, {machine.get('threads')} threads, BLAS {machine.get('blas')}, torch "
                 f"{machine.get('torch')}, transformers {machine.get('transformers')}" + (f", {mode}" if mode else ""))
     pk = machine.get("packages") or {}
     dev = machine.get("device") or {}
-    return (f"{machine.get('platform', '?')}, {machine.get('cpu_count', '?')} CPUs, "
+    return (f"{machine.get('cpu_model') or machine.get('platform', '?')}, {machine.get('cpu_count', '?')} CPUs, "
             f"{dev.get('torch_threads', '?')} threads, torch {pk.get('torch', '?')}, "
             f"transformers {pk.get('transformers', '?')}")
 

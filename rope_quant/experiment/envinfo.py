@@ -140,6 +140,7 @@ def env_info(device: str | None = None, protocol: dict[str, Any] | None = None) 
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "machine": platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "device": device_description(device),
         "source_revision": source_revision(),

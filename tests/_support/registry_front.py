@@ -335,5 +335,5 @@ def decide_claim(front: Front, claim_id: str, rq_claim: Any, rq_run: Any) -> tup
     row = result.to_dict(model=exp.model)
     rq_run(front.about)
     rq_claim(adapted.title, row["expected"], row["measured"], model=exp.model, verdict=verdict,
-             parts=parts if len(result.parts) > 1 else None, claim_id=adapted.id, **row["numbers"])
+             parts=parts, claim_id=adapted.id, **row["numbers"])
     return verdict, result

@@ -286,3 +286,15 @@ def test_a_registry_rows_per_seed_values_nested_under_its_parts_are_compared(tmp
                                                                         payload(tmp_path / "b.json", 15.0))
     assert "0 of the 1 claims in both runs identical, value for value; differing: C3" in compare_against(
         tmp_path / "a.json", payload(tmp_path / "c.json", 15.01))
+
+
+def test_a_sweeps_env_names_its_cpu_model_in_the_report(tmp_path: Path) -> None:
+    """``env.json`` (a sweep's machine) records the CPU model, and the report's machine line names it, as it names
+    the pytest plugin's."""
+    from rope_quant.analysis.reproduce import _machine_line
+    from rope_quant.experiment.envinfo import cpu_model, env_info
+
+    env = env_info("cpu")
+    assert env["cpu_model"] == cpu_model() and env["cpu_model"]
+    assert _machine_line(env).startswith(f"{cpu_model()}, {env['cpu_count']} CPUs, ")
+    assert _machine_line({**env, "cpu_model": None}).startswith(env["platform"])
