@@ -116,11 +116,12 @@ class ExperimentStore:
         return out or None
 
     def tokens(self, cell: Mapping[str, Override]) -> int | None:
-        scoring = scoring_of(cell)
-        if scoring is Scoring.LONG:
+        """The tokens the cell scored at the first seed (``n_tokens``: seqlen − 1 targets a window), as
+        ``rope-quant report`` reads them from a sweep's records; a long-context cell's window tokens."""
+        if scoring_of(cell) is Scoring.LONG:
             return int(self.exp.budget.long_windows * int(length_of(cell) or 0))
-        return self.exp.tokens(self.exp.budget.support_windows if scoring is Scoring.SUPPORT else None,
-                               **self._overrides(cell))
+        n = self.exp.cell(self.exp.budget.seeds[0], **self._overrides(cell)).get("n_tokens")
+        return int(n) if isinstance(n, int) and n > 0 else None
 
 
 @dataclass

@@ -44,7 +44,7 @@ def wiring(monkeypatch, tmp_path):
         noise = np.random.default_rng([flat["seed"], int(flat["gptq"].float64), len(flat["r3"])]).normal(0, 0.03)
         step = {"hadamard": 0.0, "pairwise_plus_hadamard": 0.0, "pairwise_only": 3.0}[flat["r3"]]
         step -= 0.4 if flat["estimator"] == "k_only" else 0.0
-        return {"ppl": 22.0 + shared + step + noise, "n_tokens": 6144}
+        return {"ppl": 22.0 + shared + step + noise, "n_tokens": 12 * 511}  # seqlen − 1 targets per window
 
     monkeypatch.setattr("rope_quant.experiment.pipeline.run_cell", fake_run_cell)
     monkeypatch.setattr(conftest.Experiment, "quantized", lambda self, cfg: None)  # the fake cells build nothing
@@ -131,3 +131,12 @@ def test_c7_stopped_by_the_time_budget_says_so_in_every_open_part(wiring, monkey
     assert parts and all(v.outcome is Outcome.INCONCLUSIVE for v in parts.values())
     assert all(v.stop.startswith("time budget") and "time budget" in v.text() for v in parts.values()), \
         [v.text() for v in parts.values()]
+
+
+def test_the_store_reads_the_tokens_a_cell_scored(wiring) -> None:
+    """The front's store reads a cell's scored tokens from the cell (12 windows × 511 targets), as the CLI's report
+    reads them from a record, not the budget's 12 × 512: the two paths print the same budget to decide."""
+    from tests._support.registry_front import ExperimentStore
+
+    experiment, _ = wiring
+    assert ExperimentStore(experiment(None)).tokens(paper.C2.cells["hadamard"]) == 12 * 511
