@@ -90,7 +90,7 @@ def test_a_registry_claim_on_the_paper_path(cpu_front, claim_id: str, rq_claim, 
     assert (flat["weights"], flat["r1"], flat["r2"], flat["r4"], flat["device"]) == (
         "gptq", "whip", "random_hadamard", True, "cpu")
     assert (flat["w_bits"], flat["a_bits"], flat["k_bits"], flat["v_bits"]) == (4, 4, 4, 4)
-    store = MemoryStore(tokens=2 * 128)
+    store = MemoryStore(tokens=2 * 127)  # the scored tokens, as the front reads them from a cell's n_tokens
     for name in claim.cell_names():
         ov = overrides_of(claim.cells[name])
         for metric in {p.metric.value for p in claim.parts}:
