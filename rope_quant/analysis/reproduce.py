@@ -164,6 +164,17 @@ def _title(claim: Mapping[str, Any]) -> tuple[str, str]:
     return title, ""
 
 
+def _short(deviation: str) -> str:
+    """A deviation's name without its reason: "R1 refused by the architecture (why): …" → its first words."""
+    return deviation.split(" (")[0].split(":")[0]
+
+
+def _shared_deviation(pairs: set[tuple[str | None, str | None]]) -> str | None:
+    """The one deviation every row of both runs names (printed once, above the table), else None."""
+    found = {d for pair in pairs for d in pair if d is not None}  # None: the row is absent from that run
+    return found.pop() if len(found) == 1 and "" not in found else None
+
+
 def run_of(payload: Mapping[str, Any]) -> dict[str, Any]:
     """The one run a claims JSON describes (its top-level ``model``, ``protocol``, ``device``, or its one ``runs``
     entry); from its rows' model names alone when it has no description; empty when it holds several models."""
@@ -188,7 +199,7 @@ def _claims_numbers(payload: Mapping[str, Any], by_id: bool = False) -> tuple[di
     for claim in payload["claims"]:
         title, deviation = _title(claim)
         key = str(claim.get("id") or title) if by_id else f"{claim['claim']} [{claim.get('model', '?')}]"
-        label = title if by_id else key
+        label = title if by_id else f"{title} [{claim.get('model', '?')}]"  # the deviation: once, in the header
         d = claim.get("decision") or {}
         mean, low, high, n = d.get("mean"), d.get("low"), d.get("high"), d.get("n")
         verdict = str(claim.get("verdict", ""))
@@ -197,7 +208,7 @@ def _claims_numbers(payload: Mapping[str, Any], by_id: bool = False) -> tuple[di
             pair = _paired_series(claim.get("numbers") or {})
             if pair is not None:
                 label, (mean, low, high, n) = f"{label} ({pair[0]})", pair[1]
-                key = key if by_id else label
+                key = key if by_id else f"{key} ({pair[0]})"
         numbers[key] = Number(label, mean, low, high, n, verdict, outcome, _float_order(d), deviation)
         for name, part in (claim.get("parts") or {}).items():  # a claim of parts: each part its own row
             if isinstance(part, Mapping) and part.get("outcome"):
@@ -349,7 +360,10 @@ def compare_against(this: str | Path, other: str | Path) -> str:
             raise ReproduceError(f"{b_path} is from another protocol or model; fields that differ: " + "; ".join(diff))
     rows: list[dict[str, str]] = []
     flipped, contradictions = 0, 0
-    deviations = any(z.deviation for z in [*a.values(), *b.values()])
+    pairs = {(x.deviation if x else None, y.deviation if y else None)
+             for x, y in ((a.get(k), b.get(k)) for k in {*a, *b})}
+    shared = _shared_deviation(pairs)
+    deviations = shared is None and any(d for pair in pairs for d in pair)
     for key in [*a, *(k for k in b if k not in a)]:
         x, y = a.get(key), b.get(key)
         found = x or y
@@ -360,7 +374,8 @@ def compare_against(this: str | Path, other: str | Path) -> str:
             row["float order (this → other)"] = " → ".join(
                 dict.fromkeys(z.float_order or "–" for z in (x, y) if z)) if (x or y) else ""
         if deviations:
-            row["deviation (this → other)"] = " → ".join(z.deviation or "none" if z else "(absent)" for z in (x, y))
+            row["deviation (this → other)"] = " → ".join(_short(z.deviation) or "none" if z else "(absent)"
+                                                        for z in (x, y))
         only = x or y
         if only is not None and not (x and y):  # a number only one run has (a part the other did not record)
             row["verdict (this → other)"] = only.verdict
@@ -382,6 +397,7 @@ def compare_against(this: str | Path, other: str | Path) -> str:
     rules = [env.pop("_rule", None) for env in (a_env, b_env)]
     head = [f"# Reproducibility: {a_path} against {b_path}", "",
             f"- this: {_machine_line(a_env)}", f"- other: {_machine_line(b_env)}", *cross,
+            *([f"- deviation, every claim of both runs: {shared}"] if shared else []),
             *([f"- rule: {rules[0]}"] if rules[0] and rules[0] == rules[1] else
               [f"- **different decision rules**: this {rules[0]}; other {rules[1]}: a flip may be the rule's, not "
                "the data's"] if rules[0] else []),

@@ -87,18 +87,21 @@ def applicable(claims: Sequence[Any], model: str, seq_len: int) -> tuple[list[An
 
 
 def directory_claims(store: Any) -> tuple[list[Any], dict[str, str]]:
-    """The claims a claims directory's table reads: the paper's group (a claim without cells there reads
-    inconclusive, naming them) and every claim of another group whose cells the directory plans, adapted to its
-    model at its evaluation windows' T; claim id → why the others are left out."""
+    """The claims a claims directory's table reads: every registered claim whose cells its manifest plans (a planned
+    cell not yet computed reads inconclusive, naming it), adapted to its model at its evaluation windows' T; claim
+    id → why the others are left out (a premise the model lacks; a claim of the paper the sweep did not plan)."""
     from rope_quant.claims import registry
     from rope_quant.sweep.cellkind import run_of
     from rope_quant.sweep.claims_decide import planned_claims
 
     comparator = run_of(store.comparator())
     kept, dropped = applicable(registry.claims(), comparator.model, comparator.budget.seqlen)
-    planned, _ = planned_claims(store, [c for c in kept if c.group != registry.PAPER])
-    chosen = {c.id for c in planned}
-    return [c for c in kept if c.group == registry.PAPER or c.id in chosen], dropped
+    planned, absent = planned_claims(store, kept)
+    for claim in absent:
+        if claim.group == registry.PAPER:  # the opt-in groups (beyond the paper, keys) are not listed
+            dropped[claim.id] = (f"not in this directory (its cells are not in the manifest): `rope-quant claims "
+                                 f"--claims {claim.id}` into it adds them")
+    return planned, dropped
 
 
 def _seed_count(args: argparse.Namespace) -> None:

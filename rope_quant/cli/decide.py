@@ -79,22 +79,15 @@ def _decide_claims(args: argparse.Namespace, cells: Cells, out: Path, manifest: 
     """The registry's claims of a claims directory under the sequential rule; DIR/decisions.json (and .md) in the
     claims JSON's shape, with the plan and why each claim stopped."""
     from rope_quant.analysis import claims_report as cr
-    from rope_quant.claims import registry
-    from rope_quant.cli.claims import applicable
+    from rope_quant.cli.claims import directory_claims
     from rope_quant.core.sequential import RULE_SEQUENTIAL
     from rope_quant.sweep import claims_decide as cd
-    from rope_quant.sweep.cellkind import run_of
     from rope_quant.sweep.claim_store import DirectoryStore
     from rope_quant.sweep.decide import DECISIONS_FILE
 
     store = DirectoryStore(out, manifest)
     cd.check_claims_inputs(store, args.max_seeds, args.time_budget)
-    comparator = run_of(store.comparator())
-    kept, dropped = applicable(registry.claims(), comparator.model, comparator.budget.seqlen)
-    planned, absent = cd.planned_claims(store, kept)
-    for claim in absent:
-        dropped[claim.id] = (f"not in this directory (its cells are not in the manifest): `rope-quant claims "
-                             f"--claims {claim.id}` into it adds them")
+    planned, dropped = directory_claims(store)
     if not planned:
         raise CLIError(f"{out}: no registered claim has its cells in this directory")
     plan, decided = cd.decide_claims(out, manifest, planned, max_seeds=args.max_seeds, time_budget=args.time_budget,

@@ -253,6 +253,19 @@ def test_two_models_claims_tables_compared_claim_by_claim(tmp_path: Path, capsys
     assert "two models" not in same and f"{c3} [/ckpt/llama]" in same  # one model: the reproducibility report
 
 
+def test_a_deviation_every_row_shares_is_printed_once_above_the_table(tmp_path: Path) -> None:
+    """Two runs of one model under the same deviation (Gemma 3: R1 refused): the deviation is one header line, and
+    no row's title or column repeats it."""
+    dev = "R1 refused by the architecture (sandwich norms): every cell runs with r1=identity"
+    c3 = "C3 (App. L) k_only vs rows"
+    rows = [_row("C3", f"{c3} [deviation: {dev}]", "gemma", "refuted", 2.0, 1.0, 3.0)]
+    a = _model_table(tmp_path / "a.json", "gemma", "cccc3333", 512, rows)
+    b = _model_table(tmp_path / "b.json", "gemma", "cccc3333", 512, rows)
+    text = compare_against(a, b)
+    assert f"- deviation, every claim of both runs: {dev}\n" in text and text.count(dev) == 1, text
+    assert f"| {c3} [gemma] |" in text and "deviation (this" not in text
+
+
 def test_claims_with_identical_per_seed_values_are_counted_and_the_others_named(tmp_path: Path) -> None:
     """Two runs of the same cells (the CLI's table against pytest's): the report counts the claims whose per-seed
     series agree value for value, matched by registry id, and names those that differ in any value."""
