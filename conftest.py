@@ -39,9 +39,6 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 _TESTS_DIR = Path(__file__).resolve().parent / "tests"
 LAYERS = ("theory", "numerics", "e2e", "bench")
-#: Under ``pytest -n N --dist loadgroup`` each of these layers runs in one worker, one test at a time: one e2e job at
-#: a time (its models and cells, docs/testing.md), and the benchmarks' side-by-side ratios in one process.
-SERIAL_LAYERS = ("e2e", "bench")
 SLOW = "slow: outside the default run's CI budget (deselected unless --run-slow or -m names it; tox -e slow)"
 COMPAT = (
     "compat: numerics that exercise transformers' own APIs (model classes and configs, GGUF loading, the "
@@ -80,13 +77,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its layer directory (``gpu_e2e`` tests in ``tests/e2e`` stay out of ``-m e2e``),
     and deselect ``slow`` tests unless asked for (before ``-m`` filtering, so ``-m slow`` still selects)."""
-    grouped = config.pluginmanager.hasplugin("xdist")  # registers xdist_group (--strict-markers)
     for item in items:
         layer = layer_of(item.path)
         if layer and not (layer == "e2e" and item.get_closest_marker("gpu_e2e")):
             item.add_marker(getattr(pytest.mark, layer))
-        if grouped and layer in SERIAL_LAYERS:
-            item.add_marker(pytest.mark.xdist_group(layer))
     if config.getoption("--run-slow") or "slow" in (config.getoption("markexpr") or ""):
         return
     slow = [it for it in items if it.get_closest_marker("slow") and layer_of(it.path)]
