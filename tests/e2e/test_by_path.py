@@ -36,7 +36,9 @@ def test_a_checkpoint_by_path_builds_the_embedded_models_gptq_weights_bit_for_bi
 
     model, tokenizer = embedded_model
     path = tmp_path / "my-smol-checkpoint"
-    model.save_pretrained(path)
+    plain = type(model)(model.config)  # a GGUF-loaded model refuses save_pretrained: the same weights, plain
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(path)
     tokenizer.save_pretrained(path)
     embedded = _build("smollm2-135m", embedded_model, tmp_path / "cache-embedded")
     by_path = _build(str(path), load_model(str(path), device="cpu"), tmp_path / "cache-path")
