@@ -104,6 +104,17 @@ def directory_claims(store: Any) -> tuple[list[Any], dict[str, str]]:
     return planned, dropped
 
 
+def _nearest_r1(args: argparse.Namespace) -> None:
+    """R1 = identity where the architecture refuses R1 and ``--r1`` is not given: the claims' nearest protocol
+    (:mod:`rope_quant.claims.premises`, as pytest's front runs them; each row names the deviation)."""
+    from rope_quant.cli.common import r1_refusal
+
+    if args.r1 is None and (reason := r1_refusal(args.model)) is not None:
+        args.r1 = "identity"
+        print(f"note: R1 set to identity for {args.model}, the claims' nearest protocol (R2, R4 and the online R3 "
+              f"unchanged; each row names the deviation): {reason}", flush=True)
+
+
 def _seed_count(args: argparse.Namespace) -> None:
     seeds = DEFAULT_SEEDS if args.seeds is None else parse_seed_list(args.seeds)
     if len(seeds) < 2:
@@ -181,6 +192,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     defaulted = args.weights is None
     if defaulted:  # the rule reads each cell's float-order replicate: only GPTQ weights have one
         args.weights = "gptq"
+    _nearest_r1(args)
 
     def build(args: argparse.Namespace, seeds: tuple[int, ...], used: list[str]) -> Any:
         if defaulted:

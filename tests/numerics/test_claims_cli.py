@@ -243,6 +243,18 @@ def test_a_table_that_does_not_fit_is_refused_after_its_plan(tmp_path: Path, cap
     assert cells.calls == [] and not out.exists()
 
 
+def test_a_model_that_refuses_r1_runs_the_claims_under_the_nearest_protocol(tmp_path: Path, capsys) -> None:
+    """Gemma 3's sandwich norms refuse R1: without ``--r1`` the claims run with R1 = identity, as pytest's front runs
+    them, said before anything runs (``compare`` refuses the same setting, naming the alternatives)."""
+    out = tmp_path / "gemma"
+    assert _claims(out, "--model", "gemma3-270m", "--claims", "C1", "--seeds", "0,1", "--dry-run") == 0
+    printed = capsys.readouterr().out
+    assert "note: R1 set to identity for gemma3-270m, the claims' nearest protocol" in printed
+    assert "R1=identity" in printed and "post_attention_layernorm" in printed
+    assert cli.main(["compare", "--model", "gemma3-270m", "--out", str(tmp_path / "c"), *TINY], cell_fn=Cells()) == 2
+    assert "is refused for gemma3-270m" in capsys.readouterr().err
+
+
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path, capsys) -> None:
     out, cells = tmp_path / "cl", Cells()
     assert _claims(out, "--dry-run", cells=cells) == 0
