@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.analysis.figures import legend_outside, pyplot, save_png
+from rope_quant.analysis.reproduce import short_deviation
 from rope_quant.claims import keys
 
 ID_PATTERN = re.compile(r"K-(?P<scheme>[a-z]+)-(?P<r3>[a-z]+)-(?P<setting>W4A4KV4|KV4)(?![A-Za-z0-9])")
@@ -45,13 +46,6 @@ class KeyPoint:
     margin: float | None
     outcome: str
     deviation: str = ""  # the protocol's deviation on this model (claims/premises.py), short: "R1 refused by …"
-
-
-def deviation_of(title: str) -> str:
-    """The short deviation a row's claim title names (``… [deviation: R1 refused by the architecture (why): …]``:
-    the words before the reason), or ""."""
-    m = re.search(r"\[deviation: ([^(:\]]+)", title or "")
-    return m[1].strip() if m else ""
 
 
 def claim_parts(text: str) -> tuple[str, str, str] | None:
@@ -90,7 +84,7 @@ def key_points(rows: Sequence[Mapping[str, Any]]) -> list[KeyPoint]:
         out[(model, setting, scheme, r3)] = KeyPoint(model, setting, scheme, r3, float(decision["mean"]), low, high,
                                                      None if margin is None else float(margin),
                                                      str(decision.get("outcome") or ""),
-                                                     deviation_of(str(row.get("claim") or "")))
+                                                     short_deviation(str(row.get("claim") or "")))
     return list(out.values())
 
 

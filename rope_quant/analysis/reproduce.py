@@ -166,7 +166,13 @@ def _title(claim: Mapping[str, Any]) -> tuple[str, str]:
 
 def _short(deviation: str) -> str:
     """A deviation's name without its reason: "R1 refused by the architecture (why): …" → its first words."""
-    return deviation.split(" (")[0].split(":")[0]
+    return deviation.split(" (")[0].split(":")[0].strip()
+
+
+def short_deviation(title: str) -> str:
+    """The short deviation a row's claim title names (``… [deviation: R1 refused by the architecture (why): …]``),
+    or ""."""
+    return _short(_title({"claim": title})[1])
 
 
 def _shared_deviation(pairs: set[tuple[str | None, str | None]]) -> str | None:
