@@ -1,0 +1,105 @@
+"""Why the skew-robust boundary spends α flat over every look (docs/verdicts.md, "What it costs"): the other
+ways of spending it that were measured cost more seeds on normal data, at their worst row, than the flat one.
+
+Each alternative is the least-favourable boundary of :func:`rope_quant.core.boundary.critical_values` (Hall's
+statistic, the same family, the same calibration paths and error target) with the per-look level α″·w_n in place
+of one α″, and looks only at a subset of seeds where the schedule says so. Its price is the median seeds to a
+decision on the cost rows of ``test_sequential_skew.COST`` (normal per-seed effects), over the normal t rule's
+median on the same runs. ``slow``: about 40 s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+from rope_quant.core import boundary as bd
+from rope_quant.core.boundary import Boundary, Shape
+from rope_quant.core.sequential import ALPHA, Plan, draw, simulate
+from tests.theory.test_sequential_skew import COST, M
+
+FIRST = 3
+NS = np.arange(FIRST, M + 1)
+Weight = Callable[[np.ndarray], np.ndarray]
+
+
+def _flat(n: np.ndarray) -> np.ndarray:
+    return np.ones(n.shape)
+
+
+def _geometric(ratio: float) -> list[int]:
+    """Looks at 3, 4, 5, 6, then ×``ratio`` each, and at M."""
+    return sorted({3, 4, 5, 6, M} | {round(6 * ratio**i) for i in range(1, 40) if 6 * ratio**i <= M})
+
+
+ALTERNATIVES: dict[str, tuple[Sequence[int], Weight]] = {
+    "flat, every seed (the default)": (list(NS), _flat),
+    "w ∝ √n, every seed": (list(NS), lambda n: np.sqrt(n)),
+    "w ∝ n, every seed": (list(NS), lambda n: n / 10.0),
+    "w ∝ n², every seed": (list(NS), lambda n: (n / 10.0) ** 2),
+    "w ∝ n, first look at 5": (list(range(5, M + 1)), lambda n: n / 10.0),
+    "flat, looks ×1.25": (_geometric(1.25), _flat),
+    "w ∝ n, looks ×1.25": (_geometric(1.25), lambda n: n / 10.0),
+    "w ∝ n, looks ×1.5": (_geometric(1.5), lambda n: n / 10.0),
+}
+
+
+@pytest.fixture(scope="module")
+def calibration() -> np.ndarray:
+    """Hall's statistic, both sides of every law of the family, sorted over the runs (as ``critical_values``)."""
+    rng = np.random.default_rng(bd._SEED)
+    sides = []
+    for law in bd.FAMILY:
+        upper, lower = bd.statistic(bd.draw_law(law, rng, (bd.CALIBRATION_PATHS, M)), FIRST, Shape.SKEW_ROBUST)
+        sides += [upper, lower]
+    return np.nan_to_num(np.stack(sides), nan=0.0, posinf=1e300, neginf=-1e300).astype(np.float32)
+
+
+def _boundary(s: np.ndarray, looks: Sequence[int], weight: Weight) -> tuple[np.ndarray, float]:
+    """(c_n, the worst law's error over the looks) at the largest α″ whose worst error stays on target."""
+    runs = s.shape[1]
+    ordered = np.sort(s, axis=1)
+    mask, w = np.isin(NS, looks), weight(NS)
+    target = ALPHA - 2.326 * math.sqrt(ALPHA * (1 - ALPHA) / runs)
+
+    def crit(level: float) -> np.ndarray:
+        k = np.minimum(runs - 1, np.floor((1 - np.clip(level * w, 1e-9, 0.5)) * runs).astype(int))
+        return np.where(mask, ordered[:, k, np.arange(len(NS))].max(0), np.inf)
+
+    def worst(level: float) -> float:
+        return float((s > crit(level)[None, None, :]).any(2).mean(1).max())
+
+    low, high = 1e-9, ALPHA / float(w.min())
+    for _ in range(30):
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if worst(mid) <= target else (low, mid)
+    return crit(low), worst(low)
+
+
+def _medians(b: Boundary) -> list[float]:
+    return [float(np.median(simulate(form, margin, *draw(theta, beta, su, se, 20_000, M, 500), b)["seeds"]))
+            for form, margin, theta, beta, su, se in COST]
+
+
+@pytest.mark.slow
+def test_flat_spending_is_the_cheapest_measured(calibration: np.ndarray) -> None:
+    """Measured 2026-12-01 (normal t rule's medians 12, 15, 5, 31, 17, 6): the flat default costs 1.26–1.67× at
+    the median; spending ∝ √n, n or n², a first look at 5 or looks ×1.25 / ×1.5 cost 1.71–2.33× on their worst
+    row (each is cheaper on the slow rows and dearer on the fast ones). None is within 1.25× on every row."""
+    normal = _medians(Plan(FIRST, M, shape=Shape.NORMAL).boundary)
+    worst_ratio = {}
+    for name, (looks, weight) in ALTERNATIVES.items():
+        c, error = _boundary(calibration, looks, weight)
+        assert error <= ALPHA
+        crit = tuple(float(min(v, 1e12)) for v in c)
+        ratios = [m / n for m, n in zip(_medians(Boundary(FIRST, Shape.SKEW_ROBUST, crit, crit, 0.0)), normal)]
+        worst_ratio[name] = max(ratios)
+        print(f"{name}: c_3…c_6 {np.round(np.minimum(c[:4], 999), 1)}, c_40 {c[-1]:.2f}; median seeds over the "
+              f"normal rule's {np.round(ratios, 2)}")
+    default = worst_ratio.pop("flat, every seed (the default)")
+    _, library = bd.critical_values(FIRST, M, ALPHA, Shape.SKEW_ROBUST)
+    assert np.allclose(_boundary(calibration, list(NS), _flat)[0], library, rtol=0.02)  # the same boundary
+    assert default > 1.25 and all(r >= default for r in worst_ratio.values()), (default, worst_ratio)
