@@ -210,16 +210,19 @@ def _claims_numbers(payload: Mapping[str, Any], by_id: bool = False) -> tuple[di
         mean, low, high, n = d.get("mean"), d.get("low"), d.get("high"), d.get("n")
         verdict = str(claim.get("verdict", ""))
         outcome = str(d.get("outcome") or verdict.split(":")[0].split(" ")[0])
+        series = claim.get("numbers") or {}
         if mean is None:  # an every-seed claim: its first two per-seed series, paired (C1: pairwise_only − hadamard)
-            pair = _paired_series(claim.get("numbers") or {})
+            pair = _paired_series(series)
             if pair is not None:
                 label, (mean, low, high, n) = f"{label} ({pair[0]})", pair[1]
                 key = key if by_id else f"{key} ({pair[0]})"
         numbers[key] = Number(label, mean, low, high, n, verdict, outcome, _float_order(d), deviation)
         for name, part in (claim.get("parts") or {}).items():  # a claim of parts: each part its own row
             if isinstance(part, Mapping) and part.get("outcome"):
-                numbers[f"{key} · {name}"] = Number(
-                    f"{label} · {name}", part.get("mean"), part.get("low"), part.get("high"), int(part.get("n") or 0),
+                values = part.get("mean"), part.get("low"), part.get("high"), int(part.get("n") or 0)
+                pair = _paired_series(series.get(name) or {}) if values[0] is None else None
+                numbers[f"{key} · {name}"] = Number(  # an every-seed part: its treatment − control, paired
+                    f"{label} · {name}" + (f" ({pair[0]})" if pair else ""), *(pair[1] if pair else values),
                     str(part.get("text") or part["outcome"]), str(part["outcome"]), _float_order(part), deviation)
     return numbers, {**(payload.get("machine") or {}), "_rule": _rule(payload)}
 

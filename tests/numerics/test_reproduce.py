@@ -116,6 +116,22 @@ def test_a_changed_budget_is_not_a_flip_and_every_seed_claims_get_their_paired_n
     assert "(pairwise_only − hadamard)" in line and "+3.333 (+2.360, +4.307)" in line and "+0.51" in line, line
 
 
+def test_a_registry_every_seed_part_gets_its_paired_number(tmp_path: Path) -> None:
+    """A registry row (C1 from ``-m e2e --rq-model`` or ``rope-quant claims``) nests its per-seed series under its
+    part: the part's row reads treatment − control, paired, rather than "–"."""
+    part = "ppl(pairwise_only) > ppl(hadamard) every seed"
+    for path, shift in ((tmp_path / "e.json", 0.0), (tmp_path / "f.json", 0.5)):
+        row = {"claim": "C1 gap", "id": "C1", "model": "m", "verdict": "holds",
+               "decision": {"outcome": "holds", "mean": None},
+               "numbers": {part: {"treatment": [28.0 + shift, 26.0 + shift, 26.5 + shift],
+                                  "control": [24.0, 23.0, 23.5], "tokens": 6132}},
+               "parts": {part: {"outcome": "holds", "mean": None, "text": "holds (in every seed)"}}}
+        path.write_text(json.dumps({"claims": [row], "machine": {}}))
+    text = compare_against(tmp_path / "e.json", tmp_path / "f.json")
+    line = next(x for x in text.splitlines() if "every seed (treatment − control)" in x)
+    assert "+3.333 (+2.360, +4.307)" in line and "+3.833" in line and "+0.51" in line, line
+
+
 def test_add_against_argument() -> None:
     parser = add_against_argument(argparse.ArgumentParser())
     assert parser.parse_args(["--against", "OTHER"]).against == "OTHER"
