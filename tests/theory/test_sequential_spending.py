@@ -95,7 +95,8 @@ def test_flat_spending_is_the_cheapest_measured(calibration: np.ndarray) -> None
         c, error = _boundary(calibration, looks, weight)
         assert error <= ALPHA
         crit = tuple(float(min(v, 1e12)) for v in c)
-        ratios = [m / n for m, n in zip(_medians(Boundary(FIRST, Shape.SKEW_ROBUST, crit, crit, 0.0)), normal)]
+        medians = _medians(Boundary(FIRST, Shape.SKEW_ROBUST, crit, crit, 0.0))
+        ratios = [m / n for m, n in zip(medians, normal, strict=True)]
         worst_ratio[name] = max(ratios)
         print(f"{name}: c_3…c_6 {np.round(np.minimum(c[:4], 999), 1)}, c_40 {c[-1]:.2f}; median seeds over the "
               f"normal rule's {np.round(ratios, 2)}")
