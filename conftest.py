@@ -101,3 +101,13 @@ def embedded_model():
         return load_model("smollm2-135m", device="cpu")
     except ModelNotFoundError as exc:  # the README install step provides it; say so if it is missing
         pytest.fail(f"embedded model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def build_cache(tmp_path_factory) -> str:
+    """The session's cache of built models (GPTQ weights, R1 fits, calibration statistics, e2e cells; keyed by
+    content): ``ROPE_QUANT_E2E_CACHE`` to keep it across sessions, else a fresh session directory. The e2e layer's
+    experiments and the numerics layer's SmolLM2 pipeline test share it, so a build both need is made once."""
+    import os
+
+    return str(os.environ.get("ROPE_QUANT_E2E_CACHE") or tmp_path_factory.mktemp("build-cache"))

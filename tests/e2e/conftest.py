@@ -329,20 +329,13 @@ def e2e_budget(rq_options) -> E2EBudget:
                      gptq_float64=os.environ.get("ROPE_QUANT_E2E_GPTQ_FLOAT64", "") not in ("", "0"))
 
 
-@pytest.fixture(scope="session")
-def e2e_cache(tmp_path_factory) -> str:
-    """``ROPE_QUANT_E2E_CACHE`` (GPTQ weights and calibration statistics kept across sessions, keyed by
-    content), else a fresh session directory shared by every model of the session."""
-    return str(os.environ.get("ROPE_QUANT_E2E_CACHE") or tmp_path_factory.mktemp("e2e-cache"))
-
-
 def explicit_models(config: pytest.Config) -> tuple[str, ...]:
     """The models named with ``--rq-model`` (empty when none was given)."""
     return tuple(config.getoption("--rq-model") or ())
 
 
 @pytest.fixture(scope="session")
-def experiment(request, e2e_cache, e2e_budget, rq_options) -> Experiment:
+def experiment(request, build_cache, e2e_budget, rq_options) -> Experiment:
     """The embedded SmolLM2-135M under the paper's W4A4KV4 pipeline: the default model's registry front
     (test_registry_claims.py) and the statements of test_claims.py and its siblings share it. With ``--rq-model``
     naming other models only, those sibling statements skip; the registry claims run on the named models."""
@@ -351,7 +344,7 @@ def experiment(request, e2e_cache, e2e_budget, rq_options) -> Experiment:
         pytest.skip(f"--rq-model {', '.join(named)}: this statement runs on {DEFAULT_MODEL} only; the registry "
                     "claims (tests/e2e/test_registry_claims.py) run on the named models")
     base = request.getfixturevalue("embedded_model")
-    return Experiment(base, e2e_cache, e2e_budget, rq_options.corpus, plan=sequential_plan(rq_options, e2e_budget),
+    return Experiment(base, build_cache, e2e_budget, rq_options.corpus, plan=sequential_plan(rq_options, e2e_budget),
                       time_budget=rq_options.time_budget)
 
 

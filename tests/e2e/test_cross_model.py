@@ -55,7 +55,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="module")
-def xexp(xmodel, request, e2e_cache, e2e_budget, rq_options, experiment_factory):
+def xexp(xmodel, request, build_cache, e2e_budget, rq_options, experiment_factory):
     """The paired experiment on one model; the default model shares the session ``experiment`` (its cells)."""
     if xmodel.lower() == DEFAULT_MODEL:
         return request.getfixturevalue("experiment")
@@ -68,7 +68,7 @@ def xexp(xmodel, request, e2e_cache, e2e_budget, rq_options, experiment_factory)
         if xmodel in MODELS:
             pytest.fail(f"embedded model unavailable: {exc}")
         pytest.skip(f"model {xmodel!r} is not available locally: {exc}")
-    return Experiment(base, e2e_cache, e2e_budget, rq_options.corpus, model=xmodel)
+    return Experiment(base, build_cache, e2e_budget, rq_options.corpus, model=xmodel)
 
 
 #: Claims measured NOT to hold on a model (a disagreement between the models, reported in the README): strict

@@ -50,14 +50,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpu_front(gpu_model, rq_options, e2e_cache, experiment_factory):
+def gpu_front(gpu_model, rq_options, build_cache, experiment_factory):
     """The registry front of ``gpu_model`` under the paper's protocol on the session's CUDA device."""
     from rope_quant.model import offload
     from tests._support.registry_front import PAPER, open_front
 
     Experiment, E2EBudget = experiment_factory  # noqa: N806 (classes)
     front = open_front(gpu_model, rq_options.resolved_device(), PAPER.budget(E2EBudget, rq_options),
-                       corpus=rq_options.corpus, experiment_cls=Experiment, cache=e2e_cache, rq_options=rq_options,
+                       corpus=rq_options.corpus, experiment_cls=Experiment, cache=build_cache, rq_options=rq_options,
                        protocol=PAPER.name)
     with offload.set_default_mode(offload.OffloadMode(front.offload)):
         yield front

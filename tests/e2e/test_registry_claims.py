@@ -76,7 +76,7 @@ def fronts() -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture
-def ufront(request, umodel, fronts, e2e_cache, e2e_budget, rq_options, experiment_factory):
+def ufront(request, umodel, fronts, build_cache, e2e_budget, rq_options, experiment_factory):
     """The registry front of ``umodel`` at the e2e CPU budget (tests/_support/registry_front.py), opened once per
     model: the plan of its claims table printed before the model loads, then the paired experiment (on the default
     model the default suite's own, sharing its cells)."""
@@ -90,7 +90,7 @@ def ufront(request, umodel, fronts, e2e_cache, e2e_budget, rq_options, experimen
                     if hasattr(item, "callspec") and item.callspec.params.get("umodel") == umodel]
         try:
             fronts[umodel] = open_front(umodel, "cpu", e2e_budget, corpus=rq_options.corpus, experiment_cls=Experiment,
-                                        cache=e2e_cache, rq_options=rq_options, protocol="e2e CPU budget",
+                                        cache=build_cache, rq_options=rq_options, protocol="e2e CPU budget",
                                         missing=pytest.fail, experiment=shared,
                                         selected=selected)
         except BaseException as exc:  # a refused front (pytest.fail, pytest.skip) refuses each of its claims

@@ -291,28 +291,30 @@ def test_k_only_4bit_keys_order_identity_pairwise_hadamard(embedded_model, corpu
     assert wins_p >= 5 and wins_h >= 7, (wins_p, wins_h)
 
 
-def test_full_w4a4kv4_gptq_pipeline(embedded_model, corpus, rq_record, tmp_path):
-    """W4A4KV4 + GPTQ end to end on CPU (8×256 calibration, 4×512 evaluation): finite perplexity, GPTQ
-    beats RTN at the same bits, and the rotated pipeline beats the unrotated one."""
+def test_full_w4a4kv4_gptq_pipeline(embedded_model, corpus, rq_record, build_cache):
+    """W4A4KV4 + GPTQ end to end on CPU, scored on 2×512 windows: finite perplexity, GPTQ beats RTN under the same
+    rotations, and the rotated pipeline beats the unrotated one under the same (RTN) weights.
+
+    The GPTQ build is the e2e layer's seed 0 (the same settings: 16×512 calibration tokens, seed 0), made once per
+    session through the shared ``build_cache``; the RTN builds reuse its R1 fit."""
     model, _ = embedded_model
-    eval_ppl = lambda m: evaluate.perplexity(m, corpus.eval_ids, 512, max_windows=4).ppl  # noqa: E731
+    eval_ppl = lambda m: evaluate.perplexity(m, corpus.eval_ids, 512, max_windows=2).ppl  # noqa: E731
     fp = eval_ppl(model)
-    cfg = RunConfig.from_flat(seqlen=256, calib_windows=8, r3="hadamard")
+    cfg = RunConfig.from_flat(seed=0, seqlen=512, calib_windows=16, eval_windows=12, r3="hadamard")
     out = {}
-    unrotated = cfg.override(r1="none", r2="none", r4=False, r3="identity")
-    for label, c in (("rotated GPTQ", cfg), ("rotated RTN", cfg.override(weights="rtn")),
-                     ("unrotated GPTQ", unrotated)):
-        qm = build_quantized_model(c, base=embedded_model, corpus=corpus, cache_dir=tmp_path)
+    rtn = cfg.override(weights="rtn")
+    for label, c in (("rotated GPTQ", cfg), ("rotated RTN", rtn),
+                     ("unrotated RTN", rtn.override(r1="none", r2="none", r4=False, r3="identity"))):
+        qm = build_quantized_model(c, base=embedded_model, corpus=corpus, cache_dir=build_cache)
         out[label] = eval_ppl(qm.model)
-        rq_record("W4A4KV4 pipeline (embedded, pydoc, 4x512)", cell=label, ppl=round(out[label], 3),
+        rq_record("W4A4KV4 pipeline (embedded, pydoc, 2x512)", cell=label, ppl=round(out[label], 3),
                   fp=round(fp, 3), weights_s=round(qm.timing["weights_s"], 1))
         if label == "rotated GPTQ":
             assert qm.weight_errors and all(0 <= e < 1 for e in qm.weight_errors.values())
             for name in ("pairwise_only", "identity"):
                 c2 = c.override(r3=name, estimator="k_only")
-                rq_record("W4A4KV4 pipeline (embedded, pydoc, 4x512)", cell=f"rotated GPTQ, R3 {name}",
+                rq_record("W4A4KV4 pipeline (embedded, pydoc, 2x512)", cell=f"rotated GPTQ, R3 {name}",
                           ppl=round(eval_ppl(qm.reconfigure(c2).model), 3), fp=round(fp, 3))
         del qm
     assert all(np.isfinite(v) for v in out.values())
-    assert fp < out["rotated GPTQ"] < out["rotated RTN"], out
-    assert out["rotated GPTQ"] < out["unrotated GPTQ"], out
+    assert fp < out["rotated GPTQ"] < out["rotated RTN"] < out["unrotated RTN"], out
