@@ -219,10 +219,12 @@ def _claims_numbers(payload: Mapping[str, Any], by_id: bool = False) -> tuple[di
         numbers[key] = Number(label, mean, low, high, n, verdict, outcome, _float_order(d), deviation)
         for name, part in (claim.get("parts") or {}).items():  # a claim of parts: each part its own row
             if isinstance(part, Mapping) and part.get("outcome"):
-                values = part.get("mean"), part.get("low"), part.get("high"), int(part.get("n") or 0)
-                pair = _paired_series(series.get(name) or {}) if values[0] is None else None
-                numbers[f"{key} · {name}"] = Number(  # an every-seed part: its treatment − control, paired
-                    f"{label} · {name}" + (f" ({pair[0]})" if pair else ""), *(pair[1] if pair else values),
+                pm, pl, ph, pn = part.get("mean"), part.get("low"), part.get("high"), int(part.get("n") or 0)
+                pair = _paired_series(series.get(name) or {}) if pm is None else None
+                if pair is not None:  # an every-seed part: its treatment − control, paired
+                    pm, pl, ph, pn = pair[1]
+                numbers[f"{key} · {name}"] = Number(
+                    f"{label} · {name}" + (f" ({pair[0]})" if pair else ""), pm, pl, ph, pn,
                     str(part.get("text") or part["outcome"]), str(part["outcome"]), _float_order(part), deviation)
     return numbers, {**(payload.get("machine") or {}), "_rule": _rule(payload)}
 
