@@ -7,7 +7,8 @@ The embedded default ``smollm2-135m`` is the GGUF file shipped inside the PyPI w
 
 The second embedded model ``gemma3-270m`` (Gemma 3 270M, Q4_K_M GGUF) is split across four wheels
 (:data:`INSTALL_HINT`); see :mod:`rope_quant.model.model_cache` for how its parts are assembled and
-how its converted state is cached (``ROPE_QUANT_MODEL_CACHE``, default ``~/.cache/rope_quant/models``).
+how the converted state of both embedded models is cached (``ROPE_QUANT_MODEL_CACHE``, default
+``~/.cache/rope_quant/models``).
 """
 
 from __future__ import annotations
@@ -146,15 +147,25 @@ def load_config(name_or_path: str) -> Any:
     Raises :class:`ModelNotFoundError` or :class:`ModelLoadError` (naming the path).
     """
     src = resolve_model(name_or_path)
-    embedded = EMBEDDED_MODELS.get(src.name)
-    if isinstance(embedded, model_cache.SplitGGUF) and model_cache.source_record(embedded) is not None:
-        state = model_cache.cached_state_dir(embedded)  # parsing the GGUF's metadata takes seconds
+    key = _state_key(src)
+    if key is not None and model_cache.source_record(key) is not None:
+        state = model_cache.cached_state_dir(key)  # parsing the GGUF's metadata takes seconds
         stamp = (state / "config.json").stat()
         return _config_at(state, None, (stamp.st_size, stamp.st_mtime_ns))
     path = model_path(src)
     stat = (path if src.gguf_file else path / "config.json").stat()
     return _reading(src, "config", lambda: _config_at(src.directory, src.gguf_file,
                                                       (stat.st_size, stat.st_mtime_ns)))
+
+
+def _state_key(src: ModelSource) -> model_cache.SplitGGUF | model_cache.StateKey | None:
+    """What names an embedded model's converted state in the model cache; None for a user's model."""
+    embedded = EMBEDDED_MODELS.get(src.name)
+    if embedded is None:
+        return None
+    if isinstance(embedded, model_cache.SplitGGUF):
+        return embedded
+    return model_cache.file_state_key(src.name, model_path(src))
 
 
 def _dtype_kwarg(dtype: torch.dtype) -> dict:
@@ -185,15 +196,15 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torc
     checkpoint that cannot be read, :class:`rope_quant.model.arch.UnsupportedModelTypeError` for a model type
     the architecture adapter has no entry for.
 
-    An embedded split-GGUF model (``gemma3-270m``) is read from its converted fp32 state in the model cache
-    (:func:`rope_quant.model.model_cache.cached_state_dir`, keyed by the GGUF's sha256), written on the first
-    load; ``state_cache=False`` parses the GGUF itself (tests compare the two).
+    An embedded model (``smollm2-135m``, ``gemma3-270m``) is read from its converted fp32 state in the model
+    cache (:func:`rope_quant.model.model_cache.cached_state_dir`, keyed by the GGUF's sha256), written on the
+    first load; ``state_cache=False`` parses the GGUF itself (tests compare the two).
     """
     src = resolve_model(name_or_path)
-    embedded = EMBEDDED_MODELS.get(src.name)
-    if state_cache and isinstance(embedded, model_cache.SplitGGUF):
+    key = _state_key(src) if state_cache else None
+    if key is not None:
         model, tokenizer = model_cache.load_cached_state(
-            embedded, model_path(src), lambda: _read_gguf(src, torch.float32), _dtype_kwarg(dtype))
+            key, model_path(src), lambda: _read_gguf(src, torch.float32), _dtype_kwarg(dtype))
     else:
         model, tokenizer = _read_gguf(src, dtype)
     arch.spec_for(model)  # raises UnsupportedModelTypeError naming the registered types

@@ -7,10 +7,12 @@ the umbrella package's ``assemble()`` is not used (it writes to its own cache di
 concatenated in order into the cache, the sha256 is checked against the published value, and only then
 is the file renamed into place (atomic: a half-written or wrong file never has the final name).
 
-Dequantising the GGUF in Python costs minutes (≈2.5 min on one contended core). The first load therefore
-saves the converted fp32 model and its tokenizer with ``save_pretrained`` (safetensors + config.json)
-into a directory keyed by the GGUF's sha256, this module's format version and the transformers version;
-later loads read that directory (seconds). The directory is renamed into place after it is complete.
+Dequantising a GGUF in Python is slow (Gemma 3: minutes on one contended core; SmolLM2: 15–19 s at 2 threads,
+on every load). The first load of either embedded model therefore saves the converted fp32 model and its
+tokenizer (safetensors + config.json) into a directory keyed by the model's name, the GGUF's sha256, this
+module's format version and the transformers version; later loads read that directory (under a second). The
+directory is renamed into place after it is complete. SmolLM2's GGUF is shipped whole in its wheel: its sha256
+is hashed once per file stamp (:func:`file_state_key`).
 
 Location: ``$ROPE_QUANT_MODEL_CACHE``, default ``$XDG_CACHE_HOME/rope_quant/models``. Clearing it is always safe
 (the next load rebuilds it): ``rope-quant models --clear-cache`` or ``rm -rf`` the directory.
@@ -37,7 +39,9 @@ __all__ = [
     "STATE_FORMAT",
     "ModelCacheError",
     "SplitGGUF",
+    "StateKey",
     "GEMMA3_270M",
+    "file_state_key",
     "cache_root",
     "part_paths",
     "assembled_gguf",
@@ -71,6 +75,15 @@ class SplitGGUF:
     sha256: str
     parts: tuple[tuple[str, str], ...]
     install_hint: str
+
+
+@dataclass(frozen=True)
+class StateKey:
+    """What names a converted state: the embedded model's name and its GGUF's sha256 (a :class:`SplitGGUF`
+    carries both too)."""
+
+    name: str
+    sha256: str
 
 
 GEMMA3_270M = SplitGGUF(
@@ -171,7 +184,26 @@ def _write_stamp(stamp: Path, target: Path, sha256: str) -> None:
     atomic_write_text(stamp, json.dumps({**_stamp_of(target), "sha256": sha256}))
 
 
-def cached_state_dir(model: SplitGGUF) -> Path:
+def file_state_key(name: str, gguf: Path) -> StateKey:
+    """The :class:`StateKey` of a GGUF shipped whole (SmolLM2's wheel): its sha256, hashed when the file's path,
+    size or modification time differ from the ones recorded in the cache with the last hash."""
+    stamp = cache_root() / name / (gguf.name + _STAMP)
+    where = {"path": str(gguf.resolve()), **_stamp_of(gguf)}
+    try:
+        recorded = json.loads(stamp.read_text())
+        if {k: recorded.get(k) for k in where} == where and isinstance(recorded.get("sha256"), str):
+            return StateKey(name, recorded["sha256"])
+    except (OSError, ValueError):
+        pass
+    digest = _sha256(gguf)
+    from rope_quant.io import atomic_write_text
+
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(stamp, json.dumps({**where, "sha256": digest}))
+    return StateKey(name, digest)
+
+
+def cached_state_dir(model: SplitGGUF | StateKey) -> Path:
     """Where the converted fp32 state of ``model`` lives: keyed by the GGUF sha256, the format version and the
     transformers version (the GGUF conversion is transformers' code)."""
     import transformers
@@ -180,12 +212,12 @@ def cached_state_dir(model: SplitGGUF) -> Path:
     return cache_root() / model.name / key
 
 
-def load_cached_state(model: SplitGGUF, gguf: Path, read_gguf: Callable[[], tuple[Any, Any]],
+def load_cached_state(model: SplitGGUF | StateKey, gguf: Path, read_gguf: Callable[[], tuple[Any, Any]],
                       dtype_kwarg: dict[str, Any]) -> tuple[Any, Any]:
     """(model, tokenizer) from the cached state directory; on a miss, ``read_gguf()`` (fp32) and save the
     state atomically (a temporary directory renamed into place) before returning the fresh model.
 
-    ``gguf`` is the assembled file (its sha256 has been checked by :func:`assembled_gguf`).
+    ``gguf`` is the file ``model.sha256`` was read from (:func:`assembled_gguf`, :func:`file_state_key`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -247,7 +279,7 @@ def torch_uint8() -> Any:
     return torch.uint8
 
 
-def source_record(model: SplitGGUF) -> dict[str, Any] | None:
+def source_record(model: SplitGGUF | StateKey) -> dict[str, Any] | None:
     """What the first (GGUF) load recorded next to the cached state: the GGUF's sha256, the state digest of
     the GGUF-parsed model, its config and the tokenisation of :data:`PROBE_TEXT`; None when not cached."""
     path = cached_state_dir(model) / SOURCE_RECORD
