@@ -11,6 +11,8 @@ nothing on its own. These are this suite's choices and live here, where only thi
   ``e2e``, ``bench``), relative to this file, so nothing outside this repository's ``tests/`` is marked;
 * the budget split: tests marked ``slow`` are deselected unless ``--run-slow`` is given or the ``-m``
   expression names ``slow`` (``tox -e slow`` runs them; README "Test layers");
+* under pytest-xdist (the README's ``pytest -n 2``): the e2e layer first, alone, at torch's default thread count,
+  then the other modules over every worker at one thread each (``tests/_support/xdist_phases.py``);
 * the ``compat`` marker (registered here, not by the plugin): the numerics tests that exercise transformers'
   own APIs and so are the ones that differ between transformers versions. A test module opts in with
   ``pytestmark = pytest.mark.compat``; ``tox -e tf448-compat`` (which CI runs) selects
@@ -57,6 +59,26 @@ def pytest_configure(config: pytest.Config) -> None:
             "tests to run (`pytest tests -m e2e --rq-claims-out DIR`)")
     config.addinivalue_line("markers", COMPAT)
     config.addinivalue_line("markers", SLOW)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``-n N`` with xdist's default distribution: :class:`tests._support.xdist_phases.PhasedScheduling` (the e2e
+    layer first, alone); an explicit ``--dist`` mode is left as given."""
+    if config.getoption("dist", "load") != "load":
+        return None
+    from tests._support.xdist_phases import PhasedScheduling
+
+    return PhasedScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under xdist, before each test's fixtures: its torch threads (``tests._support.xdist_phases.set_threads``)."""
+    if hasattr(item.config, "workerinput"):
+        from tests._support.xdist_phases import set_threads
+
+        set_threads(item.nodeid)
 
 
 def layer_of(path: Path) -> str | None:
