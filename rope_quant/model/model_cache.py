@@ -198,8 +198,11 @@ def file_state_key(name: str, gguf: Path) -> StateKey:
     digest = _sha256(gguf)
     from rope_quant.io import atomic_write_text
 
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(stamp, json.dumps({**where, "sha256": digest}))
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(stamp, json.dumps({**where, "sha256": digest}))
+    except OSError:  # an unwritable cache: the file is hashed again next time
+        pass
     return StateKey(name, digest)
 
 
@@ -232,6 +235,17 @@ def load_cached_state(model: SplitGGUF | StateKey, gguf: Path, read_gguf: Callab
                               type(exc).__name__, exc)
             shutil.rmtree(state, ignore_errors=True)
     net, tok = read_gguf()
+    try:
+        _store_state(model, gguf, net, tok, state)
+    except OSError as exc:  # a read-only or full cache costs the next load a parse, never this model
+        cache_log.warning("could not write the converted state of %s under %s (%s); the next load parses the "
+                          "GGUF again", model.name, state.parent, exc)
+    dtype = dtype_kwarg.get("dtype", dtype_kwarg.get("torch_dtype"))
+    return net.to(dtype) if dtype is not None else net, tok
+
+
+def _store_state(model: SplitGGUF | StateKey, gguf: Path, net: Any, tok: Any, state: Path) -> None:
+    """The converted state and its record written into a temporary directory, renamed to ``state`` when complete."""
     state.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=state.parent, prefix=f".{state.name}."))
     try:
@@ -246,8 +260,6 @@ def load_cached_state(model: SplitGGUF | StateKey, gguf: Path, read_gguf: Callab
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    dtype = dtype_kwarg.get("dtype", dtype_kwarg.get("torch_dtype"))
-    return net.to(dtype) if dtype is not None else net, tok
 
 
 def _save_state(net: Any, tok: Any, directory: Path) -> None:

@@ -90,3 +90,18 @@ def test_an_unreadable_state_is_rebuilt_from_the_gguf(tmp_path, monkeypatch, dam
     with pytest.raises(RuntimeError, match="rebuilt from the GGUF"):
         model_cache.load_cached_state(key, tmp_path / "m.gguf", read_gguf, {})
     assert built == [1] and not state.exists()
+
+
+def test_an_unwritable_cache_still_returns_the_parsed_model(tmp_path, monkeypatch):
+    """A model cache that cannot be written (a file where its directory should be) costs the next load a parse,
+    never this one: the parsed model comes back and nothing is left behind."""
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file, not a directory")
+    monkeypatch.setenv(model_cache.CACHE_ENV, str(blocked))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    key = model_cache.file_state_key("m", gguf)
+    assert key.sha256 == model_cache._sha256(gguf)
+    parsed = (torch.nn.Linear(2, 2), object())
+    net, tok = model_cache.load_cached_state(key, gguf, lambda: parsed, {})
+    assert net is parsed[0] and tok is parsed[1] and blocked.read_text() == "a file, not a directory"
