@@ -3,14 +3,13 @@
 The e2e layer is one session of shared builds (a seed's GPTQ weights serve every claim, and the numerics layer's
 W4A4KV4 GPTQ pipeline test reads the e2e layer's seed 0 from the same ``build_cache``), and its forwards already
 use every core. So it runs as one work unit, :data:`FIRST`, on one worker at torch's default thread count, while
-the other workers wait; then the remaining modules (one work unit per module, pytest-xdist's ``loadscope``, the slowest
-first) run on every worker at one torch thread each, where most of them are single-threaded Python and
-subprocesses.
+the other workers wait; then the remaining modules (one work unit per module, pytest-xdist's ``loadscope``) run
+on every worker at one torch thread each, where most of them are single-threaded Python and subprocesses.
 Measured side by side on the 2-core AMD EPYC: docs/testing.md, "CI time".
 
-:class:`PhasedScheduling` is xdist's :class:`~xdist.scheduler.LoadScopeScheduling` with a different scope split,
-:data:`HEAVY_FIRST` at the front of the queue and a hold on the other workers while :data:`FIRST` runs;
-:func:`set_threads` is what the root ``conftest.py`` calls before each test's set-up under xdist.
+:class:`PhasedScheduling` is xdist's :class:`~xdist.scheduler.LoadScopeScheduling` with a different scope split
+and a hold on the other workers while :data:`FIRST` runs; :func:`set_threads` is what the root ``conftest.py``
+calls before each test's set-up under xdist.
 """
 
 from __future__ import annotations
@@ -24,12 +23,6 @@ FIRST = "e2e session"
 """The work unit of the e2e layer and of the tests that read its builds."""
 SHARES_E2E_BUILDS = ("tests/numerics/test_pipeline.py::test_full_w4a4kv4_gptq_pipeline",)
 """Tests outside ``tests/e2e`` that read the e2e layer's builds from the session's ``build_cache``."""
-HEAVY_FIRST = tuple(f"tests/numerics/{m}.py" for m in (
-    "test_pipeline", "test_scale_pipeline", "test_cli_user_faults", "test_lm_eval", "test_foldable_models",
-    "test_faults", "test_submitit_local", "test_export_compressed", "test_cli", "test_gemma3"))
-"""The modules handed out first after :data:`FIRST`, slowest first (each over 30 s in a serial run on the 2-core
-AMD EPYC, 65fc631): xdist orders units by their number of tests, which put the paper-scale probe (2 tests,
-2–4 min) last, alone on one worker at the end of the run."""
 
 
 def in_first(nodeid: str) -> bool:
@@ -64,15 +57,13 @@ def set_threads(nodeid: str) -> None:
 
 
 class PhasedScheduling(LoadScopeScheduling):
-    """``loadscope`` by module (:data:`HEAVY_FIRST` at the front of the queue), with :data:`FIRST` assigned to the
-    first worker that asks and every other worker held (given nothing, not shut down) until :data:`FIRST` has
-    finished; then each gets the next module. A worker whose :data:`FIRST` dies gives it to the next worker that
-    asks."""
+    """``loadscope`` by module, with :data:`FIRST` assigned to the first worker that asks and every other worker
+    held (given nothing, not shut down) until :data:`FIRST` has finished; then each gets the next module. A worker
+    whose :data:`FIRST` dies gives it to the next worker that asks."""
 
     def __init__(self, config: Any, log: Any = None) -> None:
         super().__init__(config, log)
         self._first_node: Any = None
-        self._ordered = False
 
     def _split_scope(self, nodeid: str) -> str:
         return FIRST if in_first(nodeid) else nodeid.split("::", 1)[0]
@@ -83,16 +74,7 @@ class PhasedScheduling(LoadScopeScheduling):
         unit = self.assigned_work.get(self._first_node, {}).get(FIRST) if self._first_node is not None else None
         return unit is not None and not all(unit.values())
 
-    def _order_queue(self) -> None:
-        """:data:`FIRST`, then :data:`HEAVY_FIRST` in its order, then the rest in xdist's order (once)."""
-        self._ordered = True
-        for unit in reversed((FIRST, *HEAVY_FIRST)):
-            if unit in self.workqueue:
-                self.workqueue.move_to_end(unit, last=False)
-
     def _assign_work_unit(self, node: Any) -> None:
-        if not self._ordered:
-            self._order_queue()
         if FIRST in self.workqueue and self._first_node not in self.assigned_work:  # not yet taken, or its worker died
             self.workqueue.move_to_end(FIRST, last=False)
             self._first_node = node

@@ -6,11 +6,9 @@ Time per stage is printed as process-CPU seconds over the plan's 1-thread predic
 on the machine class, its load and the thread count (docs/paper_scale.md).
 
 Default run (the CI budget): Llama-3-8B's width (hidden 4096, GQA 32/8, intermediate 14336) with a 32000-row
-vocabulary, 2 × 512 calibration tokens, 1 whip step, RTN weights, 2 R3 configs × one 512-token window, at the
-test's torch threads: 2 in a serial run on the 2-core machine, 1 beside another worker of the README's
-``pytest -n 2`` (2 there would oversubscribe the cores). The plan's time basis is 1 thread and its memory plan
-does not depend on threads: the probe took 114 s at 2 threads against 188 s at 1, peak RSS 0.955 and 0.937 of the
-plan (AMD EPYC, a846767).
+vocabulary, 2 × 512 calibration tokens, 1 whip step, RTN weights, 2 R3 configs × one 512-token window, at 2 threads
+(the 2-core machine's cores; the plan's time basis is 1 thread, its memory plan does not depend on threads:
+the probe took 114 s at 2 threads against 188 s at 1, peak RSS 0.955 and 0.937 of the plan, AMD EPYC, a846767).
 GPTQ at full width is the ``slow`` case of Llama-2-7B: its 11008-wide down_proj makes the default run 11–12 min
 on the 2-core machine (docs/paper_scale.md), against about 3 min with RTN. The per-shape table is the ``slow``
 test, at 2048-token windows.
@@ -46,7 +44,7 @@ PARAMS = 2 * 32000 * 4096 + 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
 
 @pytest.fixture(scope="module")
 def probe() -> dict:
-    return run_probe("llama-3-8b", 1, 32000, 2, 512, "float32", "rtn", threads=torch.get_num_threads())
+    return run_probe("llama-3-8b", 1, 32000, 2, 512, "float32", "rtn", threads=2)
 
 
 def test_rotated_model_is_the_original_function_at_true_width(probe):
