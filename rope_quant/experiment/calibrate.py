@@ -1,6 +1,10 @@
 """Steps 5–6 of a cell: the calibration pass (pre-RoPE q/k statistics and the K sample, cached), the R3
 angles and the per-layer R3 transforms from the registry (a fitted R3's parameters from its spec's fit).
 
+A GPTQ build collects the statistics inside GPTQ's own pass instead (:class:`DuringGPTQ`): after a layer's q/k/v
+are quantised, GPTQ runs its attention once over the calibration windows, which is what the calibration pass
+would compute for that layer, window by window, with the same weights, quantisers and inputs.
+
 Nothing here changes the weights: every R3 variant of a seed reuses the same statistics (paired design), and
 :meth:`rope_quant.experiment.pipeline.QuantizedModel.reconfigure` reruns only :func:`angles_for` and
 :func:`build_transforms`.
@@ -8,6 +12,9 @@ Nothing here changes the weights: every R3 variant of a seed reuses the same sta
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +31,7 @@ from rope_quant.model import arch
 from rope_quant.rotations import attention
 
 __all__ = ["rope_frequencies", "build_transforms", "fit_transform_params", "angles_for", "read_stats_cache",
-           "calibration_batch", "calibrate"]
+           "calibration_batch", "stats_path", "DuringGPTQ", "during_gptq", "calibrate"]
 
 
 def rope_frequencies(model: nn.Module, head_dim: int) -> tuple[np.ndarray, str]:
@@ -131,34 +138,91 @@ def calibration_batch(model: nn.Module, n_windows: int, seqlen: int) -> int:
     return plan_costs.calibration_batch_for(free, window, n_windows)
 
 
-def calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry, calib: torch.Tensor,
-              cache: Path | None, progress: bool, fingerprint: str, counters: Any) -> Any:
-    """Collect mode: pre-RoPE q/k statistics over the calibration windows.
+def stats_path(cfg: RunConfig, cache: Path | None, fingerprint: str, calib: torch.Tensor) -> Path | None:
+    """The statistics cache file: per (stats_key, model fingerprint, calibration-window hash)."""
+    name = f"stats-{cfg.stats_key()}-{fingerprint}-{weight_cache.data_fingerprint(calib)}.npz"
+    return None if cache is None else cache / name
 
-    Cached per (stats_key, model fingerprint, calibration-window hash); a corrupt cache is warned about,
-    recomputed and rewritten.
-    """
+
+def _fresh(cfg: RunConfig, geom: attention.AttentionGeometry) -> Any:
     from rope_quant.calib.stats import CalibrationStats
 
-    name = f"stats-{cfg.stats_key()}-{fingerprint}-{weight_cache.data_fingerprint(calib)}.npz"
-    spath = None if cache is None else cache / name
+    return CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
+                            sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
 
-    def fresh() -> CalibrationStats:
-        return CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
-                                sample_rows=K_SAMPLE_ROWS, sample_seed=cfg.seed)
-    cached = read_stats_cache(spath, fresh())
+
+class DuringGPTQ:
+    """The calibration statistics collected in GPTQ's pass (``quantize_model_gptq(observe=...)``).
+
+    The projection hooks of :func:`rope_quant.rotations.attention.calibration_hooks` stay on for the whole of
+    GPTQ (:meth:`hooks`); an update reaches the statistics only while :meth:`observe` has its layer open (GPTQ's
+    one pass of that layer's attention with q/k/v quantised), and is counted. :meth:`result` is the statistics
+    when every layer gave each stream exactly one update per window, else None (a pass GPTQ repeated, a layer
+    it skipped): the calibration pass then runs on its own.
+    """
+
+    def __init__(self, stats: Any, n_windows: int) -> None:
+        self.stats, self.n_windows = stats, n_windows
+        self.layer: int | None = None
+        self.calls: Counter[tuple[int, str]] = Counter()
+
+    def update(self, layer: int, stream: str, x: Any) -> None:
+        if layer == self.layer:
+            self.calls[layer, stream] += 1
+            self.stats.update(layer, stream, x)
+
+    @contextlib.contextmanager
+    def observe(self, layer: int) -> Iterator[None]:
+        self.layer = layer
+        try:
+            yield
+        finally:
+            self.layer = None
+
+    @contextlib.contextmanager
+    def hooks(self, model: nn.Module) -> Iterator[None]:
+        with attention.calibration_hooks(model, self):
+            yield
+
+    def result(self) -> Any:
+        expected = {(li, s): self.n_windows for li in range(self.stats.n_layers) for s in ("q", "k")}
+        return self.stats if dict(self.calls) == expected else None
+
+
+def during_gptq(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry, calib: torch.Tensor,
+                path: Path | None) -> DuringGPTQ | None:
+    """A :class:`DuringGPTQ` for this build, or None where the statistics are cached or the calibration pass
+    batches windows (on a GPU: GPTQ runs one window at a time, and the statistics must not depend on which pass
+    collected them)."""
+    if path is not None and path.is_file():
+        return None
+    if calibration_batch(model, calib.shape[0], calib.shape[-1]) != 1:
+        return None
+    return DuringGPTQ(_fresh(cfg, geom), calib.shape[0])
+
+
+def calibrate(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry, calib: torch.Tensor,
+              cache: Path | None, progress: bool, fingerprint: str, counters: Any,
+              collected: Any = None) -> Any:
+    """Collect mode: pre-RoPE q/k statistics over the calibration windows.
+
+    Cached per :func:`stats_path`; a corrupt cache is warned about, recomputed and rewritten. ``collected``:
+    the statistics GPTQ's pass gathered (:meth:`DuringGPTQ.result`), used (and cached) instead of a pass.
+    """
+    spath = stats_path(cfg, cache, fingerprint, calib)
+    cached = read_stats_cache(spath, _fresh(cfg, geom))
     if cached is not None:
         return cached
 
-    def collect() -> CalibrationStats:
-        stats = fresh()
+    def collect() -> Any:
+        stats = _fresh(cfg, geom)
         with attention.calibration_hooks(model, stats):
             forward_windows(model, calib, "calibration", progress,
                              batch=calibration_batch(model, calib.shape[0], calib.shape[-1]))
         return stats
     # The activation quantisers' checks are read once for the whole pass (recomputed exactly if one asks).
     from rope_quant.quant import deferred
-    stats = deferred.run_checked(collect)[0]
+    stats = collected if collected is not None else deferred.run_checked(collect)[0]
     stats.finalize()  # the one copy of the device accumulators to the host
     counters.calibration_passes += 1
     if spath is not None:

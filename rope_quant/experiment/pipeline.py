@@ -38,6 +38,7 @@ in :mod:`~rope_quant.experiment.base_model` (:func:`load_base`), the activation 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -63,7 +64,9 @@ from rope_quant.experiment.calibrate import (
     angles_for,
     build_transforms,
     calibrate,
+    during_gptq,
     rope_frequencies,
+    stats_path,
 )
 from rope_quant.experiment.config import (
     K_SAMPLE_ROWS,
@@ -335,18 +338,22 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     act_handles = install_activation_quantizers(model, cfg.quant.a, static=static_act)
     timing["act_calib_s"] = time.perf_counter() - t
 
-    # 4. weights (GPTQ Hessians see R4 and the activation quantisers installed above)
+    # 4. weights (GPTQ Hessians see R4 and the activation quantisers installed above); a GPTQ build collects
+    # step 5's statistics in its own pass of each quantised layer
     t = time.perf_counter()
     errors: dict[str, float] = {}
+    fused = None
     if cached is not None:
         errors = dict(cached.get("errors") or {})
         counters.weight_cache_hits += 1
     else:
         w = cfg.quant.w
         if w.mode == WeightMode.GPTQ:
-            with stage(StageName.GPTQ):
+            fused = during_gptq(model, cfg, geom, calib, stats_path(cfg, cache, fingerprint, calib))
+            with stage(StageName.GPTQ), fused.hooks(model) if fused is not None else contextlib.nullcontext():
                 errors = gptq.quantize_model_gptq(model, calib, w.bits, w.gptq, clip_ratio=w.clip,
-                                                  progress=progress)
+                                                  progress=progress,
+                                                  observe=None if fused is None else fused.observe)
             counters.weight_quantizations += 1
         elif w.mode == WeightMode.RTN:
             with stage(StageName.RTN):
@@ -359,7 +366,8 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     # 5. calibration statistics (pre-RoPE q/k) on the same windows
     t = time.perf_counter()
     with stage(StageName.CALIBRATION):
-        stats = calibrate(model, cfg, geom, calib, cache, progress, fingerprint, counters)
+        stats = calibrate(model, cfg, geom, calib, cache, progress, fingerprint, counters,
+                          collected=None if fused is None else fused.result())
     timing["calibration_s"] = time.perf_counter() - t
 
     qm = QuantizedModel(

@@ -20,6 +20,7 @@ error estimates read the device from the host a fixed number of times per layer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -177,7 +178,9 @@ def resolve_objective(cfg: GPTQConfig, model: nn.Module) -> GPTQConfig:
 
 def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg: GPTQConfig = GPTQConfig(),
                         clip_ratio: float = 1.0, progress: bool = True,
-                        skip: Callable[[str], bool] | None = None) -> dict[str, float]:
+                        skip: Callable[[str], bool] | None = None,
+                        observe: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None
+                        ) -> dict[str, float]:
     """Quantise every linear of every decoder layer with GPTQ, sequentially over layers (in place).
 
     ``windows``: (n, seqlen) token ids. The embedding, final norm and lm_head stay in full precision
@@ -185,6 +188,9 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
     ``||W X - Q X||_F^2 / ||W X||_F^2`` estimated from the Hessian (``tr(D H D^T) / tr(W H W^T)``).
     True-sequential GPTQ runs each layer in stages (:func:`rope_quant.quant.gptq_layer.staged_layer`) where the
     architecture adapter splits it (:func:`staging_plan`), and whole-layer group forwards otherwise.
+    ``observe(li)``: a context entered around the one pass over the windows that runs layer ``li``'s attention
+    with its q/k/v quantised (the staged attention step, or the forward for the next layer's inputs), where the
+    caller may read what the quantised layer computes (:func:`rope_quant.experiment.calibrate.during_gptq`).
     """
     from tqdm.auto import tqdm
 
@@ -200,7 +206,8 @@ def quantize_model_gptq(model: nn.Module, windows: torch.Tensor, bits: int, cfg:
     for li, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
         with offload.resident(model, layer):  # a streamed model (--offload cpu): this layer on the device
             inputs = _quantize_layer(layer, li, inputs, per_layer_kwargs, order, bits, cfg, clip_ratio, skip, errors,
-                                     stages=layer_stages.layer_stages(model, li) if staged else None)
+                                     stages=layer_stages.layer_stages(model, li) if staged else None,
+                                     observe=None if observe is None else lambda li=li: observe(li))
     return errors
 
 
@@ -253,7 +260,8 @@ STAGE_ROLES = ("qkv", "o", "gate_up", "down")
 
 def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: list | None, order: Any, bits: int,
                     cfg: GPTQConfig, clip_ratio: float, skip: Callable[[str], bool] | None,
-                    errors: dict[str, float], stages: layer_stages.LayerStages | None = None) -> list:
+                    errors: dict[str, float], stages: layer_stages.LayerStages | None = None,
+                    observe: gptq_layer.Observe | None = None) -> list:
     """GPTQ of one decoder layer (in place); returns the next layer's inputs.
 
     With ``stages``, the layer runs block by block (:func:`rope_quant.quant.gptq_layer.staged_layer`); without,
@@ -289,7 +297,7 @@ def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: l
         out = gptq_layer.staged_layer(
             stages, dict(zip(STAGE_ROLES, groups, strict=True)), inputs,
             lambda g, runs, capture: gptq_layer.hessians_over(g, runs, new_acc, SHARE_HESSIANS, EARLY_STOP, capture),
-            solve, keep_down_inputs=_down_input_bytes(stages, inputs) <= STAGED_KEEP_BYTES)
+            solve, keep_down_inputs=_down_input_bytes(stages, inputs) <= STAGED_KEEP_BYTES, observe=observe)
     else:
         for group in groups:
             if group:
@@ -311,7 +319,8 @@ def _quantize_layer(layer: nn.Module, li: int, inputs: list, per_layer_kwargs: l
     def forward() -> list:
         with torch.no_grad():
             return [((_layer_output(layer(*args, **kwargs)),) + tuple(args[1:]), kwargs) for args, kwargs in inputs]
-    return deferred.run_checked(forward)[0]
+    with observe() if observe is not None else contextlib.nullcontext():
+        return deferred.run_checked(forward)[0]
 
 
 def linear_names(model: nn.Module) -> Sequence[str]:

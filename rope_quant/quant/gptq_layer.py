@@ -24,6 +24,7 @@ runs the quantised MLP again instead: gate/up twice per window, 9 linear passes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,10 +34,12 @@ from torch import nn
 from rope_quant.model.layer_stages import LayerStages
 from rope_quant.quant import deferred
 
-__all__ = ["StopForward", "hessians_over", "staged_layer", "Group"]
+__all__ = ["StopForward", "hessians_over", "staged_layer", "Group", "Observe"]
 
 #: One execution group: (name relative to the layer, linear) pairs.
 Group = list[tuple[str, nn.Module]]
+#: A context entered around a pass that the caller observes (:func:`staged_layer`'s ``observe``).
+Observe = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 class StopForward(Exception):
@@ -116,7 +119,8 @@ def hessians_over(group: Group, runs: Sequence[Callable[[], Any]], new_acc: Call
 
 def staged_layer(stages: LayerStages, groups: dict[str, Group], inputs: list[tuple[tuple, dict]],
                  collect: Callable[[Group, Sequence[Callable[[], Any]], nn.Module | None], tuple[dict, list]],
-                 solve: Callable[[Group, dict], None], keep_down_inputs: bool = True) -> list[tuple[tuple, dict]]:
+                 solve: Callable[[Group, dict], None], keep_down_inputs: bool = True,
+                 observe: Observe | None = None) -> list[tuple[tuple, dict]]:
     """True-sequential GPTQ of one layer through its stages (module docstring); returns the next layer's inputs.
 
     ``groups``: the linears to quantise by role, ``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"`` (a role may be
@@ -127,14 +131,16 @@ def staged_layer(stages: LayerStages, groups: dict[str, Group], inputs: list[tup
     The norms are recomputed per forward rather than kept. ``keep_down_inputs``: keep down_proj's inputs
     (intermediate-sized, every window) for the output step; False runs the quantised MLP once more instead
     (gate/up twice per window), so the layer holds no more than its inputs, o_proj's inputs (hidden-sized) and the
-    residual stream.
+    residual stream. ``observe()``: a context entered around step 2, the one pass over the windows of the
+    attention with its q/k/v quantised (the calibration statistics are collected there).
     """
     xs = [args[0] for args, _ in inputs]
     kws = [kwargs for _, kwargs in inputs]
     attn_runs = [lambda w=w: stages.attention(stages.attention_input(xs[w]), kws[w]) for w in range(len(xs))]
     if groups["qkv"]:
         solve(groups["qkv"], deferred.run_checked(lambda: collect(groups["qkv"], attn_runs, None))[0][0])
-    accs, o_in = deferred.run_checked(lambda: collect(groups["o"], attn_runs, stages.o))[0]
+    with observe() if observe is not None else contextlib.nullcontext():
+        accs, o_in = deferred.run_checked(lambda: collect(groups["o"], attn_runs, stages.o))[0]
     if groups["o"]:
         solve(groups["o"], accs)
 
