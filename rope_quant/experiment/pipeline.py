@@ -16,7 +16,9 @@
    a hit, checked against their sha256). GPTQ's
    Hessians see the inputs each linear actually sees (R4 and the activation quantiser included);
 5. a calibration pass in collect mode over the same calibration windows (pre-RoPE q/k statistics and a
-   sample of :data:`K_SAMPLE_ROWS` K tokens per layer with their positions);
+   sample of :data:`K_SAMPLE_ROWS` K tokens per layer with their positions); a GPTQ build gathers them in
+   GPTQ's own pass of each quantised layer instead, bit for bit the same
+   (:class:`~rope_quant.experiment.calibrate.DuringGPTQ`; not where the pass batches windows, on a GPU);
 6. R3 angles (:func:`rope_quant.calib.objectives.estimate_angles`; the angle rule φ̂, branch-matched φ̂ or
    φ* with the live ``inv_freq``, or the
    ``range`` objective's coordinate descent on the K sample) and the
