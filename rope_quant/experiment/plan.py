@@ -267,9 +267,9 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
                    + p.calib_windows * mc.n_layers * stats_s)
         add(StageName.CALIBRATION, win_b, 0, 0, calib_s, p.seeds)
         eval_s = eval_tok * ((fwd_tok + attn_tok) / rate * costs.quant_layer_overhead + head_tok / rate)
-    else:
-        add(StageName.CALIBRATION, act_window, act_window + retained, 0,  # the decoder only, no lm_head
-            calib_tok * ((fwd_tok + attn_tok) / rate + r4_s) * qf, p.seeds)
+    else:  # the decoder only, no lm_head; a GPTQ build gathers the statistics in GPTQ's pass (no time of its own)
+        add(StageName.CALIBRATION, act_window, act_window + retained, 0,
+            0.0 if p.gptq else calib_tok * ((fwd_tok + attn_tok) / rate + r4_s) * qf, p.seeds)
         eval_s = eval_tok * ((fwd_tok + attn_tok + head_tok) / rate + r4_s) * qf
     add(StageName.EVALUATION, act_window + logits_b, 0 if gpu else act_window + logits_b + retained, 0, eval_s,
         p.seeds * p.configs)
