@@ -5,13 +5,15 @@ true width (float tolerance), and the peak RSS is within ±25% of the plan's pre
 Time per stage is printed as process-CPU seconds over the plan's 1-thread prediction, never asserted: it depends
 on the machine class, its load and the thread count (docs/paper_scale.md).
 
-Default run (the CI budget): Llama-3-8B's width (hidden 4096, GQA 32/8, intermediate 14336) with a 32000-row
+Default run (the CI budget): Llama-3-8B's width (hidden 4096, GQA 32/8, intermediate 14336) with an 8192-row
 vocabulary, 2 × 512 calibration tokens, 1 whip step, RTN weights, 2 R3 configs × one 512-token window, at 2 threads
-(the 2-core machine's cores; the plan's time basis is 1 thread, its memory plan does not depend on threads:
-the probe took 114 s at 2 threads against 188 s at 1, peak RSS 0.955 and 0.937 of the plan, AMD EPYC, a846767).
-GPTQ at full width is the ``slow`` case of Llama-2-7B: its 11008-wide down_proj makes the default run 11–12 min
-on the 2-core machine (docs/paper_scale.md), against about 3 min with RTN. The per-shape table is the ``slow``
-test, at 2048-token windows.
+(the 2-core machine's cores; the plan's time basis is 1 thread, its memory plan does not depend on threads).
+The vocabulary was 32000 until 2026-12-02: the embedding and lm_head rotations were half the offline rotation's
+float64 work, and the width they test is the hidden size, which 8192 rows keep. On the 2-core AMD EPYC
+(2026-12-02, each beside the same background job, so wall times are not comparable): the offline rotation took 64
+process-CPU seconds against 114, peak RSS 0.99 and 0.97 of the plan. GPTQ at full width is the ``slow`` case of Llama-2-7B: its 11008-wide down_proj makes the default
+run 11–12 min on the 2-core machine (docs/paper_scale.md), against about 3 min with RTN. The per-shape table is
+the ``slow`` test, at 2048-token windows, with vocabulary 32000.
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ def check_probe(r: dict, params: int | None = None) -> None:
     assert 0.75 <= ratio <= 1.25, stage_report(r)
 
 
-#: 1 layer of Llama-3-8B at full width with a 32000-row embedding and (untied) lm_head: 2·32000·4096 embeddings,
+#: 1 layer of Llama-3-8B at full width with an 8192-row embedding and (untied) lm_head: 2·8192·4096 embeddings,
 #: q/o 4096², k/v 4096·1024, gate/up/down 4096·14336, three RMSNorm weights of 4096.
-PARAMS = 2 * 32000 * 4096 + 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 3 * 4096
+VOCAB = 8192
+PARAMS = 2 * VOCAB * 4096 + 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 3 * 4096
 
 
 @pytest.fixture(scope="module")
 def probe() -> dict:
-    return run_probe("llama-3-8b", 1, 32000, 2, 512, "float32", "rtn", threads=2)
+    return run_probe("llama-3-8b", 1, VOCAB, 2, 512, "float32", "rtn", threads=2)
 
 
 def test_rotated_model_is_the_original_function_at_true_width(probe):
