@@ -28,6 +28,8 @@ from rope_quant.core.verdict import Form
 #: context cells score 12): the cell records name the deviation.
 STATIC_WINDOWS = 4
 STATIC_EVAL_WINDOWS = 4
+
+
 def _static_cells(experiment, scope: str = "both", replicate: bool = False) -> dict[str, list[dict]]:
     """Per seed, the static-cell results of hadamard and pairwise_only at the session's seqlen (memoised per
     seed, so a claim given more seeds computes only the new ones); ``replicate``: the replicated seeds only, with
