@@ -9,7 +9,7 @@ Default run (the CI budget): Llama-3-8B's width (hidden 4096, GQA 32/8, intermed
 vocabulary, 2 × 512 calibration tokens, 1 whip step, RTN weights, 2 R3 configs × one 512-token window, at 2 threads
 (the 2-core machine's cores; the plan's time basis is 1 thread, its memory plan does not depend on threads).
 The vocabulary was 32000 until 2026-12-02: the embedding and lm_head rotations were half the offline rotation's
-float64 work, and the width they test is the hidden size, which 8192 rows keep. On the 2-core AMD EPYC
+float64 work, and the width this test checks is the hidden size, which 8192 rows keep. On the 2-core AMD EPYC
 (2026-12-02, each beside the same background job, so wall times are not comparable): the offline rotation took 64
 process-CPU seconds against 114, peak RSS 0.99 and 0.97 of the plan. GPTQ at full width is the ``slow`` case
 of Llama-2-7B: its 11008-wide down_proj makes the default run 11–12 min on the 2-core machine
