@@ -15,6 +15,7 @@ Subcommands::
     rope-quant verify        φ* artefacts of a results directory (App. A.5)
     rope-quant report        tables and figures from a results directory (--check: completion only)
     rope-quant decide        add seeds to a results directory until each claim is decided (sequential rule)
+    rope-quant replay        a claims JSON's decisions re-read under another boundary, M or futility level
     rope-quant claims        the paper's claims: their cells and float-order replicates as one sweep, the claims table
     rope-quant models        embedded models and the model cache (--clear-cache empties it)
     rope-quant plan          predicted memory, disk and time per stage, before any weight is read
@@ -109,6 +110,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("models", "rope_quant.cli.models"),
     Command("report", "rope_quant.cli.report"),
     Command("decide", "rope_quant.cli.decide"),
+    Command("replay", "rope_quant.cli.replay"),
     Command("claims", "rope_quant.cli.claims"),
     Command("export", "rope_quant.cli.export"),
     Command("plan", "rope_quant.cli.plan"),

@@ -396,22 +396,55 @@ class Looked:
     lines: tuple[str, ...]
 
 
-def replay(form: Form, diffs: Sequence[float], shifts: Sequence[float], plan: Plan, *, margin: float = 0.0,
-           tokens: int | None = None) -> Verdict:
-    """The rule read look by look over recorded seeds (``diffs`` and ``shifts`` in seed order), as
-    :func:`until_decided` would have read them: the verdict at the first look that decides or stops, else at
-    the last recorded look (open: more seeds than were recorded would be needed). A claims JSON's ``diffs`` and
-    ``float_order.shifts`` are such a record; this is how a decision is re-read under another boundary."""
-    if len(diffs) != len(shifts):
-        raise ValueError(f"{len(diffs)} differences but {len(shifts)} shifts: replay needs every seed replicated")
-    if len(diffs) < plan.first:
-        raise PlanError(f"{len(diffs)} recorded seeds are fewer than the plan's first look ({plan.first})")
-    v = decide(form, diffs[:plan.first], shifts[:plan.first], plan, margin=margin, tokens=tokens)
-    for n in range(plan.first + 1, min(len(diffs), plan.max_seeds) + 1):
+@dataclass(frozen=True)
+class Recorded:
+    """One sampled part of a recorded claim: its form, per-seed differences and replicate shifts in seed order
+    (a claims JSON verdict's ``diffs`` and ``float_order.shifts``), its margin and scored tokens."""
+
+    form: Form
+    diffs: Sequence[float]
+    shifts: Sequence[float]
+    margin: float = 0.0
+    tokens: int | None = None
+
+
+def replay_claim(parts: Sequence[Recorded], plan: Plan, fixed: Sequence[Verdict] = ()) -> Verdict:
+    """A recorded claim read look by look as :func:`until_decided` would have read it: at each look every sampled
+    part at the plan (its refuted side at α / P for P sampled parts), combined with the ``fixed`` parts (those
+    without sampling error, as recorded) by :func:`rope_quant.core.verdict.combine_all`; the verdict at the first
+    look that decides or stops, else at the last recorded look (open: more seeds than were recorded would be
+    needed). This is how a decision is re-read under another boundary, M or futility level."""
+    from rope_quant.core.verdict import combine_all
+
+    if not parts:
+        raise ValueError("replay needs at least one sampled part")
+    seeds = len(parts[0].diffs)
+    for part in parts:
+        if len(part.diffs) != seeds:
+            raise ValueError(f"the parts hold {len(part.diffs)} and {seeds} seeds: a claim's parts share its seeds")
+        if len(part.shifts) != len(part.diffs):
+            raise ValueError(f"{len(part.diffs)} differences but {len(part.shifts)} shifts: replay needs every "
+                             "seed replicated")
+    if seeds < plan.first:
+        raise PlanError(f"{seeds} recorded seeds are fewer than the plan's first look ({plan.first})")
+    at = plan.with_parts(len(parts)) if len(parts) > 1 else plan
+
+    def look(n: int) -> Verdict:
+        read = [decide(p.form, p.diffs[:n], p.shifts[:n], at, margin=p.margin, tokens=p.tokens) for p in parts]
+        return read[0] if len(read) == 1 and not fixed else combine_all([*read, *fixed])
+
+    v = look(plan.first)
+    for n in range(plan.first + 1, min(seeds, plan.max_seeds) + 1):
         if not open_at(v, n - 1, plan):
             break
-        v = decide(form, diffs[:n], shifts[:n], plan, margin=margin, tokens=tokens)
+        v = look(n)
     return v
+
+
+def replay(form: Form, diffs: Sequence[float], shifts: Sequence[float], plan: Plan, *, margin: float = 0.0,
+           tokens: int | None = None) -> Verdict:
+    """:func:`replay_claim` of a claim of one part (``diffs`` and ``shifts`` in seed order)."""
+    return replay_claim([Recorded(form, diffs, shifts, margin, tokens)], plan)
 
 
 def open_at(v: Verdict, n: int, plan: Plan) -> bool:

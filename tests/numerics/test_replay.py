@@ -1,0 +1,83 @@
+"""``rope-quant replay`` and :mod:`rope_quant.analysis.replay`: the recorded runs of docs/runs/ re-read look by
+look under either boundary, with nothing rebuilt (docs/verdicts.md, "The recorded decisions re-read")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rope_quant.analysis.replay import replay_file, replay_row
+from rope_quant.cli import main
+from rope_quant.core import sequential
+from rope_quant.core.boundary import Shape
+from rope_quant.core.sequential import Plan, Recorded
+from rope_quant.core.verdict import Form
+
+RUNS = Path(__file__).resolve().parents[2] / "docs" / "runs"
+NORMAL, ROBUST = Plan(3, 40, shape=Shape.NORMAL), Plan(3, 40)
+
+
+def _one(name: str, plan: Plan) -> tuple[str, int]:
+    (row,) = replay_file(RUNS / name, plan)
+    assert row.verdict is not None, row.why
+    return row.verdict.outcome.value, row.verdict.n
+
+
+@pytest.mark.parametrize(("name", "robust", "normal"), [
+    ("redecided-appf-skew-robust-epyc-2threads.json", ("holds", 9), ("holds", 7)),
+    ("redecided-c7-skew-robust-epyc-2threads.json", ("holds", 14), ("holds", 9)),
+    ("redecided-appg-skew-robust-epyc-2threads.json", ("inconclusive", 7), ("holds", 5)),
+    ("redecided-appd-skew-robust-epyc-2threads.json", ("inconclusive", 19), ("inconclusive", 19)),
+    ("redecided-c4ppl-skew-robust-xeon-2threads.json", ("inconclusive", 6), ("inconclusive", 6)),
+])
+def test_a_recorded_run_replays_to_its_recorded_decision(name: str, robust: tuple[str, int],
+                                                         normal: tuple[str, int]) -> None:
+    """Under the boundary it was decided by, each skew-robust run replays to its recorded outcome at its recorded
+    seeds; under the normal boundary the decided ones decide earlier on the same seeds (App. F 7 against 9, C7 9
+    against 14, App. G holds at 5 where the skew-robust boundary is open at 7)."""
+    row = json.loads((RUNS / name).read_text())["claims"][0]
+    assert _one(name, ROBUST) == robust == (row["decision"]["outcome"], robust[1])
+    assert _one(name, NORMAL) == normal
+
+
+def test_a_run_of_per_config_lists_replays_word_for_word() -> None:
+    """The oldest decided JSON kept C2's per-config lists, not its differences: the pair whose mean difference is
+    the recorded mean is found, and the normal boundary gives the recorded verdict word for word (stopped for
+    futility at 7 seeds); the skew-robust one stops at 6."""
+    rows = json.loads((RUNS / "decided-epyc-2threads.json").read_text())["claims"]
+    c2 = next(r for r in rows if r["claim"].startswith("C2"))
+    got = replay_row(c2, NORMAL)
+    assert got.verdict is not None and got.verdict.text() == c2["decision"]["text"]
+    robust = replay_row(c2, ROBUST).verdict
+    assert robust is not None and robust.n == 6 and robust.stop.startswith("stopped for futility at 6 seeds")
+
+
+def test_a_row_without_per_seed_values_says_why() -> None:
+    rows = {r.claim[:2]: r for r in replay_file(RUNS / "decided-epyc-2threads.json", ROBUST)}
+    assert rows["C7"].verdict is None and rows["C7"].why == "part 'L=1024' kept no per-seed differences"
+    assert rows["C4"].why == "part 'b=2→4' kept no per-seed differences"
+    assert replay_row({"claim": "x"}, ROBUST).why == "the row records no decision"
+
+
+def test_replay_claim_refuses_parts_of_different_seeds() -> None:
+    a, b = Recorded(Form.GREATER, [1.0] * 5, [0.0] * 5), Recorded(Form.GREATER, [1.0] * 4, [0.0] * 4)
+    with pytest.raises(ValueError, match="share its seeds"):
+        sequential.replay_claim([a, b], ROBUST)
+    with pytest.raises(ValueError, match="at least one sampled part"):
+        sequential.replay_claim([], ROBUST)
+
+
+def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(RUNS / "redecided-c7-skew-robust-epyc-2threads.json"), "--shape", "normal"]) == 0
+    out = capsys.readouterr().out
+    assert "| C7 | holds at 14 seeds (skew_robust) | holds at 9 seeds | holds |" in out
+    assert "normal boundary" in out
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"claims": []}))
+    for argv, says in ([str(tmp_path / "missing.json")], "cannot be read as a claims JSON"), \
+            ([str(empty)], "the claims list is empty"), \
+            ([str(RUNS / "decided-epyc-2threads.json"), "--first", "1"], "at least 2 seeds"):
+        assert main(["replay", *argv]) == 2
+        assert says in capsys.readouterr().err
