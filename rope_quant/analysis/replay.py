@@ -2,12 +2,13 @@
 re-read"): ``rope-quant replay CLAIMS.json --shape normal``.
 
 Every verdict the rule writes keeps its per-seed paired differences (``diffs``) and float-order shifts
-(``float_order.shifts``); a JSON written before ``diffs`` were recorded has them as the part's treatment − control
-(``numbers``). :func:`replay_row` rebuilds a row's sampled parts from them and reads the claim look by look as
-``--rq-until-decided`` would have (:func:`rope_quant.core.sequential.replay_claim`); a part without sampling
-error keeps its recorded outcome. The recorded equivalence margin is used at every look (the run computed it from
-the comparator's mean at each look, so an equivalence read at an earlier look may differ in its last digits).
-A row that kept neither is named with the reason, never guessed.
+(``float_order.shifts``). A JSON written before ``diffs`` were recorded gives them as the part's treatment −
+control (``numbers``), or, where it kept only per-config lists, as the one ordered pair of lists whose mean
+difference is the recorded mean. :func:`replay_row` rebuilds a row's sampled parts from them and reads the claim
+look by look as ``--rq-until-decided`` would have (:func:`rope_quant.core.sequential.replay_claim`); a part
+without sampling error keeps its recorded outcome. The recorded equivalence margin is used at every look (the run
+computed it from the comparator's mean at each look, so an equivalence read at an earlier look may differ in its
+last digits). A row that kept no per-seed values is named with the reason, never guessed.
 """
 
 from __future__ import annotations
@@ -104,14 +105,14 @@ def replay_row(row: Mapping[str, Any], plan: Plan) -> Replayed:
     shape = next((str(d["shape"]) for d in read if d.get("shape")), "")
     shape = shape or ("normal" if any("look" in str(d.get("note", "")) for d in read) else "fixed-n")
     recorded = str(decision.get("outcome", "?"))
-    sampled, fixed, why = recorded_parts(row)
-    if not why and not sampled:
-        why = "no sampled part: nothing for a boundary to change"
-    if why:
-        return Replayed(claim, recorded, seeds, shape, None, why)
     try:
+        sampled, fixed, why = recorded_parts(row)
+        if not why and not sampled:
+            why = "no sampled part: nothing for a boundary to change"
+        if why:
+            return Replayed(claim, recorded, seeds, shape, None, why)
         return Replayed(claim, recorded, seeds, shape, replay_claim(sampled, plan, fixed))
-    except (ValueError, PlanError) as exc:
+    except (ValueError, PlanError) as exc:  # parts of unequal seeds, too few seeds, an unknown form
         return Replayed(claim, recorded, seeds, shape, None, str(exc))
 
 
