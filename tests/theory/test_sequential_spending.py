@@ -134,7 +134,7 @@ def test_a_stronger_skewness_correction_is_not_within_the_wish(weight: float,
                                     strict=True)]
     print(f"w = {weight}: α″ {level:.2e}, c_3…c_6 {np.round(crit[:4], 1)}, c_40 {crit[-1]:.2f}; median seeds over "
           f"the normal rule's {np.round(ratios, 2)}")
-    assert min(ratios) >= 1.0 and max(ratios) > 1.25, ratios
+    assert min(ratios) > 1.25, ratios  # no row within the wish
 
 
 def _bootstrap_t_error(law: str, n: int, level: float, paths: int, resamples: int, seed: int) -> float:
