@@ -13,19 +13,15 @@ last digits). A row that kept no per-seed values is named with the reason, never
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rope_quant.analysis.reproduce import read_claims_payload
 from rope_quant.core.sequential import Plan, PlanError, Recorded, replay_claim
 from rope_quant.core.verdict import Form, Verdict, deterministic
 from rope_quant.io import markdown_table
-
-
-class ReplayError(ValueError):
-    """A file that is not a claims JSON."""
 
 
 @dataclass(frozen=True)
@@ -117,15 +113,9 @@ def replay_row(row: Mapping[str, Any], plan: Plan) -> Replayed:
 
 
 def read_claims(path: str | Path) -> list[Mapping[str, Any]]:
-    """The rows of a claims JSON (``pytest --rq-claims-out``, ``rope-quant claims`` / ``decide``)."""
-    p = Path(path)
-    try:
-        payload = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ReplayError(f"{p} cannot be read as a claims JSON ({exc})") from None
-    if not isinstance(payload, Mapping) or not isinstance(payload.get("claims"), list):
-        raise ReplayError(f"{p} is not a claims JSON (no 'claims' list)")
-    return [r for r in payload["claims"] if isinstance(r, Mapping)]
+    """The rows of a claims JSON (:func:`rope_quant.analysis.reproduce.read_claims_payload`, whose
+    :class:`~rope_quant.analysis.reproduce.ReproduceError` names a file that is not one)."""
+    return [r for r in read_claims_payload(path)["claims"] if isinstance(r, Mapping)]
 
 
 def replay_file(path: str | Path, plan: Plan) -> list[Replayed]:

@@ -143,8 +143,16 @@ def _rule(payload: Mapping[str, Any]) -> str:
     return " + ".join(sorted(str(r) for r in rules)) if rules else LEGACY_RULE
 
 
-def _claims_payload(path: Path) -> Mapping[str, Any]:
-    payload = json.loads(path.read_text())
+def read_claims_payload(path: str | Path) -> Mapping[str, Any]:
+    """A claims JSON's payload (``pytest --rq-claims-out``, ``rope-quant claims`` / ``decide``), or a
+    :class:`ReproduceError` naming why the file is not one."""
+    path = Path(path)
+    try:
+        payload = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ReproduceError(f"{path} is not valid JSON: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReproduceError(f"{path} cannot be read ({exc})") from None
     if not isinstance(payload, Mapping) or "claims" not in payload:
         raise ReproduceError(f"{path} is not a claims JSON (no 'claims' key)")
     if not isinstance(payload["claims"], list):
@@ -279,10 +287,7 @@ def _load(path: Path) -> tuple[str, dict[str, Number], dict[str, Any], Mapping[s
         else:
             raise ReproduceError(f"{path} holds neither a manifest.json (results directory) nor a claims.json")
     if path.is_file():
-        try:
-            payload = _claims_payload(path)
-        except json.JSONDecodeError as exc:
-            raise ReproduceError(f"{path} is not valid JSON: {exc}") from exc
+        payload = read_claims_payload(path)
         return "claims", *_claims_numbers(payload), payload
     raise ReproduceError(f"{path} does not exist")
 

@@ -30,7 +30,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rope_quant.analysis.replay import ReplayError, replay_file, table
+    from rope_quant.analysis.replay import replay_file, table
+    from rope_quant.analysis.reproduce import ReproduceError
     from rope_quant.core.sequential import Plan, PlanError
 
     try:
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     try:
         rows = replay_file(args.claims, plan)
-    except ReplayError as exc:
+    except ReproduceError as exc:
         raise CLIError(str(exc)) from None
     if not rows:
         raise CLIError(f"{args.claims}: the claims list is empty")

@@ -76,7 +76,7 @@ def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert "normal boundary" in out
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"claims": []}))
-    for argv, says in ([str(tmp_path / "missing.json")], "cannot be read as a claims JSON"), \
+    for argv, says in ([str(tmp_path / "missing.json")], "missing.json cannot be read"), \
             ([str(empty)], "the claims list is empty"), \
             ([str(RUNS / "decided-epyc-2threads.json"), "--first", "1"], "at least 2 seeds"):
         assert main(["replay", *argv]) == 2
