@@ -65,13 +65,29 @@ def test_the_link_checker_can_fail(tmp_path):
 
 def test_readme_is_short_and_its_two_commands_come_first():
     readme = (REPO / "README.md").read_text()
-    assert len(readme.splitlines()) <= 250
+    assert len(readme.splitlines()) <= 170, "the README stays near 150 lines: the rest belongs in docs/"
     commands = dict(line.split(": ", 1) for line in (REPO / ".ci/commands").read_text().splitlines() if ": " in line)
     install, test = commands["INSTALL"], commands["TEST"]
     assert f"{install} && {test}\n" in readme, "the README lost the test command (.ci/run greps it)"
     first_fence = readme.index("```bash\n")
     assert readme[first_fence:].startswith(f"```bash\n{install} && "), "the install line is not the first command"
-    assert readme.index(f"{install} && {test}\n") < readme.index("## The result")
+    assert readme.index(f"{install} && {test}\n") < readme.index("## On your checkpoint")
+
+
+def test_readme_answers_the_users_question_within_its_first_50_lines():
+    """The user's command on their own checkpoint, through both fronts, comes before line 50."""
+    head = "\n".join((REPO / "README.md").read_text().splitlines()[:50])
+    for command in ("rope-quant claims --model", "rope-quant decide", "pytest -m e2e --rq-model=",
+                    "pytest -m gpu_e2e --rq-model="):
+        assert command in head, f"the README's first 50 lines lack `{command}`"
+
+
+def test_every_cli_subcommand_is_in_the_readmes_table():
+    from rope_quant.cli import COMMANDS
+
+    rows = {m.group(1) for m in re.finditer(r"^\| `rope-quant ([\w-]+)`", (REPO / "README.md").read_text(), re.M)}
+    missing = sorted({c.name for c in COMMANDS} - rows)
+    assert not missing, f"rope-quant subcommands missing from the README's CLI table: {missing}"
 
 
 def test_the_pending_pages_are_only_pages_the_readme_links():
