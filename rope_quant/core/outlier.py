@@ -13,11 +13,12 @@ another in a one-seed statistic such as Grubbs', give the distance between their
 Its threshold at n seeds (:func:`thresholds`) is the statistic's 99th percentile at n over the normal member of the
 boundaries' own calibration paths (:func:`rope_quant.core.boundary.calibration_paths`, one fixed-seed stream for
 every shape). So 1% of normal paths carry the flag at whatever look they stop. It is not taken over the whole family:
-t₃'s far seeds put the family's 99th percentile at 12–15 sd (8–40 seeds), past the 6 sd of a seed blown up by 6 sd
-among normal ones, and the family's heavy-tailed members (t₃, gamma at skewness 2) do cross the normal threshold
-often. The flag therefore reads "these seeds are farther from the others than normal seeds go"; when they are
-blow-ups, the rule's 5% is not covered. A verdict whose seeds cross it carries an :class:`OutlierFlag` (the claims
-JSON's ``outlier``) and says so in its text.
+the family's far seeds (its heavy-tailed members) put the 99th percentile of a one-seed deviation at 12–15 sd (8–40
+seeds), past the 6 sd of a seed blown up by 6 sd among normal ones. The family's other members do cross the normal
+threshold (at the verdict: t₃ 41%, gamma at skewness 1 18%, at skewness 2 65%), where the 5% does hold. The flag
+therefore reads "these seeds are farther from the others than normal seeds go": a warning to look at them, and, if
+they are blow-ups, the rule's 5% is not covered. A verdict whose seeds cross it carries an :class:`OutlierFlag` (the
+claims JSON's ``outlier``) and says so in its text.
 
 One place for the flag: :func:`flag` reads one verdict's per-seed differences (the sequential rule reads it at every
 look, :func:`rope_quant.core.sequential.decide`, which the claims engine and ``rope-quant replay`` both call);
