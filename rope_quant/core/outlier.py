@@ -107,19 +107,31 @@ def split_gap(x: Any, first: int = FIRST) -> Any:
     return out
 
 
-@functools.lru_cache(maxsize=16)
-def thresholds(max_seeds: int) -> tuple[float, ...]:
-    """The flag's threshold at ``n = 3 … max_seeds`` seeds: :data:`QUANTILE` of :func:`split_gap` at each n over
-    the normal paths behind the boundaries (the normal member of
-    :func:`rope_quant.core.boundary.calibration_paths`)."""
-    import numpy as np
-
+@functools.lru_cache(maxsize=4)
+def _normal_paths(max_seeds: int) -> Any:
+    """The normal member of the boundaries' calibration paths for looks up to ``max_seeds``."""
     from rope_quant.core.boundary import calibration_paths
 
-    if max_seeds < FIRST:
-        return ()
-    _, paths = next(calibration_paths(max_seeds, Shape.NORMAL))
-    return tuple(float(v) for v in np.quantile(split_gap(paths), QUANTILE, axis=0))
+    return next(calibration_paths(max_seeds, Shape.NORMAL))[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def threshold(max_seeds: int, n: int) -> float:
+    """The flag's threshold at ``n`` seeds (``3 ≤ n ≤ max_seeds``): :data:`QUANTILE` of the statistic at n over the
+    normal paths behind the boundaries (the normal member of :func:`rope_quant.core.boundary.calibration_paths`;
+    ``max_seeds`` names the paths, as it does for the boundary). One look's threshold is computed alone, so a
+    verdict pays for its own n only."""
+    import numpy as np
+
+    if not FIRST <= n <= max_seeds:
+        raise ValueError(f"the flag reads {FIRST} to {max_seeds} seeds, got {n}")
+    paths = _normal_paths(max_seeds)[:, :n]
+    return float(np.quantile(_gaps(np.sort(paths, -1)).max(-1), QUANTILE))
+
+
+def thresholds(max_seeds: int) -> tuple[float, ...]:
+    """:func:`threshold` at every look ``n = 3 … max_seeds`` (for the simulations)."""
+    return tuple(threshold(max_seeds, n) for n in range(FIRST, max_seeds + 1))
 
 
 def flag(diffs: Sequence[float], max_seeds: int, shape: Shape = DEFAULT_SHAPE) -> OutlierFlag | None:
@@ -134,7 +146,7 @@ def flag(diffs: Sequence[float], max_seeds: int, shape: Shape = DEFAULT_SHAPE) -
     order = np.argsort(d, kind="stable")
     gaps = _gaps(d[order])
     j = int(np.argmax(gaps))
-    gap, limit = float(gaps[j]), thresholds(max_seeds)[n - FIRST]
+    gap, limit = float(gaps[j]), threshold(max_seeds, n)
     if not gap > limit:
         return None
     group = order[:j + 1] if j + 1 <= n - j - 1 else order[j + 1:]

@@ -103,7 +103,7 @@ def test_every_sequential_verdict_carries_the_flag() -> None:
 def test_the_rule_under_contaminated_laws(percent: int, shift: int) -> None:
     """The table of docs/verdicts.md ("A rare blow-up seed"): wrong "holds" / wrong "refuted" at any look of the
     normal, skew-robust (default) and contamination-robust boundaries, both tails. Measured 2026-12-06 (seeds
-    900–): the default reads 0.080 wrong "refuted" under 5% at +6 sd with no float-order noise (the issue's 0.077),
+    900–): the default reads 0.080 wrong "refuted" under 5% at +6 sd with no float-order noise,
     and as much wrong "holds" mirrored; the contamination-robust boundary keeps its own law within 5%
     (+0.5%)."""
     index = CONTAMINATED.index((percent, shift))
