@@ -119,3 +119,17 @@ def test_a_replayed_blow_up_names_its_seed() -> None:
     assert got.verdict is not None and got.verdict.outlier is not None and got.verdict.outlier.seeds == (13,)
     assert "| X | holds at 8 seeds (skew_robust) |" in table([got], ROBUST) and "| yes |" in table([got], ROBUST)
     assert "seed 13 (+9) lies" in got.verdict.text()
+
+
+@pytest.mark.parametrize(("name", "contamination"), [
+    ("redecided-appf-skew-robust-epyc-2threads.json", ("holds", 8)),
+    ("redecided-c7-skew-robust-epyc-2threads.json", ("holds", 14)),
+    ("redecided-appg-skew-robust-epyc-2threads.json", ("holds", 7)),
+    ("redecided-appd-skew-robust-epyc-2threads.json", ("inconclusive", 19)),
+    ("redecided-c4ppl-skew-robust-xeon-2threads.json", ("inconclusive", 5)),
+])
+def test_the_contamination_robust_boundary_on_the_recorded_runs(name: str, contamination: tuple[str, int]) -> None:
+    """The opt-in boundary's lower early critical values (c₃…c₈ below the default's) decide the recorded runs that
+    decided early one seed sooner (App. F 8 against 9, App. G 7 against 8, C4-ppl stops at 5 against 6), and C7 at
+    the same 14; its cost shows on the slower normal rows (docs/verdicts.md)."""
+    assert _one(name, Plan(3, 40, shape=Shape.CONTAMINATION_ROBUST)) == contamination
