@@ -26,6 +26,7 @@ class Shape(StrEnum):
 
     NORMAL = "normal"
     SKEW_ROBUST = "skew_robust"
+    CONTAMINATION_ROBUST = "contamination_robust"
 
 
 #: The sequential rule's default boundary: valid for skewed and heavy-tailed per-seed effects.

@@ -40,7 +40,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         f"{DEFAULT_FUTILITY:g}; 0 turns it off)")
     p.add_argument("--shape", choices=[s.value for s in Shape], default=DEFAULT_SHAPE.value,
                    help=f"the sequential boundary (default {DEFAULT_SHAPE.value}: valid for skewed and heavy-tailed "
-                        "per-seed effects; normal: the Pocock t boundary, fewer seeds, assumes normal effects)")
+                        "per-seed effects; normal: the Pocock t boundary, fewer seeds, assumes normal effects; "
+                        "contamination_robust: also a rare blow-up seed, more seeds)")
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="weight cache (default DIR/cache)")
     p.add_argument("--progress", action="store_true", help="per-stage progress of each cell")
     return p

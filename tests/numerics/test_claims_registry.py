@@ -342,3 +342,25 @@ def test_a_results_directory_is_a_store(tmp_path: Path) -> None:
         engine.evaluate(paper.C2, store, seeds)
     with pytest.raises(ValueError, match="scored by support"):
         engine.evaluate(paper.C4_PPL, store, seeds)
+
+
+def test_the_engine_records_the_outlier_flag_by_seed_number() -> None:
+    """A sequential claim whose fifth seed blew up (+9 ppl among gaps of about +1): the part's and the claim's verdict
+    carry the flag naming seed 13 (SEEDS[4]), the row's ``outlier`` says its 5% is not covered, and a claim with no
+    such seed records none (rope_quant.core.outlier)."""
+    store = MemoryStore(tokens=6144)
+    had = [14.0, 14.2, 13.9, 14.1, 14.0]
+    _fill(store, HAD, had, seed=31)
+    _fill(store, PW, [h + g for h, g in zip(had, [1.1, 0.9, 1.0, 1.2, 9.0], strict=True)], seed=32)
+    claim = _claim("T-blow", Part("gap", "pairwise_only", "hadamard", Form.GREATER))
+    result = engine.evaluate(claim, store, SEEDS, sequential.Plan(3, 40))
+    flag = result.verdict.outlier
+    assert flag is not None and flag.seeds == (13,) and flag.indices == (4,)
+    row = result.to_dict()
+    assert row["outlier"].startswith("outlier: seed 13 (") and row["outlier"].endswith("its 5% is not covered")
+    assert list(row["decision"]["outlier"]["seeds"]) == [13] and "seed 13" in row["verdict"]
+    clean = MemoryStore(tokens=6144)
+    _fill(clean, HAD, had, seed=31)
+    _fill(clean, PW, [h + g for h, g in zip(had, [1.1, 0.9, 1.0, 1.2, 0.95], strict=True)], seed=32)
+    quiet = engine.evaluate(claim, clean, SEEDS, sequential.Plan(3, 40))
+    assert quiet.verdict.outlier is None and quiet.to_dict()["outlier"] == ""
