@@ -68,8 +68,8 @@ def check_models(config: pytest.Config) -> None:
     """Each ``--rq-model`` names an embedded model or a checkpoint of a supported architecture, read from its config
     alone (``rope_quant.cli.validate.check_model``, the CLI's ``--model`` check): one usage error naming every bad
     one, before any test is collected or run."""
-    named = config.getoption("--rq-model") or ()
-    if not named:
+    named = config.getoption("--rq-model", None) or ()
+    if not named or hasattr(config, "workerinput"):  # an xdist worker: the controller checked them
         return
     from rope_quant.cli.args import CLIError
     from rope_quant.cli.validate import check_model
