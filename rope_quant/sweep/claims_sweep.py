@@ -112,6 +112,11 @@ def cells_at(comp: Any, claims: Iterable[Claim], meta: dict[str, dict[str, Any]]
     return list(found.values())
 
 
+def requested_claims(manifest: Manifest) -> set[str]:
+    """The ids of the claims a claims study was run for (its cells' ``meta[name]["claims"]``)."""
+    return {str(cid) for entry in manifest.meta.values() for cid in entry.get("claims", ())}
+
+
 def cells_per_claim(claims: Sequence[Claim], comp: Any) -> dict[str, list[str]]:
     """Claim id → the names of the cells it reads at one seed (replicates included), for the printed plan."""
     return {c.id: [name for name, _ in claim_cells(c, comp)] for c in claims}

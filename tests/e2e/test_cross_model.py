@@ -9,13 +9,13 @@ Settings (App. I):
 - **KV-only, W16A16KV4** (:data:`KV_ONLY`): 4-bit keys and nothing else quantised, no offline rotation. It
   isolates R3's effect on the keys and is valid on both architectures (Gemma 3's sandwich norms refuse R1).
 - **W4A16KV4** (:data:`W4A16KV4`, ``slow``): GPTQ weights, no R1, R2 random Hadamard, R4 online, 4-bit KV.
-  Measured 2026-11-24 (2 threads, 3 seeds, 12 x 512 pydoc tokens, ``-k w4a16 --rq-model M``): smollm2-135m
+  Measured 2026-11-24 (2 threads, 3 seeds, 12 x 512 pydoc tokens, ``-k w4a16 --rq-model=M``): smollm2-135m
   hadamard 15.407, 15.437, 15.433 vs pairwise_only 17.599, 17.600, 17.740 (smallest gap +14.0%), 7 min 46 s;
   gemma3-270m 55.269, 49.295, 50.596 vs 182.464, 177.727, 147.928 (+192%), 11 min 40 s: C1 and C8 hold on both.
 
 The module is in the ``slow`` subset (``tox -e slow``; ``pytest -m e2e --run-slow``): on 2 cores the KV-only
 claims take about 10 minutes per model at 1 thread and would not fit the default run's CI budget. Both
-embedded models run by default; ``pytest -m e2e --run-slow --rq-model gemma3-270m`` runs these claims on the
+embedded models run by default; ``pytest -m e2e --run-slow --rq-model=gemma3-270m`` runs these claims on the
 named models only (the W4A4KV4 pipeline claims of test_claims.py skip there).
 
 **Verdicts** (the one rule of :mod:`rope_quant.core.verdict`). C1, C4 and C8 are every-seed criteria (holds
