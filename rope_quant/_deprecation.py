@@ -45,6 +45,8 @@ MOVED_MODULES: dict[str, str] = {
     "whip": "rope_quant.rotations.whip",
     # moved after 2da0636, inside the package (a name that says what the module is)
     "sweep.models": "rope_quant.sweep.loaded_models",
+    # the key quantisers' first path, a module re-exporting the package that now holds them
+    "quant.key_quantizers": "rope_quant.quant.keys",
     # reporting left sweep/ (which runs studies) for analysis/ (which reads their records)
     "sweep.figures": "rope_quant.analysis.figures",
     "sweep.gap_share": "rope_quant.analysis.gap_share",

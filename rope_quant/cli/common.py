@@ -147,7 +147,7 @@ def check_key_quant(cfg: Any, model: str) -> None:
     """What the key quantiser's parameters need of the model's geometry, from its config alone (rope_pair_bits:
     integer widths over head_dim/2 pairs averaging the target); a :class:`PipelineError` names the field."""
     from rope_quant.experiment.config import PipelineError
-    from rope_quant.quant.key_quantizers import KeyQuantError
+    from rope_quant.quant.keys import KeyQuantError
 
     option = cfg.quant.key_option()
     check = getattr(option, "check_head_dim", None)

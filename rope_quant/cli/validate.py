@@ -158,7 +158,7 @@ def check_key_quant(args: argparse.Namespace) -> None:
             return
     from rope_quant.cli.common import flags_for_fields
     from rope_quant.experiment.specs import KEY_QUANT_PARAMS, KeyQuantSpec, PipelineError
-    from rope_quant.quant import key_quantizers as keyq
+    from rope_quant.quant import keys as keyq
     from rope_quant.quant.quantizers import QuantConfig
 
     if name is not None and name not in keyq.names():

@@ -32,6 +32,7 @@ MOVED_BY_2DA0636 = {
 # Modules moved inside the package after 2da0636 (CHANGELOG.md, 0.2.0), served by the same hook.
 MOVED_LATER = {
     "sweep.models": "sweep.loaded_models",
+    "quant.key_quantizers": "quant.keys",
     **{f"sweep.{m}": f"analysis.{m}" for m in ("figures", "gap_share", "kind_reports", "protocol_report", "report",
                                                 "reproduce", "titles")},
 }
