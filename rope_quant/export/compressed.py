@@ -169,6 +169,11 @@ def quantization_config(cfg: Any) -> tuple[dict[str, Any], list[str]]:
     return config.model_dump(exclude={"quant_method"}, mode="json"), notes
 
 
+#: compressed-tensors target patterns of the modules an online transform attaches to, for the Llama-style layouts
+#: that rope_quant.model.arch registers: R4's down-projection input, R3's attention.
+CT_TARGETS = {"down_proj": r"re:.*mlp\.down_proj$", "attention": r"re:.*self_attn$"}
+
+
 def transform_config(cfg: Any, dims: Any) -> dict[str, Any] | None:
     """The ``transform_config`` of the cell's online parts (None when everything folds)."""
     from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
@@ -176,10 +181,10 @@ def transform_config(cfg: Any, dims: Any) -> dict[str, Any] | None:
     groups: dict[str, Any] = {}
     if cfg.rotation.r4:
         kind = "hadamard" if _pow2(dims.intermediate) else "random-hadamard"
-        groups[R4_SCHEME] = TransformScheme(type=kind, apply=[TransformArgs(targets=[arch.CT_TARGETS["down_proj"]],
+        groups[R4_SCHEME] = TransformScheme(type=kind, apply=[TransformArgs(targets=[CT_TARGETS["down_proj"]],
                                                                             location="input")])
     if transforms.foldability(cfg.online.transform, dims.head_dim, cfg.online.block).online_is_hadamard:
-        targets = [arch.CT_TARGETS["attention"]]
+        targets = [CT_TARGETS["attention"]]
         groups[R3_SCHEME] = TransformScheme(type="hadamard", head_dim=dims.head_dim, apply=[
             TransformArgs(targets=targets, location="q_attn"), TransformArgs(targets=targets, location="k_cache")])
     if not groups:
