@@ -63,6 +63,7 @@ MOVED_MODULES: dict[str, str] = {
 SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     "calibration": ("rope_quant.calib.stats",),
     "gptq": ("rope_quant.quant.rtn",),
+    "whip": ("rope_quant.rotations.whip_model",),
 }
 
 # The public names of the old flat modules that are packages now, as 0.1.0 had them.

@@ -332,7 +332,7 @@ class RotationSpec:
                 "whip": _plain(self.whip), "deviations": self.deviations}
 
     def whip_options(self) -> dict[str, Any]:
-        """Keyword options of :func:`rope_quant.rotations.whip.calibrate_model_rotations`."""
+        """Keyword options of :func:`rope_quant.rotations.whip_model.calibrate_model_rotations`."""
         cfg = self.whip.whip_config()
         return {"r1": cfg, "r2": cfg, "tokens_per_sample": self.whip.tokens_per_sample}
 

@@ -164,7 +164,10 @@ SPLIT_OUT = {
     "calibration": {"calib.stats": ("CalibrationStats", "merge_all", "register_projection_hooks")},
     "gptq": {"quant.rtn": ("GPTQConfig", "GPTQError", "weight_scales", "quantize_with_scales", "rtn_quantize",
                            "quantize_model_rtn")},
+    "whip": {"rotations.whip_model": ("collect_r1_samples", "collect_r2_samples", "calibrate_model_rotations")},
 }
+# A 0.1.0 name of each split module that stayed in the module its old path's MOVED_MODULES entry names.
+STAYED = {"calibration": "PairMoments", "gptq": "quantize_model_gptq", "whip": "fit_rotation"}
 
 
 @pytest.mark.parametrize("old", sorted(SPLIT_OUT))
@@ -175,8 +178,7 @@ def test_a_split_old_module_serves_every_0_1_0_name_from_its_new_home(old):
     _forget(f"rope_quant.{old}")
     with pytest.warns(DeprecationWarning, match=r"module rope_quant\.\w+ is deprecated .*0\.3\.0.* and "):
         shimmed = importlib.import_module(f"rope_quant.{old}")
-    for home, names in {**SPLIT_OUT[old], MOVED_BY_2DA0636[old]: ("PairMoments" if old == "calibration"
-                                                                    else "quantize_model_gptq",)}.items():
+    for home, names in {**SPLIT_OUT[old], MOVED_BY_2DA0636[old]: (STAYED[old],)}.items():
         module = importlib.import_module(f"rope_quant.{home}")
         for name in names:
             with pytest.warns(DeprecationWarning, match=rf"rope_quant\.{old}\.{name} .*use {module.__name__}"):
