@@ -62,6 +62,7 @@ MOVED_MODULES: dict[str, str] = {
 # these (PEP 562 ``__getattr__``); it is not the same object as any of them, so patch the new path.
 SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     "calibration": ("rope_quant.calib.stats",),
+    "data": ("rope_quant.experiment.corpora", "rope_quant.experiment.documents"),
     "gptq": ("rope_quant.quant.rtn",),
     "whip": ("rope_quant.rotations.whip_model",),
 }
