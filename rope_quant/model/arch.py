@@ -10,6 +10,9 @@ Registered: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (pre-norm RMSNorm decod
 ``gemma3_text`` (sandwich norms, ``(1 + w)`` RMSNorm, one RoPE base per layer type). Gemma 3 is registered
 so that R1 is refused with a reason (:func:`rotation_refusal`): its post-attention / post-feedforward
 norms scale the o_proj / down_proj outputs per channel before they reach the residual stream.
+
+Over 500 lines because it is the only module that knows the families' attribute names: adding a family
+touches this one place.
 """
 
 from __future__ import annotations
