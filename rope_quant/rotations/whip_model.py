@@ -37,13 +37,18 @@ def _check_ids(ids: torch.Tensor) -> torch.Tensor:
     return ids.long()
 
 
-def _forward(model: nn.Module, ids: torch.Tensor) -> None:
-    """Run the decoder stack only (the hooks read inside the layers; no lm_head, no logits)."""
-    device = next(model.parameters()).device
-    base = getattr(model, "model", model)
-    with torch.no_grad():
-        for row in ids:
-            base(input_ids=row[None].to(device), use_cache=False)
+def _forward(model: nn.Module, ids: torch.Tensor, handles: list) -> None:
+    """Run the decoder stack only (the hooks read inside the layers; no lm_head, no logits), then remove the
+    hooks' ``handles``, also when the forward raises."""
+    try:
+        device = next(model.parameters()).device
+        base = getattr(model, "model", model)
+        with torch.no_grad():
+            for row in ids:
+                base(input_ids=row[None].to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def collect_r1_samples(
@@ -84,11 +89,7 @@ def collect_r1_samples(
         norms = arch.layer_norms(model, i)
         handles.append(norms.pre_attn.register_forward_pre_hook(hook))
         handles.append(norms.pre_mlp.register_forward_pre_hook(hook))
-    try:
-        _forward(model, ids)
-    finally:
-        for h in handles:
-            h.remove()
+    _forward(model, ids, handles)
     t = min(s.shape[0] for s in out)
     return torch.stack([s[:t] for s in out])
 
@@ -119,11 +120,7 @@ def collect_r2_samples(model: nn.Module, ids: torch.Tensor, source: str = "v_pro
                 store[li].append(args[0].detach()[0].to(torch.float32).cpu())
 
             handles.append(attn.o.register_forward_pre_hook(pre))
-    try:
-        _forward(model, ids)
-    finally:
-        for h in handles:
-            h.remove()
+    _forward(model, ids, handles)
     heads = dims.n_kv_heads if source == "v_proj" else dims.n_heads
     return [torch.stack(s).reshape(len(s), -1, heads, dims.head_dim) for s in store]
 
