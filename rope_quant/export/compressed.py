@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +170,16 @@ def quantization_config(cfg: Any) -> tuple[dict[str, Any], list[str]]:
     return config.model_dump(exclude={"quant_method"}, mode="json"), notes
 
 
-#: compressed-tensors target patterns of the modules an online transform attaches to, for the Llama-style layouts
-#: that rope_quant.model.arch registers: R4's down-projection input, R3's attention.
-CT_TARGETS = {"down_proj": r"re:.*mlp\.down_proj$", "attention": r"re:.*self_attn$"}
+def _ct_targets() -> dict[str, str]:
+    """compressed-tensors target patterns of the modules an online transform attaches to (R4's down-projection
+    input, R3's attention), from the adapter's names for the Llama-style layouts it registers."""
+    groups = arch.spec_for("llama").linear_groups()
+    down = groups[-1][0]  # <mlp>.<down>, the last linear of a layer
+    attention = groups[0][0].rsplit(".", 1)[0]  # the parent of the q/k/v linears
+    return {"down_proj": f"re:.*{re.escape(down)}$", "attention": f"re:.*{re.escape(attention)}$"}
+
+
+CT_TARGETS = _ct_targets()
 
 
 def transform_config(cfg: Any, dims: Any) -> dict[str, Any] | None:
