@@ -58,11 +58,6 @@ def premises_of(model: Any) -> dict[Premise, str | None]:
     return out
 
 
-def premises_of_checkpoint(name_or_path: str) -> dict[Premise, str | None]:
-    """:func:`premises_of` from a checkpoint's config alone (no weights loaded: the CLI's plan)."""
-    return facts_of_checkpoint(name_or_path).premises  # type: ignore[return-value]
-
-
 def facts_of(model: Any) -> ModelFacts:
     """:class:`ModelFacts` of ``model`` (a loaded model, or anything with its ``config``)."""
     from rope_quant.model import arch

@@ -156,6 +156,7 @@ def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], s
     from rope_quant.analysis.claims_report import left_out_lines
     from rope_quant.io import markdown_table
     from rope_quant.sweep.claims_sweep import cells_per_claim, comparator_at
+    from rope_quant.sweep.decide import REPLICATE_SUFFIX
 
     for line in left_out_lines(dropped):
         print(line, flush=True)
@@ -164,7 +165,7 @@ def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], s
     print(f"claims plan: {len(claims)} claims at seeds {','.join(map(str, seeds))} on {args.model} (every cell "
           f"the comparator {args.comparator}'s config with the claim's overrides)", flush=True)
     print(markdown_table(rows, ["claim", "cells per seed"]), flush=True)
-    reps = sum(name.endswith(".float-order") for name, _ in manifest.cells)
+    reps = sum(name.endswith(REPLICATE_SUFFIX) for name, _ in manifest.cells)
     print(f"cells: {len(manifest)} in all ({len(manifest) // len(seeds)} per seed), {reps} of them float-order "
           "replicates (GPTQ rebuilt in the other float mode)", flush=True)
     if reps == 0:

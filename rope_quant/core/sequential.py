@@ -38,6 +38,9 @@ rule keeps the same structure and spends the 5% over the planned looks (a group-
 :func:`simulate` is the rule vectorised over runs and looks (numpy), for the proof by simulation
 (``tests/theory/test_sequential.py``) and for :func:`expected_seeds`, the expected seeds to a decision. Standard
 library only at import time; numpy/scipy when a number is computed.
+
+Over 500 lines because the plan, the per-look reading, its stops, the replay and the until-decided loop share one
+reading of the rule; the boundary is boundary.py's.
 """
 
 from __future__ import annotations

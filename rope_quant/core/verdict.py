@@ -41,6 +41,9 @@ or a replicate that failed to build (the note gives the reason) are inconclusive
 :func:`combine_all`: fails or refuted if any part is, holds if every part holds, else inconclusive with the
 largest budget of its undecided parts. A test fails on fails and refuted, never on inconclusive. Standard
 library only at import time (the pytest plugin imports this module); numpy/scipy when a number is computed.
+
+Over 500 lines because the rule is one contract (docs/verdicts.md): its intervals, forms, replicated reading,
+budgets and the combination of parts are read together; its power maths are power.py's.
 """
 
 from __future__ import annotations
