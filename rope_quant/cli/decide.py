@@ -1,8 +1,11 @@
 """``rope-quant decide DIR``: add seeds to a results directory until each claim is decided (the sequential rule).
 
-The loop is :func:`rope_quant.sweep.decide.decide_directory` (a compare directory's paired configs), or on a
-``rope-quant claims`` directory :func:`rope_quant.sweep.claims_decide.decide_claims` (the registry's claims); this
-module parses and checks the flags (bad input exits 2 before anything is built) and prints the claims table.
+One loop decides both kinds of directory (:func:`rope_quant.sweep.claims_decide.until_decided_in`: the engine
+and ``core.sequential.until_decided``); what differs is which claims: a compare directory's configs against their
+controls (:func:`rope_quant.sweep.decide.config_claims`, through :func:`~rope_quant.sweep.decide.decide_directory`),
+or on a ``rope-quant claims`` directory the registry's (:func:`rope_quant.sweep.claims_decide.decide_claims`), and
+the shape of ``DIR/decisions.json``. This module parses and checks the flags (bad input exits 2 before anything is
+built) and prints the claims table.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
     result = decide.decide_directory(out, manifest, max_seeds=args.max_seeds, time_budget=args.time_budget,
                                      futility=args.futility, shape=args.shape, cell_fn=cell_fn,
                                      cache_dir=args.cache_dir)
-    print(decide.table(result, decide.claims_of(manifest)))
+    print(decide.table(result, decide.config_claims(manifest)))
     print(f"decide: {result.stopped}; decisions in {out / decide.DECISIONS_FILE}")
     return 0
 
