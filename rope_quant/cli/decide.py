@@ -86,7 +86,7 @@ def _decide_claims(args: argparse.Namespace, cells: Cells, out: Path, manifest: 
     from rope_quant.core.sequential import RULE_SEQUENTIAL
     from rope_quant.sweep import claims_decide as cd
     from rope_quant.sweep.claim_store import DirectoryStore
-    from rope_quant.sweep.decide import DECISIONS_FILE
+    from rope_quant.sweep.decide_plan import DECISIONS_FILE
 
     store = DirectoryStore(out, manifest)
     cd.check_claims_inputs(store, args.max_seeds, args.time_budget)

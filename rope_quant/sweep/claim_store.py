@@ -5,7 +5,7 @@ A claim's cell (flat config overrides, ``rope_quant/claims/registry.py``) at a s
 cells by its key (a ``compare`` directory's configs are its base config with each config's overrides, so the
 claim's ``{"r3": "pairwise_only", "estimator": "k_only"}`` is the directory's k_only cell whatever it is named).
 Its float-order replicate is the same config with GPTQ in the other float mode
-(:func:`rope_quant.sweep.decide.replicate_config`: the cells ``rope-quant decide`` adds). A value is read only
+(:func:`rope_quant.sweep.decide_plan.replicate_config`: the cells ``rope-quant decide`` adds). A value is read only
 from a complete record (:func:`rope_quant.sweep.records.is_complete`). The directory's plain run cells are scored
 at its own evaluation windows: a claim cell scored otherwise (C4's support windows, C7's long-context protocol)
 is refused by name. At a seed where the directory has no comparator cell (``rope-quant decide`` adds a seed's
@@ -22,8 +22,8 @@ from typing import Any
 
 from rope_quant.claims.registry import Metric, Override, Scoring, describe, overrides_of, scoring_of
 from rope_quant.claims.stores import MissingCellError, ReplicateValues
-from rope_quant.sweep.cellkind import SweepError, config_seed, with_overrides
-from rope_quant.sweep.decide import replicate_config
+from rope_quant.sweep.cellkind import SweepError, config_seed, run_of, with_overrides
+from rope_quant.sweep.decide_plan import replicate_config
 from rope_quant.sweep.manifest import Manifest, cell_relpath, load_manifest
 from rope_quant.sweep.records import is_complete, read_record
 
@@ -118,7 +118,6 @@ def _weights_quantised(cfg: Any) -> bool:
     """Whether ``cfg`` quantises its weights. Unquantised weights (4-bit keys alone) have no step that depends on
     the float order: the cell is its own float-order replicate (a shift of 0), as on the pytest front."""
     from rope_quant.quant.quantizers import OFF_BITS
-    from rope_quant.sweep.decide import run_of
 
     run = run_of(cfg)
     return run.w_bits < OFF_BITS and str(run.weights) != "none"

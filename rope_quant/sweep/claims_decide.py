@@ -7,7 +7,7 @@ seed's cells of that claim only (the comparator, the claim's cells and their flo
 :mod:`rope_quant.sweep.claims_sweep`) are added to the manifest and run through the sweep runner (resumable: no
 complete cell is recomputed), and the claim is read again by :func:`rope_quant.claims.engine.evaluate` with the
 plan. The plan (first look, M, boundary shape) and the seeds of the first look are kept in ``DIR/decide.json``
-(:func:`rope_quant.sweep.decide.plan_state`), so a killed run resumes with the same plan.
+(:func:`rope_quant.sweep.decide_plan.plan_state`), so a killed run resumes with the same plan.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rope_quant.io import atomic_write_json
 from rope_quant.sweep.cellkind import config_seed, with_overrides
 from rope_quant.sweep.claim_store import DirectoryStore
 from rope_quant.sweep.claims_sweep import cells_at
-from rope_quant.sweep.decide import STATE_FILE, DecideError, plan_state, replicate_config
+from rope_quant.sweep.decide_plan import STATE_FILE, DecideError, plan_state, replicate_config
 from rope_quant.sweep.manifest import Manifest, cell_relpath
 
 FAILED_CELL = "a cell failed"

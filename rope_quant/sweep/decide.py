@@ -21,7 +21,6 @@ with the same plan; ``DIR/decisions.json`` holds the verdicts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,33 +31,23 @@ from rope_quant.claims.registry import Claim, Override, Part
 from rope_quant.core import sequential
 from rope_quant.core.verdict import Form, Verdict
 from rope_quant.io import atomic_write_json
-from rope_quant.sweep.cellkind import CellKindName, SweepError, config_seed, kind_of, run_of, with_overrides
+from rope_quant.sweep.cellkind import CellKindName, config_seed, kind_of, run_of, with_overrides
+from rope_quant.sweep.claims_decide import FAILED_CELL, until_decided_in
+from rope_quant.sweep.decide_plan import (
+    DECISIONS_FILE,
+    REPLICATE_SUFFIX,
+    STATE_FILE,
+    DecideError,
+    plan_state,
+    replicate_config,
+)
 from rope_quant.sweep.manifest import Manifest
 
 if TYPE_CHECKING:
     from rope_quant.claims.engine import ClaimResult
 
-STATE_FILE = "decide.json"
-DECISIONS_FILE = "decisions.json"
-REPLICATE_SUFFIX = ".float-order"
-"""The name of a config's float-order replicate cells (GPTQ in the other float mode)."""
-
-
-class DecideError(SweepError):
-    """Input the decide loop refuses before it builds anything (the CLI's exit 2)."""
-
-
-def replicate_config(cfg: Any) -> Any | None:
-    """The cell with GPTQ in the other float mode (float64 ↔ float32), or None where no float-order replicate
-    exists (weights not GPTQ-quantised)."""
-    from rope_quant.quant.quantizers import OFF_BITS
-
-    run = run_of(cfg)
-    if run.w_bits >= OFF_BITS or str(run.weights) != "gptq":
-        return None
-    gptq = run.quant.w.gptq
-    return with_overrides(cfg, gptq=dataclasses.replace(gptq, float64=not gptq.float64))
-
+__all__ = ["DECISIONS_FILE", "REPLICATE_SUFFIX", "STATE_FILE", "DecideError", "config_claims", "decide_directory",
+           "plan_state", "replicate_config", "table"]
 
 DIRECTORY = "directory"
 """The registry group of a directory's config claims (:func:`config_claims`; never registered)."""
@@ -125,24 +114,6 @@ class Outcomes:
     built: bool
 
 
-def plan_state(out: Path, first: int, max_seeds: int, shape: str) -> dict[str, Any]:
-    """The plan kept in ``DIR/decide.json`` (a new one at ``first`` seeds); a changed M or shape is refused."""
-    path = out / STATE_FILE
-    if path.is_file():
-        state = json.loads(path.read_text())
-        if int(state["max_seeds"]) != max_seeds:
-            raise DecideError(f"{path}: this directory's plan was fixed at --max-seeds {state['max_seeds']} (looks "
-                              f"{state['first']}…{state['max_seeds']}); rerun with --max-seeds {state['max_seeds']}, "
-                              "or decide in a fresh directory (changing M after looking breaks the error bound)")
-        fixed = state.get("shape", "normal")  # a plan written before the boundary had a shape used the t boundary
-        if fixed != shape:
-            raise DecideError(f"{path}: this directory's plan was fixed with --shape {fixed}; rerun with --shape "
-                              f"{fixed}, or decide in a fresh directory (changing the boundary after looking "
-                              "breaks the error bound)")
-        return state
-    return {"first": first, "max_seeds": max_seeds, "shape": shape}
-
-
 def check_inputs(manifest: Manifest, max_seeds: int, time_budget: float | None,
                  replicate: Callable[[Any], Any | None]) -> list[Claim]:
     """The bad inputs, refused before anything is built: M below the seeds given, a time budget ≤ 0, no claim,
@@ -180,8 +151,6 @@ def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_see
                      log: Callable[[str], None] | None = print, run_cells_kw: Mapping[str, Any] | None = None
                      ) -> Outcomes:
     """The loop of the module docstring over ``manifest`` (the directory's, as loaded), in ``out``."""
-    from rope_quant.sweep.claims_decide import FAILED_CELL, until_decided_in
-
     out = Path(out)
     claims = check_inputs(manifest, max_seeds, time_budget, replicate)
     template = {name: cfg for name, cfg in manifest.cells}
