@@ -122,15 +122,21 @@ def decide_claims(out: str | os.PathLike[str], manifest: Manifest, claims: Seque
     returns the plan and each claim's reading, in order."""
     store = DirectoryStore(out, manifest)
     check_claims_inputs(store, max_seeds, time_budget)
+    got = until_decided_in(out, manifest, claims, study_cells(store), max_seeds=max_seeds, time_budget=time_budget,
+                           futility=futility, shape=shape, cell_fn=cell_fn, cache_dir=cache_dir, log=log,
+                           run_cells_kw=run_cells_kw)
+    return got.plan, got.decided
+
+
+def study_cells(store: DirectoryStore) -> CellsFor:
+    """The cells one seed adds for a claim of a claims directory: the comparator at that seed, the claim's cells
+    and their float-order replicates (:func:`rope_quant.sweep.claims_sweep.cells_at`)."""
     template = store.comparator()
 
     def cells_for(claim: Claim, seed: int, meta: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]:
         return cells_at(with_overrides(template, seed=int(seed)), [claim], meta)
 
-    got = until_decided_in(out, manifest, claims, cells_for, max_seeds=max_seeds, time_budget=time_budget,
-                           futility=futility, shape=shape, cell_fn=cell_fn, cache_dir=cache_dir, log=log,
-                           run_cells_kw=run_cells_kw)
-    return got.plan, got.decided
+    return cells_for
 
 
 def until_decided_in(out: str | os.PathLike[str], manifest: Manifest, claims: Sequence[Claim], cells_for: CellsFor,

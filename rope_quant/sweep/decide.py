@@ -32,7 +32,7 @@ from rope_quant.core import sequential
 from rope_quant.core.verdict import Form, Verdict
 from rope_quant.io import atomic_write_json
 from rope_quant.sweep.cellkind import CellKindName, config_seed, kind_of, run_of, with_overrides
-from rope_quant.sweep.claims_decide import FAILED_CELL, until_decided_in
+from rope_quant.sweep.claims_decide import FAILED_CELL, CellsFor, Decisions, until_decided_in
 from rope_quant.sweep.decide_plan import (
     DECISIONS_FILE,
     REPLICATE_SUFFIX,
@@ -46,8 +46,8 @@ from rope_quant.sweep.manifest import Manifest
 if TYPE_CHECKING:
     from rope_quant.claims.engine import ClaimResult
 
-__all__ = ["DECISIONS_FILE", "REPLICATE_SUFFIX", "STATE_FILE", "DecideError", "config_claims", "decide_directory",
-           "plan_state", "replicate_config", "table"]
+__all__ = ["DECISIONS_FILE", "REPLICATE_SUFFIX", "STATE_FILE", "DecideError", "compare_cells", "config_claims",
+           "decide_directory", "plan_state", "replicate_config", "table", "with_family", "write_decisions"]
 
 DIRECTORY = "directory"
 """The registry group of a directory's config claims (:func:`config_claims`; never registered)."""
@@ -115,7 +115,7 @@ class Outcomes:
 
 
 def check_inputs(manifest: Manifest, max_seeds: int, time_budget: float | None,
-                 replicate: Callable[[Any], Any | None]) -> list[Claim]:
+                 replicate: Callable[[Any], Any | None] = replicate_config) -> list[Claim]:
     """The bad inputs, refused before anything is built: M below the seeds given, a time budget ≤ 0, no claim,
     a claim whose cells have no float-order replicate (the rule cannot decide)."""
     given = len(manifest.seeds())
@@ -150,14 +150,25 @@ def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_see
                      replicate: Callable[[Any], Any | None] = replicate_config, cache_dir: Any = None,
                      log: Callable[[str], None] | None = print, run_cells_kw: Mapping[str, Any] | None = None
                      ) -> Outcomes:
-    """The loop of the module docstring over ``manifest`` (the directory's, as loaded), in ``out``."""
-    out = Path(out)
+    """The loop of the module docstring over ``manifest`` (the directory's, as loaded), in ``out``:
+    :func:`check_inputs`, the one loop over :func:`config_claims` with :func:`compare_cells`, then
+    :func:`write_decisions`."""
     claims = check_inputs(manifest, max_seeds, time_budget, replicate)
+    got = until_decided_in(out, with_family(manifest, claims), claims, compare_cells(manifest, claims, replicate),
+                           max_seeds=max_seeds, time_budget=time_budget, futility=futility, shape=shape,
+                           cell_fn=cell_fn, cache_dir=cache_dir, log=log, run_cells_kw=run_cells_kw,
+                           replicate=replicate)
+    return write_decisions(out, claims, got)
+
+
+def compare_cells(manifest: Manifest, claims: Sequence[Claim],
+                  replicate: Callable[[Any], Any | None] = replicate_config) -> CellsFor:
+    """The cells one seed adds for a config claim: its config and its control at that seed, each followed by its
+    float-order replicate (``NAME`` + :data:`REPLICATE_SUFFIX`, its ``meta`` naming what it replicates)."""
     template = {name: cfg for name, cfg in manifest.cells}
     control = {c.id: claim_control(c) for c in claims}
 
     def cells_for(claim: Claim, seed: int, meta: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]:
-        """The claim's config and control at ``seed``, each followed by its float-order replicate."""
         found = []
         for name in claim.cell_names():
             cfg = with_overrides(template[name], seed=seed)
@@ -166,11 +177,19 @@ def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_see
             meta.setdefault(name + REPLICATE_SUFFIX, {"replicate_of": name, "control": own + REPLICATE_SUFFIX})
         return found
 
+    return cells_for
+
+
+def with_family(manifest: Manifest, claims: Sequence[Claim]) -> Manifest:
+    """``manifest`` whose Holm family is its configs with a claim when it names none (so the replicates the loop
+    adds stay out of the report's family)."""
     family = manifest.family if manifest.family is not None else tuple(c.id for c in claims)
-    got = until_decided_in(out, dataclasses.replace(manifest, family=tuple(family)), claims, cells_for,
-                           max_seeds=max_seeds, time_budget=time_budget, futility=futility, shape=shape,
-                           cell_fn=cell_fn, cache_dir=cache_dir, log=log, run_cells_kw=run_cells_kw,
-                           replicate=replicate)
+    return dataclasses.replace(manifest, family=tuple(family))
+
+
+def write_decisions(out: str | os.PathLike[str], claims: Sequence[Claim], got: Decisions) -> Outcomes:
+    """``DIR/decisions.json`` of a compare directory (the plan, why the loop stopped, each config claim's
+    verdict and seeds) and the :class:`Outcomes`."""
     stops = [d.stopped for d in got.decided]
     failed = [d.result.id for d in got.decided if d.stopped.startswith(FAILED_CELL)]
     if not got.built:
@@ -183,12 +202,12 @@ def decide_directory(out: str | os.PathLike[str], manifest: Manifest, *, max_see
     verdicts = {d.result.id: decision(d.result) for d in got.decided}
     seeds = {d.result.id: len(d.seeds) for d in got.decided}
     plan = got.plan
-    atomic_write_json(out / DECISIONS_FILE, {
+    atomic_write_json(Path(out) / DECISIONS_FILE, {
         "plan": {"first": plan.first, "max_seeds": plan.max_seeds, "alpha": plan.alpha,
                  "alpha_per_look": plan.alpha_look, "futility": plan.futility, "shape": plan.shape.value,
                  "rule": sequential.RULE_SEQUENTIAL},
         "stopped": stopped,
-        "claims": [{"claim": c.title, "config": c.id, "control": control[c.id], "seeds": seeds[c.id],
+        "claims": [{"claim": c.title, "config": c.id, "control": claim_control(c), "seeds": seeds[c.id],
                     "decision": verdicts[c.id].to_dict()} for c in claims]})
     return Outcomes(verdicts, seeds, stopped, got.built)
 
