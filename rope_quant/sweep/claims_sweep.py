@@ -2,8 +2,8 @@
 
 A claim's cell (``rope_quant/claims/registry.py``: flat config overrides) at a seed is the comparator's config at
 that seed with the cell's overrides, as :class:`~rope_quant.sweep.claim_store.DirectoryStore` reads it; a cell
-whose weights are GPTQ gets its float-order replicate, ``NAME`` + :data:`~rope_quant.sweep.decide.REPLICATE_SUFFIX`
-(:func:`~rope_quant.sweep.decide.replicate_config`, the cells ``rope-quant decide`` adds). A cell is named by what
+whose weights are GPTQ gets its float-order replicate, ``NAME`` + :data:`~rope_quant.sweep.decide_plan.REPLICATE_SUFFIX`
+(:func:`~rope_quant.sweep.decide_plan.replicate_config`, the cells ``rope-quant decide`` adds). A cell is named by what
 sets it apart from the comparator (``pairwise_only+estimator=k_only``), so one config has one name whichever
 claims ask for it, and a later run with other claims or seeds is the same study. Claims whose cells are scored
 otherwise than at the budget's evaluation windows (C4's support windows, C7's long-context protocol) are left
@@ -19,7 +19,7 @@ from typing import Any
 from rope_quant.claims.registry import Claim, Override, Scoring, overrides_of, scoring_of
 from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.sweep.cellkind import SweepError, run_of, with_overrides
-from rope_quant.sweep.decide import REPLICATE_SUFFIX, replicate_config
+from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX, replicate_config
 from rope_quant.sweep.manifest import Manifest
 
 STUDY = "claims"

@@ -92,17 +92,16 @@ class Experiment:
     def paired_claim(self, form: Any, treatment: Sequence[float], control: Sequence[float], *,
                      replicates: Mapping[int, tuple[float, float]] | str | None, margin: float = 0.0,
                      tokens: int | None = None, parts: int = 1) -> Any:
-        """The fixed-n rule's :func:`~rope_quant.core.verdict.paired_claim`, or with ``--rq-until-decided`` the
-        sequential rule's (:func:`rope_quant.core.sequential.paired_claim`); ``parts``: the sampled parts of the
-        claim this one belongs to (the sequential rule spends its refuted side at α / parts)."""
-        if self.plan is None:
-            from rope_quant.core.verdict import paired_claim
+        """The paired comparison decided by the one engine (:func:`rope_quant.claims.values.decide`: a claim of
+        one paired part over these values): the fixed-n rule, or with ``--rq-until-decided`` the sequential rule at
+        this look; ``parts``: the sampled parts of the claim this one belongs to (the sequential rule spends its
+        refuted side at α / parts). Returns the part's verdict."""
+        from rope_quant.claims import values
 
-            return paired_claim(form, treatment, control, replicates=replicates, margin=margin, tokens=tokens)
-        from rope_quant.core import sequential
-
-        return sequential.paired_claim(form, treatment, control, self.plan.with_parts(parts), replicates=replicates,
-                                       margin=margin, tokens=tokens)
+        plan = None if self.plan is None else self.plan.with_parts(parts)
+        result = values.decide(values.paired(form, margin=margin), treatment, control, replicates=replicates,
+                               tokens=tokens, plan=plan)
+        return result.parts[0].verdict
 
     def decided(self, evaluate: Callable[[Experiment], Any], name: str,
                 verdict_of: Callable[[Any], Any] = lambda r: r[0]) -> tuple[Any, Experiment]:

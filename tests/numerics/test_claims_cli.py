@@ -22,7 +22,7 @@ from rope_quant.claims.premises import adapt, facts_of_checkpoint
 from rope_quant.core import sequential
 from rope_quant.core.verdict import Outcome
 from rope_quant.sweep.claim_store import DirectoryStore
-from rope_quant.sweep.decide import REPLICATE_SUFFIX
+from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX
 from rope_quant.sweep.manifest import read_manifest
 from rope_quant.sweep.records import complete_records
 

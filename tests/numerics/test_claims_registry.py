@@ -311,7 +311,7 @@ def test_a_results_directory_is_a_store(tmp_path: Path) -> None:
     with its seed; a cell scored on support windows is refused."""
     from rope_quant.experiment.config import RunConfig
     from rope_quant.sweep.claim_store import DirectoryStore
-    from rope_quant.sweep.decide import REPLICATE_SUFFIX, replicate_config
+    from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX, replicate_config
     from rope_quant.sweep.manifest import Manifest, build_manifest
     from rope_quant.sweep.runner import run_cells
 
