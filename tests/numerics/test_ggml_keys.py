@@ -50,7 +50,7 @@ def _inputs(fmt: str) -> dict[str, np.ndarray]:
     mixed[:, 32:64] = 0.75  # a constant block
     wide = (normal * 10.0 ** rng.uniform(-3, 3, (8, 1))).astype(np.float32)
     f16_sub = (normal * 1e-6).astype(np.float32)  # scales in float16's subnormal range
-    f16_zero = (normal * 1e-9).astype(np.float32)  # scales that round to float16 zero
+    f16_zero = (normal * 1e-9).astype(np.float32)  # scales below float16's smallest subnormal: stored as zero
     f16_top = (normal / np.abs(normal).max() * 5.2e5).astype(np.float32)  # q4_0 scale near 65504
     f16_over = (normal * 1e6).astype(np.float32)  # scales beyond float16: inf / NaN, as ggml gives
     halfway = np.full((8, 128), 1.0, np.float32)
@@ -163,7 +163,7 @@ def test_bits_per_element_are_the_ggml_block_sizes(name, bits, expected):
 
 
 def test_bad_ggml_settings_are_refused_when_the_config_is_built():
-    with pytest.raises(PipelineError, match=r"ggml_q8_0 stores 8-bit codes: it needs k_bits 8"):
+    with pytest.raises(PipelineError, match=r"ggml_q8_0 stores 8-bit codes: it needs k_bits 8, got 4"):
         RunConfig.from_flat(k_quant="ggml_q8_0")  # k_bits defaults to 4
     with pytest.raises(PipelineError, match=r"ggml_q4_0 stores 4-bit codes"):
         RunConfig.from_flat(k_quant="ggml_q4_0", k_bits=3)
@@ -297,3 +297,23 @@ def test_install_refuses_the_rotation_where_the_runtime_skips_it():
     model = tiny_llama(layers=1)  # head_dim 16
     with pytest.raises(attention.AttentionWrapError, match=r"head_dim is 16"):
         attention.install_attention(model, None, runtime_rotation=True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--runtime-rotation"], "head_dim is 16, so the runtime never rotates it"),
+    (["--k-quant", "ggml_q4_0"], "multiple of 32, got 16"),
+    (["--k-quant", "ggml_q8_0"], "ggml_q8_0 stores 8-bit codes: it needs --k-bits 8, got 4"),
+])
+def test_the_cli_refuses_before_any_model_loads(tmp_path, capsys, monkeypatch, flags, message):
+    """A config.json alone (head_dim 16): the refusal comes from the config, and no model is loaded."""
+    from transformers import LlamaConfig
+
+    from rope_quant import cli
+    from rope_quant.model import loading
+
+    model = tmp_path / "tiny-llama"
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=4096).save_pretrained(model)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main(["run", "--model", str(model), "--r1", "identity", "--out", str(tmp_path / "o"), *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -385,8 +385,7 @@ class GgmlOption(KeyQuantOption):
         super().__post_init__()
         width = ggml.code_bits(self.fmt)
         if self.bits != width:
-            raise KeyQuantError(f"{self.name} stores {width}-bit codes: it needs k_bits {width} (--k-bits {width}), "
-                                f"got {self.bits}")
+            raise KeyQuantError(f"{self.name} stores {width}-bit codes: it needs k_bits {width}, got {self.bits}")
 
     def check_head_dim(self, head_dim: int) -> None:
         """KeyQuantError when ``head_dim`` is not a multiple of the block of 32."""
