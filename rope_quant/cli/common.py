@@ -147,22 +147,11 @@ def check_key_quant(cfg: Any, model: str) -> None:
     """What the key quantiser's parameters need of the model's geometry, from its config alone (rope_pair_bits:
     integer widths over head_dim/2 pairs averaging the target; the ggml formats: blocks of 32), and the runtime
     rotation (head_dim a multiple of 64); a :class:`PipelineError` names the field."""
-    from rope_quant.experiment.config import PipelineError
-    from rope_quant.quant.key_quantizers import KeyQuantError
-    from rope_quant.rotations.runtime_rotation import RuntimeRotationError, runtime_block
-
-    option = cfg.quant.key_option()
-    check = getattr(option, "check_head_dim", None)
-    if check is None and not cfg.online.runtime_rotation:
+    if getattr(cfg.quant.key_option(), "check_head_dim", None) is None and not cfg.online.runtime_rotation:
         return
-    dim = head_dim(model)
-    try:
-        if check is not None:
-            check(dim)
-        if cfg.online.runtime_rotation:
-            runtime_block(dim)
-    except (KeyQuantError, RuntimeRotationError) as exc:
-        raise PipelineError(str(exc)) from None
+    from rope_quant.experiment.key_quant import check_key_geometry
+
+    check_key_geometry(cfg, head_dim(model))
 
 
 def base_config(args: argparse.Namespace, **overrides: Any) -> Any:

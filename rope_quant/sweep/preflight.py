@@ -70,17 +70,12 @@ def r3_problem(name: str, cfg: Any, head_dim: int) -> str | None:
 
 def key_problem(name: str, cfg: Any, head_dim: int) -> str | None:
     """Why the key quantiser or the runtime rotation of cell ``name`` cannot run at ``head_dim`` (None: they can)."""
-    from rope_quant.quant.key_quantizers import KeyQuantError
-    from rope_quant.rotations.runtime_rotation import RuntimeRotationError, runtime_block
+    from rope_quant.experiment.config import PipelineError
+    from rope_quant.experiment.key_quant import check_key_geometry
 
-    run = run_of(cfg)
-    check = getattr(run.quant.key_option(), "check_head_dim", None)
     try:
-        if check is not None:
-            check(head_dim)
-        if run.online.runtime_rotation:
-            runtime_block(head_dim)
-    except (KeyQuantError, RuntimeRotationError) as exc:
+        check_key_geometry(run_of(cfg), head_dim)
+    except PipelineError as exc:
         return f"config {name}: {exc}"
     return None
 
