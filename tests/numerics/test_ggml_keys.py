@@ -317,3 +317,13 @@ def test_the_cli_refuses_before_any_model_loads(tmp_path, capsys, monkeypatch, f
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     assert cli.main(["run", "--model", str(model), "--r1", "identity", "--out", str(tmp_path / "o"), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_compressed_tensors_export_refuses_the_ggml_formats_and_the_runtime_rotation():
+    from rope_quant.export.compressed import check_compressed
+    from rope_quant.export.fold import ExportError
+
+    with pytest.raises(ExportError, match=r"k_quant=ggml_q4_0: a llama.cpp cache type"):
+        check_compressed(RunConfig.from_flat(k_quant="ggml_q4_0"), 64)
+    with pytest.raises(ExportError, match=r"cannot carry runtime_rotation"):
+        check_compressed(RunConfig.from_flat(runtime_rotation=True), 64)
