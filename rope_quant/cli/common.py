@@ -19,7 +19,7 @@ DEFAULT_SEEDS = (0, 1, 2)
 #: Flat config fields that have a flag of the same name: errors from below name the flag instead.
 FLAGGED_FIELDS = ("whip_epochs", "calib_windows", "eval_windows", "average_length", "seqlen", "w_bits", "a_bits",
                   "k_bits", "v_bits", "r3_block", "k_quant", "k_token_group", "k_residual", "k_sinks", "k_min_bits",
-                  "k_max_bits", "k_avg_bits")
+                  "k_max_bits", "k_avg_bits", "runtime_rotation")
 
 
 def flags_for_fields(message: str, fields: tuple[str, ...] = FLAGGED_FIELDS) -> str:
@@ -145,18 +145,13 @@ def head_dim(model: str) -> int:
 
 def check_key_quant(cfg: Any, model: str) -> None:
     """What the key quantiser's parameters need of the model's geometry, from its config alone (rope_pair_bits:
-    integer widths over head_dim/2 pairs averaging the target); a :class:`PipelineError` names the field."""
-    from rope_quant.experiment.config import PipelineError
-    from rope_quant.quant.keys import KeyQuantError
-
-    option = cfg.quant.key_option()
-    check = getattr(option, "check_head_dim", None)
-    if check is None:
+    integer widths over head_dim/2 pairs averaging the target; the ggml formats: blocks of 32), and the runtime
+    rotation (head_dim a multiple of 64); a :class:`PipelineError` names the field."""
+    if getattr(cfg.quant.key_option(), "check_head_dim", None) is None and not cfg.online.runtime_rotation:
         return
-    try:
-        check(head_dim(model))
-    except KeyQuantError as exc:
-        raise PipelineError(str(exc)) from None
+    from rope_quant.experiment.key_quant import check_key_geometry
+
+    check_key_geometry(cfg, head_dim(model))
 
 
 def base_config(args: argparse.Namespace, **overrides: Any) -> Any:

@@ -69,6 +69,8 @@ def describe(cfg: Any) -> str:
     if not kq.is_default:  # another key quantiser than the paper's per-token rule, with its parameters
         given = ", ".join(f"{k}={v}" for k, v in kq.params().items() if v is not None)
         line += f"\nkey quantiser: {kq.kind}" + (f" ({given})" if given else "")
+    if run.online.runtime_rotation:
+        line += "\nruntime rotation: llama.cpp's online Hadamard on Q and K after RoPE and R3"
     if rot.deviations:
         line += "\ndeviations from the paper's rotations: " + "; ".join(rot.deviations)
     return line

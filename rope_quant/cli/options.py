@@ -89,7 +89,8 @@ def add_common(parser: argparse.ArgumentParser, *, seeds: bool = True) -> None:
 
 
 #: The key-quantiser flags: each sets the flat config field of its name (``--k-token-group`` -> ``k_token_group``).
-KEY_QUANT_FLAGS = ("k_quant", "k_token_group", "k_residual", "k_sinks", "k_min_bits", "k_max_bits", "k_avg_bits")
+KEY_QUANT_FLAGS = ("k_quant", "k_token_group", "k_residual", "k_sinks", "k_min_bits", "k_max_bits", "k_avg_bits",
+                   "runtime_rotation")
 
 
 def add_key_quant(g: argparse._ArgumentGroup) -> None:
@@ -111,6 +112,10 @@ def add_key_quant(g: argparse._ArgumentGroup) -> None:
                    help="rope_pair_bits: the largest width of a pair (default 8)")
     g.add_argument("--k-avg-bits", type=float, default=None, metavar="B",
                    help="rope_pair_bits: the mean width (default --k-bits; head_dim/2 times it must be an integer)")
+    g.add_argument("--runtime-rotation", action=argparse.BooleanOptionalAction, default=None,
+                   help="llama.cpp's online Hadamard on Q and K after RoPE and R3, as the runtime applies it to a "
+                        "quantised K cache (blocks of the largest power of two dividing head_dim; head_dim a "
+                        "multiple of 64); default off (docs/key_quantizers.md)")
 
 
 def add_sweep_options(parser: argparse.ArgumentParser) -> None:

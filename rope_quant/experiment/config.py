@@ -247,6 +247,19 @@ class RunConfig:
                                     f"got {type(getattr(self, f.name)).__name__}")
         if self.online.objective == Objective.RANGE and self.quant.k.group_size != -1:
             raise PipelineError("objective 'range' scores whole-head K groups: it needs k_group=-1")
+        if self.online.runtime_rotation:
+            self._check_runtime_rotation()
+
+    def _check_runtime_rotation(self) -> None:
+        """llama.cpp rotates only a quantised K cache, and after RoPE (no pre-RoPE key quantiser)."""
+        q = self.quant
+        if not (q.k.enabled or q.static_kv):
+            raise PipelineError("runtime_rotation: llama.cpp rotates Q and K only when the K cache is quantised; this "
+                                f"cell's keys are not (k_bits {q.k.bits})")
+        option = q.key_option()
+        if option.pre_rope:
+            raise PipelineError(f"runtime_rotation acts on the post-RoPE key the runtime stores; k_quant="
+                                f"{option.name} quantises the key before RoPE: the two do not combine")
 
     # -- flat names
 

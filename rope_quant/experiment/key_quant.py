@@ -24,10 +24,25 @@ from rope_quant.quant import keys as keyq
 from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
 
-__all__ = ["key_bits_per_element", "key_pair_energies", "key_quantizers"]
+__all__ = ["check_key_geometry", "key_bits_per_element", "key_pair_energies", "key_quantizers"]
 
 #: The RoPE layout of the keys the attention function sees (transformers' rotate_half; as the calibration).
 LAYOUT = "rotate_half"
+
+
+def check_key_geometry(cfg: RunConfig, head_dim: int) -> None:
+    """What the cell's key quantiser (rope_pair_bits' widths, the ggml formats' blocks of 32) and its runtime rotation
+    (head_dim a multiple of 64) need of ``head_dim``, known from the model's config alone: :class:`PipelineError`."""
+    from rope_quant.rotations.runtime_rotation import RuntimeRotationError, runtime_block
+
+    check = getattr(cfg.quant.key_option(), "check_head_dim", None)
+    try:
+        if check is not None:
+            check(head_dim)
+        if cfg.online.runtime_rotation:
+            runtime_block(head_dim)
+    except (keyq.KeyQuantError, RuntimeRotationError) as exc:
+        raise PipelineError(str(exc)) from None
 
 
 def key_pair_energies(model: nn.Module, geom: attention.AttentionGeometry, calib: torch.Tensor,

@@ -159,7 +159,11 @@ class QuantizedModel:
         transforms_ = build_transforms(cfg, self.geometry, angles, self.stats, self.model)
         self.timing["angles_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        attention.install_attention(self.model, transforms_, k=cfg.quant.k, v=cfg.quant.v)
+        try:
+            attention.install_attention(self.model, transforms_, k=cfg.quant.k, v=cfg.quant.v,
+                                        runtime_rotation=cfg.online.runtime_rotation)
+        except attention.AttentionWrapError as exc:
+            raise PipelineError(str(exc)) from None
         key_quant = key_quantizers(self.model, cfg, self.geometry, self.calib, progress)
         if key_quant is not None:  # another key quantiser than the paper's per-token rule (k_quant)
             for st, kq in zip(attention.attention_states(self.model), key_quant, strict=True):

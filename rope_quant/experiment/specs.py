@@ -349,7 +349,9 @@ class R3Spec:
     from the ``estimator``'s pooled covariances and the ``objective``; for the variance objective the
     ``angle`` rule picks φ̂, the branch-matched φ̂ (App. J's control) or the position-averaged φ* over
     ``average_length`` (default: seqlen). ``position_average`` reads (and, as a flat name, sets)
-    ``angle == phi_star``, its former spelling.
+    ``angle == phi_star``, its former spelling. ``runtime_rotation``: llama.cpp's own online Hadamard on q and k
+    after RoPE and after R3, as the runtime applies it to a quantised K cache
+    (:mod:`rope_quant.rotations.runtime_rotation`; default off, so no existing key changes).
     """
 
     transform: str = field(default="hadamard", metadata={"flat": "r3"})
@@ -358,8 +360,11 @@ class R3Spec:
     objective: Objective = Objective.VARIANCE
     angle: AngleRule = AngleRule.PHI_HAT
     average_length: int | None = None
+    runtime_rotation: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.runtime_rotation, bool):
+            raise PipelineError(f"runtime_rotation must be a bool, got {self.runtime_rotation!r}")
         if not isinstance(self.transform, str) or not self.transform:
             raise PipelineError(f"r3 must be a registry name, got {self.transform!r}")
         _positive(self.block, "r3_block", optional=True)

@@ -58,6 +58,8 @@ R3_SCHEME = "R3"
 _PER_CHANNEL_STATIC = ("kv_cache_scheme's per-channel strategy is static (one calibrated range per channel for "
                        "the whole cache: QuantizationArgs refuses dynamic=True with strategy channel) and its groups "
                        "run over channels within a token, not over tokens")
+_GGML = ("a llama.cpp cache type (ggml blocks of 32 with f16 scales and ggml's own rounding rule): kv_cache_scheme "
+         "names no ggml type, and a runtime reading it would quantise by its own rule")
 #: Key quantiser → None where ``kv_cache_scheme`` (compressed-tensors 0.20) can carry it, else why not.
 KEY_QUANT_FORMS: dict[str, str | None] = {
     "per_token": None,  # dynamic per token (strategy token), or per group of channels (strategy group)
@@ -72,6 +74,10 @@ KEY_QUANT_FORMS: dict[str, str | None] = {
              "unquantised subset of tokens)"),
     "per_token_window": ("the R most recent tokens and the group being filled in 16 bits: kv_cache_scheme quantises "
                          "every token alike (no field for a full-precision window)"),
+    "ggml_q4_0": _GGML,
+    "ggml_q4_1": _GGML,
+    "ggml_iq4_nl": _GGML,
+    "ggml_q8_0": _GGML,
 }
 
 
@@ -112,6 +118,9 @@ def check_compressed(cfg: Any, head_dim: int) -> None:
     if why is not None:
         raise ExportError(f"--format compressed-tensors cannot carry this cell's keys, k_quant={kind}: {why} "
                           "(docs/export.md; --format hf writes the weights without any KV quantisation)")
+    if getattr(cfg.online, "runtime_rotation", False):
+        raise ExportError("--format compressed-tensors cannot carry runtime_rotation: it is llama.cpp's own online "
+                          "Hadamard of its quantised K cache, applied by that runtime, not a transform of the model")
     split = transforms.foldability(cfg.online.transform, head_dim, cfg.online.block)
     kv = cfg.quant.k.enabled or cfg.quant.v.enabled
     if split.online is not None and not split.online_is_hadamard:

@@ -13,7 +13,8 @@ lives on the model, never in globals), then
 1. applies the layer's R3 transform to q and k (``apply_query`` / ``apply_key`` when the transform has them,
    else ``apply`` to both; ``x -> M_h x`` per head; q heads of a GQA group use their KV head's matrix, which
    the transform derives from the tensor's head count): since ``(M_q q)^T (M_k k) = q^T k`` for
-   ``M_q = M_k^{-T}`` (orthogonal ``M``: the same matrix), the logits are unchanged in exact arithmetic;
+   ``M_q = M_k^{-T}`` (orthogonal ``M``: the same matrix), the logits are unchanged in exact arithmetic; then,
+   with ``runtime_rotation`` on, llama.cpp's own online Hadamard on q and k (:mod:`.runtime_rotation`);
 2. streams K diagnostics on the post-R3 keys of the new tokens (before quantisation);
 3. fake-quantises K and V per token per head (asymmetric dynamic INT-b, group = head_dim by default),
    or with the static per-channel control (App. A.6, D) when one is installed, or K with the layer's key
@@ -52,6 +53,7 @@ from rope_quant.core import rope
 from rope_quant.model import arch
 from rope_quant.quant import diagnostic as qdiag
 from rope_quant.quant.quantizers import QuantConfig, fake_quant, selected_step
+from rope_quant.rotations.runtime_rotation import RuntimeRotationError, apply_runtime_rotation, runtime_block
 
 __all__ = [
     "ATTN_NAME",
@@ -106,6 +108,7 @@ class AttentionState:
     new tokens (used to calibrate the static control).
     ``key_quant``: a :class:`rope_quant.quant.keys.KeyQuantizer` used for K instead of ``k``
     (None, the default: ``k``, the paper's per-token rule, exactly as before).
+    ``runtime_block``: the order of llama.cpp's online Hadamard on q and k after R3 (None, the default: off).
     """
 
     layer_idx: int
@@ -118,6 +121,7 @@ class AttentionState:
     observers: list[Callable[[int, torch.Tensor, torch.Tensor], None]] = field(default_factory=list)
     enabled: bool = True
     key_quant: Any = None
+    runtime_block: int | None = None
 
     @property
     def k_bits(self) -> int:
@@ -171,6 +175,9 @@ def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
             tr = state.transform
             query = getattr(tr, "apply_query", tr.apply)(query)
             key = getattr(tr, "apply_key", tr.apply)(key)
+        if state.runtime_block is not None:  # llama.cpp's online Hadamard of a quantised K cache, after R3
+            query = apply_runtime_rotation(query, state.runtime_block)
+            key = apply_runtime_rotation(key, state.runtime_block)
         n_new = query.shape[-2]
         if state.diagnostics is not None or state.observers:
             k_new, v_new = key[..., -n_new:, :], value[..., -n_new:, :]
@@ -201,6 +208,9 @@ def _key_quant_attention(module: nn.Module, state: AttentionState, query: torch.
                          kwargs: dict[str, Any]):
     """SDPA with the layer's key quantiser (``key``: the post-R3 key; ``post_rope``: the key before R3)."""
     kq = state.key_quant
+    if kq.pre_rope and state.runtime_block is not None:
+        raise AttentionWrapError(f"{kq.name} quantises the key before RoPE; llama.cpp's runtime rotation acts on "
+                                 "the post-RoPE key it stores: the two do not combine")
     positions = _key_positions(kwargs, query.shape[-2], key.shape[-2], key.device) if kq.needs_positions else None
     tr = state.transform
     if kq.pre_rope and tr is not None and not getattr(tr, "commutes_with_rope", False):
@@ -353,12 +363,13 @@ def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None,
                       k: QuantConfig = KV_OFF, v: QuantConfig = KV_OFF,
                       k_static: Sequence[Any] | None = None, v_static: Sequence[Any] | None = None,
                       diagnostics: Any = None, key_quant: Sequence[Any] | None = None,
-                      name: str = ATTN_NAME) -> list[AttentionState]:
+                      runtime_rotation: bool = False, name: str = ATTN_NAME) -> list[AttentionState]:
     """Attach an :class:`AttentionState` to every layer's attention and select the custom function.
 
     ``k``/``v``: the dynamic K and V quantisers (default off). ``transforms``/``k_static``/``v_static``/
     ``key_quant`` (a :class:`~rope_quant.quant.keys.KeyQuantizer` used for K instead of ``k``):
-    one entry per layer (or None). Returns the states, which
+    one entry per layer (or None). ``runtime_rotation``: llama.cpp's online Hadamard on q and k after R3 (an
+    :class:`AttentionWrapError` where the runtime skips the head dimension). Returns the states, which
     callers may edit in place (e.g. swap ``diagnostics``). The previous implementation is remembered on
     the model for :func:`uninstall_attention`.
     """
@@ -374,6 +385,10 @@ def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None,
             raise AttentionWrapError(f"{what} must be a QuantConfig, got {type(spec).__name__}")
     if key_quant is not None and k_static is not None:
         raise AttentionWrapError("key_quant and k_static both replace the K quantiser: give one")
+    try:
+        block = runtime_block(geom.head_dim) if runtime_rotation else None
+    except RuntimeRotationError as exc:
+        raise AttentionWrapError(str(exc)) from None
     register_attention(name)
     states = []
     for i, mod in enumerate(mods):
@@ -382,7 +397,7 @@ def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None,
             k=k, v=v,
             k_static=None if k_static is None else k_static[i],
             v_static=None if v_static is None else v_static[i],
-            diagnostics=diagnostics, key_quant=None if key_quant is None else key_quant[i],
+            diagnostics=diagnostics, key_quant=None if key_quant is None else key_quant[i], runtime_block=block,
         )
         setattr(mod, STATE_ATTR, st)
         states.append(st)

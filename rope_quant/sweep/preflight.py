@@ -5,7 +5,8 @@
 * the model resolves and reads (config at least; with the real pipeline the base model and its corpora are
   loaded into the :class:`~rope_quant.sweep.loaded_models.ModelCache` the cells then reuse);
 * the Hadamard orders of the offline rotations (R1: hidden_size, R2: head_dim, R4: intermediate_size)
-  and of the R3 transform (head_dim; block sizes dividing head_dim) exist;
+  and of the R3 transform (head_dim; block sizes dividing head_dim) exist; the key quantiser fits head_dim (the
+  ggml formats' blocks of 32, rope_pair_bits' widths) and llama.cpp's runtime rotation rotates it (a multiple of 64);
 * the corpus holds a calibration window of ``seqlen`` tokens and at least one evaluation window of every
   evaluated length (fewer evaluation windows than requested give a note, as the evaluation uses what fits).
 """
@@ -67,6 +68,18 @@ def r3_problem(name: str, cfg: Any, head_dim: int) -> str | None:
     return None
 
 
+def key_problem(name: str, cfg: Any, head_dim: int) -> str | None:
+    """Why the key quantiser or the runtime rotation of cell ``name`` cannot run at ``head_dim`` (None: they can)."""
+    from rope_quant.experiment.config import PipelineError
+    from rope_quant.experiment.key_quant import check_key_geometry
+
+    try:
+        check_key_geometry(run_of(cfg), head_dim)
+    except PipelineError as exc:
+        return f"config {name}: {exc}"
+    return None
+
+
 def check_geometry(manifest: Manifest, dims: Any, model: str) -> None:
     """Every Hadamard order and R3 transform the cells need exists for geometry ``dims``."""
     from rope_quant.core.hadamard import is_supported_order
@@ -77,9 +90,9 @@ def check_geometry(manifest: Manifest, dims: Any, model: str) -> None:
         for order, what in hadamard_needs(cfg, dims):
             if not is_supported_order(order) and what not in missing.setdefault(order, []):
                 missing[order].append(what)
-        problem = r3_problem(name, cfg, dims.head_dim)
-        if problem is not None and problem not in problems:
-            problems.append(problem)
+        for problem in (r3_problem(name, cfg, dims.head_dim), key_problem(name, cfg, dims.head_dim)):
+            if problem is not None and problem not in problems:
+                problems.append(problem)
     lines = [f"no Hadamard matrix of order {order} can be built (orders K·2^m: K = 1, a Paley order, or any "
              "multiple of 4 up to 256; see core.hadamard_orders): "
              + "; ".join(whats) for order, whats in missing.items()] + problems

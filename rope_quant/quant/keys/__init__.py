@@ -1,8 +1,9 @@
 """Key quantisers: the other answers to 4-bit keys, one registry beside R3 (docs/key_quantizers.md).
 
 The package: ``base.py`` (names, constants, errors, checks), ``rope.py`` (RoPE undone and redone), ``allocation.py``
-(rope_pair_bits' widths), ``quantizers.py`` (the built per-layer quantisers), ``options.py`` (the options and their
-bits) and ``registry.py`` (names to options, entry points). The old path ``rope_quant.quant.key_quantizers`` is this
+(rope_pair_bits' widths), ``ggml.py`` (llama.cpp's block formats), ``quantizers.py`` (the built per-layer
+quantisers), ``options.py`` (the options and their bits) and ``registry.py`` (names to options, entry points).
+The old path ``rope_quant.quant.key_quantizers`` is this
 package, with a DeprecationWarning (:mod:`rope_quant._deprecation`).
 
 The paper quantises post-R3 keys with the dynamic per-token quantiser (:func:`rope_quant.quant.quantizers.fake_quant`).
@@ -20,6 +21,8 @@ R3 at equal bits:
 ``sink``            RotateKV's attention-sink protection: the first S tokens in 16 bits, the rest per token
 ``per_token_window`` the per-token rule with KIVI's full-precision tokens (the R most recent and the group being
                     filled): KIVI's reference at equal bits (with G = head_dim both store the same bits)
+``ggml_q4_0`` ...   llama.cpp's K-cache formats ``q4_0``, ``q4_1``, ``iq4_nl``, ``q8_0``: blocks of 32 along each
+                    key row, ggml's reference rounding, f16 scales (``ggml.py``; bit for bit ``gguf.quants``)
 =================== ============================================================================================
 
 Each option is a small frozen dataclass of named, checked parameters (:class:`KeyQuantOption`): it states its
@@ -58,6 +61,11 @@ from rope_quant.quant.keys.base import (
     UnknownKeyQuantError,
 )
 from rope_quant.quant.keys.options import (
+    GgmlIQ4NLOption,
+    GgmlOption,
+    GgmlQ40Option,
+    GgmlQ41Option,
+    GgmlQ80Option,
     KeyQuantContext,
     KeyQuantOption,
     KiviOption,
@@ -69,6 +77,7 @@ from rope_quant.quant.keys.options import (
 )
 from rope_quant.quant.keys.quantizers import (
     ChannelGroupQuantizer,
+    GgmlQuantizer,
     KeyQuantizer,
     KiviQuantizer,
     KVQuantPreRoPEQuantizer,
@@ -110,6 +119,12 @@ __all__ = [
     "RopePairBitsOption",
     "SinkOption",
     "PerTokenWindowOption",
+    "GgmlOption",
+    "GgmlQ40Option",
+    "GgmlQ41Option",
+    "GgmlIQ4NLOption",
+    "GgmlQ80Option",
+    "GgmlQuantizer",
     "KeyQuantizer",
     "PerTokenQuantizer",
     "ChannelGroupQuantizer",

@@ -29,6 +29,10 @@ class KeyQuantName(StrEnum):
     ROPE_PAIR_BITS = "rope_pair_bits"
     SINK = "sink"
     PER_TOKEN_WINDOW = "per_token_window"
+    GGML_Q4_0 = "ggml_q4_0"
+    GGML_Q4_1 = "ggml_q4_1"
+    GGML_IQ4_NL = "ggml_iq4_nl"
+    GGML_Q8_0 = "ggml_q8_0"
 
 
 #: The paper's key quantiser, the default of every cell.

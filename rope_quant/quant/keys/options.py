@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+import rope_quant.quant.keys.ggml as ggml
 from rope_quant.core.rope import check_head_dim
 from rope_quant.quant.keys.allocation import _pair_budget, allocate_pair_bits
 from rope_quant.quant.keys.base import (
@@ -24,6 +25,7 @@ from rope_quant.quant.keys.base import (
     _int_in,
 )
 from rope_quant.quant.keys.quantizers import (
+    GgmlQuantizer,
     KeyQuantizer,
     KiviQuantizer,
     KVQuantPreRoPEQuantizer,
@@ -366,3 +368,69 @@ class PerTokenWindowOption(KeyQuantOption):
 
     def build(self, ctx: KeyQuantContext) -> KeyQuantizer:
         return PerTokenWindowQuantizer(self.bits, self.group, self.residual, cfg=self.config())
+
+
+@dataclass(frozen=True)
+class GgmlOption(KeyQuantOption):
+    """Base of llama.cpp's K-cache formats (:mod:`rope_quant.quant.keys.ggml`): blocks of 32 along each key row
+    (per token and head), ggml's reference rounding, f16 scales. ``bits`` (the cell's ``k_bits``) must be the
+    format's code width (4, or 8 for q8_0)."""
+
+    fmt: ClassVar[ggml.GgmlFormat] = ggml.GgmlFormat.Q4_0
+    paper: ClassVar[str] = ("llama.cpp's quantised K cache (``-ctk``; ggml's reference quantisers, "
+                            "ggml/src/ggml-quants.c, as its CPU backend writes the cache)")
+    online_step: ClassVar[str] = "none (token-local: each key row is quantised in blocks of 32 as it enters the cache)"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        width = ggml.code_bits(self.fmt)
+        if self.bits != width:
+            raise KeyQuantError(f"{self.name} stores {width}-bit codes: it needs k_bits {width}, got {self.bits}")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """KeyQuantError when ``head_dim`` is not a multiple of the block of 32."""
+        ggml.check_row(head_dim)
+
+    def bits_per_element(self, head_dim: int, seq_len: int, **kwargs: Any) -> float:
+        """The code width plus the block's 16-bit scale (and q4_1's minimum) over its 32 elements."""
+        d, _ = _geometry(head_dim, seq_len)
+        self.check_head_dim(d)
+        return ggml.code_bits(self.fmt) + SCALE_BITS * ggml.scales_per_block(self.fmt) / ggml.BLOCK
+
+    def build(self, ctx: KeyQuantContext) -> KeyQuantizer:
+        self.check_head_dim(ctx.head_dim)
+        return GgmlQuantizer(self.fmt, name=self.name)
+
+
+@dataclass(frozen=True)
+class GgmlQ40Option(GgmlOption):
+    """ggml ``q4_0``: symmetric 4-bit, the scale from the signed extreme (m/−8); 4.5 bits per element."""
+
+    name: ClassVar[str] = KeyQuantName.GGML_Q4_0.value
+    fmt: ClassVar[ggml.GgmlFormat] = ggml.GgmlFormat.Q4_0
+
+
+@dataclass(frozen=True)
+class GgmlQ41Option(GgmlOption):
+    """ggml ``q4_1``: asymmetric 4-bit (min and step, both f16); 5.0 bits per element."""
+
+    name: ClassVar[str] = KeyQuantName.GGML_Q4_1.value
+    fmt: ClassVar[ggml.GgmlFormat] = ggml.GgmlFormat.Q4_1
+
+
+@dataclass(frozen=True)
+class GgmlIQ4NLOption(GgmlOption):
+    """ggml ``iq4_nl``: a non-linear 4-bit grid with a least-squares scale; 4.5 bits per element."""
+
+    name: ClassVar[str] = KeyQuantName.GGML_IQ4_NL.value
+    fmt: ClassVar[ggml.GgmlFormat] = ggml.GgmlFormat.IQ4_NL
+
+
+@dataclass(frozen=True)
+class GgmlQ80Option(GgmlOption):
+    """ggml ``q8_0``: symmetric 8-bit (max|x|/127, round half away from zero); 8.5 bits per element."""
+
+    bits: int = 8
+
+    name: ClassVar[str] = KeyQuantName.GGML_Q8_0.value
+    fmt: ClassVar[ggml.GgmlFormat] = ggml.GgmlFormat.Q8_0

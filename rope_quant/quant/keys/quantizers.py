@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import rope_quant.quant.keys.ggml as ggml
 from rope_quant.core.rope import check_layout, pair_indices
 from rope_quant.quant.keys.base import MAX_BITS, MIN_BITS, KeyQuantError, KeyQuantName, _back, _check_positions, _work
 from rope_quant.quant.keys.rope import apply_rope
@@ -231,3 +232,15 @@ class RopePairBitsQuantizer(KeyQuantizer):
             deq = (torch.round(g / delta).add_(zero).clamp_(0, maxq).sub_(zero)).mul_(delta)
             out = torch.where(member, deq, out)
         return _back(out, key)
+
+
+@dataclass
+class GgmlQuantizer(KeyQuantizer):
+    """llama.cpp's K-cache format ``fmt``: each key row quantised in blocks of 32 and read back
+    (:func:`~rope_quant.quant.keys.ggml.fake_quant_ggml`); token-local."""
+
+    fmt: ggml.GgmlFormat = ggml.GgmlFormat.Q4_0
+    name: str = KeyQuantName.GGML_Q4_0.value
+
+    def __call__(self, key: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return ggml.fake_quant_ggml(key, self.fmt)

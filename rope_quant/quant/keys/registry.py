@@ -19,6 +19,10 @@ from rope_quant.quant.keys.base import (
     UnknownKeyQuantError,
 )
 from rope_quant.quant.keys.options import (
+    GgmlIQ4NLOption,
+    GgmlQ40Option,
+    GgmlQ41Option,
+    GgmlQ80Option,
     KeyQuantOption,
     KiviOption,
     KVQuantPreRoPEOption,
@@ -64,7 +68,7 @@ def unregister(name: str) -> None:
 
 
 for _option in (PerTokenOption, KiviOption, KVQuantPreRoPEOption, RopePairBitsOption, SinkOption,
-                PerTokenWindowOption):
+                PerTokenWindowOption, GgmlQ40Option, GgmlQ41Option, GgmlIQ4NLOption, GgmlQ80Option):
     register(_option)
 assert list(_REGISTRY) == [m.value for m in KeyQuantName]
 
