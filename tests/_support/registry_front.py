@@ -239,6 +239,14 @@ def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mappi
         format_plan(plan)])
 
 
+def claim_params(models: Sequence[str]) -> list[Any]:
+    """The parameters of a front's tests: one ``(model, claim id)`` per model and registry claim, model by model in
+    the registry's order, id ``<model's last path part>-<claim id>``, marked ``slow`` where the entry says so."""
+    return [pytest.param(m, c.id, id=f"{m.rstrip('/').split('/')[-1]}-{c.id}",
+                         marks=[pytest.mark.slow] if c.slow else [])
+            for m in models for c in registry.claims()]
+
+
 def _stderr(line: str) -> None:
     print(line, file=sys.__stderr__, flush=True)
 

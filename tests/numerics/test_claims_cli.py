@@ -167,7 +167,7 @@ def test_the_claims_json_has_the_pytest_plugins_keys(swept: Path, pytester: pyte
     """The plugin's ``--rq-claims-out`` payload and row keys (a claim recorded with its id, a verdict, parts and its
     run's description, as a registry front records them) are all in the report's; the model (with its fingerprint),
     the protocol and the device carry the same keys on both paths; the Markdown table has the plugin's columns."""
-    from rope_quant import pytest_plugin
+    from rope_quant import claims_json, pytest_plugin
     from rope_quant.analysis import claims_report
 
     pytester.makepyfile(test_rq_shape=(
@@ -189,13 +189,13 @@ def test_the_claims_json_has_the_pytest_plugins_keys(swept: Path, pytester: pyte
     assert set(plugin["claims"][0]) <= set(ours["claims"][0]), set(plugin["claims"][0]) - set(ours["claims"][0])
     assert plugin["claims"][0]["id"] == "C0" and plugin["model"] == {
         "name": "m", "fingerprint": "f0", "fingerprint_basis": claims_report.FINGERPRINT_BASIS}
-    assert pytest_plugin.RUN_KEYS == claims_report.RUN_KEYS
     for key in claims_report.RUN_KEYS:
         assert set(plugin[key]) == set(ours[key]), (key, set(plugin[key]) ^ set(ours[key]))
         assert plugin["runs"] == [{k: plugin[k] for k in claims_report.RUN_KEYS}]
         assert ours["runs"] == [{k: ours[k] for k in claims_report.RUN_KEYS}]
     assert ours["model"]["fingerprint"] and ours["protocol"]["name"] == "rope-quant claims"
-    assert claims_report.CLAIMS_SCHEMA == pytest_plugin.CLAIMS_SCHEMA == ours["schema"]
+    assert claims_report.CLAIMS_SCHEMA == pytest_plugin.CLAIMS_SCHEMA == claims_json.CLAIMS_SCHEMA == ours["schema"]
+    assert claims_report.RUN_KEYS is claims_json.RUN_KEYS  # one schema: the report writes the plugin's keys
     header = (plugin_out / "claims.md").read_text().splitlines()[0]
     assert (swept / "claims.md").read_text().startswith(header)
 
