@@ -76,13 +76,6 @@ PAPER = FrontProtocol("paper", seqlen=2048, calib_windows=128, eval_windows=None
 """The paper's protocol (App. A.1): 128 × 2048 calibration tokens, seqlen 2048, every evaluation window."""
 
 
-def _has_gptq(cell: Mapping[str, Override]) -> bool:
-    """Whether the cell's weights are GPTQ's: its float-order replicate is a rebuild in the other float mode. A cell
-    with unquantised weights (``weights="none"``: the key claims' 4-bit keys alone) has no float-order step, so its
-    replicate is the cell itself (the same key, read from the memo: a shift of 0)."""
-    return str(cell.get("weights", "gptq")) == "gptq"
-
-
 class ExperimentStore:
     """The :class:`rope_quant.claims.stores.Store` of an ``Experiment``: each cell computed (and memoised) on
     first read."""
@@ -96,8 +89,19 @@ class ExperimentStore:
             out["eval_windows"] = self.exp.budget.support_windows
         return out
 
+    def _replicate(self, cell: Mapping[str, Override]) -> Any:
+        """The cell's float-order replicate (:func:`rope_quant.experiment.replicate.replicate_kind`, the one rule):
+        a GPTQ cell's is rebuilt in the other float mode, a cell with unquantised weights is its own (the same key,
+        read from the memo: a shift of 0), an RTN cell has none."""
+        from rope_quant.experiment.replicate import replicate_kind
+
+        return replicate_kind(self.exp.config(self.exp.budget.seeds[0], **self._overrides(cell)))
+
     def _value(self, cell: Mapping[str, Override], seed: int, metric: str, **rep: Any) -> float:
-        ov = {**self._overrides(cell), **({} if not _has_gptq(cell) else rep)}
+        from rope_quant.experiment.replicate import Replicate
+
+        rebuilt = rep and self._replicate(cell) is Replicate.REBUILD
+        ov = {**self._overrides(cell), **(rep if rebuilt else {})}
         if scoring_of(cell) is Scoring.LONG:
             length = int(length_of(cell) or 0)
             return float(self.exp.long_context(seed, (length,), **ov)[length].ppl)
@@ -108,6 +112,10 @@ class ExperimentStore:
 
     def replicates(self, cell: Mapping[str, Override], seeds: Sequence[int],
                    metric: str = Metric.PPL) -> ReplicateValues:
+        from rope_quant.experiment.replicate import Replicate
+
+        if self._replicate(cell) is Replicate.NONE:
+            return None  # RTN weights: a float-order replicate is not built
         got = self.exp.over_replicates(lambda seed, rep: self._value(cell, seed, metric, **rep))
         if isinstance(got, str):
             return got
@@ -160,7 +168,7 @@ def table_cells(model: str, corpus: str, device: str, budget: Any,
     """The table's cells at the budget's seeds, from configs alone: the short-context cell keys, the weight
     builds (seed × bits × float order) and, per long-context length, the cells scored there."""
     from rope_quant.experiment.config import RunConfig
-    from rope_quant.quant.rtn import GPTQConfig
+    from rope_quant.experiment.replicate import Replicate, replicate_kind, replicate_overrides
 
     keys: set[str] = set()
     builds: set[str] = set()
@@ -171,16 +179,15 @@ def table_cells(model: str, corpus: str, device: str, budget: Any,
         for seed in budget.seeds:
             for name in claim.cell_names():
                 cell = claim.cells[name]
-                ov: dict[str, Any] = dict(overrides_of(cell))
-                variants = [ov]
-                if name in paired and seed in replicated and _has_gptq(cell):
-                    variants.append({**ov, "gptq": GPTQConfig(float64=not budget.gptq_float64)})
                 scoring = scoring_of(cell)
                 windows = budget.support_windows if scoring is Scoring.SUPPORT else budget.eval_windows
-                for v in variants:
-                    cfg = RunConfig.from_flat(model=model, corpus=corpus, seed=seed, seqlen=budget.seqlen,
-                                              device=device, calib_windows=budget.calib_windows,
-                                              eval_windows=windows, **v)
+                first = RunConfig.from_flat(model=model, corpus=corpus, seed=seed, seqlen=budget.seqlen,
+                                            device=device, calib_windows=budget.calib_windows, eval_windows=windows,
+                                            **overrides_of(cell))
+                variants = [first]
+                if name in paired and seed in replicated and replicate_kind(first) is Replicate.REBUILD:
+                    variants.append(first.override(**replicate_overrides(first)))
+                for cfg in variants:
                     builds.add(cfg.weight_key())
                     if scoring is Scoring.LONG:
                         length = int(length_of(cell) or 0)
