@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from rope_quant import cli
 from rope_quant.claims import engine, registry
 from rope_quant.claims.premises import adapt, facts_of_checkpoint
 from rope_quant.core import sequential
-from rope_quant.core.verdict import Outcome
+from rope_quant.core.verdict import Form, Outcome
 from rope_quant.sweep.claim_store import DirectoryStore
 from rope_quant.sweep.decide import REPLICATE_SUFFIX
 from rope_quant.sweep.manifest import read_manifest
@@ -341,3 +342,44 @@ def test_decide_stops_a_claim_whose_cell_fails(tmp_path: Path) -> None:
                                             "seed 2)"), rows["C3"]["stopped"]
     assert rows["C3"]["decision"]["outcome"] == "inconclusive" and rows["C1"]["decision"]["outcome"] == "holds"
     assert max(c["seed"] for c in read_manifest(out)["cells"]) == 2
+
+
+def test_a_new_claim_is_one_entry_that_both_fronts_find(tmp_path: Path, capsys) -> None:
+    """One ``register(Claim(...))`` in a temporary registry: ``rope-quant claims`` selects it by id and plans its
+    cells, and pytest's registry front parametrises one test per model for it, marked ``slow`` when (and only when)
+    the entry says so; gone with the temporary registry."""
+    from tests._support.registry_front import claim_params
+
+    new = registry.Claim("X-new", "X (demo) k_only vs rows", "k_only below rows.", "nowhere",
+                         {"k_only": registry.cell(r3="pairwise_only", estimator="k_only"),
+                          "rows": registry.cell(r3="pairwise_only", estimator="rows")},
+                         (registry.Part("k_only < rows", "k_only", "rows", Form.LESS),), slow=True)
+    with registry.temporary():
+        registry.register(new)
+        registry.register(replace(new, id="X-fast", slow=False))
+        assert _claims(tmp_path / "new", "--claims", "X-new", "--seeds", "0,1", "--dry-run") == 0
+        printed = capsys.readouterr().out
+        assert "claims plan: 1 claims at seeds 0,1" in printed
+        row = next(line for line in printed.splitlines() if line.startswith("| X-new |"))
+        assert set(row.strip("| ").split(" | ")[1].split(", ")) == {
+            "pairwise_only", "pairwise_only.float-order", "pairwise_only+estimator=k_only",
+            "pairwise_only+estimator=k_only.float-order"}
+        params = {p.id: p for p in claim_params(["smollm2-135m", "/ckpt/Llama-3.2-1B"])}
+        for model in ("smollm2-135m", "Llama-3.2-1B"):
+            assert [m.name for m in params[f"{model}-X-new"].marks] == ["slow"]
+            assert not params[f"{model}-X-fast"].marks
+            assert [m.name for m in params[f"{model}-C6"].marks] == ["slow"] and not params[f"{model}-C1"].marks
+    assert "X-new" not in registry.active().ids()
+    assert not [p for p in claim_params(["smollm2-135m"]) if "X-new" in p.id]
+
+
+def test_every_entry_of_paper_py_is_registered_in_its_order() -> None:
+    """An entry is registered where it is defined: no ``Claim`` of paper.py is left out of the registry, and
+    ``paper.PAPER`` is the registry's paper group in the claims table's order."""
+    from rope_quant.claims import paper
+
+    defined = [v for v in vars(paper).values() if isinstance(v, registry.Claim)]
+    assert defined and all(registry.get(c.id) is c for c in defined)
+    assert paper.PAPER == registry.claims(registry.PAPER)[: len(paper.PAPER)]
+    assert [c.id for c in paper.PAPER] == ["C1", "C2", "C3", "C4-ppl", "C6", "C7", "C7-8K", "C8", "App-F",
+                                           "beyond-commuting", "beyond-range", "beyond-range-pph"]

@@ -148,3 +148,54 @@ def test_gpu_e2e_collects_one_test_per_registry_claim_per_model() -> None:
     if not cuda:  # on a CUDA machine the run itself is the gpu_e2e layer's
         assert out.returncode == 0 and f"SKIPPED [{len(ids)}]" in out.stdout, out.stdout + out.stderr
         assert "gpu_e2e: CUDA is not available on this machine" in out.stdout
+
+
+class _Exp:
+    """The few members of the e2e suite's Experiment that ExperimentStore reads: a cell's ppl is 10 + its seed, plus
+    1 when GPTQ runs in float64 (the replicate of a float32 cell)."""
+
+    def __init__(self) -> None:
+        self.budget = _budget((0, 1))
+        self.replicate_seeds = (0, 1)
+        self.built: list[Any] = []
+
+    def config(self, seed: int = 0, **overrides: Any) -> Any:
+        from rope_quant.experiment.config import RunConfig
+
+        return RunConfig.from_flat(model=MODEL, seed=seed, seqlen=self.budget.seqlen, **overrides)
+
+    def cell(self, seed: int, **overrides: Any) -> dict[str, float]:
+        cfg = self.config(seed, **overrides)
+        self.built.append(cfg)
+        return {"ppl": 10.0 + seed + float(cfg.quant.w.gptq.float64)}
+
+    def over_replicates(self, fn: Any) -> dict[int, Any]:
+        from rope_quant.quant.rtn import GPTQConfig
+
+        return {i: fn(s, {"gptq": GPTQConfig(float64=True)}) for i, s in enumerate(self.replicate_seeds)}
+
+
+@pytest.mark.parametrize(("overrides", "kind"), [
+    ({}, "rebuild"), ({"weights": "rtn"}, "none"), ({"weights": "none", "w_bits": 16}, "itself"),
+    ({"w_bits": 16}, "itself")])
+def test_every_front_reads_a_cells_replicate_by_the_one_rule(overrides: dict[str, Any], kind: str) -> None:
+    """GPTQ weights: rebuilt in the other float mode; unquantised weights: the cell is its own replicate (a shift of
+    0); RTN weights: none. The claims sweep's replicate cell (sweep/decide.py), the pytest front's store and its plan
+    of the table's cells all follow experiment/replicate.py."""
+    from rope_quant.experiment.replicate import Replicate, replicate_kind, replicate_overrides
+    from rope_quant.sweep.decide import replicate_config
+    from tests._support.registry_front import ExperimentStore
+
+    exp = _Exp()
+    cfg = exp.config(0, **overrides)
+    assert replicate_kind(cfg) is Replicate(kind)
+    rep = replicate_config(cfg)
+    assert (rep is not None) == (kind == "rebuild")
+    if rep is not None:
+        assert rep.quant.w.gptq.float64 and rep.override(**replicate_overrides(rep)).key() == cfg.key()
+    got = ExperimentStore(exp).replicates(cell(**overrides), (0, 1))
+    assert got == {"rebuild": {0: 11.0, 1: 12.0}, "itself": {0: 10.0, 1: 11.0}, "none": None}[kind]
+    claim = Claim("X", "x", "x", "x", {"t": cell(**overrides), "c": cell(r3="pairwise_only", **overrides)},
+                  (Part("t < c", "t", "c", Form.LESS),))
+    keys, builds, _ = table_cells(MODEL, "pydoc", "cpu", _budget((0, 1)), [claim])
+    assert len(keys) == 4 * (2 if kind == "rebuild" else 1)  # 2 cells x 2 seeds, each with its rebuilt replicate
