@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.cli.args import CLIError, parse_names, parse_seed_list
-from rope_quant.cli.common import DEFAULT_SEEDS, base_config, check_comparator, resolve_budget
+from rope_quant.cli.common import DEFAULT_SEEDS, base_config, check_comparator, checkpoint, resolve_budget
 from rope_quant.cli.execute import Cells, sweep
 from rope_quant.cli.options import add_sweep
 
@@ -54,23 +54,20 @@ def chosen_claims(text: str | None) -> list[Any]:
     return list(out.values())
 
 
-def applicable(claims: Sequence[Any], model: str, seq_len: int) -> tuple[list[Any], dict[str, str]]:
+def applicable(claims: Sequence[Any], model: Any, seq_len: int) -> tuple[list[Any], dict[str, str]]:
     """The claims that run on ``model`` (each as :func:`rope_quant.claims.premises.adapt` runs it there: a
     refused R1 becomes ``r1=identity``, named in its title; model-dependent values resolved; a claim at equal
     bits per key element checked at T = ``seq_len``, the evaluation windows' length), and claim id → why the
     others are left out: their cells are not plain run cells, or the model lacks a premise. Read from the model's
-    config alone; a config that cannot be read is left to the model checks. Unequal bits stop the run
-    (:class:`CLIError` naming the cells and their bits)."""
-    from rope_quant.claims.premises import ModelFacts, adapt, facts_of_checkpoint
+    config alone (``model``: its name, or its :class:`~rope_quant.claims.premises.ModelFacts` already read); a
+    config that cannot be read is left to the model checks. Unequal bits stop the run (:class:`CLIError` naming the
+    cells and their bits)."""
+    from rope_quant.claims.premises import adapt, read_checkpoint
     from rope_quant.claims.registry import ClaimError
-    from rope_quant.model.arch import ArchitectureError
-    from rope_quant.model.loading import ModelLoadError
     from rope_quant.sweep.claims_sweep import scoring_reason
 
-    try:
-        facts = facts_of_checkpoint(model)
-    except (ModelLoadError, ArchitectureError):
-        facts = ModelFacts({})
+    facts = read_checkpoint(model) if isinstance(model, str) else model
+    model = facts.name
     kept: list[Any] = []
     out: dict[str, str] = {}
     for claim in claims:
@@ -86,16 +83,18 @@ def applicable(claims: Sequence[Any], model: str, seq_len: int) -> tuple[list[An
     return kept, out
 
 
-def directory_claims(store: Any) -> tuple[list[Any], dict[str, str]]:
+def directory_claims(store: Any, facts: Any = None) -> tuple[list[Any], dict[str, str]]:
     """The claims a claims directory's table reads: every registered claim whose cells its manifest plans (a planned
     cell not yet computed reads inconclusive, naming it), adapted to its model at its evaluation windows' T; claim
-    id → why the others are left out (a premise the model lacks; a claim of the paper the sweep did not plan)."""
+    id → why the others are left out (a premise the model lacks; a claim of the paper the sweep did not plan).
+    ``facts``: the model's :class:`~rope_quant.claims.premises.ModelFacts` where the caller has read them."""
     from rope_quant.claims import registry
     from rope_quant.sweep.cellkind import run_of
     from rope_quant.sweep.claims_decide import planned_claims
 
     comparator = run_of(store.comparator())
-    kept, dropped = applicable(registry.claims(), comparator.model, comparator.budget.seqlen)
+    model = facts if facts is not None and facts.name == str(comparator.model) else comparator.model
+    kept, dropped = applicable(registry.claims(), model, comparator.budget.seqlen)
     planned, absent = planned_claims(store, kept)
     for claim in absent:
         if claim.group == registry.PAPER:  # the opt-in groups (beyond the paper, keys) are not listed
@@ -107,9 +106,7 @@ def directory_claims(store: Any) -> tuple[list[Any], dict[str, str]]:
 def _nearest_r1(args: argparse.Namespace) -> None:
     """R1 = identity where the architecture refuses R1 and ``--r1`` is not given: the claims' nearest protocol
     (:mod:`rope_quant.claims.premises`, as pytest's front runs them; each row names the deviation)."""
-    from rope_quant.cli.common import r1_refusal
-
-    if args.r1 is None and (reason := r1_refusal(args.model)) is not None:
+    if args.r1 is None and (reason := checkpoint(args).r1_refusal) is not None:
         args.r1 = "identity"
         print(f"note: R1 set to identity for {args.model}, the claims' nearest protocol (R2, R4 and the online R3 "
               f"unchanged; each row names the deviation): {reason}", flush=True)
@@ -134,7 +131,8 @@ def cost_lines(args: argparse.Namespace, manifest: Any) -> list[str]:
     try:
         protocol = memory_check.protocol_for(budget["calib_windows"], budget["seqlen"], budget.get("eval_windows"),
                                              args.whip_epochs, per_build, builds, str(budget["weights"]) == "gptq")
-        plan = memory_check.plan_for(args.model, args.device, args.dtype, protocol, offload=args.offload == "cpu")
+        plan = memory_check.plan_for(args.model, args.device, args.dtype, protocol, offload=args.offload == "cpu",
+                                     config=checkpoint(args).config)
     except Exception as exc:  # noqa: BLE001 - an estimate the plan cannot make must not stop the run
         return [f"cost estimate: none ({type(exc).__name__}: {exc})"]
     return [f"cost estimate (`rope-quant plan`, {builds} weight builds (seed × bits × float order) as its seeds, "
@@ -165,14 +163,15 @@ def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], s
         print(line, flush=True)
 
 
-def write_report(out: str | Path) -> dict[str, Any]:
+def write_report(out: str | Path, facts: Any = None) -> dict[str, Any]:
     """The claims table of claims directory ``out``: every registered claim read over its records (fixed-n),
-    written to DIR/claims.json and DIR/claims.md; ``{"markdown", "files"}`` as the sweep path prints them."""
+    written to DIR/claims.json and DIR/claims.md; ``{"markdown", "files"}`` as the sweep path prints them.
+    ``facts``: its model's facts where the caller has read them (:func:`directory_claims`)."""
     from rope_quant.analysis import claims_report as cr
     from rope_quant.sweep.claim_store import DirectoryStore
 
     store = DirectoryStore(out)
-    kept, dropped = directory_claims(store)
+    kept, dropped = directory_claims(store, facts)
     results = cr.evaluate_directory(store, kept)
     data = cr.payload(out, store, results, dropped, SOURCE)
     files = cr.write_claims(out, data)
@@ -198,7 +197,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         if defaulted:
             used.append("weights=gptq (the claims' default on every device: the float-order replicate is GPTQ's)")
         base = base_config(args)
-        kept, dropped = applicable(chosen, args.model, base.budget.seqlen)
+        kept, dropped = applicable(chosen, checkpoint(args), base.budget.seqlen)
         if not kept:
             raise CLIError(f"no claim left to run on {args.model}: "
                            + "; ".join(f"{cid}: {why}" for cid, why in dropped.items()))
@@ -206,4 +205,4 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         print_plan(args, manifest, kept, seeds, dropped)
         return manifest
 
-    return sweep(args, cells, build, write_report)
+    return sweep(args, cells, build, lambda out: write_report(out, checkpoint(args)))

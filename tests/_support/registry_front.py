@@ -4,8 +4,8 @@ Shared by ``pytest -m e2e --rq-model PATH`` (tests/e2e/test_registry_claims.py, 
 ``pytest -m gpu_e2e`` (tests/e2e/test_gpu_claims.py, the paper's protocol :data:`PAPER` on CUDA) and that
 parametrization's CPU run (tests/e2e/test_paper_protocol_cpu.py, :data:`PAPER` cut to a tiny budget):
 
-1. :func:`open_front`: the checkpoint's facts from its config (no weights: premises, head_dim, q/k norms;
-   :func:`rope_quant.claims.premises.facts_of_checkpoint`), each claim of its table as it runs there
+1. :func:`open_front`: the checkpoint's facts from its config, read once (no weights: premises, head_dim, q/k
+   norms, the config the plan reads; :func:`rope_quant.claims.premises.facts_of_checkpoint`), each claim of its table as it runs there
    (:func:`rope_quant.claims.premises.adapt` at the budget's seqlen: itself, the nearest protocol with the deviation
    named, its model-dependent values resolved, or the reason it skips; a claim at equal bits per key element whose
    cells store unequal bits at that T fails the front), the plan of the whole table (time and memory:
@@ -198,10 +198,11 @@ def table_cells(model: str, corpus: str, device: str, budget: Any,
 
 
 def table_plan(model: str, device: str, corpus: str, budget: Any, claims: Sequence[Claim],
-               requested: str = "auto") -> tuple[Any, Any, int, int]:
-    """The plan of the whole claims table on ``model`` (its config only), ``device`` and the budget's protocol,
-    checked against this machine (:func:`rope_quant.experiment.memory_check.decide`): ``(decision, plan, short
-    cells, weight builds)``. Raises ``PlanDoesNotFit`` (the stage, the need and the remedy) when it does not fit."""
+               requested: str = "auto", config: Any = None) -> tuple[Any, Any, int, int]:
+    """The plan of the whole claims table on ``model`` (its config only: ``config`` where read already),
+    ``device`` and the budget's protocol, checked against this machine
+    (:func:`rope_quant.experiment.memory_check.decide`): ``(decision, plan, short cells, weight builds)``. Raises
+    ``PlanDoesNotFit`` (the stage, the need and the remedy) when it does not fit."""
     from rope_quant.experiment import memory_check
     from rope_quant.experiment import plan as planning
 
@@ -210,8 +211,9 @@ def table_plan(model: str, device: str, corpus: str, budget: Any, claims: Sequen
                                  eval_windows=budget.eval_windows or planning.PAPER.eval_windows,
                                  configs=max(1, math.ceil(len(keys) / max(1, len(builds)))),
                                  seeds=max(1, len(builds)), gptq=True, long_context=tuple(sorted(lengths)))
-    decision = memory_check.decide(model, device, "float32", protocol, requested)
-    plan = memory_check.plan_for(model, device, "float32", protocol, offload=decision.offload.value == "cpu")
+    decision = memory_check.decide(model, device, "float32", protocol, requested, config=config)
+    plan = memory_check.plan_for(model, device, "float32", protocol, offload=decision.offload.value == "cpu",
+                                 config=config)
     eval_tokens = protocol.eval_windows * protocol.seqlen
     for i, stage in enumerate(plan.stages):  # the plan scores eval_tokens // L windows per L; a cell scores fewer
         for length, cells in lengths.items():
@@ -288,7 +290,7 @@ def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_
     mode, text = "none", f"registry claims plan: {model}: no claim runs"
     if running:
         try:
-            decision, plan, cells, builds = table_plan(model, device, corpus, budget, running, offload)
+            decision, plan, cells, builds = table_plan(model, device, corpus, budget, running, offload, facts.config)
         except planning.PlanDoesNotFit as exc:
             pytest.fail(f"{model} on {device}: the plan of the claims table does not fit this machine: {exc}",
                         pytrace=False)

@@ -383,3 +383,23 @@ def test_every_entry_of_paper_py_is_registered_in_its_order() -> None:
     assert paper.PAPER == registry.claims(registry.PAPER)[: len(paper.PAPER)]
     assert [c.id for c in paper.PAPER] == ["C1", "C2", "C3", "C4-ppl", "C6", "C7", "C7-8K", "C8", "App-F",
                                            "beyond-commuting", "beyond-range", "beyond-range-pph"]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["plan", "run"])
+def test_the_checkpoint_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dry_run: bool) -> None:
+    """``rope-quant claims`` reads the model's config once: its facts (premises, head_dim, the R1 refusal, the
+    geometry) are built once and handed to the R1 default, the key-quantiser check, the claims that run, the cost
+    plan, the memory check, the preflight and the report."""
+    from rope_quant.model import loading
+
+    reads: list[str] = []
+    real = loading.load_config
+
+    def counted(name: str, *args, **kwargs):
+        reads.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_config", counted)
+    flags = ["--claims", "C1,C3", "--seeds", "0,1", *(["--dry-run"] if dry_run else [])]
+    assert _claims(tmp_path / "once", *flags) == 0
+    assert reads == ["smollm2-135m"]
