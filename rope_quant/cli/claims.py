@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.cli.args import CLIError, parse_names, parse_seed_list
-from rope_quant.cli.common import DEFAULT_SEEDS, base_config, check_comparator, checkpoint, resolve_budget
+from rope_quant.cli.common import DEFAULT_SEEDS, base_config, check_comparator, checkpoint
 from rope_quant.cli.execute import Cells, sweep
 from rope_quant.cli.options import add_sweep
 
@@ -41,17 +41,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def chosen_claims(text: str | None) -> list[Any]:
     """The claims named by ``--claims``: ids and group names (a group: every claim of it, in registration order),
-    the paper's group by default; an unknown name is refused."""
-    from rope_quant.claims import registry
+    the paper's group by default (:func:`rope_quant.claims.selection.select`); an unknown name is refused."""
+    from rope_quant.claims import registry, selection
 
     if text is None:
-        return list(registry.claims(registry.PAPER))
-    groups = registry.groups()
-    out: dict[str, Any] = {}
-    for name in parse_names(text, "claim", [*registry.active().ids(), *groups]):
-        for claim in registry.claims(name) if name in groups else (registry.get(name),):
-            out.setdefault(claim.id, claim)
-    return list(out.values())
+        return selection.select()
+    return selection.select(parse_names(text, "claim", [*registry.active().ids(), *registry.groups()]))
 
 
 def applicable(claims: Sequence[Any], model: Any, seq_len: int) -> tuple[list[Any], dict[str, str]]:
@@ -62,24 +57,21 @@ def applicable(claims: Sequence[Any], model: Any, seq_len: int) -> tuple[list[An
     config alone (``model``: its name, or its :class:`~rope_quant.claims.premises.ModelFacts` already read); a
     config that cannot be read is left to the model checks. Unequal bits stop the run (:class:`CLIError` naming the
     cells and their bits)."""
-    from rope_quant.claims.premises import adapt, read_checkpoint
+    from rope_quant.claims import selection
+    from rope_quant.claims.premises import read_checkpoint
     from rope_quant.claims.registry import ClaimError
-    from rope_quant.sweep.claims_sweep import scoring_reason
 
     facts = read_checkpoint(model) if isinstance(model, str) else model
-    model = facts.name
-    kept: list[Any] = []
+    try:
+        table = selection.table(claims, facts, seq_len, plain_only=True)
+    except ClaimError as exc:
+        raise CLIError(str(exc)) from None
+    kept = [got for got in table.values() if not isinstance(got, str)]
     out: dict[str, str] = {}
     for claim in claims:
-        why = scoring_reason(claim)
-        try:
-            got = adapt(claim, facts, seq_len=seq_len) if why is None else why
-        except ClaimError as exc:
-            raise CLIError(str(exc)) from None
-        if isinstance(got, str):
-            out[claim.id] = why or f"model {model} lacks a premise: {got}"
-        else:
-            kept.append(got)
+        why = table[claim.id]
+        if isinstance(why, str):
+            out[claim.id] = why if selection.scoring_reason(claim) else f"model {facts.name} lacks a premise: {why}"
     return kept, out
 
 
@@ -120,23 +112,20 @@ def _seed_count(args: argparse.Namespace) -> None:
 
 
 def cost_lines(args: argparse.Namespace, manifest: Any) -> list[str]:
-    """The cost estimate of ``rope-quant plan`` for this sweep: one plan seed per weight build, the cells as its
-    evaluations (config only, no weights); a line saying why when the plan cannot model it."""
-    from rope_quant.experiment import memory_check
+    """The cost estimate of ``rope-quant plan`` for this sweep (:func:`rope_quant.claims.selection.cost_plan`, as
+    pytest's registry fronts make it): one plan seed per weight build, the cells as its evaluations (config only, no
+    weights); a line saying why when the plan cannot model it."""
+    from rope_quant.claims.selection import CellConfig, cost_plan
     from rope_quant.experiment.plan import format_plan
 
-    budget = resolve_budget(args)[0]
-    builds = len({cfg.weight_key() for _, cfg in manifest.cells})
-    per_build = -(-len(manifest) // max(1, builds))
     try:
-        protocol = memory_check.protocol_for(budget["calib_windows"], budget["seqlen"], budget.get("eval_windows"),
-                                             args.whip_epochs, per_build, builds, str(budget["weights"]) == "gptq")
-        plan = memory_check.plan_for(args.model, args.device, args.dtype, protocol, offload=args.offload == "cpu",
-                                     config=checkpoint(args).config)
+        cost = cost_plan(manifest.cells[0][1], [CellConfig(name, cfg) for name, cfg in manifest.cells],
+                         device=args.device, dtype=args.dtype, whip_epochs=args.whip_epochs,
+                         offload=args.offload == "cpu", config=checkpoint(args).config)
     except Exception as exc:  # noqa: BLE001 - an estimate the plan cannot make must not stop the run
         return [f"cost estimate: none ({type(exc).__name__}: {exc})"]
-    return [f"cost estimate (`rope-quant plan`, {builds} weight builds (seed × bits × float order) as its seeds, "
-            f"≤ {per_build} cells each as its configs):", format_plan(plan)]
+    return [f"cost estimate (`rope-quant plan`, {cost.builds} weight builds (seed × bits × float order) as its "
+            f"seeds, ≤ {cost.plan.protocol.configs} cells each as its configs):", format_plan(cost.plan)]
 
 
 def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], seeds: Sequence[int],

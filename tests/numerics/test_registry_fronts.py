@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from rope_quant.claims import registry
+from rope_quant.claims import registry, selection
 from rope_quant.claims.premises import facts_of_checkpoint
 from rope_quant.claims.registry import Claim, MarginRule, Part, cell
 from rope_quant.core.verdict import Form
 from rope_quant.experiment import memory_check
 from rope_quant.pytest_plugin import RQOptions
-from tests._support.registry_front import open_front, table_cells, table_claims
+from tests._support.registry_front import open_front, table_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"  # embedded: its config is read without its weights
@@ -35,6 +35,20 @@ def _budget(seeds: tuple[int, ...] = (0, 1, 2)) -> Any:
     """The fields of the e2e suite's E2EBudget the front reads (its CPU defaults)."""
     return SimpleNamespace(seeds=seeds, replicates=len(seeds), seqlen=512, calib_windows=16, eval_windows=12,
                            support_windows=3, long_windows=1, gptq_float64=False)
+
+
+def table_cells(model: str, corpus: str, device: str, budget: Any, claims: list[Claim]
+                ) -> tuple[set[str], set[str], dict[int, int]]:
+    """The front's table counted: its short-context cell keys, its weight builds and its cells per long-context L."""
+    from rope_quant.claims.registry import Scoring
+
+    configs = table_configs(model, corpus, device, budget, claims)
+    lengths: dict[int, int] = {}
+    for c in configs:
+        if c.scoring is Scoring.LONG:
+            lengths[int(c.length)] = lengths.get(int(c.length), 0) + 1
+    return ({c.config.key() for c in configs if c.scoring is not Scoring.LONG},
+            {c.config.weight_key() for c in configs}, lengths)
 
 
 class Loaded(Exception):
@@ -96,7 +110,7 @@ def test_the_key_claims_resolve_from_the_config_and_count_their_cells() -> None:
     each at 3 seeds, × 2 float orders under W4A4KV4 (GPTQ's); 4-bit keys alone has unquantised weights, so
     no float-order replicate and one build per seed."""
     facts = facts_of_checkpoint(MODEL)
-    table = table_claims(facts, _budget().seqlen, registry.claims(registry.KEYS))
+    table = selection.table(registry.claims(registry.KEYS), facts, _budget().seqlen)
     assert list(table) == list(registry.active().ids(registry.KEYS)) and len(table) == 16
     kvquant, pairbits, fold = (table[i] for i in ("K-kvquant-id-KV4", "K-pairbits-id-W4A4KV4", "K-kivi-fold-KV4"))
     assert isinstance(kvquant, Claim) and isinstance(pairbits, Claim) and isinstance(fold, Claim)
