@@ -12,7 +12,8 @@ selected and needs a CUDA check. Per-session state lives in ``config.stash``.
 
 Tests attach measurements with the ``rq_claim`` / ``rq_record`` fixtures. The data travels on
 ``report.user_properties`` (so it survives pytest-xdist) and is printed by
-``pytest_terminal_summary``; ``--rq-claims-out=DIR`` also writes it as JSON and Markdown. A registry front
+``pytest_terminal_summary``; ``--rq-claims-out=DIR`` also writes it as JSON and Markdown (the schema and the
+writer ``rope-quant report DIR`` uses too: :mod:`rope_quant.claims_json`). A registry front
 describes its run with ``rq_run`` (the model and its fingerprint, the protocol, the device: the keys
 ``rope-quant report DIR`` writes), so the JSON says what the claims were measured on.
 """
@@ -27,8 +28,10 @@ from typing import Any
 
 import pytest
 
+from rope_quant import claims_json  # stdlib only, like io and seeds: keeps the plugin light
+from rope_quant.claims_json import CLAIMS_SCHEMA
 from rope_quant.defaults import DEFAULT_CORPUS, DEFAULT_FUTILITY, DEFAULT_MAX_SEEDS, DEFAULT_MODEL, DEFAULT_SHAPE, Shape
-from rope_quant.io import atomic_write_text, markdown_table  # stdlib only: keeps the plugin light
+from rope_quant.io import markdown_table
 from rope_quant.seeds import SeedSpecError, parse_seeds  # stdlib only
 
 MARKERS = {
@@ -43,13 +46,7 @@ _CLAIMS_KEY = "rq_claim"
 _TABLE_KEY = "rq_table"
 _MACHINE_KEY = "rq_machine"
 _RUN_KEY = "rq_run"
-#: The keys of a run's description (``rq_run``), written at the top of the claims JSON when the session measured
-#: one model (``rope_quant.analysis.claims_report.RUN_KEYS``; a test keeps the two equal).
-RUN_KEYS = ("model", "protocol", "device")
 _STORE = pytest.StashKey["_Collector"]()
-#: The claims JSON's layout: 2 adds ``schema`` and each decision's ``rule`` / ``float_order``
-#: (rope_quant.analysis.reproduce reads both layouts).
-CLAIMS_SCHEMA = 2
 _OPTIONS = pytest.StashKey["RQOptions"]()
 
 
@@ -304,7 +301,7 @@ def rq_claim(request: pytest.FixtureRequest):
         decided = None
         if verdict is not None:
             decided = _decision(verdict)
-            holds = {"holds": True, "fails": False, "refuted": False}.get(decided["outcome"])
+            holds = claims_json.holds_of(decided["outcome"])
         entry = {"claim": claim, "id": claim_id, "model": model or EMBEDDED_MODEL, "expected": expected,
                  "measured": measured,
                  "holds": None if holds is None else bool(holds), "decision": decided,
@@ -388,48 +385,16 @@ class _Collector:
                 self.runs.setdefault(json.dumps([model.get("name"), model.get("fingerprint")]), value)
 
     def payload(self) -> dict[str, Any]:
-        """The claims JSON: schema, claims (with their verdict and budget columns), tables, machine, runs, and the
-        run's keys at the top when one model was measured."""
+        """The claims JSON (:mod:`rope_quant.claims_json`): schema, claims (with their verdict and budget
+        columns), tables, machine, runs, and the run's keys at the top when one model was measured."""
         runs = list(self.runs.values())
-        one = {k: runs[0][k] for k in RUN_KEYS if k in runs[0]} if len(runs) == 1 else {}
-        return {"schema": CLAIMS_SCHEMA,
-                "claims": [{**c, "verdict": verdict(c), "budget": budget(c)} for c in self.claims],
-                "tables": self.tables, "machine": self.machine, **one, "runs": runs}
-
-
-def verdict(claim: dict[str, Any]) -> str:
-    """The verdict column: the decision rule's text (rope_quant.core.verdict) combined with the test outcome."""
-    decision = claim.get("decision")
-    xfail = " (xfail)" if claim["outcome"] == "xfailed" else ""
-    if claim["outcome"] == "failed":
-        if decision and decision["outcome"] in ("fails", "refuted"):
-            return decision["text"]
-        return "FAILED"
-    if decision:
-        return decision["text"] + xfail
-    if claim["holds"] is None and not xfail:
-        return "recorded (no claim)"
-    return ("holds" if claim["holds"] and not xfail else "fails") + xfail
-
-
-def budget(claim: dict[str, Any]) -> str:
-    """The budget column: what would decide an inconclusive claim at 80% power (empty when decided)."""
-    decision = claim.get("decision") or {}
-    if decision.get("outcome") != "inconclusive":
-        return ""
-    if decision.get("stop"):  # the sequential rule's honest stop at M: its reason, not a fixed-n budget
-        return decision["stop"]
-    if decision.get("budget"):
-        return decision["budget"]["text"]
-    return decision.get("note", "")
+        return {"schema": CLAIMS_SCHEMA, "claims": [claims_json.with_columns(c) for c in self.claims],
+                "tables": self.tables, "machine": self.machine, **claims_json.runs_keys(runs), "runs": runs}
 
 
 def claims_markdown(claims: list[dict[str, Any]]) -> str:
-    rows = [{**c, "verdict": verdict(c), "budget to decide": budget(c)} for c in claims]
-    columns = ["claim", "model", "expected", "measured", "verdict"]
-    if any(r["budget to decide"] for r in rows):
-        columns.append("budget to decide")
-    return markdown_table(rows, columns)
+    """The claims table of recorded claims (:func:`rope_quant.claims_json.claims_markdown`, their columns added)."""
+    return claims_json.claims_markdown([claims_json.with_columns(c) for c in claims])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -446,8 +411,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(claims_markdown(claims))
     out = options(config).claims_out
     if out and (claims or tables):
-        directory = Path(out)
-        directory.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(directory / "claims.json", json.dumps(store.payload(), indent=2))
-        atomic_write_text(directory / "claims.md", claims_markdown(claims) + "\n")
-        terminalreporter.write_line(f"claims written to {directory}/claims.json and claims.md")
+        claims_json.write(out, store.payload())
+        terminalreporter.write_line(f"claims written to {Path(out)}/{claims_json.CLAIMS_JSON} and "
+                                    f"{claims_json.CLAIMS_MD}")

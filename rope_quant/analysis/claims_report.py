@@ -1,8 +1,8 @@
 """The claims table of a claims directory (``rope-quant claims``; read by ``report DIR`` and ``decide DIR``).
 
 Each claim of the registry is decided by :func:`rope_quant.claims.engine.evaluate` over the directory's records
-(:class:`~rope_quant.sweep.claim_store.DirectoryStore`) and written in the shape of the pytest plugin's
-``--rq-claims-out`` (``DIR/claims.json``, ``DIR/claims.md``; docs/verdicts.md, "The claims JSON"): schema 2, one
+(:class:`~rope_quant.sweep.claim_store.DirectoryStore`) and written by the pytest plugin's writer, in its schema
+(:mod:`rope_quant.claims_json`: ``DIR/claims.json``, ``DIR/claims.md``; docs/verdicts.md, "The claims JSON"): one
 row per claim with the plugin's keys (``test`` and ``outcome`` are None: no pytest test ran) and the engine's
 (``id``, ``section``, ``statement``, ``seeds``, ``rule``). The payload also names the model and its content
 fingerprint, the protocol (seeds, windows, calibration tokens), the device (:func:`describe_run`, the keys the
@@ -21,20 +21,21 @@ from typing import TYPE_CHECKING, Any
 
 from rope_quant.claims.engine import ClaimResult
 from rope_quant.claims.registry import Claim
-from rope_quant.io import atomic_write_text, json_text, markdown_table
+from rope_quant.claims_json import (  # noqa: F401 (the names this module has always given)
+    BUDGET_COLUMN,
+    CLAIMS_JSON,
+    CLAIMS_MD,
+    CLAIMS_SCHEMA,
+    COLUMNS,
+    RUN_KEYS,
+    claims_markdown,
+)
+from rope_quant.claims_json import write as write_claims  # noqa: F401 (the name this module has always given)
+from rope_quant.io import json_text
 from rope_quant.sweep.claims_decide import claim_seeds, evaluate
 
 if TYPE_CHECKING:
     from rope_quant.sweep.claim_store import DirectoryStore
-
-CLAIMS_SCHEMA = 2
-"""The claims JSON's layout (``rope_quant.pytest_plugin.CLAIMS_SCHEMA``; a test keeps the two equal)."""
-CLAIMS_JSON = "claims.json"
-CLAIMS_MD = "claims.md"
-#: The columns of the claims table, as the pytest plugin prints them (``budget to decide`` when any row has one).
-COLUMNS = ("claim", "model", "expected", "measured", "verdict")
-BUDGET_COLUMN = "budget to decide"
-
 
 def evaluate_directory(store: DirectoryStore, claims: Sequence[Claim]) -> list[ClaimResult]:
     """Every claim at its seeds in the directory, by the fixed-n rule."""
@@ -49,13 +50,6 @@ def row(result: ClaimResult, model: str | None, **extra: Any) -> dict[str, Any]:
         out["outside"] = result.claim.outside
     out.update(extra)
     return json.loads(json_text(out))
-
-
-def claims_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The claims table (the plugin's columns; the budget column when a claim is undecided with a budget)."""
-    shown = [{**r, BUDGET_COLUMN: r.get("budget") or ""} for r in rows]
-    columns = [*COLUMNS, *([BUDGET_COLUMN] if any(r[BUDGET_COLUMN] for r in shown) else [])]
-    return markdown_table(shown, columns)
 
 
 def left_out_lines(left_out: Mapping[str, str]) -> list[str]:
@@ -85,11 +79,6 @@ def _fingerprint(run: Any) -> str | None:
 
 #: How the claims JSON's model fingerprint is computed (both fronts write it).
 FINGERPRINT_BASIS = "SHA-256 of the model files (rope_quant.experiment.identity)"
-#: The keys that describe a run in the claims JSON, from ``rope-quant report DIR`` and from pytest's
-#: ``--rq-claims-out`` alike (:func:`describe_run`; ``runs`` lists one such description per model).
-RUN_KEYS = ("model", "protocol", "device")
-
-
 def describe_run(run: Any, seeds: Sequence[int], comparator: str, device: Mapping[str, Any] | None = None,
                  fingerprint: str | None = None, name: str = "rope-quant claims") -> dict[str, Any]:
     """The ``model`` (name, fingerprint of its files), ``protocol`` and ``device`` of a claims table whose cells are
@@ -135,12 +124,3 @@ def payload(out: str | os.PathLike[str], store: DirectoryStore, results: Sequenc
             **about, "runs": [{k: about[k] for k in RUN_KEYS}],
             "left_out": [{"id": cid, "reason": why} for cid, why in left_out.items()], **extra}
 
-
-def write_claims(out: str | os.PathLike[str], data: Mapping[str, Any], name: str = CLAIMS_JSON,
-                 markdown: str | None = CLAIMS_MD) -> list[Path]:
-    """Write the claims JSON (and its table as Markdown) into ``out``; returns the paths written."""
-    out = Path(out)
-    written = [atomic_write_text(out / name, json_text(dict(data)))]
-    if markdown:
-        written.append(atomic_write_text(out / markdown, claims_markdown(data["claims"]) + "\n"))
-    return written

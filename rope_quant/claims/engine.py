@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from rope_quant.claims.registry import Claim, ClaimError, Diff, MarginKind, Metric, Part, Side, Statistic
 from rope_quant.claims.stores import ReplicateValues, Store
+from rope_quant.claims_json import holds_of
 from rope_quant.core import verdict as rule
 from rope_quant.core.verdict import Form, Margin, Outcome, Verdict
 
@@ -87,7 +88,7 @@ class ClaimResult:
                 "expected": "; ".join(_expected(p, r.margin)
                                       for p, r in zip(self.claim.parts, self.parts, strict=True)),
                 "measured": "; ".join(_measured(r) for r in self.parts),
-                "holds": {"holds": True, "fails": False, "refuted": False}.get(decision["outcome"]),
+                "holds": holds_of(decision["outcome"]),
                 "decision": decision, "numbers": {r.name: r.numbers() for r in self.parts},
                 "parts": {r.name: r.verdict.to_dict() for r in self.parts},
                 "verdict": self.verdict.text(), "budget": _budget_text(self.verdict),

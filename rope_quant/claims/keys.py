@@ -33,6 +33,7 @@ Each scheme × R3 (``id``: identity; ``fold``: the best foldable R3 of the archi
 unquantised weights and no R1, R2 or R4, as the cross-model KV-only claims; ``W4A4KV4``: the paper's pipeline) is
 one claim, id ``K-<scheme>-<id|fold>-<KV4|W4A4KV4>``. The model-dependent values (G = d, the mean width, the best
 foldable R3) are :class:`~rope_quant.claims.registry.Resolve` sentinels, resolved from the model's config.
+Every key claim is ``slow`` (pytest's fronts run it with ``--run-slow``; ``rope-quant claims --claims keys``).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def _claim(scheme: Scheme, r3: str, setting: str) -> Claim:
         f"equivalence margin (the reference's ±0.05 PPL scaled by its ppl), at equal bits per key element "
         f"({scheme.equal_bits}): it replaces the online Hadamard.",
         "beyond the paper (docs/key_quantizers.md)",
-        {"scheme": treatment, "reference": reference}, (part,), premises, group=KEYS, equal_bits=True, question=True)
+        {"scheme": treatment, "reference": reference}, (part,), premises, group=KEYS, equal_bits=True, question=True,
+        slow=True)
 
 
 KEY_CLAIMS: tuple[Claim, ...] = tuple(_claim(s, r3, setting) for setting in SETTINGS for s in SCHEMES for r3 in R3S)

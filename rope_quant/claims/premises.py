@@ -9,6 +9,11 @@ A claim whose only missing premise is ``r1_foldable`` runs with ``r1=identity`` 
 online R3 unchanged; the paper's pipeline without R1, the deviation named); any other missing premise skips
 the claim with its reason.
 
+A checkpoint's config is read once (:func:`read_checkpoint`): its :class:`ModelFacts` hold the config itself,
+the premises, head_dim (the key quantisers' limits), the geometry, the R1 refusal, or why the config cannot be
+read; ``rope-quant claims`` builds them once per model and hands them down (the R1 default, the key-quantiser
+checks, the claims that run, the cost plan), as the pytest fronts do.
+
 A cell value that depends on the model (a :class:`~rope_quant.claims.registry.Resolve` sentinel) is replaced
 from the model's config, :class:`ModelFacts` (no weights): ``HEAD_DIM`` by d, ``EQUAL_PAIR_AVG`` by
 k_bits − 32/d, ``BEST_FOLDABLE_R3`` by :func:`best_foldable_r3` (its settings with it); a claim whose resolved
@@ -22,8 +27,8 @@ torch at import.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from types import MappingProxyType
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 from rope_quant.claims.registry import Claim, ClaimError, Override, Premise, Resolve
@@ -31,14 +36,39 @@ from rope_quant.claims.registry import Claim, ClaimError, Override, Premise, Res
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the claims read of a model's config: its premises (premise → None where met, else why not), its
+    """What a model's config says, read once: its premises (premise → None where met, else why not), its
     ``head_dim`` (None where the adapter cannot read it), whether its attention has per-head q/k norms (Qwen3,
-    Gemma 3) and its ``model_type``."""
+    Gemma 3) and its ``model_type``; ``name`` (the checkpoint read), ``config`` (the config itself, for the cost
+    plan and the geometry; None when it cannot be read) and ``error`` (why not)."""
 
     premises: Mapping[Premise, str | None]
     head_dim: int | None = None
     qk_norms: bool = False
     model_type: str = ""
+    name: str = field(default="", compare=False)
+    config: Any = field(default=None, compare=False, repr=False)
+    error: BaseException | None = field(default=None, compare=False)
+
+    def as_model(self) -> Any:
+        """An object with the model's ``config`` (what the architecture adapter reads without weights); the
+        reading's error where the config could not be read."""
+        if self.config is None:
+            raise self.error or ValueError(f"model {self.name or '?'}: no config was read")
+        return SimpleNamespace(config=self.config)
+
+    @property
+    def r1_refusal(self) -> str | None:
+        """Why the architecture refuses R1, or None (it folds, or the config cannot be read: the model checks
+        report that)."""
+        if self.premises.get(Premise.ROPE) is not None:
+            return None
+        return self.premises.get(Premise.R1_FOLDABLE)
+
+    def dims(self) -> Any:
+        """The model's geometry (``model/arch.py``: layers, heads, head_dim …) from its config."""
+        from rope_quant.model import arch
+
+        return arch.dims(self.as_model())
 
 
 def premises_of(model: Any) -> dict[Premise, str | None]:
@@ -58,24 +88,37 @@ def premises_of(model: Any) -> dict[Premise, str | None]:
     return out
 
 
-def facts_of(model: Any) -> ModelFacts:
+def facts_of(model: Any, name: str = "") -> ModelFacts:
     """:class:`ModelFacts` of ``model`` (a loaded model, or anything with its ``config``)."""
     from rope_quant.model import arch
 
     premises = premises_of(model)
+    config = getattr(model, "config", None)
     if premises[Premise.ROPE] is not None:
-        return ModelFacts(premises)
+        return ModelFacts(premises, name=name, config=config)
     spec = arch.spec_for(model)
-    return ModelFacts(premises, arch.dims(model).head_dim, spec.has_qk_norm, spec.model_type)
+    return ModelFacts(premises, arch.dims(model).head_dim, spec.has_qk_norm, spec.model_type, name, config)
 
 
 def facts_of_checkpoint(name_or_path: str) -> ModelFacts:
-    """:func:`facts_of` from a checkpoint's config alone (no weights loaded)."""
-    from types import SimpleNamespace
+    """:func:`facts_of` from a checkpoint's config alone (no weights loaded); its reading's error raised
+    (``ModelNotFoundError``, ``ModelLoadError``)."""
+    facts = read_checkpoint(name_or_path)
+    if facts.error is not None:
+        raise facts.error
+    return facts
 
-    from rope_quant.model.loading import load_config
 
-    return facts_of(SimpleNamespace(config=load_config(name_or_path)))
+def read_checkpoint(name_or_path: str) -> ModelFacts:
+    """The checkpoint's :class:`ModelFacts`, its config read once (``model/loading.py: load_config``); a config
+    that cannot be read gives facts with no premise met and the ``error`` (raised by :meth:`ModelFacts.as_model`)."""
+    from rope_quant.model.arch import ArchitectureError
+    from rope_quant.model.loading import ModelLoadError, ModelNotFoundError, load_config
+
+    try:
+        return facts_of(SimpleNamespace(config=load_config(name_or_path)), str(name_or_path))
+    except (ModelNotFoundError, ModelLoadError, ArchitectureError) as exc:
+        return ModelFacts({}, name=str(name_or_path), error=exc)
 
 
 #: The best foldable R3 of docs/foldable_r3.md's study (3 seeds, KV4 alone and with GPTQ weights), by whether the

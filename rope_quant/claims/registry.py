@@ -266,7 +266,9 @@ class Claim:
     configs by :func:`rope_quant.claims.premises.adapt`, and on the cells' measured ``k_bits_per_element`` by the
     engine); ``question``: a question beyond the paper rather than a statement of it (the key quantisers: does a
     scheme replace the online Hadamard?), so either decided answer is a result and its test fails only on an
-    answer it cannot give (:meth:`fails_test`)."""
+    answer it cannot give (:meth:`fails_test`); ``slow``: its cells would push the default e2e layer past CI's
+    time, so pytest's fronts mark its test ``slow`` (run with ``--run-slow``; ``rope-quant claims`` runs it when
+    asked)."""
 
     id: str
     title: str
@@ -279,6 +281,7 @@ class Claim:
     group: str = PAPER
     equal_bits: bool = False
     question: bool = False
+    slow: bool = False
 
     def fails_test(self, verdict: Any) -> bool:
         """Whether a front's test of this claim fails on ``verdict``: a statement of the paper fails when it is

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.cli.args import CLIError, parse_names, parse_seed_list
-from rope_quant.cli.common import DEFAULT_SEEDS, base_config, check_comparator, resolve_budget
+from rope_quant.cli.common import DEFAULT_SEEDS, base_config, check_comparator, checkpoint
 from rope_quant.cli.execute import Cells, sweep
 from rope_quant.cli.options import add_sweep
 
@@ -41,70 +41,58 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def chosen_claims(text: str | None) -> list[Any]:
     """The claims named by ``--claims``: ids and group names (a group: every claim of it, in registration order),
-    the paper's group by default; an unknown name is refused."""
-    from rope_quant.claims import registry
+    the paper's group by default (:func:`rope_quant.claims.selection.select`); an unknown name is refused."""
+    from rope_quant.claims import registry, selection
 
     if text is None:
-        return list(registry.claims(registry.PAPER))
-    groups = registry.groups()
-    out: dict[str, Any] = {}
-    for name in parse_names(text, "claim", [*registry.active().ids(), *groups]):
-        for claim in registry.claims(name) if name in groups else (registry.get(name),):
-            out.setdefault(claim.id, claim)
-    return list(out.values())
+        return selection.select()
+    return selection.select(parse_names(text, "claim", [*registry.active().ids(), *registry.groups()]))
 
 
-def applicable(claims: Sequence[Any], model: str, seq_len: int,
+def applicable(claims: Sequence[Any], model: Any, seq_len: int,
                requested: Collection[str] | None = None) -> tuple[list[Any], dict[str, str]]:
     """The claims that run on ``model`` (each as :func:`rope_quant.claims.premises.adapt` runs it there: a
     refused R1 becomes ``r1=identity``, named in its title; model-dependent values resolved; a claim at equal
     bits per key element checked at T = ``seq_len``, the evaluation windows' length), and claim id → why the
     others are left out: their cells are not plain run cells, or the model lacks a premise. Read from the model's
-    config alone; a config that cannot be read is left to the model checks. Unequal bits of a ``requested`` claim
-    (default: every claim) stop the run (:class:`CLIError` naming the cells and their bits); any other claim they
-    leave out with that reason, so a claim nobody asked for never stops the table of those asked for."""
-    from rope_quant.claims.premises import ModelFacts, adapt, facts_of_checkpoint
+    config alone (``model``: its name, or its :class:`~rope_quant.claims.premises.ModelFacts` already read); a
+    config that cannot be read is left to the model checks. Unequal bits of a ``requested`` claim (default: every
+    claim) stop the run (:class:`CLIError` naming the cells and their bits); any other claim they leave out with
+    that reason, so a claim nobody asked for never stops the table of those asked for."""
+    from rope_quant.claims import selection
+    from rope_quant.claims.premises import read_checkpoint
     from rope_quant.claims.registry import ClaimError
-    from rope_quant.model.arch import ArchitectureError
-    from rope_quant.model.loading import ModelLoadError
-    from rope_quant.sweep.claims_sweep import scoring_reason
 
+    facts = read_checkpoint(model) if isinstance(model, str) else model
     try:
-        facts = facts_of_checkpoint(model)
-    except (ModelLoadError, ArchitectureError):
-        facts = ModelFacts({})
-    kept: list[Any] = []
+        table = selection.table(claims, facts, seq_len, plain_only=True, requested=requested)
+    except ClaimError as exc:
+        raise CLIError(str(exc)) from None
+    kept = [got for got in table.values() if not isinstance(got, str)]
     out: dict[str, str] = {}
     for claim in claims:
-        why = scoring_reason(claim)
-        try:
-            got = adapt(claim, facts, seq_len=seq_len) if why is None else why
-        except ClaimError as exc:
-            if requested is None or claim.id in requested:
-                raise CLIError(str(exc)) from None
-            out[claim.id] = f"it cannot be adapted to {model}: {exc}"
-            continue
-        if isinstance(got, str):
-            out[claim.id] = why or f"model {model} lacks a premise: {got}"
-        else:
-            kept.append(got)
+        why = table[claim.id]
+        if isinstance(why, str):
+            given = selection.scoring_reason(claim) or why.startswith(selection.NOT_ADAPTED)
+            out[claim.id] = why if given else f"model {facts.name} lacks a premise: {why}"
     return kept, out
 
 
-def directory_claims(store: Any) -> tuple[list[Any], dict[str, str]]:
+def directory_claims(store: Any, facts: Any = None) -> tuple[list[Any], dict[str, str]]:
     """The claims a claims directory's table reads: every registered claim whose cells its manifest plans (a planned
     cell not yet computed reads inconclusive, naming it), adapted to its model at its evaluation windows' T; claim
     id → why the others are left out (a premise the model lacks, a claim that cannot be adapted to it; a claim of
     the paper the sweep did not plan). Only the claims the sweep was asked for (:func:`requested_claims`) can stop
-    the table."""
+    the table. ``facts``: the model's :class:`~rope_quant.claims.premises.ModelFacts` where the caller has read
+    them."""
     from rope_quant.claims import registry
     from rope_quant.sweep.cellkind import run_of
     from rope_quant.sweep.claims_decide import planned_claims
     from rope_quant.sweep.claims_sweep import requested_claims
 
     comparator = run_of(store.comparator())
-    kept, dropped = applicable(registry.claims(), comparator.model, comparator.budget.seqlen,
-                               requested_claims(store.manifest))
+    model = facts if facts is not None and facts.name == str(comparator.model) else comparator.model
+    kept, dropped = applicable(registry.claims(), model, comparator.budget.seqlen, requested_claims(store.manifest))
     planned, absent = planned_claims(store, kept)
     for claim in absent:
         if claim.group == registry.PAPER:  # the opt-in groups (beyond the paper, keys) are not listed
@@ -116,9 +104,7 @@ def directory_claims(store: Any) -> tuple[list[Any], dict[str, str]]:
 def _nearest_r1(args: argparse.Namespace) -> None:
     """R1 = identity where the architecture refuses R1 and ``--r1`` is not given: the claims' nearest protocol
     (:mod:`rope_quant.claims.premises`, as pytest's front runs them; each row names the deviation)."""
-    from rope_quant.cli.common import r1_refusal
-
-    if args.r1 is None and (reason := r1_refusal(args.model)) is not None:
+    if args.r1 is None and (reason := checkpoint(args).r1_refusal) is not None:
         args.r1 = "identity"
         print(f"note: R1 set to identity for {args.model}, the claims' nearest protocol (R2, R4 and the online R3 "
               f"unchanged; each row names the deviation): {reason}", flush=True)
@@ -132,22 +118,20 @@ def _seed_count(args: argparse.Namespace) -> None:
 
 
 def cost_lines(args: argparse.Namespace, manifest: Any) -> list[str]:
-    """The cost estimate of ``rope-quant plan`` for this sweep: one plan seed per weight build, the cells as its
-    evaluations (config only, no weights); a line saying why when the plan cannot model it."""
-    from rope_quant.experiment import memory_check
+    """The cost estimate of ``rope-quant plan`` for this sweep (:func:`rope_quant.claims.selection.cost_plan`, as
+    pytest's registry fronts make it): one plan seed per weight build, the cells as its evaluations (config only, no
+    weights); a line saying why when the plan cannot model it."""
+    from rope_quant.claims.selection import CellConfig, cost_plan
     from rope_quant.experiment.plan import format_plan
 
-    budget = resolve_budget(args)[0]
-    builds = len({cfg.weight_key() for _, cfg in manifest.cells})
-    per_build = -(-len(manifest) // max(1, builds))
     try:
-        protocol = memory_check.protocol_for(budget["calib_windows"], budget["seqlen"], budget.get("eval_windows"),
-                                             args.whip_epochs, per_build, builds, str(budget["weights"]) == "gptq")
-        plan = memory_check.plan_for(args.model, args.device, args.dtype, protocol, offload=args.offload == "cpu")
+        cost = cost_plan(manifest.cells[0][1], [CellConfig(name, cfg) for name, cfg in manifest.cells],
+                         device=args.device, dtype=args.dtype, whip_epochs=args.whip_epochs,
+                         offload=args.offload == "cpu", config=checkpoint(args).config)
     except Exception as exc:  # noqa: BLE001 - an estimate the plan cannot make must not stop the run
         return [f"cost estimate: none ({type(exc).__name__}: {exc})"]
-    return [f"cost estimate (`rope-quant plan`, {builds} weight builds (seed × bits × float order) as its seeds, "
-            f"≤ {per_build} cells each as its configs):", format_plan(plan)]
+    return [f"cost estimate (`rope-quant plan`, {cost.builds} weight builds (seed × bits × float order) as its "
+            f"seeds, ≤ {cost.plan.protocol.configs} cells each as its configs):", format_plan(cost.plan)]
 
 
 def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], seeds: Sequence[int],
@@ -175,14 +159,15 @@ def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], s
         print(line, flush=True)
 
 
-def write_report(out: str | Path) -> dict[str, Any]:
+def write_report(out: str | Path, facts: Any = None) -> dict[str, Any]:
     """The claims table of claims directory ``out``: every registered claim read over its records (fixed-n),
-    written to DIR/claims.json and DIR/claims.md; ``{"markdown", "files"}`` as the sweep path prints them."""
+    written to DIR/claims.json and DIR/claims.md; ``{"markdown", "files"}`` as the sweep path prints them.
+    ``facts``: its model's facts where the caller has read them (:func:`directory_claims`)."""
     from rope_quant.analysis import claims_report as cr
     from rope_quant.sweep.claim_store import DirectoryStore
 
     store = DirectoryStore(out)
-    kept, dropped = directory_claims(store)
+    kept, dropped = directory_claims(store, facts)
     results = cr.evaluate_directory(store, kept)
     data = cr.payload(out, store, results, dropped, SOURCE)
     files = cr.write_claims(out, data)
@@ -208,7 +193,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         if defaulted:
             used.append("weights=gptq (the claims' default on every device: the float-order replicate is GPTQ's)")
         base = base_config(args)
-        kept, dropped = applicable(chosen, args.model, base.budget.seqlen)
+        kept, dropped = applicable(chosen, checkpoint(args), base.budget.seqlen)
         if not kept:
             raise CLIError(f"no claim left to run on {args.model}: "
                            + "; ".join(f"{cid}: {why}" for cid, why in dropped.items()))
@@ -216,4 +201,4 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         print_plan(args, manifest, kept, seeds, dropped)
         return manifest
 
-    return sweep(args, cells, build, write_report)
+    return sweep(args, cells, build, lambda out: write_report(out, checkpoint(args)))

@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rope_quant.cli.args import CLIError, check_name, flag, parse_names, parse_seed_list, unknown_name
 from rope_quant.cli.options import KEY_QUANT_FLAGS
+
+if TYPE_CHECKING:
+    from rope_quant.claims.premises import ModelFacts
 
 DEFAULT_CONFIGS = ("hadamard", "pairwise_only", "pairwise_plus_hadamard", "identity")
 DEFAULT_SEEDS = (0, 1, 2)
@@ -99,7 +102,25 @@ def resolve_budget(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]
     return budget, used
 
 
-def resolve_r1(model: str, requested: str | None, a_bits: int) -> str:
+def checkpoint(args: argparse.Namespace) -> ModelFacts:
+    """The facts of ``args.model``'s config (:func:`rope_quant.claims.premises.read_checkpoint`), read once per
+    command and model and kept on ``args``: every check below reads them instead of the config again."""
+    from rope_quant.claims.premises import read_checkpoint
+
+    got = getattr(args, "model_facts", None)
+    if got is None or got.name != str(args.model):
+        got = read_checkpoint(args.model)
+        args.model_facts = got
+    return got
+
+
+def _facts(model: str | ModelFacts) -> ModelFacts:
+    from rope_quant.claims.premises import read_checkpoint
+
+    return read_checkpoint(model) if isinstance(model, str) else model
+
+
+def resolve_r1(model: str | ModelFacts, requested: str | None, a_bits: int) -> str:
     """The R1 to use (:func:`rope_quant.rotations.r1_choice.choose_r1`); a changed default is explained on stdout, a
     refusal is a :class:`CLIError` naming the sandwich norms and the alternatives."""
     from rope_quant.quant.quantizers import OFF_BITS
@@ -108,8 +129,9 @@ def resolve_r1(model: str, requested: str | None, a_bits: int) -> str:
         return requested
     from rope_quant.rotations.r1_choice import choose_r1
 
+    facts = _facts(model)
     try:
-        choice = choose_r1(model, r1_refusal(model), requested, a_bits, off_bits=OFF_BITS)
+        choice = choose_r1(facts.name, r1_refusal(facts), requested, a_bits, off_bits=OFF_BITS)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if choice.note:
@@ -117,33 +139,25 @@ def resolve_r1(model: str, requested: str | None, a_bits: int) -> str:
     return choice.r1
 
 
-def r1_refusal(model: str) -> str | None:
-    """Why the model's architecture refuses R1 (from its config alone), or None."""
-    from types import SimpleNamespace
-
-    from rope_quant.model import arch
-    from rope_quant.model.loading import ModelLoadError, load_config
-
-    try:
-        return arch.rotation_refusal(SimpleNamespace(config=load_config(model)), "r1")
-    except (ModelLoadError, arch.ArchitectureError):
-        return None  # reported by the pipeline's own checks
+def r1_refusal(model: str | ModelFacts) -> str | None:
+    """Why the model's architecture refuses R1 (from its config alone), or None (a config that cannot be read is
+    reported by the pipeline's own checks)."""
+    return _facts(model).r1_refusal
 
 
-def head_dim(model: str) -> int:
+def head_dim(model: str | ModelFacts) -> int:
     """head_dim of a model from its config alone (no weights loaded)."""
-    from types import SimpleNamespace
-
     from rope_quant.model import arch
-    from rope_quant.model.loading import ModelLoadError, load_config
+    from rope_quant.model.loading import ModelLoadError, ModelNotFoundError
 
+    facts = _facts(model)
     try:
-        return arch.dims(SimpleNamespace(config=load_config(model))).head_dim
-    except (ModelLoadError, arch.UnsupportedModelTypeError, arch.ModelStructureError) as exc:
-        raise CLIError(f"model {model}: {exc}") from exc
+        return int(facts.dims().head_dim)
+    except (ModelLoadError, ModelNotFoundError, arch.ArchitectureError) as exc:
+        raise CLIError(f"model {facts.name}: {exc}") from exc
 
 
-def check_key_quant(cfg: Any, model: str) -> None:
+def check_key_quant(cfg: Any, model: str | ModelFacts) -> None:
     """What the key quantiser's parameters need of the model's geometry, from its config alone (rope_pair_bits:
     integer widths over head_dim/2 pairs averaging the target; the ggml formats: blocks of 32), and the runtime
     rotation (head_dim a multiple of 64); a :class:`PipelineError` names the field."""
@@ -174,7 +188,7 @@ def base_config(args: argparse.Namespace, **overrides: Any) -> Any:
     fields.update(overrides)
     try:
         cfg = config.RunConfig.from_flat(**fields)
-        check_key_quant(cfg, args.model)
+        check_key_quant(cfg, checkpoint(args))
     except config.PipelineError as exc:
         raise CLIError(flags_for_fields(str(exc))) from None
     from rope_quant.experiment.identity import resolve_identity

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rope_quant.cli.args import CLIError
-from rope_quant.cli.common import resolve_budget, seeds
+from rope_quant.cli.common import checkpoint, resolve_budget, seeds
 
 if TYPE_CHECKING:
     from rope_quant.sweep.loaded_models import ModelCache
@@ -212,7 +212,8 @@ def execute(args: argparse.Namespace, cells: Cells, manifest: Any, used: list[st
     todo = pending(out, merged.manifest, selected, args.resume and args.slurm is None)
     if todo:
         for note in preflight(Manifest(cells=todo, study=manifest.study), cells.cache(),
-                              load=cells.cell_fn is None and args.slurm is None):
+                              load=cells.cell_fn is None and args.slurm is None,
+                              configs={args.model: checkpoint(args).config}):
             print(f"note: {note}", file=sys.stderr)
     if args.slurm is not None:
         write_manifest(out, merged.manifest)

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from rope_quant.cli.args import CLIError, unknown_name
 
@@ -27,19 +28,13 @@ def check_corpus(name: str) -> str:
     raise unknown_name("corpus", name, [*known, "wikitext2"])
 
 
-def check_model(name: str) -> str:
+def check_model(name: str, facts: Any = None) -> str:
     """An embedded model name or an existing local checkpoint / .gguf file of a supported architecture (else
-    the closest names, or the registered types)."""
-    from types import SimpleNamespace
-
+    the closest names, or the registered types). ``facts``: the model's config already read
+    (:func:`rope_quant.cli.common.checkpoint`), else it is read here."""
+    from rope_quant.claims.premises import read_checkpoint
     from rope_quant.model import arch
-    from rope_quant.model.loading import (
-        EMBEDDED_MODELS,
-        ModelLoadError,
-        ModelNotFoundError,
-        check_checkpoint,
-        load_config,
-    )
+    from rope_quant.model.loading import EMBEDDED_MODELS, ModelLoadError, ModelNotFoundError, check_checkpoint
 
     looks_like_path = "/" in name or "\\" in name or name.endswith(".gguf")
     if name.lower() not in EMBEDDED_MODELS and not looks_like_path and not Path(name).expanduser().exists():
@@ -47,7 +42,7 @@ def check_model(name: str) -> str:
     try:
         check_checkpoint(name)  # resolves it; a cut file or an odd head_dim is named here, before any weight loads
         if name.lower() not in EMBEDDED_MODELS:  # the architecture from the config alone (a GGUF's header)
-            arch.spec_for(SimpleNamespace(config=load_config(name)))
+            arch.spec_for((facts or read_checkpoint(name)).as_model())
     except (ModelNotFoundError, ModelLoadError) as exc:
         raise CLIError(str(exc)) from None
     except arch.ArchitectureError as exc:
@@ -90,7 +85,7 @@ def check_memory(args: argparse.Namespace, configs: int = 1, seeds: int = 1) -> 
     before any model loads: the offload mode to run with (announced when streamed), else a :class:`CLIError`
     (exit 2) naming the stage and the plan's remedy. A model whose config cannot be read is left to the
     pipeline's own checks."""
-    from rope_quant.cli.common import resolve_budget
+    from rope_quant.cli.common import checkpoint, resolve_budget
     from rope_quant.experiment import memory_check, plan
     from rope_quant.model import arch
     from rope_quant.model.loading import ModelLoadError, ModelNotFoundError
@@ -108,7 +103,8 @@ def check_memory(args: argparse.Namespace, configs: int = 1, seeds: int = 1) -> 
     try:
         protocol = memory_check.protocol_for(budget["calib_windows"], budget["seqlen"], budget.get("eval_windows"),
                                              args.whip_epochs, configs, seeds, str(budget.get("weights")) == "gptq")
-        decision = memory_check.decide(args.model, args.device, args.dtype, protocol, args.offload)
+        decision = memory_check.decide(args.model, args.device, args.dtype, protocol, args.offload,
+                                       config=checkpoint(args).config)
     except plan.PlanDoesNotFit as exc:
         raise CLIError(f"the plan for this run does not fit: {exc}") from None
     except plan.PlanError as exc:
@@ -173,12 +169,12 @@ def check_key_quant(args: argparse.Namespace) -> None:
 
 def validate_common(args: argparse.Namespace) -> None:
     """Device, model, corpus, bits, whip epochs, R1, output paths and the corpus text: all before any load."""
-    from rope_quant.cli.common import resolve_budget, resolve_r1
+    from rope_quant.cli.common import checkpoint, resolve_budget, resolve_r1
     from rope_quant.quant.quantizers import OFF_BITS, check_bits
 
     check_device(args.device, runs_here=getattr(args, "slurm", None) is None)
     args.dtype = resolve_dtype(args.device, args.dtype)
-    check_model(args.model)
+    check_model(args.model, checkpoint(args))
     check_corpus(args.corpus)
     for q in ("w", "a", "k", "v"):
         check_bits(getattr(args, f"{q}_bits"), f"--{q}-bits", low=2, high=OFF_BITS, error=CLIError)
@@ -189,4 +185,4 @@ def validate_common(args: argparse.Namespace) -> None:
     check_paths(args)
     check_corpus_text(args.corpus, budget["seqlen"])
     if hasattr(args, "r1"):
-        args.r1 = resolve_r1(args.model, args.r1, args.a_bits)
+        args.r1 = resolve_r1(checkpoint(args), args.r1, args.a_bits)

@@ -99,14 +99,16 @@ def protocol_for(calib_windows: int, seqlen: int, eval_windows: int | None, whip
                              seeds=max(1, seeds), gptq=gptq)
 
 
-def plan_for(model: str, device: str, dtype: str, protocol: planning.Protocol, offload: bool) -> planning.Plan:
-    """The plan of ``model`` (an embedded name, checkpoint or .gguf: its config only) for these settings."""
+def plan_for(model: str, device: str, dtype: str, protocol: planning.Protocol, offload: bool,
+             config: Any = None) -> planning.Plan:
+    """The plan of ``model`` (an embedded name, checkpoint or .gguf: its config only) for these settings;
+    ``config``: the model's config where the caller has read it already."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from rope_quant.model.loading import load_config
 
-    config = load_config(model)
+    config = load_config(model) if config is None else config
     with torch.device("meta"):
         meta: Any = AutoModelForCausalLM.from_config(config)
     return planning.make_plan(planning.model_cost(meta, model), _plan_device(device), dtype, protocol,
@@ -114,25 +116,29 @@ def plan_for(model: str, device: str, dtype: str, protocol: planning.Protocol, o
 
 
 def decide(model: str, device: str, dtype: str, protocol: planning.Protocol, requested: OffloadMode | str,
-           gpu_bytes: int | None = None, host_bytes: int | None = None) -> Decision:
+           gpu_bytes: int | None = None, host_bytes: int | None = None, config: Any = None) -> Decision:
     """The offload to run with, or :class:`~rope_quant.experiment.plan.PlanDoesNotFit` (stage, need, budget,
-    remedy). ``gpu_bytes`` / ``host_bytes`` default to :func:`gpu_budget` / :func:`host_budget`."""
+    remedy). ``gpu_bytes`` / ``host_bytes`` default to :func:`gpu_budget` / :func:`host_budget`; ``config``: the
+    model's config where the caller has read it already (:func:`plan_for`)."""
+    from rope_quant.model.loading import load_config
+
     requested = OffloadMode(requested)
+    config = load_config(model) if config is None else config
     gpu = gpu_budget(device) if gpu_bytes is None else gpu_bytes
     host = host_budget() if host_bytes is None else host_bytes
     if not str(device).startswith("cuda"):  # offload is a no-op on the CPU: the host check only
-        planning.check_fits(plan_for(model, device, dtype, protocol, offload=False), None, host)
+        planning.check_fits(plan_for(model, device, dtype, protocol, offload=False, config=config), None, host)
         return Decision(OffloadMode.NONE)
     if requested == OffloadMode.CPU:
-        planning.check_fits(plan_for(model, device, dtype, protocol, offload=True), gpu, host)
+        planning.check_fits(plan_for(model, device, dtype, protocol, offload=True, config=config), gpu, host)
         return Decision(OffloadMode.CPU, "offload: cpu (--offload cpu: one decoder layer at a time on the GPU)")
     try:
-        planning.check_fits(plan_for(model, device, dtype, protocol, offload=False), gpu, host)
+        planning.check_fits(plan_for(model, device, dtype, protocol, offload=False, config=config), gpu, host)
         return Decision(OffloadMode.NONE)
     except planning.PlanDoesNotFit as exc:
         if requested == OffloadMode.NONE:
             raise
-        planning.check_fits(plan_for(model, device, dtype, protocol, offload=True), gpu, host)
+        planning.check_fits(plan_for(model, device, dtype, protocol, offload=True, config=config), gpu, host)
         need = str(exc).split(": use ")[0]
         return Decision(OffloadMode.CPU, f"offload: cpu (the plan: {need} without offload; it fits streaming one "
                                          "decoder layer at a time)")

@@ -4,8 +4,9 @@ A claim's cell (flat config overrides, ``rope_quant/claims/registry.py``) at a s
 **comparator** config at that seed with the overrides applied (``with_overrides``), found among the manifest's
 cells by its key (a ``compare`` directory's configs are its base config with each config's overrides, so the
 claim's ``{"r3": "pairwise_only", "estimator": "k_only"}`` is the directory's k_only cell whatever it is named).
-Its float-order replicate is the same config with GPTQ in the other float mode
-(:func:`rope_quant.sweep.decide_plan.replicate_config`: the cells ``rope-quant decide`` adds). A value is read only
+Its float-order replicate follows the one rule of :mod:`rope_quant.experiment.replicate`: a GPTQ cell's is the same
+config with GPTQ in the other float mode (:func:`rope_quant.sweep.decide_plan.replicate_config`: the cells ``rope-quant
+decide`` adds), a cell with unquantised weights is its own, an RTN cell has none. A value is read only
 from a complete record (:func:`rope_quant.sweep.records.is_complete`). The directory's plain run cells are scored
 at its own evaluation windows: a claim cell scored otherwise (C4's support windows, C7's long-context protocol)
 is refused by name. At a seed where the directory has no comparator cell (``rope-quant decide`` adds a seed's
@@ -91,12 +92,15 @@ class DirectoryStore:
 
     def replicates(self, cell: Mapping[str, Override], seeds: Sequence[int],
                    metric: str = Metric.PPL) -> ReplicateValues:
+        from rope_quant.experiment.replicate import Replicate, replicate_kind
+
         found: dict[int, float] = {}
         for seed in seeds:
             cfg = self.config(cell, seed)
-            rep = self.replicate(cfg)
-            if rep is None and _weights_quantised(cfg):
+            kind = replicate_kind(run_of(cfg))
+            if kind is Replicate.NONE:
                 return None  # RTN weights: a float-order replicate is not built
+            rep = self.replicate(cfg) if kind is Replicate.REBUILD else None
             value = self._read(cfg if rep is None else rep, metric)
             if value is not None:
                 found[int(seed)] = value
@@ -113,11 +117,3 @@ class DirectoryStore:
             return int(n) if isinstance(n, int) and n > 0 else None
         return None
 
-
-def _weights_quantised(cfg: Any) -> bool:
-    """Whether ``cfg`` quantises its weights. Unquantised weights (4-bit keys alone) have no step that depends on
-    the float order: the cell is its own float-order replicate (a shift of 0), as on the pytest front."""
-    from rope_quant.quant.quantizers import OFF_BITS
-
-    run = run_of(cfg)
-    return run.w_bits < OFF_BITS and str(run.weights) != "none"

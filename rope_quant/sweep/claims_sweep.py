@@ -1,46 +1,38 @@
 """The claims study (``rope-quant claims``): one manifest holding every cell the chosen claims read.
 
 A claim's cell (``rope_quant/claims/registry.py``: flat config overrides) at a seed is the comparator's config at
-that seed with the cell's overrides, as :class:`~rope_quant.sweep.claim_store.DirectoryStore` reads it; a cell
-whose weights are GPTQ gets its float-order replicate, ``NAME`` + :data:`~rope_quant.sweep.decide_plan.REPLICATE_SUFFIX`
-(:func:`~rope_quant.sweep.decide_plan.replicate_config`, the cells ``rope-quant decide`` adds). A cell is named by what
+that seed with the cell's overrides, as :class:`~rope_quant.sweep.claim_store.DirectoryStore` reads it, each with
+its float-order replicate where the one rule builds one (GPTQ weights), ``NAME`` +
+:data:`~rope_quant.sweep.decide_plan.REPLICATE_SUFFIX` (the configs of :func:`rope_quant.claims.selection.cell_configs`,
+as pytest's registry fronts plan them; the cells ``rope-quant decide`` adds). A cell is named by what
 sets it apart from the comparator (``pairwise_only+estimator=k_only``), so one config has one name whichever
 claims ask for it, and a later run with other claims or seeds is the same study. Claims whose cells are scored
 otherwise than at the budget's evaluation windows (C4's support windows, C7's long-context protocol) are left
-out with the reason (:func:`scoring_reason`). The study's manifest says ``"study": "claims"`` (:data:`STUDY`).
+out with the reason (:func:`rope_quant.claims.selection.scoring_reason`). The study's manifest says
+``"study": "claims"`` (:data:`STUDY`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rope_quant.claims.registry import Claim, Override, Scoring, overrides_of, scoring_of
+from rope_quant.claims.registry import Claim
+from rope_quant.claims.selection import cell_configs
 from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.sweep.cellkind import SweepError, run_of, with_overrides
-from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX, replicate_config
+from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX
 from rope_quant.sweep.manifest import Manifest
 
 STUDY = "claims"
 """The study name of a claims directory's manifest (``report`` and ``decide`` read it to take the claims path)."""
-_SCORED_BY = {Scoring.SUPPORT: "the budget's support windows (Table M)",
-              Scoring.LONG: "the long-context protocol of App. A.4"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.=-]")
 
 
 def is_claims_study(study: str) -> bool:
     """Whether a manifest's study is a claims study."""
     return study == STUDY
-
-
-def scoring_reason(claim: Claim) -> str | None:
-    """Why a plain run cell cannot score ``claim`` (its cells are scored another way), or None."""
-    other = [s for s in dict.fromkeys(scoring_of(claim.cells[n]) for n in claim.cell_names()) if s is not Scoring.EVAL]
-    if not other:
-        return None
-    return (f"its cells are scored on {' and '.join(_SCORED_BY.get(s, s.value) for s in other)}, which a plain run "
-            "cell of this sweep does not score; its e2e test decides it (pytest -m e2e)")
 
 
 def cell_name(cfg: Any, comparator: Any) -> str:
@@ -58,19 +50,11 @@ def claim_cells(claim: Claim, comparator: Any) -> list[tuple[str, Any]]:
     """The cells ``claim`` reads at the comparator's seed, each followed by its float-order replicate when one
     exists (a GPTQ cell): ``(name, config)`` in the claim's order, each config once."""
     out: dict[str, tuple[str, Any]] = {}
-    for cell_id in claim.cell_names():
-        cfg = config_of(claim.cells[cell_id], comparator)
-        name = cell_name(cfg, comparator)
-        out.setdefault(cfg.key(), (name, cfg))
-        rep = replicate_config(cfg)
-        if rep is not None:
-            out.setdefault(rep.key(), (name + REPLICATE_SUFFIX, rep))
+    name = ""
+    for got in cell_configs(claim, comparator):  # a cell, then its replicate
+        name = name + REPLICATE_SUFFIX if got.replicate else cell_name(got.config, comparator)
+        out.setdefault(got.config.key(), (name, got.config))
     return list(out.values())
-
-
-def config_of(cell: Mapping[str, Override], comparator: Any) -> Any:
-    """The config of a claim cell: the comparator's with the cell's overrides (DirectoryStore's convention)."""
-    return with_overrides(comparator, **overrides_of(cell))
 
 
 def comparator_at(base: Any, seed: int, comparator: str = DEFAULT_COMPARATOR) -> Any:

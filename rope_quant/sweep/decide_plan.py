@@ -6,7 +6,6 @@ float mode, named ``NAME`` + :data:`REPLICATE_SUFFIX`), the plan kept in ``DIR/d
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,14 @@ class DecideError(SweepError):
 
 
 def replicate_config(cfg: Any) -> Any | None:
-    """The cell with GPTQ in the other float mode (float64 ↔ float32), or None where no float-order replicate
-    exists (weights not GPTQ-quantised)."""
-    from rope_quant.quant.quantizers import OFF_BITS
+    """The cell with GPTQ in the other float mode (float64 ↔ float32), or None where no replicate cell is built:
+    weights not GPTQ-quantised (:func:`rope_quant.experiment.replicate.replicate_kind`, the one rule)."""
+    from rope_quant.experiment.replicate import Replicate, replicate_kind, replicate_overrides
 
     run = run_of(cfg)
-    if run.w_bits >= OFF_BITS or str(run.weights) != "gptq":
+    if replicate_kind(run) is not Replicate.REBUILD:
         return None
-    gptq = run.quant.w.gptq
-    return with_overrides(cfg, gptq=dataclasses.replace(gptq, float64=not gptq.float64))
+    return with_overrides(cfg, **replicate_overrides(run))
 
 
 def plan_state(out: Path, first: int, max_seeds: int, shape: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -182,13 +182,15 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     return (ModelLoadError, ModelNotFoundError, UnsupportedModelTypeError, ModelStructureError, CorpusError)
 
 
-def preflight(manifest: Manifest, models: ModelCache, *, load: bool) -> list[str]:
+def preflight(manifest: Manifest, models: ModelCache, *, load: bool,
+              configs: Mapping[str, Any] | None = None) -> list[str]:
     """Check the input of every cell of ``manifest`` before any runs; returns notes, raises
     :class:`PreflightError` naming what is wrong.
 
     ``load`` (the real pipeline): load each base model and corpus into ``models`` once (the cells reuse
     them) and check the corpus sizes. Otherwise the model's config is read (or the already-loaded model
-    of ``models`` is used) for the geometry checks only.
+    of ``models`` is used, or its config in ``configs``: model → the config the caller has read) for the geometry
+    checks only.
     """
     from rope_quant.model import arch
 
@@ -202,6 +204,8 @@ def preflight(manifest: Manifest, models: ModelCache, *, load: bool) -> list[str
             if load or (model, device) in models:
                 (base, tokenizer), corpora = models.get(model, device)
                 dims = arch.dims(base)
+            elif (configs or {}).get(model) is not None:
+                dims = arch.dims(SimpleNamespace(config=(configs or {})[model]))
             else:
                 dims = _dims_from_config(model)
             check_geometry(Manifest(cells=cells, study=manifest.study), dims, model)

@@ -4,14 +4,14 @@ Shared by ``pytest -m e2e --rq-model PATH`` (tests/e2e/test_registry_claims.py, 
 ``pytest -m gpu_e2e`` (tests/e2e/test_gpu_claims.py, the paper's protocol :data:`PAPER` on CUDA) and that
 parametrization's CPU run (tests/e2e/test_paper_protocol_cpu.py, :data:`PAPER` cut to a tiny budget):
 
-1. :func:`open_front`: the checkpoint's facts from its config (no weights: premises, head_dim, q/k norms;
-   :func:`rope_quant.claims.premises.facts_of_checkpoint`), each claim of its table as it runs there
-   (:func:`rope_quant.claims.premises.adapt` at the budget's seqlen: itself, the nearest protocol with the deviation
-   named, its model-dependent values resolved, or the reason it skips; a claim at equal bits per key element whose
-   cells store unequal bits at that T fails the front), the plan of the whole table (time and memory:
-   :func:`table_plan`) printed, or a refusal with the plan's remedy, all before the model loads; then the model and
-   the paired :class:`Experiment` (or an experiment the caller already holds: the default suite's on the default
-   model);
+1. :func:`open_front`: the checkpoint's facts from its config, read once (no weights: premises, head_dim, q/k
+   norms, the config the plan reads; :func:`rope_quant.claims.premises.facts_of_checkpoint`), each claim of its
+   table as it runs there and its cost plan, asked of :mod:`rope_quant.claims.selection` as ``rope-quant claims``
+   asks it (adapted at the budget's seqlen: itself, the nearest protocol with the deviation named, its
+   model-dependent values resolved, or the reason it skips; a claim at equal bits per key element whose cells store
+   unequal bits at that T fails the front), the plan of the whole table (time and memory: :func:`table_plan`)
+   printed, or a refusal with the plan's remedy, all before the model loads; then the model and the paired
+   :class:`Experiment` (or an experiment the caller already holds: the default suite's on the default model);
 2. :class:`ExperimentStore`: the experiment as a claims store (each cell computed and memoised on first read);
 3. :func:`decide_claim`: one claim through ``Experiment.decided`` (fixed-n, or the sequential rule with
    ``--rq-until-decided``) and :func:`rope_quant.claims.engine.evaluate`, its row recorded with ``rq_claim`` and
@@ -22,7 +22,6 @@ parametrization's CPU run (tests/e2e/test_paper_protocol_cpu.py, :data:`PAPER` c
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,17 +30,14 @@ from typing import Any
 import pytest
 
 from rope_quant.claims import registry
-from rope_quant.claims.premises import ModelFacts
 from rope_quant.claims.registry import (
     Claim,
     Metric,
     Override,
     Scoring,
-    Statistic,
     length_of,
     overrides_of,
     scoring_of,
-    side_cells,
 )
 from rope_quant.claims.stores import ReplicateValues
 
@@ -76,13 +72,6 @@ PAPER = FrontProtocol("paper", seqlen=2048, calib_windows=128, eval_windows=None
 """The paper's protocol (App. A.1): 128 × 2048 calibration tokens, seqlen 2048, every evaluation window."""
 
 
-def _has_gptq(cell: Mapping[str, Override]) -> bool:
-    """Whether the cell's weights are GPTQ's: its float-order replicate is a rebuild in the other float mode. A cell
-    with unquantised weights (``weights="none"``: the key claims' 4-bit keys alone) has no float-order step, so its
-    replicate is the cell itself (the same key, read from the memo: a shift of 0)."""
-    return str(cell.get("weights", "gptq")) == "gptq"
-
-
 class ExperimentStore:
     """The :class:`rope_quant.claims.stores.Store` of an ``Experiment``: each cell computed (and memoised) on
     first read."""
@@ -96,8 +85,19 @@ class ExperimentStore:
             out["eval_windows"] = self.exp.budget.support_windows
         return out
 
+    def _replicate(self, cell: Mapping[str, Override]) -> Any:
+        """The cell's float-order replicate (:func:`rope_quant.experiment.replicate.replicate_kind`, the one rule):
+        a GPTQ cell's is rebuilt in the other float mode, a cell with unquantised weights is its own (the same key,
+        read from the memo: a shift of 0), an RTN cell has none."""
+        from rope_quant.experiment.replicate import replicate_kind
+
+        return replicate_kind(self.exp.config(self.exp.budget.seeds[0], **self._overrides(cell)))
+
     def _value(self, cell: Mapping[str, Override], seed: int, metric: str, **rep: Any) -> float:
-        ov = {**self._overrides(cell), **({} if not _has_gptq(cell) else rep)}
+        from rope_quant.experiment.replicate import Replicate
+
+        rebuilt = rep and self._replicate(cell) is Replicate.REBUILD
+        ov = {**self._overrides(cell), **(rep if rebuilt else {})}
         if scoring_of(cell) is Scoring.LONG:
             length = int(length_of(cell) or 0)
             return float(self.exp.long_context(seed, (length,), **ov)[length].ppl)
@@ -108,6 +108,10 @@ class ExperimentStore:
 
     def replicates(self, cell: Mapping[str, Override], seeds: Sequence[int],
                    metric: str = Metric.PPL) -> ReplicateValues:
+        from rope_quant.experiment.replicate import Replicate
+
+        if self._replicate(cell) is Replicate.NONE:
+            return None  # RTN weights: a float-order replicate is not built
         got = self.exp.over_replicates(lambda seed, rep: self._value(cell, seed, metric, **rep))
         if isinstance(got, str):
             return got
@@ -138,80 +142,35 @@ class Front:
     about: dict[str, Any] = field(default_factory=dict)
 
 
-def table_claims(facts: ModelFacts, seq_len: int, claims: Iterable[Claim] | None = None) -> dict[str, Claim | str]:
-    """Every registry claim (or each of ``claims``) as it runs on a model with ``facts`` (its config's:
-    :func:`rope_quant.claims.premises.facts_of_checkpoint`) at evaluation windows of ``seq_len`` tokens: the claim
-    adapted (premises, model-dependent values resolved: :func:`rope_quant.claims.premises.adapt`), or why it skips.
-    A claim at equal bits per key element whose cells store unequal bits at T = ``seq_len`` raises
-    :class:`~rope_quant.claims.registry.ClaimError` (the cells and their bits named)."""
-    from rope_quant.claims.premises import adapt
+def table_configs(model: str, corpus: str, device: str, budget: Any, claims: Iterable[Claim]) -> list[Any]:
+    """The table's configs at the budget's seeds, from configs alone (:func:`rope_quant.claims.selection.plan_inputs`:
+    C4's cells on the budget's support windows, a paired cell's float-order replicate at the replicated seeds)."""
+    from rope_quant.claims.selection import plan_inputs
 
-    return {c.id: adapt(c, facts, seq_len=seq_len) for c in (registry.claims() if claims is None else claims)}
-
-
-def _replicated_cells(claim: Claim) -> set[str]:
-    """The cells a paired part reads (they get float-order replicates)."""
-    return {n for p in claim.parts if p.statistic is Statistic.PAIRED
-            for side in (p.treatment, p.control) for n in side_cells(side)}
+    bases = {seed: base_config(model, corpus, device, budget, seed) for seed in budget.seeds}
+    return plan_inputs(claims, bases, replicated_seeds=set(budget.seeds[: budget.replicates]),
+                       support_windows=budget.support_windows)
 
 
-def table_cells(model: str, corpus: str, device: str, budget: Any,
-                claims: Iterable[Claim]) -> tuple[set[str], set[str], dict[int, int]]:
-    """The table's cells at the budget's seeds, from configs alone: the short-context cell keys, the weight
-    builds (seed × bits × float order) and, per long-context length, the cells scored there."""
+def base_config(model: str, corpus: str, device: str, budget: Any, seed: int) -> Any:
+    """The config every claim cell overrides at ``seed`` under ``budget`` (as ``Experiment.config`` builds it)."""
     from rope_quant.experiment.config import RunConfig
-    from rope_quant.quant.rtn import GPTQConfig
 
-    keys: set[str] = set()
-    builds: set[str] = set()
-    lengths: dict[int, int] = {}
-    replicated = set(budget.seeds[: budget.replicates])
-    for claim in claims:
-        paired = _replicated_cells(claim)
-        for seed in budget.seeds:
-            for name in claim.cell_names():
-                cell = claim.cells[name]
-                ov: dict[str, Any] = dict(overrides_of(cell))
-                variants = [ov]
-                if name in paired and seed in replicated and _has_gptq(cell):
-                    variants.append({**ov, "gptq": GPTQConfig(float64=not budget.gptq_float64)})
-                scoring = scoring_of(cell)
-                windows = budget.support_windows if scoring is Scoring.SUPPORT else budget.eval_windows
-                for v in variants:
-                    cfg = RunConfig.from_flat(model=model, corpus=corpus, seed=seed, seqlen=budget.seqlen,
-                                              device=device, calib_windows=budget.calib_windows,
-                                              eval_windows=windows, **v)
-                    builds.add(cfg.weight_key())
-                    if scoring is Scoring.LONG:
-                        length = int(length_of(cell) or 0)
-                        lengths[length] = lengths.get(length, 0) + 1
-                    else:
-                        keys.add(cfg.key())
-    return keys, builds, lengths
+    return RunConfig.from_flat(model=model, corpus=corpus, seed=seed, seqlen=budget.seqlen, device=device,
+                               calib_windows=budget.calib_windows, eval_windows=budget.eval_windows)
 
 
 def table_plan(model: str, device: str, corpus: str, budget: Any, claims: Sequence[Claim],
-               requested: str = "auto") -> tuple[Any, Any, int, int]:
-    """The plan of the whole claims table on ``model`` (its config only), ``device`` and the budget's protocol,
-    checked against this machine (:func:`rope_quant.experiment.memory_check.decide`): ``(decision, plan, short
-    cells, weight builds)``. Raises ``PlanDoesNotFit`` (the stage, the need and the remedy) when it does not fit."""
-    from rope_quant.experiment import memory_check
-    from rope_quant.experiment import plan as planning
+               requested: str = "auto", config: Any = None) -> Any:
+    """The plan of the whole claims table on ``model`` (its config only: ``config`` where read already),
+    ``device`` and the budget's protocol, checked against this machine
+    (:func:`rope_quant.claims.selection.cost_plan`). Raises ``PlanDoesNotFit`` (the stage, the need and the remedy)
+    when it does not fit."""
+    from rope_quant.claims.selection import cost_plan
 
-    keys, builds, lengths = table_cells(model, corpus, device, budget, claims)
-    protocol = planning.Protocol(calib_windows=budget.calib_windows, seqlen=budget.seqlen,
-                                 eval_windows=budget.eval_windows or planning.PAPER.eval_windows,
-                                 configs=max(1, math.ceil(len(keys) / max(1, len(builds)))),
-                                 seeds=max(1, len(builds)), gptq=True, long_context=tuple(sorted(lengths)))
-    decision = memory_check.decide(model, device, "float32", protocol, requested)
-    plan = memory_check.plan_for(model, device, "float32", protocol, offload=decision.offload.value == "cpu")
-    eval_tokens = protocol.eval_windows * protocol.seqlen
-    for i, stage in enumerate(plan.stages):  # the plan scores eval_tokens // L windows per L; a cell scores fewer
-        for length, cells in lengths.items():
-            if stage.name == f"long context L={length}":
-                per = stage.seconds * budget.long_windows / max(1, eval_tokens // length)
-                plan.stages[i] = replace(stage, seconds=per, repeats=cells)
-    return decision, plan, len(keys), len(builds)
+    configs = table_configs(model, corpus, device, budget, claims)
+    return cost_plan(base_config(model, corpus, device, budget, budget.seeds[0]), configs, device=device,
+                     dtype="float32", long_windows=budget.long_windows, check=requested, config=config)
 
 
 def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mapping[str, Claim | str],
@@ -239,6 +198,14 @@ def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mappi
         format_plan(plan)])
 
 
+def claim_params(models: Sequence[str]) -> list[Any]:
+    """The parameters of a front's tests: one ``(model, claim id)`` per model and registry claim, model by model in
+    the registry's order, id ``<model's last path part>-<claim id>``, marked ``slow`` where the entry says so."""
+    return [pytest.param(m, c.id, id=f"{m.rstrip('/').split('/')[-1]}-{c.id}",
+                         marks=[pytest.mark.slow] if c.slow else [])
+            for m in models for c in registry.claims()]
+
+
 def _stderr(line: str) -> None:
     print(line, file=sys.__stderr__, flush=True)
 
@@ -254,6 +221,7 @@ def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_
     load the model itself, the experiment it runs its cells in (called after the plan is printed: the default
     suite's ``experiment`` fixture on the default model, sharing its cells); ``selected``: the claim ids
     collected (``-k``), named in the plan when fewer than the table's."""
+    from rope_quant.claims import selection
     from rope_quant.claims.premises import facts_of_checkpoint
     from rope_quant.claims.registry import ClaimError
     from rope_quant.experiment import plan as planning
@@ -266,24 +234,24 @@ def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_
         missing(f"--rq-model {model!r}: {exc}")
         raise  # missing() raised; this line is for the type checker
     try:
-        table = table_claims(facts, budget.seqlen, claims)
+        table = selection.table(registry.claims() if claims is None else claims, facts, budget.seqlen)
     except ClaimError as exc:  # unequal bits per key element at this T: refused before the model loads
         pytest.fail(f"{model}: {exc}", pytrace=False)
     running = [c for c in table.values() if not isinstance(c, str)]
     mode, text = "none", f"registry claims plan: {model}: no claim runs"
     if running:
         try:
-            decision, plan, cells, builds = table_plan(model, device, corpus, budget, running, offload)
+            cost = table_plan(model, device, corpus, budget, running, offload, facts.config)
         except planning.PlanDoesNotFit as exc:
             pytest.fail(f"{model} on {device}: the plan of the claims table does not fit this machine: {exc}",
                         pytrace=False)
         except planning.PlanError as exc:
             text = f"registry claims plan: {model}: none ({exc})"
         else:
-            text = plan_text(model, device, budget, protocol, table, plan, cells, builds, selected)
-            mode = decision.offload.value
-            if decision.note:
-                text += "\n" + decision.note
+            text = plan_text(model, device, budget, protocol, table, cost.plan, cost.cells, cost.builds, selected)
+            mode = cost.decision.offload.value
+            if cost.decision.note:
+                text += "\n" + cost.decision.note
     log(text)
     if not running:
         return Front(model, None, table, text)

@@ -13,9 +13,10 @@ Then the plan of the model's whole claims table is printed, and a table that doe
 with the plan's remedy. One front per model: its claims run in a row, and the next model's front replaces it.
 
 On the default model the front runs in the default suite's own ``experiment`` (sharing its cells with
-tests/e2e/test_claims.py, which keeps the paper's statements that are not registry claims). The claims the paper's
-CPU budget cannot hold in CI's time (:data:`SLOW`) and the key claims are ``slow`` on every model. Select one with
-``-k`` and its id (``-k K-kvquant-id-KV4``; the test ids are ``<model>-<claim id>``).
+tests/e2e/test_claims.py, which keeps the paper's statements that are not registry claims). A claim whose entry says
+``slow`` (``Claim.slow``: the paper's claims the CPU budget cannot hold in CI's time, and the key claims) is
+``slow`` on every model. Select one with ``-k`` and its id (``-k K-kvquant-id-KV4``; the test ids are
+``<model>-<claim id>``: :func:`tests._support.registry_front.claim_params`).
 
 Each test attaches its row (``rq_claim``) and fails on a claim refuted or failed, never on inconclusive; a
 question beyond the paper (``Claim.question``: the key claims, "does the scheme replace the online Hadamard?")
@@ -30,12 +31,7 @@ from typing import Any
 import pytest
 
 from rope_quant.claims import registry
-from rope_quant.claims.registry import PAPER
 from rope_quant.defaults import DEFAULT_MODEL
-
-SLOW = {"C6", "C7", "C7-8K", "App-F", "beyond-commuting", "beyond-range", "beyond-range-pph"}
-"""The paper's registry claims in ``slow``: their cells would push the e2e layer past CI's budget (C6, C7: 24
-cells; App. F: two more GPTQ builds per seed; the beyond rows: 15 more cells and two range fits per seed)."""
 
 
 def _user_models(config: pytest.Config) -> tuple[str, ...]:
@@ -48,22 +44,15 @@ def _default_model_runs(config: pytest.Config) -> bool:
     return not named or any(m.lower() == DEFAULT_MODEL for m in named)
 
 
-def _slow(claim: registry.Claim) -> bool:
-    return claim.id in SLOW or claim.group != PAPER
-
-
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    from tests._support.registry_front import claim_params
+
     if "claim_id" not in metafunc.fixturenames:
         return
     models = [*_user_models(metafunc.config), *([DEFAULT_MODEL] if _default_model_runs(metafunc.config) else [])]
     # function-scoped, model by model in this order (the claims differ by model: the front is held per model by
     # ``fronts``, not by a module-scoped parameter, which pytest would regroup by claim across models)
-    params = [pytest.param(m, c.id, id=f"{m.rstrip('/').split('/')[-1]}-{c.id}",
-                           marks=[pytest.mark.slow] if _slow(c) else [])
-              for m in models for c in registry.claims()]
-    metafunc.parametrize(("umodel", "claim_id"), params)
+    metafunc.parametrize(("umodel", "claim_id"), claim_params(models))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from rope_quant import cli
 from rope_quant.claims import engine, registry
 from rope_quant.claims.premises import adapt, facts_of_checkpoint
 from rope_quant.core import sequential
-from rope_quant.core.verdict import Outcome
+from rope_quant.core.verdict import Form, Outcome
 from rope_quant.sweep.claim_store import DirectoryStore
 from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX
 from rope_quant.sweep.manifest import read_manifest
@@ -167,7 +168,7 @@ def test_the_claims_json_has_the_pytest_plugins_keys(swept: Path, pytester: pyte
     """The plugin's ``--rq-claims-out`` payload and row keys (a claim recorded with its id, a verdict, parts and its
     run's description, as a registry front records them) are all in the report's; the model (with its fingerprint),
     the protocol and the device carry the same keys on both paths; the Markdown table has the plugin's columns."""
-    from rope_quant import pytest_plugin
+    from rope_quant import claims_json, pytest_plugin
     from rope_quant.analysis import claims_report
 
     pytester.makepyfile(test_rq_shape=(
@@ -189,13 +190,13 @@ def test_the_claims_json_has_the_pytest_plugins_keys(swept: Path, pytester: pyte
     assert set(plugin["claims"][0]) <= set(ours["claims"][0]), set(plugin["claims"][0]) - set(ours["claims"][0])
     assert plugin["claims"][0]["id"] == "C0" and plugin["model"] == {
         "name": "m", "fingerprint": "f0", "fingerprint_basis": claims_report.FINGERPRINT_BASIS}
-    assert pytest_plugin.RUN_KEYS == claims_report.RUN_KEYS
     for key in claims_report.RUN_KEYS:
         assert set(plugin[key]) == set(ours[key]), (key, set(plugin[key]) ^ set(ours[key]))
         assert plugin["runs"] == [{k: plugin[k] for k in claims_report.RUN_KEYS}]
         assert ours["runs"] == [{k: ours[k] for k in claims_report.RUN_KEYS}]
     assert ours["model"]["fingerprint"] and ours["protocol"]["name"] == "rope-quant claims"
-    assert claims_report.CLAIMS_SCHEMA == pytest_plugin.CLAIMS_SCHEMA == ours["schema"]
+    assert claims_report.CLAIMS_SCHEMA == pytest_plugin.CLAIMS_SCHEMA == claims_json.CLAIMS_SCHEMA == ours["schema"]
+    assert claims_report.RUN_KEYS is claims_json.RUN_KEYS  # one schema: the report writes the plugin's keys
     header = (plugin_out / "claims.md").read_text().splitlines()[0]
     assert (swept / "claims.md").read_text().startswith(header)
 
@@ -398,3 +399,64 @@ def test_a_claim_nobody_asked_for_never_stops_the_table(tmp_path: Path, capsys) 
                                             "cells do not store equal bits"), left["X-unequal"]
         assert cli.main(["report", str(out)]) == 0
         assert "left out: X-unequal: it cannot be adapted to smollm2-135m" in capsys.readouterr().out
+
+
+def test_a_new_claim_is_one_entry_that_both_fronts_find(tmp_path: Path, capsys) -> None:
+    """One ``register(Claim(...))`` in a temporary registry: ``rope-quant claims`` selects it by id and plans its
+    cells, and pytest's registry front parametrises one test per model for it, marked ``slow`` when (and only when)
+    the entry says so; gone with the temporary registry."""
+    from tests._support.registry_front import claim_params
+
+    new = registry.Claim("X-new", "X (demo) k_only vs rows", "k_only below rows.", "nowhere",
+                         {"k_only": registry.cell(r3="pairwise_only", estimator="k_only"),
+                          "rows": registry.cell(r3="pairwise_only", estimator="rows")},
+                         (registry.Part("k_only < rows", "k_only", "rows", Form.LESS),), slow=True)
+    with registry.temporary():
+        registry.register(new)
+        registry.register(replace(new, id="X-fast", slow=False))
+        assert _claims(tmp_path / "new", "--claims", "X-new", "--seeds", "0,1", "--dry-run") == 0
+        printed = capsys.readouterr().out
+        assert "claims plan: 1 claims at seeds 0,1" in printed
+        row = next(line for line in printed.splitlines() if line.startswith("| X-new |"))
+        assert set(row.strip("| ").split(" | ")[1].split(", ")) == {
+            "pairwise_only", "pairwise_only.float-order", "pairwise_only+estimator=k_only",
+            "pairwise_only+estimator=k_only.float-order"}
+        params = {p.id: p for p in claim_params(["smollm2-135m", "/ckpt/Llama-3.2-1B"])}
+        for model in ("smollm2-135m", "Llama-3.2-1B"):
+            assert [m.name for m in params[f"{model}-X-new"].marks] == ["slow"]
+            assert not params[f"{model}-X-fast"].marks
+            assert [m.name for m in params[f"{model}-C6"].marks] == ["slow"] and not params[f"{model}-C1"].marks
+    assert "X-new" not in registry.active().ids()
+    assert not [p for p in claim_params(["smollm2-135m"]) if "X-new" in p.id]
+
+
+def test_every_entry_of_paper_py_is_registered_in_its_order() -> None:
+    """An entry is registered where it is defined: no ``Claim`` of paper.py is left out of the registry, and
+    ``paper.PAPER`` is the registry's paper group in the claims table's order."""
+    from rope_quant.claims import paper
+
+    defined = [v for v in vars(paper).values() if isinstance(v, registry.Claim)]
+    assert defined and all(registry.get(c.id) is c for c in defined)
+    assert paper.PAPER == registry.claims(registry.PAPER)[: len(paper.PAPER)]
+    assert [c.id for c in paper.PAPER] == ["C1", "C2", "C3", "C4-ppl", "C6", "C7", "C7-8K", "C8", "App-F",
+                                           "beyond-commuting", "beyond-range", "beyond-range-pph"]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["plan", "run"])
+def test_the_checkpoint_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dry_run: bool) -> None:
+    """``rope-quant claims`` reads the model's config once: its facts (premises, head_dim, the R1 refusal, the
+    geometry) are built once and handed to the R1 default, the key-quantiser check, the claims that run, the cost
+    plan, the memory check, the preflight and the report."""
+    from rope_quant.model import loading
+
+    reads: list[str] = []
+    real = loading.load_config
+
+    def counted(name: str, *args, **kwargs):
+        reads.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_config", counted)
+    flags = ["--claims", "C1,C3", "--seeds", "0,1", *(["--dry-run"] if dry_run else [])]
+    assert _claims(tmp_path / "once", *flags) == 0
+    assert reads == ["smollm2-135m"]

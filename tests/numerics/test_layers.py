@@ -16,14 +16,15 @@ import rope_quant
 
 ROOT = Path(rope_quant.__file__).parent
 # Bottom-up. A module may import its own layer or any layer below it.
-LAYERS = ("defaults", "seeds", "io", "core", "model", "quant", "calib", "rotations", "experiment", "export", "claims",
-          "sweep", "analysis", "cli")
+LAYERS = ("defaults", "seeds", "io", "claims_json", "core", "model", "quant", "calib", "rotations", "experiment",
+          "export", "claims", "sweep", "analysis", "cli")
 # The claims layer (the claims as data and their engine) reads cells only through a store: it imports core/ and
 # itself, the architecture adapter (model/) alone, lazily, to answer a claim's premises (claims/premises.py), and
 # the experiment config, lazily, to count a cell's bits per key element from its flat config (claims/bits.py).
-CLAIMS_MAY_IMPORT = {"defaults", "core", "claims", "model", "experiment"}
+# It writes its rows in the one claims JSON schema (claims_json.py, stdlib only).
+CLAIMS_MAY_IMPORT = {"defaults", "core", "claims", "model", "experiment", "claims_json"}
 # The pytest plugin stands beside the layers: it may import only the bottom ones (stdlib-only modules).
-PLUGIN_MAY_IMPORT = {"defaults", "seeds", "io"}
+PLUGIN_MAY_IMPORT = {"defaults", "seeds", "io", "claims_json"}
 # The import hook of the moved module paths (rope_quant/_deprecation.py, stdlib only) stands beside the layers
 # too: any module may import it, and it imports no layer (it finds the new paths by name, at import time).
 BESIDE = "_deprecation"

@@ -125,9 +125,10 @@ def test_until_decided_options(pytester: pytest.Pytester) -> None:
 
 def test_a_stopped_claim_shows_its_reason_in_the_budget_column() -> None:
     """The sequential rule's stop at M is the claims table's last column and the JSON's ``stop``."""
+    from rope_quant.claims_json import budget
     from rope_quant.core import sequential
     from rope_quant.core.verdict import Form
-    from rope_quant.pytest_plugin import _decision, budget
+    from rope_quant.pytest_plugin import _decision
 
     v = sequential.decide(Form.NON_SUPERIOR, [0.2, -0.9, 1.1, 0.3], [0.1, -0.1, 0.0, 0.2], sequential.Plan(3, 4),
                           margin=0.154)
@@ -246,7 +247,7 @@ def test_options_live_in_the_stash(pytestconfig: pytest.Config, rq_options) -> N
 
 
 def test_write_atomic_uses_a_unique_temporary_name(tmp_path: Path) -> None:
-    from rope_quant.pytest_plugin import atomic_write_text as _write_atomic
+    from rope_quant.io import atomic_write_text as _write_atomic
 
     stale = tmp_path / "claims.json.tmp"  # what another writer's fixed temporary name used to be
     stale.write_text("someone else's")
@@ -305,7 +306,7 @@ def test_claims_table_survives_xdist(pytester: pytest.Pytester, monkeypatch) -> 
 def test_measurements_without_a_claim_have_their_own_verdict(pytester: pytest.Pytester) -> None:
     """holds=None without a decision: a measurement recorded without a claim (the test itself passes); an
     undecided claim passes its Verdict instead (test_claims_table_carries_the_decision_rule_and_budget)."""
-    from rope_quant.pytest_plugin import verdict
+    from rope_quant.claims_json import verdict
 
     pytester.makepyfile(test_rqplugin_inconclusive='''
 def test_undecided(rq_claim):

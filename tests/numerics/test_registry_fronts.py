@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from rope_quant.claims import registry
+from rope_quant.claims import registry, selection
 from rope_quant.claims.premises import facts_of_checkpoint
 from rope_quant.claims.registry import Claim, MarginRule, Part, cell
 from rope_quant.core.verdict import Form
 from rope_quant.experiment import memory_check
 from rope_quant.pytest_plugin import RQOptions
-from tests._support.registry_front import open_front, table_cells, table_claims
+from tests._support.registry_front import open_front, table_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"  # embedded: its config is read without its weights
@@ -35,6 +35,20 @@ def _budget(seeds: tuple[int, ...] = (0, 1, 2)) -> Any:
     """The fields of the e2e suite's E2EBudget the front reads (its CPU defaults)."""
     return SimpleNamespace(seeds=seeds, replicates=len(seeds), seqlen=512, calib_windows=16, eval_windows=12,
                            support_windows=3, long_windows=1, gptq_float64=False)
+
+
+def table_cells(model: str, corpus: str, device: str, budget: Any, claims: list[Claim]
+                ) -> tuple[set[str], set[str], dict[int, int]]:
+    """The front's table counted: its short-context cell keys, its weight builds and its cells per long-context L."""
+    from rope_quant.claims.registry import Scoring
+
+    configs = table_configs(model, corpus, device, budget, claims)
+    lengths: dict[int, int] = {}
+    for c in configs:
+        if c.scoring is Scoring.LONG:
+            lengths[int(c.length)] = lengths.get(int(c.length), 0) + 1
+    return ({c.config.key() for c in configs if c.scoring is not Scoring.LONG},
+            {c.config.weight_key() for c in configs}, lengths)
 
 
 class Loaded(Exception):
@@ -96,7 +110,7 @@ def test_the_key_claims_resolve_from_the_config_and_count_their_cells() -> None:
     each at 3 seeds, × 2 float orders under W4A4KV4 (GPTQ's); 4-bit keys alone has unquantised weights, so
     no float-order replicate and one build per seed."""
     facts = facts_of_checkpoint(MODEL)
-    table = table_claims(facts, _budget().seqlen, registry.claims(registry.KEYS))
+    table = selection.table(registry.claims(registry.KEYS), facts, _budget().seqlen)
     assert list(table) == list(registry.active().ids(registry.KEYS)) and len(table) == 16
     kvquant, pairbits, fold = (table[i] for i in ("K-kvquant-id-KV4", "K-pairbits-id-W4A4KV4", "K-kivi-fold-KV4"))
     assert isinstance(kvquant, Claim) and isinstance(pairbits, Claim) and isinstance(fold, Claim)
@@ -154,3 +168,54 @@ def test_gpu_e2e_collects_one_test_per_registry_claim_per_model(tmp_path: Path) 
     if not cuda:  # on a CUDA machine the run itself is the gpu_e2e layer's
         assert out.returncode == 0 and f"SKIPPED [{len(ids)}]" in out.stdout, out.stdout + out.stderr
         assert "gpu_e2e: CUDA is not available on this machine" in out.stdout
+
+
+class _Exp:
+    """The few members of the e2e suite's Experiment that ExperimentStore reads: a cell's ppl is 10 + its seed, plus
+    1 when GPTQ runs in float64 (the replicate of a float32 cell)."""
+
+    def __init__(self) -> None:
+        self.budget = _budget((0, 1))
+        self.replicate_seeds = (0, 1)
+        self.built: list[Any] = []
+
+    def config(self, seed: int = 0, **overrides: Any) -> Any:
+        from rope_quant.experiment.config import RunConfig
+
+        return RunConfig.from_flat(model=MODEL, seed=seed, seqlen=self.budget.seqlen, **overrides)
+
+    def cell(self, seed: int, **overrides: Any) -> dict[str, float]:
+        cfg = self.config(seed, **overrides)
+        self.built.append(cfg)
+        return {"ppl": 10.0 + seed + float(cfg.quant.w.gptq.float64)}
+
+    def over_replicates(self, fn: Any) -> dict[int, Any]:
+        from rope_quant.quant.rtn import GPTQConfig
+
+        return {i: fn(s, {"gptq": GPTQConfig(float64=True)}) for i, s in enumerate(self.replicate_seeds)}
+
+
+@pytest.mark.parametrize(("overrides", "kind"), [
+    ({}, "rebuild"), ({"weights": "rtn"}, "none"), ({"weights": "none", "w_bits": 16}, "itself"),
+    ({"w_bits": 16}, "itself")])
+def test_every_front_reads_a_cells_replicate_by_the_one_rule(overrides: dict[str, Any], kind: str) -> None:
+    """GPTQ weights: rebuilt in the other float mode; unquantised weights: the cell is its own replicate (a shift of
+    0); RTN weights: none. The claims sweep's replicate cell (sweep/decide.py), the pytest front's store and its plan
+    of the table's cells all follow experiment/replicate.py."""
+    from rope_quant.experiment.replicate import Replicate, replicate_kind, replicate_overrides
+    from rope_quant.sweep.decide import replicate_config
+    from tests._support.registry_front import ExperimentStore
+
+    exp = _Exp()
+    cfg = exp.config(0, **overrides)
+    assert replicate_kind(cfg) is Replicate(kind)
+    rep = replicate_config(cfg)
+    assert (rep is not None) == (kind == "rebuild")
+    if rep is not None:
+        assert rep.quant.w.gptq.float64 and rep.override(**replicate_overrides(rep)).key() == cfg.key()
+    got = ExperimentStore(exp).replicates(cell(**overrides), (0, 1))
+    assert got == {"rebuild": {0: 11.0, 1: 12.0}, "itself": {0: 10.0, 1: 11.0}, "none": None}[kind]
+    claim = Claim("X", "x", "x", "x", {"t": cell(**overrides), "c": cell(r3="pairwise_only", **overrides)},
+                  (Part("t < c", "t", "c", Form.LESS),))
+    keys, builds, _ = table_cells(MODEL, "pydoc", "cpu", _budget((0, 1)), [claim])
+    assert len(keys) == 4 * (2 if kind == "rebuild" else 1)  # 2 cells x 2 seeds, each with its rebuilt replicate
