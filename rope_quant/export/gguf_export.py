@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from rope_quant.export.build import ExportModel
-from rope_quant.export.fold import ExportError, OnlinePartError, online_parts
+from rope_quant.export.fold import ExportError, refuse_online_parts
 from rope_quant.io import atomic_write_json, to_jsonable
 from rope_quant.model import arch
 
@@ -109,12 +109,8 @@ def check_gguf(cfg: Any, head_dim: int) -> tuple[Path, str, bool]:
     Returns (source GGUF, llama.cpp architecture, interleave W_Q/W_K)."""
     from rope_quant.model.gguf_header import GGUFHeaderError, read_gguf_header
 
-    parts = online_parts(cfg, head_dim)
-    if parts:
-        names = "; ".join(p.text for p in parts)
-        raise OnlinePartError(f"--format gguf cannot carry online parts: {names}. llama.cpp runs only its own K "
-                              "rotation online; choose a cell without them (R4 off; a RoPE-commuting R3 such as "
-                              "pairwise_only), or export with --format compressed-tensors")
+    refuse_online_parts(cfg, head_dim, "gguf", "llama.cpp runs only its own K rotation online: export it with "
+                        "--format compressed-tensors")
     path = source_gguf(cfg.model)
     try:
         meta = read_gguf_header(path).metadata

@@ -17,8 +17,7 @@ from rope_quant.cli import export as cli_export
 from rope_quant.experiment.config import RunConfig
 from rope_quant.export import build as ebuild
 from rope_quant.export import fold, gguf_export, outdir
-from tests.numerics.export_isolated import byte_tokenizer
-from tests.numerics.test_export_hf import tiny_llama
+from tests.numerics import test_export_cli
 
 
 def main(argv: list[str]) -> int:
@@ -52,12 +51,7 @@ def test_unsupported_architecture_named() -> None:
         gguf_export._gguf_arch("phi3")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny") / "llama"
-    tiny_llama().save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+model_dir = test_export_cli.model_dir  # the tiny Llama checkpoint directory (fixture)
 
 
 @pytest.mark.parametrize(("r3", "extra"), [("hadamard", []), ("pairwise_plus_hadamard", []),
