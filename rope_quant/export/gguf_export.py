@@ -36,7 +36,7 @@ from rope_quant.io import atomic_write_json, to_jsonable
 from rope_quant.model import arch
 
 __all__ = ["GGUF_FILE", "GGUFWeightType", "GGUF_ARCHITECTURES", "check_gguf", "source_gguf", "write_gguf",
-           "interleave_pairs"]
+           "interleave_pairs", "file_layout"]
 
 #: The file an export directory holds.
 GGUF_FILE = "model.gguf"
@@ -131,6 +131,17 @@ def interleave_pairs(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, d // 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def file_layout(name: str, w: np.ndarray, *, norm_offset: float, interleave: bool, n_heads: int,
+                n_kv_heads: int) -> np.ndarray:
+    """Tensor ``name`` (llama.cpp's name) as llama.cpp's file holds it: a norm scale plus ``norm_offset`` (Gemma's
+    ``1 + w``), W_Q/W_K rows (and biases) interleaved per pair where ``interleave`` (llama's NORM rope)."""
+    if w.ndim == 1 and "norm" in name and norm_offset:
+        w = w + np.float32(norm_offset)
+    if interleave and (".attn_q." in name or ".attn_k." in name):
+        w = interleave_pairs(w, n_heads if ".attn_q." in name else n_kv_heads)
+    return np.ascontiguousarray(w)
+
+
 def _metadata(reader: Any) -> list[tuple[str, Any, Any, Any]]:
     """(key, value, type, array sub-type) of every copied metadata field of the source GGUF."""
     from gguf import GGUFValueType
@@ -208,12 +219,9 @@ def write_gguf(em: ExportModel, out_dir: str | os.PathLike[str], wtype: GGUFWeig
             name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise ExportError(f"--format gguf: no llama.cpp tensor name for {hf_name!r} ({gguf_arch})")
-            w = tensor.detach().to(torch.float32).cpu().numpy()
-            if w.ndim == 1 and "norm" in name and spec.norm_offset:
-                w = w + np.float32(spec.norm_offset)
-            if interleave and (".attn_q." in name or ".attn_k." in name):
-                w = interleave_pairs(w, dims.n_heads if ".attn_q." in name else dims.n_kv_heads)
-            data, raw = _tensor(name, np.ascontiguousarray(w), wtype)
+            w = file_layout(name, tensor.detach().to(torch.float32).cpu().numpy(), norm_offset=spec.norm_offset,
+                            interleave=interleave, n_heads=dims.n_heads, n_kv_heads=dims.n_kv_heads)
+            data, raw = _tensor(name, w, wtype)
             writer.add_tensor(name, data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -42,6 +42,32 @@ def test_interleave_is_inverted_by_transformers_gguf_loader(heads: int, kv_heads
         assert np.array_equal(stored[2], w[1]) and np.array_equal(stored[3], w[1 + 4])
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3"])
+def test_file_layout_is_what_transformers_gguf_loader_undoes(model_type: str) -> None:
+    """Every tensor of a layer, as written for llama.cpp, comes back as the model's own tensor through transformers'
+    GGUF tensor processor of that architecture (llama: q/k rows un-interleaved; gemma3: norms minus 1; qwen3:
+    as is)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from rope_quant.model import arch
+
+    gguf_arch, interleave = gguf_export.GGUF_ARCHITECTURES[model_type]
+    heads, kv_heads, d = 4, 2, 8
+    proc = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(
+        config={"num_attention_heads": heads, "num_key_value_heads": kv_heads})
+    rng = np.random.default_rng(1)
+    shapes = {"blk.0.attn_q.weight": (heads * d, 32), "blk.0.attn_k.weight": (kv_heads * d, 32),
+              "blk.0.attn_v.weight": (kv_heads * d, 32), "blk.0.attn_norm.weight": (32,),
+              "blk.0.attn_q_norm.weight": (d,), "output_norm.weight": (32,)}
+    offset = arch.spec_for(model_type).norm_offset
+    for name, shape in shapes.items():
+        w = rng.standard_normal(shape).astype(np.float32)
+        stored = gguf_export.file_layout(name, w, norm_offset=offset, interleave=interleave, n_heads=heads,
+                                         n_kv_heads=kv_heads)
+        np.testing.assert_allclose(proc.process(stored, name).weights, w, rtol=0, atol=1e-6, err_msg=name)
+    assert offset == (1.0 if model_type == "gemma3_text" else 0.0)
+
+
 def test_cli_gguf_types_are_the_enum() -> None:
     assert cli_export.GGUF_TYPES == tuple(t.value for t in gguf_export.GGUFWeightType)
 
