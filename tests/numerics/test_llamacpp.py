@@ -108,6 +108,9 @@ def test_rotation_switch_acts_at_quantised_k_only(embedded_model, smol_exports, 
 # ----------------------------------------------------------------------------- Gemma 3 (slow: its load and export)
 
 GEMMA_UNROTATED = {**UNROTATED, "model": "gemma3-270m"}
+#: Gemma 3 (logits up to 32.7, an f16 cache of 256-wide heads): measured 5.43e-2 against transformers and 4.98e-2
+#: folded against unrotated.
+TOL_HF_GEMMA = 0.1
 #: R2 folded, and the pre-RoPE channel scales fitted on the K sample, folded into q_norm/k_norm (R1 is refused on
 #: Gemma 3 and a pair rotation is refused by its q/k norms, docs/export.md).
 GEMMA_FOLDED = {**UNROTATED, "model": "gemma3-270m", "r2": "random_hadamard", "r3": "prerope_channel_scale"}
@@ -129,4 +132,4 @@ def test_gemma3_exports_in_llamacpp(tmp_path: Path) -> None:
     diff, diff_fold = float(np.abs(got - ref).max()), float(np.abs(got_folded - got).max())
     print(f"gemma3 llama.cpp vs transformers: max |dlogit| {diff:.3e} (logits up to {np.abs(ref).max():.1f}); "
           f"folded vs unrotated {diff_fold:.3e}")
-    assert diff < TOL_HF and diff_fold < TOL_FOLD
+    assert diff < TOL_HF_GEMMA and diff_fold < TOL_FOLD
