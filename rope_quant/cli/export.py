@@ -19,20 +19,21 @@ from typing import Any
 
 from rope_quant.cli.args import CLIError, check_name
 
-FORMATS = ("hf", "compressed-tensors")
+FORMATS = ("hf", "compressed-tensors", "gguf")
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHTS = ("unquantised", "dequantised")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")  # rope_quant.export.gguf_export.GGUFWeightType
 
-HELP = "write one cell as a deployable checkpoint (hf or compressed-tensors)"
+HELP = "write one cell as a deployable checkpoint (hf, compressed-tensors or gguf)"
 
-__all__ = ["FORMATS", "DTYPES", "WEIGHTS", "add_parser", "run", "resolve_cell"]
+__all__ = ["FORMATS", "DTYPES", "WEIGHTS", "GGUF_TYPES", "add_parser", "run", "resolve_cell"]
 
 
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``export`` subcommand to ``subparsers`` and return its parser."""
-    p = subparsers.add_parser("export", help="write one cell as a deployable checkpoint (hf or compressed-tensors)")
+    p = subparsers.add_parser("export", help=HELP)
     src = p.add_argument_group("the cell (a results directory, or configuration flags as for run)")
     src.add_argument("--from", dest="results", default=None, metavar="DIR", help="results directory of the cell")
     src.add_argument("--cell", default=None, metavar="NAME", help="cell (config) name in the results directory")
@@ -48,9 +49,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "weights=rtn, seqlen=512, calib_windows=4")
     src.add_argument("--cache-dir", default=None, metavar="DIR", help="weight/statistics cache (default DIR/cache)")
     out = p.add_argument_group("the export")
-    out.add_argument("--format", required=True, choices=FORMATS, help="hf (everything folded) or compressed-tensors")
+    out.add_argument("--format", required=True, choices=FORMATS,
+                     help="hf (everything folded), compressed-tensors, or gguf (everything folded; llama.cpp)")
     out.add_argument("--out", required=True, metavar="DIR", help="output directory (written whole, or not at all)")
     out.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the saved tensors (default float32)")
+    out.add_argument("--gguf-type", default=None, choices=GGUF_TYPES,
+                     help="gguf: how the weight matrices are stored (default: --dtype's f32/f16/bf16); norms stay f32")
     out.add_argument("--weights", default=None, choices=WEIGHTS,
                      help="hf: the rotated fp weights, or the cell's GPTQ/RTN weights dequantised (default "
                           "unquantised); compressed-tensors always packs the quantised codes")
@@ -158,13 +162,16 @@ def _remedy(args: argparse.Namespace, parts: list[Any]) -> str:
 def _precheck(args: argparse.Namespace, cfg: Any, fmt: str) -> None:
     """What the format cannot carry, from the configuration alone (head_dim-free checks); the remedy names the
     flags for this cell's source."""
-    from rope_quant.export import compressed, hf
+    from rope_quant.export import compressed, gguf_export, hf
     from rope_quant.export.fold import OnlinePartError, online_parts
 
     nominal = max(64, 2 * (cfg.online.block or 1))  # commutation depends on block and layout, not head_dim
-    if fmt == "hf":
+    if fmt in ("hf", "gguf"):
         try:
-            hf.check_hf(cfg, nominal)
+            if fmt == "hf":
+                hf.check_hf(cfg, nominal)
+            else:
+                gguf_export.check_gguf(cfg, nominal)
         except OnlinePartError as exc:
             raise CLIError(f"{exc}. For this cell: {_remedy(args, online_parts(cfg, nominal))}") from None
     else:
@@ -191,11 +198,13 @@ def export(args: argparse.Namespace) -> Path:
     """Do the export described by ``args``; returns --out (raises on bad input)."""
     import torch
 
-    from rope_quant.export import build, compressed, hf, outdir
+    from rope_quant.export import build, compressed, gguf_export, hf, outdir
 
     cfg, cache, what = resolve_cell(args)
     _check_out(args)
     _precheck(args, cfg, args.format)
+    if args.gguf_type is not None and args.format != "gguf":
+        raise CLIError(f"--gguf-type applies to --format gguf only (this is --format {args.format})")
     if args.format == "compressed-tensors" and args.weights == "unquantised":
         raise CLIError("--format compressed-tensors packs the quantised codes: --weights unquantised does not apply")
     weights = build.WeightSource(args.weights or ("dequantised" if args.format == "compressed-tensors"
@@ -203,12 +212,15 @@ def export(args: argparse.Namespace) -> Path:
     dtype = getattr(torch, args.dtype)
     t = time.perf_counter()
     em = build.build_export_model(cfg, cache, weights=weights, recompute=args.recompute,
-                                  fold=args.format == "hf")
+                                  fold=args.format in ("hf", "gguf"))
     source = {"cell": what, "results": None if args.results is None else str(Path(args.results).resolve()),
               "key": cfg.key(), "weight_key": cfg.weight_key(), "build_s": time.perf_counter() - t}
     with outdir.staged(args.out, args.overwrite) as tmp:
         if args.format == "hf":
             hf.write_hf(em, tmp, dtype, weights=weights.value, source=source)
+        elif args.format == "gguf":
+            wtype = gguf_export.GGUFWeightType(args.gguf_type or gguf_export.GGUFWeightType.from_dtype(dtype))
+            gguf_export.write_gguf(em, tmp, wtype, source={**source, "weights": weights.value})
         else:
             compressed.write_compressed(em, tmp, dtype, source=source)
     for note in em.notes:

@@ -92,6 +92,25 @@ def _check_positive(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+def eval_windows(ids: Any, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
+    """The windows :func:`perplexity` scores, shape (n, seqlen): the first ``max_windows`` (default all)
+    non-overlapping ``seqlen`` windows of the stream ``ids``, in stream order. Another scorer (e.g. a runtime,
+    :mod:`rope_quant.runtime.llamacpp`) takes these to score the same tokens."""
+    stream = _as_stream(ids)
+    _check_positive("seqlen", seqlen, 2)
+    if max_windows is not None:
+        _check_positive("max_windows", max_windows, 0)
+    n_windows = stream.numel() // seqlen
+    if max_windows is not None:
+        n_windows = min(n_windows, max_windows)
+    if n_windows == 0:
+        raise EmptyWindowSetError(
+            f"no window to score: stream of {stream.numel()} tokens, seqlen={seqlen}, "
+            f"max_windows={max_windows}"
+        )
+    return stream[: n_windows * seqlen].reshape(n_windows, seqlen)
+
+
 def _base_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The decoder stack (final norm included) and the output projection, from the architecture adapter."""
     try:
@@ -159,14 +178,8 @@ def perplexity(
         raise InvalidWindowSpecError(
             f"token ids must lie in [0, {vocab}), got range [{int(stream.min())}, {int(stream.max())}]"
         )
-    n_windows = stream.numel() // seqlen
-    if max_windows is not None:
-        n_windows = min(n_windows, max_windows)
-    if n_windows == 0:
-        raise EmptyWindowSetError(
-            f"no window to score: stream of {stream.numel()} tokens, seqlen={seqlen}, "
-            f"max_windows={max_windows}"
-        )
+    windows = eval_windows(stream, seqlen, max_windows)
+    n_windows = windows.shape[0]
     dev = _model_device(model) if device is None or str(device) == "auto" else torch.device(device)
 
     from tqdm.auto import tqdm
@@ -177,7 +190,7 @@ def perplexity(
         total=n_windows, desc=f"ppl L={seqlen}", unit="win", disable=not _show_progress(progress), leave=False
     ) as bar:
         for w in range(n_windows):
-            window = stream[w * seqlen:(w + 1) * seqlen].to(dev)
+            window = windows[w].to(dev)
             # The quantisers' and diagnostics' checks are read with the NLL: one host read per window.
             def score(win: torch.Tensor = window) -> torch.Tensor:
                 return window_nll_sum(model, win, block_size)

@@ -30,6 +30,7 @@ __all__ = [
     "LayoutError",
     "OnlinePart",
     "online_parts",
+    "refuse_online_parts",
     "fold_commuting_part",
     "check_fold_layout",
     "r3_split",
@@ -83,6 +84,16 @@ def online_parts(cfg: Any, head_dim: int) -> list[Online]:
         what = "its full-head Hadamard half" if rest != cfg.online.transform else "it"
         out.append(Online(OnlinePart.R3, f"R3 {cfg.online.transform!r} ({what} does not commute with RoPE)"))
     return out
+
+
+def refuse_online_parts(cfg: Any, head_dim: int, fmt: str, instead: str) -> None:
+    """:class:`OnlinePartError` naming ``cfg``'s online parts, which format ``fmt`` cannot carry; ``instead`` says
+    where they can go. Nothing when everything folds."""
+    parts = online_parts(cfg, head_dim)
+    if parts:
+        names = "; ".join(p.text for p in parts)
+        raise OnlinePartError(f"--format {fmt} cannot carry online parts: {names}. {instead}, or choose a cell "
+                              "without them (R4 off; a RoPE-commuting R3 such as pairwise_only)")
 
 
 def pairwise_part(transform: Any) -> Any:

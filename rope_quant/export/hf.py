@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rope_quant.export.build import ExportModel
-from rope_quant.export.fold import OnlinePartError, online_parts
+from rope_quant.export.fold import refuse_online_parts
 from rope_quant.io import atomic_write_json, to_jsonable
 from rope_quant.model import arch
 
@@ -33,12 +33,8 @@ EXPORT_INFO = "rope_quant_export.json"
 
 def check_hf(cfg: Any, head_dim: int) -> None:
     """Refuse (before any expensive step) a configuration with an online part: hf has no runtime transforms."""
-    parts = online_parts(cfg, head_dim)
-    if parts:
-        names = "; ".join(p.text for p in parts)
-        raise OnlinePartError(f"--format hf cannot carry online parts: {names}. Export it with --format "
-                              "compressed-tensors (online transforms in its transform_config), or choose a cell "
-                              "without them (R4 off; a RoPE-commuting R3 such as pairwise_only)")
+    refuse_online_parts(cfg, head_dim, "hf", "Export it with --format compressed-tensors (online transforms in its "
+                        "transform_config)")
 
 
 def runtime_quant_notes(cfg: Any) -> list[str]:

@@ -48,7 +48,7 @@ def results_dir(root: Path, model_dir: Path, name: str = "pairwise_only", comple
     return out
 
 
-@pytest.mark.parametrize(("flag", "value", "choices"), [("--format", "gguf", "'hf', 'compressed-tensors'"),
+@pytest.mark.parametrize(("flag", "value", "choices"), [("--format", "onnx", "'hf', 'compressed-tensors', 'gguf'"),
                                                           ("--dtype", "int8", "'float32', 'bfloat16', 'float16'")])
 def test_unknown_format_or_dtype_exit_2_with_choices(tmp_path: Path, capsys, flag, value, choices) -> None:
     args = ["--format", "hf", "--dtype", "float32", "--out", str(tmp_path / "o"), "--model", "x", "--config", "y"]
