@@ -206,7 +206,12 @@ def _margin(claim: Claim, part: Part, reader: _Reader) -> Margin | None:
     import numpy as np
 
     assert m.comparator is not None
-    return rule.equivalence_margin(float(np.mean(reader.values(m.comparator, Metric.PPL.value))))
+    mean = float(np.mean(reader.values(m.comparator, part.metric.value if m.kind is MarginKind.RELATIVE
+                                       else Metric.PPL.value)))
+    if m.kind is MarginKind.RELATIVE:
+        assert m.value is not None
+        return Margin(m.value * mean, f"{m.value:.0%} of {m.comparator}'s mean {mean:.3f} = ±{m.value * mean:.3f}")
+    return rule.equivalence_margin(mean)
 
 
 def _deterministic(part: Part, t: list[float], c: list[float], reader: _Reader) -> Verdict:

@@ -65,6 +65,7 @@ class Scoring(StrEnum):
     EVAL = "eval"  # the budget's evaluation windows (short context)
     SUPPORT = "support"  # the budget's support windows (C4, Table M)
     LONG = "long"  # the App. A.4 long-context protocol at the cell's LENGTH
+    RUNTIME = "runtime"  # llama.cpp on the evaluation windows (rope_quant.runtime.cells: the cell exported to GGUF)
 
 
 SCORING = "scoring"
@@ -88,6 +89,7 @@ class MarginKind(StrEnum):
     NONE = "none"  # GREATER / LESS: the boundary is 0
     EQUIVALENCE = "equivalence"  # verdict.equivalence_margin of the comparator cell's mean ppl
     FIXED = "fixed"  # a value in the metric's units
+    RELATIVE = "relative"  # a share (``value``) of the comparator cell's mean (L3: the simulator within 2% of ppl)
 
 
 def unresolved(c: Mapping[str, Override]) -> dict[str, Resolve]:
@@ -182,7 +184,8 @@ Side = str | Diff
 
 @dataclass(frozen=True)
 class MarginRule:
-    """A part's margin: none, the equivalence margin of ``comparator``'s mean ppl, or a fixed ``value``."""
+    """A part's margin: none, the equivalence margin of ``comparator``'s mean ppl, a fixed ``value``, or a share
+    ``value`` of ``comparator``'s mean (relative)."""
 
     kind: MarginKind = MarginKind.NONE
     comparator: str | None = None
@@ -193,6 +196,9 @@ class MarginRule:
             raise ClaimError("an equivalence margin names its comparator cell")
         if self.kind is MarginKind.FIXED and not (self.value is not None and self.value > 0):
             raise ClaimError(f"a fixed margin is a positive number, got {self.value!r}")
+        if self.kind is MarginKind.RELATIVE and not (self.comparator and self.value is not None and 0 < self.value):
+            raise ClaimError(f"a relative margin names its comparator cell and a positive share, got "
+                             f"{self.comparator!r}, {self.value!r}")
 
     @classmethod
     def equivalence(cls, comparator: str) -> MarginRule:
@@ -201,6 +207,10 @@ class MarginRule:
     @classmethod
     def fixed(cls, value: float) -> MarginRule:
         return cls(MarginKind.FIXED, value=float(value))
+
+    @classmethod
+    def relative(cls, comparator: str, share: float) -> MarginRule:
+        return cls(MarginKind.RELATIVE, comparator=comparator, value=float(share))
 
 
 NO_MARGIN = MarginRule()

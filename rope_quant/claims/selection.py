@@ -40,7 +40,8 @@ from rope_quant.claims.registry import (
 )
 
 _SCORED_BY = {Scoring.SUPPORT: "the budget's support windows (Table M)",
-              Scoring.LONG: "the long-context protocol of App. A.4"}
+              Scoring.LONG: "the long-context protocol of App. A.4",
+              Scoring.RUNTIME: "llama.cpp (a GGUF export of the cell)"}
 
 
 def select(names: Iterable[str] | None = None) -> list[Claim]:

@@ -101,6 +101,8 @@ class ExperimentStore:
         if scoring_of(cell) is Scoring.LONG:
             length = int(length_of(cell) or 0)
             return float(self.exp.long_context(seed, (length,), **ov)[length].ppl)
+        if scoring_of(cell) is Scoring.RUNTIME:
+            return float(self.exp.runtime_cell(seed, **ov)[str(metric)])
         return float(self.exp.cell(seed, **ov)[str(metric)])
 
     def values(self, cell: Mapping[str, Override], seeds: Sequence[int], metric: str = Metric.PPL) -> list[float]:

@@ -220,6 +220,19 @@ class Experiment:
         cfg = self.config(seed, **overrides)
         return self.memo(cfg.key(), lambda: run_cell(cfg, qm=self.quantized(cfg)))
 
+    def runtime_cell(self, seed: int = 0, **overrides: Any) -> dict[str, Any]:
+        """The cell scored by llama.cpp (:func:`rope_quant.runtime.cells.score_cell`: exported to GGUF, scored on
+        the evaluator's windows), memoised like :meth:`cell`; skips, naming the install line, without llama.cpp."""
+        from rope_quant.runtime import cells, llamacpp
+
+        try:
+            llamacpp.require()
+        except llamacpp.LlamaCppMissingError as exc:
+            pytest.skip(str(exc))
+        cfg = self.config(seed, **overrides)
+        return self.memo(("runtime", cfg.key()),
+                         lambda: cells.score_cell(cfg, base=self.base, cache_dir=self.cache_dir))
+
     def per_seed(self, metric: str = "ppl", **overrides: Any) -> list[float]:
         return [float(self.cell(seed, **overrides)[metric]) for seed in self.budget.seeds]
 

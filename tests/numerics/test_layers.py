@@ -17,7 +17,7 @@ import rope_quant
 ROOT = Path(rope_quant.__file__).parent
 # Bottom-up. A module may import its own layer or any layer below it.
 LAYERS = ("defaults", "seeds", "io", "claims_json", "core", "model", "quant", "calib", "rotations", "experiment",
-          "runtime", "export", "claims", "sweep", "analysis", "cli")
+          "export", "runtime", "claims", "sweep", "analysis", "cli")
 # The claims layer (the claims as data and their engine) reads cells only through a store: it imports core/ and
 # itself, the architecture adapter (model/) alone, lazily, to answer a claim's premises (claims/premises.py), and
 # the experiment config, lazily, to count a cell's bits per key element from its flat config (claims/bits.py).
