@@ -27,7 +27,7 @@ def test_the_runtime_entries_are_registered_slow_in_their_group():
 
 
 def test_each_cell_builds_a_config_the_runtime_can_score():
-    for name, (r3, rotation) in CELLS.items():
+    for name, (_r3, rotation) in CELLS.items():
         flat = {k: v for k, v in registry.get("L1").cells[name].items() if k != registry.SCORING}
         if not isinstance(flat["r3"], str) or flat["r3"].startswith("<"):
             flat["r3"] = "pairwise_only"  # the best foldable R3 is resolved per model (premises.adapt)
