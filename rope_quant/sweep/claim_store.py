@@ -6,22 +6,23 @@ cells by its key (a ``compare`` directory's configs are its base config with eac
 claim's ``{"r3": "pairwise_only", "estimator": "k_only"}`` is the directory's k_only cell whatever it is named).
 Its float-order replicate is the same config with GPTQ in the other float mode
 (:func:`rope_quant.sweep.decide.replicate_config`: the cells ``rope-quant decide`` adds). A value is read only
-from a complete record (:func:`rope_quant.sweep.records.is_complete`). The directory's plain run cells are scored
-at its own evaluation windows: a claim cell scored otherwise (C4's support windows, C7's long-context protocol)
-is refused by name.
+from a complete record (:func:`rope_quant.sweep.records.is_complete`). A claim cell scored otherwise than at the
+directory's evaluation windows (C4's support windows, C7's long-context protocol) is the config the claims sweep
+planned for it (:func:`rope_quant.sweep.claim_scoring.scored_config`, at the scoring budget of the manifest's
+``meta``); a long-context cell's value is its length's entry.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rope_quant.claims.registry import Metric, Override, Scoring, describe, overrides_of, scoring_of
+from rope_quant.claims.registry import Metric, Override
 from rope_quant.claims.stores import MissingCellError, ReplicateValues
-from rope_quant.sweep.cellkind import SweepError, config_seed, with_overrides
+from rope_quant.sweep.cellkind import SweepError, config_seed
+from rope_quant.sweep.claim_scoring import ScoringBudget, scored_config, scored_tokens, scored_value
 from rope_quant.sweep.decide import replicate_config
 from rope_quant.sweep.manifest import Manifest, cell_relpath, load_manifest
 from rope_quant.sweep.records import is_complete, read_record
@@ -35,17 +36,15 @@ class DirectoryStore:
         self.manifest = manifest if manifest is not None else load_manifest(out)
         self._by_key = {cfg.key(): (name, cfg) for name, cfg in self.manifest.cells}
         self._base = {config_seed(cfg): cfg for name, cfg in self.manifest.cells if name == self.manifest.comparator}
+        self.scoring = ScoringBudget.from_meta(self.manifest.meta)
 
     def config(self, cell: Mapping[str, Override], seed: int) -> Any:
-        """The config of ``cell`` at ``seed``: the comparator's with the cell's overrides."""
-        scoring = scoring_of(cell)
-        if scoring is not Scoring.EVAL:
-            raise SweepError(f"cell {{{describe(cell)}}} is scored by {scoring.value}: a results directory holds plain "
-                             "run cells scored at its own evaluation windows")
+        """The config of ``cell`` at ``seed``: the comparator's with the cell's overrides, scored as the claims
+        sweep planned it (:func:`~rope_quant.sweep.claim_scoring.scored_config`)."""
         base = self._base.get(int(seed))
         if base is None:
             raise MissingCellError(cell, seed, f"comparator {self.manifest.comparator!r} (the base config)")
-        return with_overrides(base, **overrides_of(cell))
+        return scored_config(cell, base, self.scoring)
 
     def seeds(self) -> list[int]:
         """The seeds at which the directory holds its comparator (the base of every claim cell), in manifest order."""
@@ -58,21 +57,24 @@ class DirectoryStore:
         return self._base[next(iter(self._base)) if seed is None else int(seed)]
 
     def planned(self, cell: Mapping[str, Override], seed: int) -> bool:
-        """Whether the manifest names ``cell``'s config at ``seed`` (computed or not); False for a cell scored
-        otherwise than at the directory's evaluation windows."""
-        if scoring_of(cell) is not Scoring.EVAL or int(seed) not in self._base:
+        """Whether the manifest names ``cell``'s config at ``seed`` (computed or not)."""
+        if int(seed) not in self._base:
             return False
         return self.config(cell, seed).key() in self._by_key
 
-    def _read(self, cfg: Any, metric: str) -> float | None:
+    def _result(self, cfg: Any) -> dict[str, Any] | None:
+        """The result of ``cfg``'s complete record (None: not planned, or not computed yet)."""
         hit = self._by_key.get(cfg.key())
         if hit is None:
             return None
         path = self.out / cell_relpath(hit[0], cfg)
         if not is_complete(path, cfg.key()):
             return None
-        value = ((read_record(path) or {}).get("result") or {}).get(str(metric))
-        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+        return dict((read_record(path) or {}).get("result") or {})
+
+    def _read(self, cfg: Any, metric: str) -> float | None:
+        result = self._result(cfg)
+        return None if result is None else scored_value(cfg, result, metric)
 
     def values(self, cell: Mapping[str, Override], seeds: Sequence[int], metric: str = Metric.PPL) -> list[float]:
         out = []
@@ -100,11 +102,9 @@ class DirectoryStore:
         """The scored tokens of the cell's first complete record (None when no record says)."""
         for seed in self._base:
             cfg = self.config(cell, seed)
-            hit = self._by_key.get(cfg.key())
-            if hit is None or not is_complete(path := self.out / cell_relpath(hit[0], cfg), cfg.key()):
-                continue
-            n = ((read_record(path) or {}).get("result") or {}).get("n_tokens")
-            return int(n) if isinstance(n, int) and n > 0 else None
+            result = self._result(cfg)
+            if result is not None:
+                return scored_tokens(cfg, result)
         return None
 
 
