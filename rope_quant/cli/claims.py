@@ -141,13 +141,13 @@ def cost_lines(args: argparse.Namespace, manifest: Any) -> list[str]:
 
     from rope_quant.experiment import memory_check
     from rope_quant.experiment.plan import format_plan, long_context_cells
-    from rope_quant.sweep.kinds.long_context import LongContextConfig
+    from rope_quant.sweep.claim_scoring import long_length
 
     budget = resolve_budget(args)[0]
     builds = len({cfg.weight_key() for _, cfg in manifest.cells})
     lengths: dict[int, int] = {}
     for _, cfg in manifest.cells:
-        for length in cfg.lengths if isinstance(cfg, LongContextConfig) else ():
+        if (length := long_length(cfg)) is not None:
             lengths[length] = lengths.get(length, 0) + 1
     short = len(manifest) - sum(lengths.values())
     per_build = -(-short // max(1, builds))

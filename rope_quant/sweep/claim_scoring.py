@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from rope_quant.claims.registry import Override, Scoring, length_of, overrides_of, scoring_of
-from rope_quant.sweep.cellkind import SweepError, run_of, with_overrides
+from rope_quant.sweep.cellkind import CellKindName, SweepError, kind_of, run_of, with_overrides
 from rope_quant.sweep.kinds.long_context import LongContextConfig
 
 SCORING_META = "_scoring"
@@ -87,11 +87,21 @@ def _docs(budget: ScoringBudget) -> int:
     return int(EVAL_DOCUMENTS)
 
 
+def long_length(cfg: Any) -> int | None:
+    """The context length a claims sweep's long-context cell scores (None for any other cell)."""
+    kind = kind_of(cfg)
+    if kind.name != CellKindName.LONG_CONTEXT.value:
+        return None
+    (length,) = kind.eval_lengths(cfg, ())
+    return int(length)
+
+
 def scored_value(cfg: Any, result: Mapping[str, Any], metric: str) -> float | None:
     """``metric`` of a complete record's ``result`` of config ``cfg`` (a long-context cell: its one length's entry;
     a length that failed holds none), or None when absent or not finite."""
-    if isinstance(cfg, LongContextConfig):
-        result = (result.get("lengths") or {}).get(str(cfg.lengths[0])) or {}
+    length = long_length(cfg)
+    if length is not None:
+        result = (result.get("lengths") or {}).get(str(length)) or {}
     value = result.get(str(metric))
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
@@ -99,7 +109,8 @@ def scored_value(cfg: Any, result: Mapping[str, Any], metric: str) -> float | No
 def scored_tokens(cfg: Any, result: Mapping[str, Any]) -> int | None:
     """The tokens a cell scores, as the budget to decide counts them: a run cell's recorded ``n_tokens``; a
     long-context cell's windows × L (the pytest front's count)."""
-    if isinstance(cfg, LongContextConfig):
-        return int(run_of(cfg).eval_windows or 0) * int(cfg.lengths[0]) or None
+    length = long_length(cfg)
+    if length is not None:
+        return int(run_of(cfg).eval_windows or 0) * length or None
     n = result.get("n_tokens")
     return int(n) if isinstance(n, int) and n > 0 else None

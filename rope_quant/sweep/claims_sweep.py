@@ -22,9 +22,8 @@ from typing import Any
 from rope_quant.claims.registry import Claim, Override
 from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.sweep.cellkind import SweepError, run_of, with_overrides
-from rope_quant.sweep.claim_scoring import SCORING_META, ScoringBudget, scored_config
+from rope_quant.sweep.claim_scoring import SCORING_META, ScoringBudget, long_length, scored_config
 from rope_quant.sweep.decide import REPLICATE_SUFFIX, replicate_config
-from rope_quant.sweep.kinds.long_context import LongContextConfig
 from rope_quant.sweep.manifest import Manifest
 
 STUDY = "claims"
@@ -42,8 +41,8 @@ def cell_name(cfg: Any, comparator: Any) -> str:
     long-context cell's lengths last (``+L=1024``)."""
     a, b = run_of(cfg).flat(), run_of(comparator).flat()
     extra = [f"{k}={_safe(a[k])}" for k in sorted(a) if k not in ("seed", "r3") and a[k] != b.get(k)]
-    if isinstance(cfg, LongContextConfig):
-        extra.append("L=" + "_".join(map(str, cfg.lengths)))
+    if (length := long_length(cfg)) is not None:
+        extra.append(f"L={length}")
     return "+".join([_safe(a["r3"]), *extra])
 
 
