@@ -66,7 +66,7 @@ def with_overrides(cfg: Any, **overrides: Any) -> Any:
     itself and passes the others to its run (``seed``, ``gptq``: the run's)."""
     if hasattr(cfg, "override"):
         return cfg.override(**overrides)
-    if kind_of(cfg).wraps_run and dataclasses.is_dataclass(cfg):
+    if kind_of(cfg).wraps_run:  # a wrapping kind's config is a dataclass holding its run as ``run``
         own = {f.name for f in dataclasses.fields(cfg)} - {"run"}
         mine = {k: v for k, v in overrides.items() if k in own}
         rest = {k: v for k, v in overrides.items() if k not in own}
