@@ -24,6 +24,7 @@ from rope_quant.sweep.claim_store import DirectoryStore
 from rope_quant.sweep.decide import REPLICATE_SUFFIX
 from rope_quant.sweep.kinds.long_context import LongContextConfig
 from rope_quant.sweep.manifest import read_manifest
+from tests.numerics.test_claims_cli import Cells as PlainCells
 
 TINY = ["--seqlen", "64", "--calib-windows", "1", "--eval-windows", "1", "--quiet"]
 BLOCKS = (2, 4, 8, 16, 32, 64)
@@ -46,23 +47,15 @@ def ppl(cfg) -> float:
     return float(14.0 + 6.0 * (length is not None) + shared + own + gap)
 
 
-class Cells:
-    """The stand-in cell function of both kinds; records each config it computes (``kill_after``: a kill)."""
+class Cells(PlainCells):
+    """The stand-in cell function of both kinds (a run cell, a long-context cell of one length)."""
 
-    def __init__(self, kill_after: int | None = None) -> None:
-        self.calls: list = []
-        self.kill_after = kill_after
-
-    def __call__(self, cfg) -> dict:
-        if self.kill_after is not None and len(self.calls) >= self.kill_after:
-            raise KeyboardInterrupt  # a killed run: this cell leaves no record
-        self.calls.append(cfg)
+    def result(self, cfg) -> dict:
         value = ppl(cfg)
+        windows = run_of(cfg).eval_windows
         if isinstance(cfg, LongContextConfig):
             (length,) = cfg.lengths
-            windows = run_of(cfg).eval_windows
             return {"lengths": {str(length): {"ppl": value, "n_tokens": windows * (length - 1), "seqlen": length}}}
-        windows = run_of(cfg).eval_windows
         return {"ppl": value, "n_tokens": windows * 63, "k_range_mean": value / 4, "k_rel_err": value / 100}
 
 
