@@ -92,6 +92,19 @@ def test_the_cli_and_the_pytest_front_give_equal_support_and_long_values(tmp_pat
     assert rows == {"C4-ppl", "C7"}
 
 
+def test_the_cli_defaults_are_the_pytest_fronts_sizes() -> None:
+    """``rope-quant claims``'s default support and long-context sizes are the e2e budget's and the registry
+    fronts' (tests/e2e/conftest.py ``E2EBudget``, tests/_support/registry_front.py ``FrontProtocol``)."""
+    from rope_quant.sweep.claim_scoring import ScoringBudget
+    from tests._support.registry_front import PAPER
+    from tests.e2e.conftest import E2EBudget
+
+    cli_sizes, e2e = ScoringBudget(), E2EBudget()
+    assert (cli_sizes.support_windows, cli_sizes.long_windows, cli_sizes.long_corpus) == (
+        e2e.support_windows, e2e.long_windows, e2e.long_corpus) == (PAPER.support_windows, PAPER.long_windows,
+                                                                   "shakespeare")
+
+
 @pytest.fixture(autouse=True)
 def _one_thread() -> Any:
     threads = torch.get_num_threads()
