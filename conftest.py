@@ -9,6 +9,8 @@ nothing on its own. These are this suite's choices and live here, where only thi
   (in its ``pytest_configure``), so the command line still wins;
 * the layer markers, given by directory: ``tests/<layer>/`` marks ``<layer>`` (``theory``, ``numerics``,
   ``e2e``, ``bench``), relative to this file, so nothing outside this repository's ``tests/`` is marked;
+* each ``--rq-model`` checked before anything is collected (a missing path, an unknown name or an unsupported
+  architecture: one usage error);
 * the budget split: tests marked ``slow`` are deselected unless ``--run-slow`` is given or the ``-m``
   expression names ``slow`` (``tox -e slow`` runs them; README "Test layers");
 * under pytest-xdist (the README's ``pytest -n 2``): the e2e layer first, alone, at torch's default thread count,
@@ -59,6 +61,27 @@ def pytest_configure(config: pytest.Config) -> None:
             "tests to run (`pytest tests -m e2e --rq-claims-out DIR`)")
     config.addinivalue_line("markers", COMPAT)
     config.addinivalue_line("markers", SLOW)
+    check_models(config)
+
+
+def check_models(config: pytest.Config) -> None:
+    """Each ``--rq-model`` names an embedded model or a checkpoint of a supported architecture, read from its config
+    alone (``rope_quant.cli.validate.check_model``, the CLI's ``--model`` check): one usage error naming every bad
+    one, before any test is collected or run."""
+    named = config.getoption("--rq-model", None) or ()
+    if not named or hasattr(config, "workerinput"):  # an xdist worker: the controller checked them
+        return
+    from rope_quant.cli.args import CLIError
+    from rope_quant.cli.validate import check_model
+
+    bad = []
+    for name in dict.fromkeys(named):
+        try:
+            check_model(name)
+        except CLIError as exc:
+            bad.append(str(exc))
+    if bad:
+        raise pytest.UsageError(f"--rq-model: {'; '.join(bad)}")
 
 
 @pytest.hookimpl(optionalhook=True)

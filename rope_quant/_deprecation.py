@@ -45,6 +45,8 @@ MOVED_MODULES: dict[str, str] = {
     "whip": "rope_quant.rotations.whip",
     # moved after 2da0636, inside the package (a name that says what the module is)
     "sweep.models": "rope_quant.sweep.loaded_models",
+    # the key quantisers' first path, a module re-exporting the package that now holds them
+    "quant.key_quantizers": "rope_quant.quant.keys",
     # reporting left sweep/ (which runs studies) for analysis/ (which reads their records)
     "sweep.figures": "rope_quant.analysis.figures",
     "sweep.gap_share": "rope_quant.analysis.gap_share",
@@ -60,7 +62,9 @@ MOVED_MODULES: dict[str, str] = {
 # these (PEP 562 ``__getattr__``); it is not the same object as any of them, so patch the new path.
 SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     "calibration": ("rope_quant.calib.stats",),
+    "data": ("rope_quant.experiment.corpora", "rope_quant.experiment.documents"),
     "gptq": ("rope_quant.quant.rtn",),
+    "whip": ("rope_quant.rotations.whip_model",),
 }
 
 # The public names of the old flat modules that are packages now, as 0.1.0 had them.

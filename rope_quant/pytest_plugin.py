@@ -129,7 +129,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--rq-shape", default=DEFAULT_SHAPE.value, choices=[s.value for s in Shape],
         help=f"with --rq-until-decided: the sequential boundary (default {DEFAULT_SHAPE.value}: valid for skewed "
         "and heavy-tailed per-seed effects; normal: the Pocock t boundary, which assumes normal per-seed effects "
-        "and needs fewer seeds; docs/verdicts.md)",
+        "and needs fewer seeds; contamination_robust: also valid for a rare blow-up seed, more seeds; "
+        "docs/verdicts.md)",
     )
 
 

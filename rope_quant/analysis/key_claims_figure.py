@@ -1,7 +1,7 @@
 """The key-quantiser claims' figure: Δppl against the online Hadamard, per scheme and R3, one panel per model and
 setting (rope_quant/claims/keys.py; docs/key_quantizers.md).
 
-Reads one or more claims JSONs (the pytest plugin's ``--rq-claims-out DIR/claims.json``, or ``rope-quant report
+Reads one or more claims JSONs (the pytest plugin's ``--rq-claims-out=DIR`` (DIR/claims.json), or ``rope-quant report
 DIR``'s): every row whose claim id is a key claim's, ``K-<scheme>-<id|fold>-<KV4|W4A4KV4>`` (the row's ``id``, else
 found in its test id). Each point is the mean paired Δppl = ppl(scheme + R3) − ppl(reference + online Hadamard)
 over the seeds; its bar is the interval the verdict was read from (docs/verdicts.md: the primary paired interval,

@@ -6,15 +6,17 @@ Every verdict the rule writes keeps its per-seed paired differences (``diffs``) 
 control (``numbers``), or, where it kept only per-config lists, as the one ordered pair of lists whose mean
 difference is the recorded mean. :func:`replay_row` rebuilds a row's sampled parts from them and reads the claim
 look by look as ``--rq-until-decided`` would have (:func:`rope_quant.core.sequential.replay_claim`); a part
-without sampling error keeps its recorded outcome. The recorded equivalence margin is used at every look (the run
-computed it from the comparator's mean at each look, so an equivalence read at an earlier look may differ in its
-last digits). A row that kept no per-seed values is named with the reason, never guessed.
+without sampling error keeps its recorded outcome. The replayed verdict carries the outlier flag of its seeds
+(:mod:`rope_quant.core.outlier`, computed by the rule itself, so a JSON written before the flag existed gets it too),
+naming the seeds by the row's ``seeds`` where it kept them. The recorded equivalence margin is used at every look
+(the run computed it from the comparator's mean at each look, so an equivalence read at an earlier look may differ in
+its last digits). A row that kept no per-seed values is named with the reason, never guessed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +109,11 @@ def replay_row(row: Mapping[str, Any], plan: Plan) -> Replayed:
             why = "no sampled part: nothing for a boundary to change"
         if why:
             return Replayed(claim, recorded, seeds, shape, None, why)
-        return Replayed(claim, recorded, seeds, shape, replay_claim(sampled, plan, fixed))
+        v = replay_claim(sampled, plan, fixed)
+        numbers = row.get("seeds")
+        if v.outlier is not None and isinstance(numbers, list) and len(numbers) >= v.n:  # name the seeds
+            v = replace(v, outlier=v.outlier.at_seeds([int(s) for s in numbers]))
+        return Replayed(claim, recorded, seeds, shape, v)
     except (ValueError, PlanError) as exc:  # parts of unequal seeds, too few seeds, an unknown form
         return Replayed(claim, recorded, seeds, shape, None, str(exc))
 
@@ -129,7 +135,9 @@ def table(rows: Sequence[Replayed], plan: Plan) -> str:
         v = r.verdict
         out.append({"claim": r.claim, "recorded": f"{r.recorded} at {r.seeds} seeds ({r.shape})",
                     "replayed": (f"{v.outcome.value} at {v.n} seeds" if v is not None else "not replayed"),
-                    "verdict": v.text() if v is not None else r.why})
+                    "verdict": v.text() if v is not None else r.why,
+                    "outlier": ("no" if v.outlier is None else "yes") if v is not None else "–"})
     head = f"replayed under: {plan.describe()}\n\n"
-    return head + markdown_table(out, ["claim", "recorded", "replayed", "verdict"],
-                                 ["claim", "recorded", f"replayed ({plan.shape.value})", "verdict or why not"])
+    return head + markdown_table(out, ["claim", "recorded", "replayed", "outlier", "verdict"],
+                                 ["claim", "recorded", f"replayed ({plan.shape.value})", "outlier seed",
+                                  "verdict or why not"])

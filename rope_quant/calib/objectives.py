@@ -37,6 +37,9 @@ pooling rule one angle per (layer, pair) shared by the heads (the objective is a
 way). Cost per layer and sweep: O(K·N·H·d) to update the rest-of-head extrema plus
 O(K·(G + R)·N·H) for the candidate scores (×4 sign classes with the Hadamard), N sampled tokens,
 G grid and R refinement points.
+
+Over 500 lines because it is the one table of angle estimators that :func:`estimate_angles` dispatches over
+(variance, grid, exact range); the range objective's fast path is range_fast.py.
 """
 
 from __future__ import annotations

@@ -365,8 +365,8 @@ class CalibrationStats:
     def pair_energies(self, stream: str = "k") -> np.ndarray:
         """Mean E[a² + b²] of every (layer, head, RoPE pair) of a stream's pre-RoPE rows, (L, H, K). RoPE turns a
         pair without changing it, so it is the post-RoPE pair energy too: the input of
-        :func:`rope_quant.quant.key_quantizers.allocate_pair_bits` where no R3 mixes the pairs."""
-        from rope_quant.quant.key_quantizers import pair_energies
+        :func:`rope_quant.quant.keys.allocate_pair_bits` where no R3 mixes the pairs."""
+        from rope_quant.quant.keys import pair_energies
 
         m = self.raw_moments(stream)
         return pair_energies(m["sum_aa"], m["sum_bb"], m["n"])

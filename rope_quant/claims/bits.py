@@ -42,6 +42,21 @@ def _option(cell: Mapping[str, Override]) -> Any:
         raise ClaimError(f"cell {{{describe(cell)}}}: its key quantiser cannot be read: {exc}") from None
 
 
+def head_dim_refusal(cell: Mapping[str, Override], head_dim: int) -> str:
+    """Why the key quantiser of ``cell`` (flat config overrides, resolved) cannot run at ``head_dim``, from its
+    config alone (rope_pair_bits: integer widths in [min, max] that cannot average its target there); "" when it
+    can."""
+    try:
+        check = getattr(_option(cell), "check_head_dim", None)
+        if check is not None:
+            check(int(head_dim))
+    except ClaimError as exc:
+        return str(exc)
+    except ValueError as exc:
+        return f"cell {{{describe(cell)}}}: {exc}"
+    return ""
+
+
 def key_bits(cell: Mapping[str, Override], head_dim: int, seq_len: int) -> float:
     """Bits per key element that ``cell`` (flat config overrides, resolved) stores at head_dim and T = ``seq_len``,
     from its config alone (rope_pair_bits before calibration: its bound, every width in [min, max] used)."""
@@ -137,4 +152,4 @@ def _fmt(values: Sequence[float]) -> str:
 
 
 __all__ = ["MIN_ATTENDED_SHARE", "TOLERANCE", "attended", "check_equal_bits", "check_measured_bits", "compared_cells",
-           "key_bits", "too_few_quantised"]
+           "head_dim_refusal", "key_bits", "too_few_quantised"]

@@ -15,7 +15,7 @@ Standard library and ``core/`` at import; numpy when a mean is computed.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from rope_quant.claims.registry import Claim, ClaimError, Diff, MarginKind, Metric, Part, Side, Statistic
@@ -77,9 +77,10 @@ class ClaimResult:
     def to_dict(self, model: str | None = None) -> dict[str, Any]:
         """The claims JSON row (docs/verdicts.md, "The claims JSON"; ``rope_quant.pytest_plugin``'s ``rq_claim``):
         ``claim``, ``model``, ``expected``, ``measured``, ``holds``, ``decision``, ``numbers``, ``parts``,
-        ``verdict``, ``budget``; plus ``id``, ``section``, ``statement``, ``seeds``, ``rule`` and ``cells`` (each
-        cell's overrides of the protocol's base config: a claim's own bits, key quantiser or R3). A pytest run's
-        ``test`` and ``outcome`` are not the engine's to give."""
+        ``verdict``, ``budget``; plus ``id``, ``section``, ``statement``, ``seeds``, ``rule``, ``outlier`` (the
+        sequential rule's outlier flag of any part, :mod:`rope_quant.core.outlier`, as a sentence; "" when none)
+        and ``cells`` (each cell's overrides of the protocol's base config: a claim's own bits, key quantiser or
+        R3). A pytest run's ``test`` and ``outcome`` are not the engine's to give."""
         decision = self.verdict.to_dict()
         return {"claim": self.claim.title, "id": self.claim.id, "section": self.claim.section,
                 "statement": self.claim.statement, "model": model,
@@ -91,6 +92,7 @@ class ClaimResult:
                 "parts": {r.name: r.verdict.to_dict() for r in self.parts},
                 "verdict": self.verdict.text(), "budget": _budget_text(self.verdict),
                 "seeds": list(self.seeds), "rule": self.rule,
+                "outlier": self.verdict.outlier.text() if self.verdict.outlier is not None else "",
                 "cells": {name: dict(c) for name, c in self.claim.cells.items()}}
 
 
@@ -188,6 +190,8 @@ def _part(claim: Claim, part: Part, reader: _Reader, plan: Plan | None) -> PartR
         from rope_quant.core import sequential
 
         v = sequential.paired_claim(part.form, t, c, plan, replicates=reps, margin=value, tokens=tokens)
+        if v.outlier is not None:  # the flag names the seeds by number
+            v = replace(v, outlier=v.outlier.at_seeds(reader.seeds))
     return PartResult(part.name, v, tuple(t), tuple(c), margin, tokens, reps)
 
 

@@ -54,11 +54,10 @@ from rope_quant.claims.registry import (
     register,
 )
 from rope_quant.core.verdict import Form
+from rope_quant.defaults import KEYS_ALONE
 
 SETTINGS: dict[str, tuple[dict[str, Override], tuple[Premise, ...], str]] = {
-    "KV4": ({"w_bits": 16, "a_bits": 16, "k_bits": 4, "v_bits": 16, "weights": "none", "r1": "identity",
-             "r2": "identity", "r4": False},
-            (Premise.ROPE,), "4-bit keys alone (W16A16K4V16: unquantised weights, no R1, R2 or R4)"),
+    "KV4": (dict(KEYS_ALONE), (Premise.ROPE,), "4-bit keys alone (W16A16K4V16: unquantised weights, no R1, R2 or R4)"),
     "W4A4KV4": ({"w_bits": 4, "a_bits": 4, "k_bits": 4, "v_bits": 4}, PIPELINE,
                 "the paper's W4A4KV4 pipeline (GPTQ weights, whip R1, random-Hadamard R2, online R4)"),
 }

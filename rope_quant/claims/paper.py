@@ -28,6 +28,7 @@ from rope_quant.claims.registry import (
     register,
 )
 from rope_quant.core.verdict import Form
+from rope_quant.defaults import LOWER_BIT_SETTINGS
 
 
 class PaperClaim(StrEnum):
@@ -61,13 +62,10 @@ BLOCKS = (2, 4, 8, 16, 32, 64)
 LONG_LENGTHS = (1024, 4096)
 """C7's context lengths (the e2e budget's ``long_lengths``); :data:`LONG_LENGTHS_8K` the model's full context."""
 LONG_LENGTHS_8K = (8192,)
-LOWER_BITS: dict[str, tuple[int, int, int, int]] = {
-    "W4A4KV4": (4, 4, 4, 4), "W4A3KV4": (4, 3, 4, 4), "W3A3KV3": (3, 3, 3, 3)}
-"""App. F's (w, a, k, v) bit settings, as ``rope_quant.sweep.presets.LOWER_BIT_SETTINGS`` (a test keeps them equal)."""
 
 
 def _bits(setting: str, **overrides: Override) -> Mapping[str, Override]:
-    w, a, k, v = LOWER_BITS[setting]
+    w, a, k, v = LOWER_BIT_SETTINGS[setting]
     return cell(w_bits=w, a_bits=a, k_bits=k, v_bits=v, **overrides)
 
 
@@ -147,7 +145,7 @@ C8 = Claim(
 
 
 def _app_f_cells() -> dict[str, Mapping[str, Override]]:
-    return {f"{r3} {s}": _bits(s, r3=r3) for s in LOWER_BITS for r3 in ("hadamard", "pairwise_only")}
+    return {f"{r3} {s}": _bits(s, r3=r3) for s in LOWER_BIT_SETTINGS for r3 in ("hadamard", "pairwise_only")}
 
 
 APP_F = Claim(

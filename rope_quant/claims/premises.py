@@ -11,10 +11,12 @@ the claim with its reason.
 
 A cell value that depends on the model (a :class:`~rope_quant.claims.registry.Resolve` sentinel) is replaced
 from the model's config, :class:`ModelFacts` (no weights): ``HEAD_DIM`` by d, ``EQUAL_PAIR_AVG`` by
-k_bits − 32/d, ``BEST_FOLDABLE_R3`` by :func:`best_foldable_r3` (its settings with it). A claim with
-``equal_bits`` is then checked at the evaluation windows' length T (claims/bits.py) before any model loads. The
-pytest front (tests/e2e/test_registry_claims.py) and ``rope-quant claims`` both go through :func:`adapt`, so they
-run the same cells. The model and the configs are imported lazily: this module loads no torch at import.
+k_bits − 32/d, ``BEST_FOLDABLE_R3`` by :func:`best_foldable_r3` (its settings with it); a claim whose resolved
+cell cannot run at d (rope_pair_bits' widths 3/4 cannot average 4 − 32/16 = 2 bits) skips with that reason. A
+claim with ``equal_bits`` is then checked at the evaluation windows' length T (claims/bits.py) before any model
+loads. The pytest front (tests/e2e/test_registry_claims.py) and ``rope-quant claims`` both go through
+:func:`adapt`, so they run the same cells. The model and the configs are imported lazily: this module loads no
+torch at import.
 """
 
 from __future__ import annotations
@@ -54,11 +56,6 @@ def premises_of(model: Any) -> dict[Premise, str | None]:
     head_dim = arch.dims(model).head_dim if out[Premise.ROPE] is None else None
     out[Premise.HEAD_DIM_64] = None if head_dim == 64 else f"head_dim {head_dim}: C4's blocks 2 … 64 end at d_h = 64"
     return out
-
-
-def premises_of_checkpoint(name_or_path: str) -> dict[Premise, str | None]:
-    """:func:`premises_of` from a checkpoint's config alone (no weights loaded: the CLI's plan)."""
-    return facts_of_checkpoint(name_or_path).premises  # type: ignore[return-value]
 
 
 def facts_of(model: Any) -> ModelFacts:
@@ -112,7 +109,8 @@ def best_foldable_r3(facts: ModelFacts) -> dict[str, Override] | str:
 
 def resolve(claim: Claim, facts: ModelFacts) -> Claim | str:
     """``claim`` with every :class:`Resolve` sentinel replaced from ``facts`` (its title naming what each became),
-    itself when it has none, or why it cannot run on the model (a str)."""
+    itself when it has none, or why it cannot run on the model (a str: no head_dim in its config, the best foldable
+    R3 does not run there, or a resolved cell's key quantiser cannot run at that head_dim)."""
     todo = claim.unresolved()
     if not todo:
         return claim
@@ -138,6 +136,11 @@ def resolve(claim: Claim, facts: ModelFacts) -> Claim | str:
             for k, v in got.items():
                 named.setdefault(str(value), {})[k] = v
         cells[name] = MappingProxyType(out)
+    from rope_quant.claims.bits import head_dim_refusal
+
+    for name in todo:  # a value resolved from d may leave the cell's key quantiser unable to run at d
+        if why := head_dim_refusal(cells[name], d):
+            return f"its cells cannot adapt to head_dim {d}: {why}"
     label = "; ".join(f"{_LABEL[Resolve(v)]}: {', '.join(f'{k}={x}' for k, x in items.items())}"
                       for v, items in named.items())
     return replace(claim, cells=cells, title=f"{claim.title} [on {facts.model_type or 'this model'}: {label}]")

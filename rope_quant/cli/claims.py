@@ -14,7 +14,7 @@ the plan is printed: the claims left out and why, the cells per claim, and the c
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +67,15 @@ def chosen_claims(text: str | None) -> list[Any]:
     return list(out.values())
 
 
-def applicable(claims: Sequence[Any], model: str, seq_len: int) -> tuple[list[Any], dict[str, str]]:
+def applicable(claims: Sequence[Any], model: str, seq_len: int,
+               requested: Collection[str] | None = None) -> tuple[list[Any], dict[str, str]]:
     """The claims that run on ``model`` (each as :func:`rope_quant.claims.premises.adapt` runs it there: a
     refused R1 becomes ``r1=identity``, named in its title; model-dependent values resolved; a claim at equal
     bits per key element checked at T = ``seq_len``, the evaluation windows' length), and claim id → why the
     others are left out: the model lacks a premise. Read from the model's config alone; a config that cannot be
-    read is left to the model checks. Unequal bits stop the run (:class:`CLIError` naming the cells and their
-    bits)."""
+    read is left to the model checks. Unequal bits of a ``requested`` claim (default: every claim) stop the run
+    (:class:`CLIError` naming the cells and their bits); any other claim they leave out with that reason, so a claim
+    nobody asked for never stops the table of those asked for."""
     from rope_quant.claims.premises import ModelFacts, adapt, facts_of_checkpoint
     from rope_quant.claims.registry import ClaimError
     from rope_quant.model.arch import ArchitectureError
@@ -89,7 +91,10 @@ def applicable(claims: Sequence[Any], model: str, seq_len: int) -> tuple[list[An
         try:
             got = adapt(claim, facts, seq_len=seq_len)
         except ClaimError as exc:
-            raise CLIError(str(exc)) from None
+            if requested is None or claim.id in requested:
+                raise CLIError(str(exc)) from None
+            out[claim.id] = f"it cannot be adapted to {model}: {exc}"
+            continue
         if isinstance(got, str):
             out[claim.id] = f"model {model} lacks a premise: {got}"
         else:
@@ -100,13 +105,17 @@ def applicable(claims: Sequence[Any], model: str, seq_len: int) -> tuple[list[An
 def directory_claims(store: Any) -> tuple[list[Any], dict[str, str]]:
     """The claims a claims directory's table reads: every registered claim whose cells its manifest plans (a planned
     cell not yet computed reads inconclusive, naming it), adapted to its model at its evaluation windows' T; claim
-    id → why the others are left out (a premise the model lacks; a claim of the paper the sweep did not plan)."""
+    id → why the others are left out (a premise the model lacks, a claim that cannot be adapted to it; a claim of
+    the paper the sweep did not plan). Only the claims the sweep was asked for (:func:`requested_claims`) can stop
+    the table."""
     from rope_quant.claims import registry
     from rope_quant.sweep.cellkind import run_of
     from rope_quant.sweep.claims_decide import planned_claims
+    from rope_quant.sweep.claims_sweep import requested_claims
 
     comparator = run_of(store.comparator())
-    kept, dropped = applicable(registry.claims(), comparator.model, comparator.budget.seqlen)
+    kept, dropped = applicable(registry.claims(), comparator.model, comparator.budget.seqlen,
+                               requested_claims(store.manifest))
     planned, absent = planned_claims(store, kept)
     for claim in absent:
         if claim.group == registry.PAPER:  # the opt-in groups (beyond the paper, keys) are not listed
@@ -171,6 +180,7 @@ def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], s
     from rope_quant.analysis.claims_report import left_out_lines
     from rope_quant.io import markdown_table
     from rope_quant.sweep.claims_sweep import cells_per_claim, comparator_at
+    from rope_quant.sweep.decide import REPLICATE_SUFFIX
 
     for line in left_out_lines(dropped):
         print(line, flush=True)
@@ -180,7 +190,7 @@ def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], s
     print(f"claims plan: {len(claims)} claims at seeds {','.join(map(str, seeds))} on {args.model} (every cell "
           f"the comparator {args.comparator}'s config with the claim's overrides)", flush=True)
     print(markdown_table(rows, ["claim", "cells per seed"]), flush=True)
-    reps = sum(name.endswith(".float-order") for name, _ in manifest.cells)
+    reps = sum(name.endswith(REPLICATE_SUFFIX) for name, _ in manifest.cells)
     print(f"cells: {len(manifest)} in all ({len(manifest) // len(seeds)} per seed), {reps} of them float-order "
           "replicates (GPTQ rebuilt in the other float mode)", flush=True)
     if reps == 0:

@@ -100,16 +100,16 @@ def resolve_budget(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]
 
 
 def resolve_r1(model: str, requested: str | None, a_bits: int) -> str:
-    """The R1 to use (:func:`rope_quant.model.arch.choose_r1`); a changed default is explained on stdout, a
+    """The R1 to use (:func:`rope_quant.rotations.r1_choice.choose_r1`); a changed default is explained on stdout, a
     refusal is a :class:`CLIError` naming the sandwich norms and the alternatives."""
     from rope_quant.quant.quantizers import OFF_BITS
 
     if requested == "identity":
         return requested
-    from rope_quant.model import arch
+    from rope_quant.rotations.r1_choice import choose_r1
 
     try:
-        choice = arch.choose_r1(model, r1_refusal(model), requested, a_bits, off_bits=OFF_BITS)
+        choice = choose_r1(model, r1_refusal(model), requested, a_bits, off_bits=OFF_BITS)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if choice.note:
@@ -147,7 +147,7 @@ def check_key_quant(cfg: Any, model: str) -> None:
     """What the key quantiser's parameters need of the model's geometry, from its config alone (rope_pair_bits:
     integer widths over head_dim/2 pairs averaging the target); a :class:`PipelineError` names the field."""
     from rope_quant.experiment.config import PipelineError
-    from rope_quant.quant.key_quantizers import KeyQuantError
+    from rope_quant.quant.keys import KeyQuantError
 
     option = cfg.quant.key_option()
     check = getattr(option, "check_head_dim", None)

@@ -54,6 +54,7 @@ def add_estimators_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, cells: Cells) -> int:
+    from rope_quant.defaults import LOWER_BIT_SETTINGS
     from rope_quant.sweep import presets
 
     configs, preset = parse_configs_or_preset(args.configs, "compare")
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
                 if getattr(args, f"{q}_bits") != 4]
         if bits:
             raise CLIError(f"--configs lower-bits sets each cell's bits itself (App. F: "
-                           f"{', '.join(presets.LOWER_BIT_SETTINGS)}): drop {', '.join(bits)}")
+                           f"{', '.join(LOWER_BIT_SETTINGS)}): drop {', '.join(bits)}")
 
     def build(args: argparse.Namespace, seeds: tuple[int, ...], used: list[str]) -> Any:
         if preset == presets.BEYOND:

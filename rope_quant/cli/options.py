@@ -94,7 +94,7 @@ KEY_QUANT_FLAGS = ("k_quant", "k_token_group", "k_residual", "k_sinks", "k_min_b
 
 def add_key_quant(g: argparse._ArgumentGroup) -> None:
     """``--k-quant`` and its parameters (docs/key_quantizers.md); unset ones take the quantiser's defaults."""
-    from rope_quant.quant.key_quantizers import DEFAULT_KEY_QUANT, KeyQuantName
+    from rope_quant.quant.keys import DEFAULT_KEY_QUANT, KeyQuantName
 
     g.add_argument("--k-quant", default=None, metavar="NAME",
                    help=f"key quantiser, fed --k-bits: {', '.join(values(KeyQuantName))} (default "

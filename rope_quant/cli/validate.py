@@ -15,12 +15,12 @@ from rope_quant.cli.args import CLIError, unknown_name
 
 def check_corpus(name: str) -> str:
     """An embedded corpus name, ``wikitext2``, or an existing local path (else the closest names)."""
-    from rope_quant.experiment import data
+    from rope_quant.experiment import corpora
 
-    known = data.list_corpora(include_unavailable=True)
-    if name in known and name not in data.list_corpora():
-        raise CLIError(f"corpus {name!r} is not installed here; available: {', '.join(data.list_corpora())}")
-    if name in known or name.lower() in data.HF_WIKITEXT_NAMES or Path(name).expanduser().exists():
+    known = corpora.list_corpora(include_unavailable=True)
+    if name in known and name not in corpora.list_corpora():
+        raise CLIError(f"corpus {name!r} is not installed here; available: {', '.join(corpora.list_corpora())}")
+    if name in known or name.lower() in corpora.HF_WIKITEXT_NAMES or Path(name).expanduser().exists():
         return name
     if "/" in name or "\\" in name or "." in name:  # looks like a path: call it missing
         raise CLIError(f"corpus {name}: missing (no such file or directory)")
@@ -158,7 +158,7 @@ def check_key_quant(args: argparse.Namespace) -> None:
             return
     from rope_quant.cli.common import flags_for_fields
     from rope_quant.experiment.specs import KEY_QUANT_PARAMS, KeyQuantSpec, PipelineError
-    from rope_quant.quant import key_quantizers as keyq
+    from rope_quant.quant import keys as keyq
     from rope_quant.quant.quantizers import QuantConfig
 
     if name is not None and name not in keyq.names():

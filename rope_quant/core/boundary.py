@@ -1,7 +1,7 @@
 """The sequential rule's per-look boundary, and the confidence bounds it gives (docs/verdicts.md, "Skewed and
 heavy-tailed seeds").
 
-Two shapes of boundary, named by :class:`Shape`:
+Three shapes of boundary, named by :class:`Shape`:
 
 * ``normal``: the paired t statistic against one Pocock level α' per look, calibrated on standard normal paths
   (the t sequence is pivotal there). Valid when the per-seed effects are normal; under a skewed law (a bad
@@ -12,7 +12,13 @@ Two shapes of boundary, named by :class:`Shape`:
   (1 − α″)-quantile of ``h`` over the family, with α″ the largest level at which every law of the family
   crosses some look with probability ≤ α. The family (:data:`FAMILY`): normal, Student t with 3 df, centred
   gamma at skewness 1 and 2, each in both tails. The rule is therefore valid for any law in the family, and —
-  as the simulation in ``tests/theory/test_sequential_skew.py`` shows — with normal float-order noise added.
+  as the simulation in ``tests/theory/test_sequential_skew.py`` shows — with normal float-order noise added;
+* ``contamination_robust`` (opt-in): the same statistic, least-favourable over the family plus the rare blow-up
+  seed (:data:`BLOW_UP`: 5% of seeds 6 sd out), both tails. Valid there; on normal data it decides fast claims a
+  seed sooner and slow ones up to 7 seeds later than the default (docs/verdicts.md, "A rare blow-up seed").
+
+A seed outside the laws a shape is calibrated on is flagged in the verdict (:mod:`rope_quant.core.outlier`,
+from the same calibration paths: :func:`calibration_paths`).
 
 The boundary is computed once per ``(first, M, α)`` from fixed-seed paths (:func:`critical_values`) and cached.
 The confidence bounds invert ``h`` (it is a bijection: ``h'(T) = (1 + aT/3)² ≥ 0``), so the rule reads an
@@ -24,17 +30,27 @@ from __future__ import annotations
 
 import functools
 import math
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from rope_quant.defaults import DEFAULT_SHAPE, Shape
 
-__all__ = ["DEFAULT_SHAPE", "FAMILY", "Boundary", "Shape", "bounds", "critical_values", "draw_law", "hall",
-           "hall_inverse", "per_look_alpha", "statistic"]
+__all__ = ["BLOW_UP", "DEFAULT_SHAPE", "FAMILIES", "FAMILY", "Boundary", "Shape", "bounds", "calibration_paths",
+           "contaminated", "critical_values", "draw_contaminated", "draw_law", "hall", "hall_inverse",
+           "per_look_alpha", "statistic"]
 
 
 FAMILY = ("normal", "t3", "gamma_skew1", "gamma_skew2")
 """The per-seed laws the skew-robust boundary is calibrated on; each is used in both tails (x and −x)."""
+BLOW_UP = "contaminated_5pct_6sd"
+"""The rare blow-up seed (docs/verdicts.md, "A rare blow-up seed"): 95% N(0, 1) and 5% N(6, 1), standardised;
+the law :data:`FAMILIES` adds for the ``contamination_robust`` shape."""
+FAMILIES: dict[Shape, tuple[str, ...]] = {Shape.NORMAL: ("normal",), Shape.SKEW_ROBUST: FAMILY,
+                                          Shape.CONTAMINATION_ROBUST: (*FAMILY, BLOW_UP)}
+"""The laws each shape's boundary (and the outlier flag's threshold, :mod:`rope_quant.core.outlier`) is
+calibrated on."""
 CALIBRATION_PATHS = 50_000
 """Paths per law behind :func:`critical_values`, and the standard normal paths behind :func:`per_look_alpha`."""
 _SEED = 20261128
@@ -62,14 +78,34 @@ def per_look_alpha(first: int, max_seeds: int, alpha: float = 0.05) -> float:
     return float(max(alpha / (max_seeds - first + 1), np.partition(smallest, k)[k]))
 
 
+def contaminated(percent: int, sd: int) -> str:
+    """The name of the contaminated normal law: ``percent``% of seeds from N(``sd``, 1), the rest from N(0, 1)."""
+    return f"contaminated_{percent}pct_{sd}sd"
+
+
+def draw_contaminated(percent: float, shift: float, rng: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """(draws, blown): the contaminated normal law standardised (mean 0, variance 1): each value from N(0, 1), or
+    with probability ``percent``/100 from N(``shift``, 1) (``blown`` marks those), centred at the mixture's mean
+    ``p·shift`` and scaled by its sd ``√(1 + p(1 − p)·shift²)``."""
+    import numpy as np
+
+    p = percent / 100.0
+    blown = rng.random(shape) < p
+    x = rng.standard_normal(shape) + np.where(blown, shift, 0.0)
+    return (x - p * shift) / math.sqrt(1.0 + p * (1.0 - p) * shift * shift), blown
+
+
 def draw_law(name: str, rng: Any, shape: tuple[int, ...]) -> Any:
-    """Standardised draws (mean 0, variance 1 where it exists) of a law of :data:`FAMILY`, or ``"-" + name`` for
-    its mirror image (skewness of the other sign)."""
+    """Standardised draws (mean 0, variance 1 where it exists) of a law of :data:`FAMILY` or a contaminated normal
+    law (:func:`contaminated`), or ``"-" + name`` for its mirror image (skewness of the other sign)."""
     import numpy as np
 
     sign = -1.0 if name.startswith("-") else 1.0
     base = name.lstrip("-")
-    if base == "normal":
+    blown = re.fullmatch(r"contaminated_(\d+)pct_(\d+(?:\.\d+)?)sd", base)
+    if blown:
+        x, _ = draw_contaminated(float(blown[1]), float(blown[2]), rng, shape)
+    elif base == "normal":
         x = rng.standard_normal(shape)
     elif base == "t3":
         x = rng.standard_t(3, shape) / math.sqrt(3.0)
@@ -77,7 +113,8 @@ def draw_law(name: str, rng: Any, shape: tuple[int, ...]) -> Any:
         k = 4.0 / float(base.removeprefix("gamma_skew")) ** 2  # skewness of Gamma(k) is 2/√k
         x = (rng.gamma(k, 1.0, shape) - k) / math.sqrt(k)
     else:
-        raise ValueError(f"unknown law {name!r}; known: {', '.join(FAMILY)} (prefix '-' for the mirror image)")
+        raise ValueError(f"unknown law {name!r}; known: {', '.join(FAMILY)}, {contaminated(5, 6)} (any percent and "
+                         "sd; prefix '-' for the mirror image)")
     return sign * np.asarray(x, dtype=np.float64)
 
 
@@ -162,6 +199,17 @@ class Boundary:
         return self.holds[n - self.first], self.refuted[n - self.first]
 
 
+def calibration_paths(max_seeds: int, shape: Shape = DEFAULT_SHAPE) -> Iterator[tuple[str, Any]]:
+    """(law, paths) for every law of the shape's family (:data:`FAMILIES`) in order: :data:`CALIBRATION_PATHS`
+    standardised paths of ``max_seeds`` seeds each from one fixed-seed stream, the paths behind
+    :func:`critical_values` (each law is used in both tails there; the mirror image is ``-paths``)."""
+    import numpy as np
+
+    rng = np.random.default_rng(_SEED)
+    for law in FAMILIES[Shape(shape)]:
+        yield law, draw_law(law, rng, (CALIBRATION_PATHS, max_seeds))
+
+
 @functools.lru_cache(maxsize=64)
 def critical_values(first: int, max_seeds: int, alpha: float,
                     shape: Shape = DEFAULT_SHAPE) -> tuple[float, tuple[float, ...]]:
@@ -179,11 +227,10 @@ def critical_values(first: int, max_seeds: int, alpha: float,
     if shape is Shape.NORMAL:
         a = per_look_alpha(first, max_seeds, alpha)
         return a, tuple(float(c) for c in st.t.ppf(1.0 - a, ns - 1))
-    rng = np.random.default_rng(_SEED)
     r = CALIBRATION_PATHS
     sides = []
-    for law in FAMILY:
-        upper, lower = statistic(draw_law(law, rng, (r, max_seeds)), first, Shape.SKEW_ROBUST)
+    for _, x in calibration_paths(max_seeds, shape):
+        upper, lower = statistic(x, first, shape)
         sides += [upper, lower]
     s = np.nan_to_num(np.stack(sides), nan=0.0, posinf=1e300, neginf=-1e300).astype(np.float32)
     ordered = np.sort(s, axis=1)  # (2·laws, runs, looks)

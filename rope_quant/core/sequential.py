@@ -38,6 +38,9 @@ rule keeps the same structure and spends the 5% over the planned looks (a group-
 :func:`simulate` is the rule vectorised over runs and looks (numpy), for the proof by simulation
 (``tests/theory/test_sequential.py``) and for :func:`expected_seeds`, the expected seeds to a decision. Standard
 library only at import time; numpy/scipy when a number is computed.
+
+Over 500 lines because the plan, the per-look reading, its stops, the replay and the until-decided loop share one
+reading of the rule; the boundary is boundary.py's.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rope_quant.core.boundary import DEFAULT_SHAPE, Boundary, Shape, bounds, critical_values
+from rope_quant.core.outlier import flag
 from rope_quant.core.verdict import (
     Form,
     Outcome,
@@ -137,7 +141,16 @@ def decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | N
     """The sequential rule at one look: ``diffs`` the per-seed paired differences so far (``n`` of them,
     ``plan.first ≤ n ≤ plan.max_seeds``), ``shifts`` the replicate shift of every one of them. Decided: the
     verdict at the per-look level. Open below M: inconclusive, "open at look j of L". Open at M: the stop
-    (:func:`stop_reason`) in ``Verdict.stop``."""
+    (:func:`stop_reason`) in ``Verdict.stop``. Either way the verdict carries the outlier flag of its seeds so far
+    (:func:`rope_quant.core.outlier.flag`: seeds farther from the others than normal seeds go)."""
+    v = _decide(form, diffs, shifts, plan, margin=margin, tokens=tokens)
+    mark = flag(diffs, plan.max_seeds, plan.shape)
+    return v if mark is None else replace(v, outlier=mark)
+
+
+def _decide(form: Form, diffs: Sequence[float], shifts: Sequence[float] | str | None, plan: Plan, *,
+            margin: float, tokens: int | None) -> Verdict:
+    """:func:`decide` without the outlier flag."""
     n = len(diffs)
     if not plan.first <= n <= plan.max_seeds:
         raise PlanError(f"{n} seeds lie outside the plan's looks {plan.first}…{plan.max_seeds}")

@@ -41,6 +41,9 @@ or a replicate that failed to build (the note gives the reason) are inconclusive
 :func:`combine_all`: fails or refuted if any part is, holds if every part holds, else inconclusive with the
 largest budget of its undecided parts. A test fails on fails and refuted, never on inconclusive. Standard
 library only at import time (the pytest plugin imports this module); numpy/scipy when a number is computed.
+
+Over 500 lines because the rule is one contract (docs/verdicts.md): its intervals, forms, replicated reading,
+budgets and the combination of parts are read together; its power maths are power.py's.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any
+
+from rope_quant.core.outlier import OutlierFlag
 
 LEVEL = 0.90
 """The interval's level: two one-sided tests at alpha = 0.05."""
@@ -190,6 +195,9 @@ class Verdict:
     diffs: tuple[float, ...] = ()
     """The per-seed paired differences the verdict was read from, in seed order (with ``float_order.shifts``, what
     a later rule needs to replay the decision look by look: :func:`rope_quant.core.sequential.replay`)."""
+    outlier: OutlierFlag | None = None
+    """Under the sequential rule: seeds farther from the others than normal seeds go (:mod:`rope_quant.core.outlier`);
+    if they are blow-ups, the rule's 5% is not covered. None: none flagged, or the fixed-n rule."""
 
     @property
     def ci_name(self) -> str:
@@ -207,10 +215,11 @@ class Verdict:
 
     def text(self) -> str:
         """The verdict column: the outcome, then the note or the budget."""
+        flagged = f"; {self.outlier.text()}" if self.outlier is not None else ""
         if self.outcome is not Outcome.INCONCLUSIVE:
-            return self.outcome.value + (f" ({self.note})" if self.note else "")
+            return self.outcome.value + (f" ({self.note})" if self.note else "") + flagged
         tail = self.stop or self.note or (self.budget.text() if self.budget else "")
-        return "inconclusive" + (f": {tail}" if tail else "")
+        return "inconclusive" + (f": {tail}" if tail else "") + flagged
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -220,6 +229,8 @@ class Verdict:
             out["budget"] = {**asdict(self.budget),
                              "towards": self.budget.towards.value if self.budget.towards else None,
                              "text": self.budget.text()}
+        if self.outlier is not None:
+            out["outlier"] = {**asdict(self.outlier), "text": self.outlier.text()}
         out["text"] = self.text()
         return out
 
@@ -354,12 +365,15 @@ def combine_all(parts: Iterable[Verdict], note: str = "") -> Verdict:
     inconclusive with the largest budget among its undecided parts (none if any part has none). Under the
     sequential rule it stops when every open part has stopped, or when one has (so the claim cannot hold) and no
     other is likely to be refuted (:attr:`Verdict.refutable`). A claim of two or more sampled parts carries its
-    error in ``claim_error`` (:func:`claim_error`)."""
+    error in ``claim_error`` (:func:`claim_error`), and any part's outlier flag (:attr:`Verdict.outlier`)."""
     items = list(parts)
     if not items:
         raise ValueError("combine_all needs at least one part")
     error = claim_error(items)
     out = _combine(items, note)
+    flagged = next((v.outlier for v in items if v.outlier is not None), None)
+    if out.outlier is None and flagged is not None:  # a claim carries any part's flag (the first part's named)
+        out = replace(out, outlier=flagged)
     return replace(out, claim_error=error) if error else out
 
 

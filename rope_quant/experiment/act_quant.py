@@ -117,7 +117,7 @@ def static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, pro
     Calibrated on the rotated full-precision model over the calibration windows (running per-channel
     min/max of each linear's input, after the R4 Hadamard on down_proj), or restored from ``saved``.
     """
-    from rope_quant.quant.quantizers import StaticChannelQuantizer
+    from rope_quant.quant.static import StaticChannelQuantizer
 
     a = cfg.quant.a
     quantizers: dict[str, Any] = {}
@@ -149,7 +149,7 @@ def static_quantizers(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, pro
 def kv_static_quantizers(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGeometry,
                          calib: torch.Tensor, progress: bool) -> tuple[list, list]:
     """Calibrate per-layer static per-channel K and V quantisers on post-R3 keys / values (App. A.6, D)."""
-    from rope_quant.quant.quantizers import StaticChannelQuantizer
+    from rope_quant.quant.static import StaticChannelQuantizer
 
     width = geom.head_dim * geom.n_kv_heads
     ks = [StaticChannelQuantizer(width, bits=cfg.quant.k.bits, clip_ratio=cfg.quant.k.clip_ratio,

@@ -1,4 +1,4 @@
-"""The cell's key quantisers, one per layer, from its ``k_quant`` option (:mod:`rope_quant.quant.key_quantizers`).
+"""The cell's key quantisers, one per layer, from its ``k_quant`` option (:mod:`rope_quant.quant.keys`).
 
 The default (``per_token``) builds nothing: the attention keeps the paper's path, bit for bit. Another option
 is built per layer with the layer's RoPE frequencies (``kvquant_prerope``) and, for ``rope_pair_bits``, the
@@ -20,7 +20,7 @@ from rope_quant.core.rope import pair_indices
 from rope_quant.experiment.act_quant import forward_windows
 from rope_quant.experiment.config import PipelineError, RunConfig
 from rope_quant.model import arch
-from rope_quant.quant import key_quantizers as keyq
+from rope_quant.quant import keys as keyq
 from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
 
@@ -94,7 +94,7 @@ def key_quantizers(model: nn.Module, cfg: RunConfig, geom: attention.AttentionGe
 
 def key_bits_per_element(model: nn.Module, cfg: RunConfig, head_dim: int, seq_len: int) -> float | None:
     """The bits per key element the cell's key cache stores at T = ``seq_len`` (scales, zero points and
-    full-precision tokens included: :meth:`~rope_quant.quant.key_quantizers.KeyQuantOption.bits_per_element`);
+    full-precision tokens included: :meth:`~rope_quant.quant.keys.KeyQuantOption.bits_per_element`);
     for ``rope_pair_bits`` the calibrated widths of every layer and KV head installed in ``model``. None under the
     static per-channel control (its scales are per channel, not the option's)."""
     if cfg.quant.static_kv:

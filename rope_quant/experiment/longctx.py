@@ -4,7 +4,7 @@ The paper calibrates on WikiText-2 and scores long context on Proof-Pile and PG1
 
 - **the evaluation stream** is the first :data:`EVAL_DOCUMENTS` (64) documents of the corpus's evaluation
   split, in the split's order, concatenated (``"\\n\\n"``, as every stream of :mod:`rope_quant.experiment.data`)
-  and tokenised without special tokens. Documents are the units :func:`rope_quant.experiment.data.load_text`
+  and tokenised without special tokens. Documents are the units :func:`rope_quant.experiment.corpora.load_text`
   gives: a PG19 book (one ``.txt`` file, in sorted path order), a Proof-Pile JSON line, a pydoc topic, a KJV
   book, a Shakespeare play, a WikiText split (one document);
 - **the windows**: at each context length L the first ``min(cap, ⌊N/L⌋)`` non-overlapping windows of the
@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from rope_quant.experiment import data
+from rope_quant.experiment import corpora, data
+from rope_quant.experiment.documents import SEPARATOR, CorpusFormatError, Document, TextSplit
 from rope_quant.io import load_tensors, read_cache, save_tensors
 
 #: Documents of the evaluation split concatenated into the long-context stream (App. A.4).
@@ -79,14 +80,14 @@ def _check_count(name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-def first_documents(split: data.TextSplit, max_documents: int | None = EVAL_DOCUMENTS) -> tuple[data.Document, ...]:
+def first_documents(split: TextSplit, max_documents: int | None = EVAL_DOCUMENTS) -> tuple[Document, ...]:
     """The first ``max_documents`` documents of ``split``'s evaluation side (all of them for None)."""
     if max_documents is None:
         return split.eval
     return split.eval[:_check_count("max_documents", max_documents)]
 
 
-def _cache_path(cache_dir: Path, name: str, docs: Sequence[data.Document], tok_fp: str) -> Path:
+def _cache_path(cache_dir: Path, name: str, docs: Sequence[Document], tok_fp: str) -> Path:
     h = hashlib.sha256(f"rope_quant-longctx-v{CACHE_FORMAT}\0{tok_fp}\0".encode())
     for doc in docs:
         h.update(doc.id.encode("utf-8", "surrogatepass") + b"\0")
@@ -117,10 +118,10 @@ def eval_stream(
     chosen documents are tokenised (a PG19 or Proof-Pile test split is never tokenised whole); the ids are
     cached under ``<cache>/corpora/`` (atomic), keyed by the tokenizer and the exact document texts.
     """
-    split = data.load_text(name_or_path)
+    split = corpora.load_text(name_or_path)
     docs = first_documents(split, max_documents)
     if not docs:
-        raise data.CorpusFormatError(f"corpus {split.name!r} has no evaluation documents")
+        raise CorpusFormatError(f"corpus {split.name!r} has no evaluation documents")
     path = None
     ids = None
     if use_cache:
@@ -128,10 +129,10 @@ def eval_stream(
         path = _cache_path(root, split.name, docs, data.tokenizer_fingerprint(tokenizer))
         ids = _read_cached(path)
     if ids is None:
-        text = data.SEPARATOR.join(d.text for d in docs)
+        text = SEPARATOR.join(d.text for d in docs)
         ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
         if ids.numel() == 0:
-            raise data.CorpusFormatError(f"corpus {split.name!r}: the evaluation stream tokenised to nothing")
+            raise CorpusFormatError(f"corpus {split.name!r}: the evaluation stream tokenised to nothing")
         if path is not None:
             save_tensors(path, {"format": CACHE_FORMAT, "name": split.name, "ids": ids}, "long-context stream cache")
     return EvalStream(str(name_or_path), ids, tuple(d.id for d in docs), len(split.eval), max_documents)
@@ -167,7 +168,7 @@ def protocol_record(stream: EvalStream, lengths: Iterable[int], cap: int | None,
 def default_eval_corpora(calib_corpus: str, available: Sequence[str] | None = None) -> tuple[str, ...]:
     """The default long-context corpora: the first :data:`PAPER_EVAL_CORPORA` of
     :data:`PREFERRED_EVAL_CORPORA` that are installed and differ from ``calib_corpus`` (may be fewer)."""
-    have = set(data.list_corpora() if available is None else available)
+    have = set(corpora.list_corpora() if available is None else available)
     chosen = [c for c in PREFERRED_EVAL_CORPORA if c in have and c != calib_corpus]
     return tuple(chosen[:PAPER_EVAL_CORPORA])
 

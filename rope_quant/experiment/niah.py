@@ -5,7 +5,7 @@ One *probe* is a prompt of exactly ``length`` tokens::
     HEADER  haystack[:p]  NEEDLE  haystack[p:]  QUESTION
 
 * the haystack is a contiguous slice of a corpus's evaluation token stream
-  (:mod:`rope_quant.experiment.data`: ``pydoc``, ``shakespeare``, ...), at a start drawn per probe;
+  (:mod:`rope_quant.experiment.corpora`: ``pydoc``, ``shakespeare``, ...), at a start drawn per probe;
 * the needle is RULER's key-value sentence "The special magic number for X is N." with X an
   adjective-noun key and N a random ``digits``-digit number, inserted at depth ``d`` (a fraction of the
   haystack), moved forward to the next line or sentence end within :data:`SNAP_TOKENS` tokens;

@@ -226,7 +226,7 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
     it came from the cache.
     """
     from rope_quant.model import offload
-    from rope_quant.rotations import whip
+    from rope_quant.rotations import whip_model
 
     saved = weight_cache.read_r1_cache(path)
     if saved is not None:
@@ -234,9 +234,9 @@ def _whip_r1(model: nn.Module, cfg: RunConfig, calib: torch.Tensor, path: Path |
     t = time.perf_counter()
     spec = cfg.rotation.whip
     with stage(StageName.WHIP_R1):
-        fitted = whip.calibrate_model_rotations(model, calib, fit_r1=True, fit_r2=False, seed=cfg.seed,
-                                                r1=spec.whip_config(), tokens_per_sample=spec.tokens_per_sample,
-                                                device=offload.compute_device(model), progress=progress)
+        fitted = whip_model.calibrate_model_rotations(model, calib, fit_r1=True, fit_r2=False, seed=cfg.seed,
+                                                      r1=spec.whip_config(), tokens_per_sample=spec.tokens_per_sample,
+                                                      device=offload.compute_device(model), progress=progress)
     res = fitted.r1_result
     fit_log = {"kind": "whip", "settings": dataclasses.asdict(spec), "loss_init": res.initial_loss,
                "loss_fit": res.final_loss, "steps": res.n_steps, "fit_s": time.perf_counter() - t,

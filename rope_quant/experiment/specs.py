@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from rope_quant.calib.objectives import GRID_OBJECTIVES, AngleRule, Objective
 from rope_quant.calib.rules import PoolingRule
-from rope_quant.quant import key_quantizers as keyq
+from rope_quant.quant import keys as keyq
 from rope_quant.quant.quantizers import QuantConfig, check_bits, check_clip
 from rope_quant.quant.rtn import GPTQConfig
 from rope_quant.rotations.offline import RotationConfig, RotationKind
@@ -154,7 +154,7 @@ KEY_QUANT_PARAMS = ("token_group", "residual", "sinks", "min_bits", "max_bits", 
 
 @dataclass(frozen=True)
 class KeyQuantSpec:
-    """Which key quantiser a cell uses (``k_quant``, a :mod:`rope_quant.quant.key_quantizers` registry name) and
+    """Which key quantiser a cell uses (``k_quant``, a :mod:`rope_quant.quant.keys` registry name) and
     its own parameters; the bits, and the per-token rule's group / clip / symmetry, stay in ``QuantSpecs.k``.
 
     The default, ``per_token``, is the paper's rule: with it every parameter is None and no key changes. A
@@ -236,7 +236,7 @@ class QuantSpecs:
                                     "None or 'act'")
 
     def key_option(self) -> keyq.KeyQuantOption:
-        """The cell's key quantiser (:mod:`rope_quant.quant.key_quantizers`) with its checked parameters."""
+        """The cell's key quantiser (:mod:`rope_quant.quant.keys`) with its checked parameters."""
         return self.kq.option(self.k)
 
     @property
@@ -332,7 +332,7 @@ class RotationSpec:
                 "whip": _plain(self.whip), "deviations": self.deviations}
 
     def whip_options(self) -> dict[str, Any]:
-        """Keyword options of :func:`rope_quant.rotations.whip.calibrate_model_rotations`."""
+        """Keyword options of :func:`rope_quant.rotations.whip_model.calibrate_model_rotations`."""
         cfg = self.whip.whip_config()
         return {"r1": cfg, "r2": cfg, "tokens_per_sample": self.whip.tokens_per_sample}
 

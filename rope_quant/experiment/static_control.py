@@ -3,7 +3,7 @@
 A.6's protocol:
 
 * one scale per channel (a per-channel range, hence one step Δ_c and zero point), estimated across the token
-  dimension (:class:`~rope_quant.quant.quantizers.StaticChannelQuantizer`: running min/max over every token);
+  dimension (:class:`~rope_quant.quant.static.StaticChannelQuantizer`: running min/max over every token);
 * re-estimated for each (corpus, context length L) from up to :data:`PAPER_MAX_WINDOWS` non-overlapping
   windows of length L drawn from the **evaluation** corpus: the protocol is transductive (the scales have
   seen the evaluated text), and the paper says so. :func:`static_windows` takes the first
@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from rope_quant.experiment.config import PipelineError, StaticScope
-from rope_quant.quant.quantizers import QuantConfig, StaticChannelQuantizer
+from rope_quant.quant.quantizers import QuantConfig
+from rope_quant.quant.static import StaticChannelQuantizer
 
 __all__ = ["PAPER_MAX_WINDOWS", "StaticProtocol", "StaticWindowsError", "StaticScales", "static_windows",
            "source_ids", "estimate_scales", "applied", "scope_parts"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,18 @@ def quantization_config(cfg: Any) -> tuple[dict[str, Any], list[str]]:
     return config.model_dump(exclude={"quant_method"}, mode="json"), notes
 
 
+def _ct_targets() -> dict[str, str]:
+    """compressed-tensors target patterns of the modules an online transform attaches to (R4's down-projection
+    input, R3's attention), from the adapter's names for the Llama-style layouts it registers."""
+    groups = arch.spec_for("llama").linear_groups()
+    down = groups[-1][0]  # <mlp>.<down>, the last linear of a layer
+    attention = groups[0][0].rsplit(".", 1)[0]  # the parent of the q/k/v linears
+    return {"down_proj": f"re:.*{re.escape(down)}$", "attention": f"re:.*{re.escape(attention)}$"}
+
+
+CT_TARGETS = _ct_targets()
+
+
 def transform_config(cfg: Any, dims: Any) -> dict[str, Any] | None:
     """The ``transform_config`` of the cell's online parts (None when everything folds)."""
     from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
@@ -176,10 +189,10 @@ def transform_config(cfg: Any, dims: Any) -> dict[str, Any] | None:
     groups: dict[str, Any] = {}
     if cfg.rotation.r4:
         kind = "hadamard" if _pow2(dims.intermediate) else "random-hadamard"
-        groups[R4_SCHEME] = TransformScheme(type=kind, apply=[TransformArgs(targets=[arch.CT_TARGETS["down_proj"]],
+        groups[R4_SCHEME] = TransformScheme(type=kind, apply=[TransformArgs(targets=[CT_TARGETS["down_proj"]],
                                                                             location="input")])
     if transforms.foldability(cfg.online.transform, dims.head_dim, cfg.online.block).online_is_hadamard:
-        targets = [arch.CT_TARGETS["attention"]]
+        targets = [CT_TARGETS["attention"]]
         groups[R3_SCHEME] = TransformScheme(type="hadamard", head_dim=dims.head_dim, apply=[
             TransformArgs(targets=targets, location="q_attn"), TransformArgs(targets=targets, location="k_cache")])
     if not groups:

@@ -10,6 +10,9 @@ Registered: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (pre-norm RMSNorm decod
 ``gemma3_text`` (sandwich norms, ``(1 + w)`` RMSNorm, one RoPE base per layer type). Gemma 3 is registered
 so that R1 is refused with a reason (:func:`rotation_refusal`): its post-attention / post-feedforward
 norms scale the o_proj / down_proj outputs per channel before they reach the residual stream.
+
+Over 500 lines because it is the only module that knows the families' attribute names: adding a family
+touches this one place.
 """
 
 from __future__ import annotations
@@ -553,37 +556,3 @@ def rotation_refusal(model: Any, rotation: str) -> str | None:
             "and a weighted RMSNorm neither commutes with a rotation nor folds into a linear"
         )
     return "; ".join(reasons) or None
-
-
-@dataclass(frozen=True)
-class R1Choice:
-    """The R1 a run uses (:func:`choose_r1`): the rotation's name, and the note that explains a changed default."""
-
-    r1: str
-    note: str | None = None
-
-
-R1_ALTERNATIVES = ("--r1 identity (R2, R4 and the online R3 remain available), or a setting with 16-bit "
-                   "activations, where R1 defaults to identity: KV-only (--w-bits 16 --a-bits 16) or W4A16KV4 "
-                   "(--w-bits 4 --a-bits 16: GPTQ weights, no R1)")
-
-
-def choose_r1(model: str, reason: str | None, requested: str | None, a_bits: int, *, off_bits: int = 16) -> R1Choice:
-    """The R1 rule (QuaRot/SpinQuant R1 needs a function-preserving fold, Sec. 2): ``requested``, else whip.
-
-    ``reason`` is :func:`rotation_refusal`'s answer for ``"r1"``. Where the architecture refuses R1 (sandwich
-    norms), an unrequested R1 becomes ``identity`` when activations stay 16-bit (R1 then only conditions the
-    weights), with a note naming the norms; otherwise ValueError naming the norms and the alternatives.
-    """
-    if requested == "identity" or reason is None:
-        return R1Choice(requested or "whip")
-    if requested is None and a_bits >= off_bits:
-        return R1Choice("identity", f"R1 set to identity for {model}: {reason}")
-    what = f"--r1 {requested}" if requested else f"the default R1 (whip) with --a-bits {a_bits}"
-    raise ValueError(f"{what} is refused for {model}: R1 would change the model's function, since {reason}. "
-                     f"Alternatives: {R1_ALTERNATIVES}")
-
-
-#: compressed-tensors target patterns of the modules an online transform attaches to, for the Llama-style
-#: layouts this adapter registers (rope_quant.export.compressed): R4's down-projection input, R3's attention.
-CT_TARGETS = {"down_proj": r"re:.*mlp\.down_proj$", "attention": r"re:.*self_attn$"}

@@ -17,7 +17,7 @@ lives on the model, never in globals), then
 2. streams K diagnostics on the post-R3 keys of the new tokens (before quantisation);
 3. fake-quantises K and V per token per head (asymmetric dynamic INT-b, group = head_dim by default),
    or with the static per-channel control (App. A.6, D) when one is installed, or K with the layer's key
-   quantiser from :mod:`rope_quant.quant.key_quantizers` when the cell names another (``kivi``,
+   quantiser from :mod:`rope_quant.quant.keys` when the cell names another (``kivi``,
    ``kvquant_prerope``, ``rope_pair_bits``, ``sink``, ``per_token_window``): on the post-R3 key. A ``pre_rope``
    quantiser (``kvquant_prerope``) undoes RoPE itself at the keys' positions (``position_ids`` of the new
    tokens, else 0..T-1), quantises, and re-applies RoPE: with an R3 that commutes with RoPE (a foldable one) it
@@ -104,7 +104,7 @@ class AttentionState:
     ``diagnostics``: a :class:`rope_quant.calib.diagnostics.KDiagnostics`-like object with ``update(k)``.
     ``observers``: callables ``fn(layer_idx, key, value)`` seeing post-R3, pre-quantisation K and V of the
     new tokens (used to calibrate the static control).
-    ``key_quant``: a :class:`rope_quant.quant.key_quantizers.KeyQuantizer` used for K instead of ``k``
+    ``key_quant``: a :class:`rope_quant.quant.keys.KeyQuantizer` used for K instead of ``k``
     (None, the default: ``k``, the paper's per-token rule, exactly as before).
     """
 
@@ -357,7 +357,7 @@ def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None,
     """Attach an :class:`AttentionState` to every layer's attention and select the custom function.
 
     ``k``/``v``: the dynamic K and V quantisers (default off). ``transforms``/``k_static``/``v_static``/
-    ``key_quant`` (a :class:`~rope_quant.quant.key_quantizers.KeyQuantizer` used for K instead of ``k``):
+    ``key_quant`` (a :class:`~rope_quant.quant.keys.KeyQuantizer` used for K instead of ``k``):
     one entry per layer (or None). Returns the states, which
     callers may edit in place (e.g. swap ``diagnostics``). The previous implementation is remembered on
     the model for :func:`uninstall_attention`.

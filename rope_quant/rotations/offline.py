@@ -39,7 +39,7 @@ from torch import nn
 
 from rope_quant.core import hadamard
 from rope_quant.model import arch
-from rope_quant.rotations import whip
+from rope_quant.rotations import whip, whip_model
 from rope_quant.rotations.errors import (
     AlreadyRotatedError,
     MissingRotationError,
@@ -408,10 +408,10 @@ def rotate_model(
 
     r1/r2="random_hadamard" use seeded random Hadamards diag(s)·H (``cfg.seed``), "hadamard" the plain
     normalised Hadamard; "given" needs the matrix;
-    "whip" uses the given matrix or, when it is None, fits one with :mod:`rope_quant.rotations.whip` on
+    "whip" uses the given matrix or, when it is None, fits one with :mod:`rope_quant.rotations.whip_model` on
     ``calib_ids`` (token ids, (n, seqlen)) before any weight changes (both R1 and R2 samples are
     invariant under untie and fuse; R2 samples under R1 too). ``whip_options`` go to
-    :func:`rope_quant.rotations.whip.calibrate_model_rotations`. A rotation the architecture declares
+    :func:`rope_quant.rotations.whip_model.calibrate_model_rotations`. A rotation the architecture declares
     non-function-preserving raises :class:`NotFunctionPreservingError` before anything changes.
     """
     if not isinstance(cfg, RotationConfig):
@@ -431,7 +431,7 @@ def rotate_model(
     if need_r1 or need_r2:
         if calib_ids is None:
             raise MissingRotationError("whip rotations need r1_matrix/r2_matrices or calib_ids to fit them")
-        fitted = whip.calibrate_model_rotations(
+        fitted = whip_model.calibrate_model_rotations(
             model, calib_ids, fit_r1=need_r1, fit_r2=need_r2, seed=cfg.seed, **(whip_options or {})
         )
         r1_matrix = fitted.r1 if need_r1 else r1_matrix

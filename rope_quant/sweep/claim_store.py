@@ -5,35 +5,40 @@ A claim's cell (flat config overrides, ``rope_quant/claims/registry.py``) at a s
 cells by its key (a ``compare`` directory's configs are its base config with each config's overrides, so the
 claim's ``{"r3": "pairwise_only", "estimator": "k_only"}`` is the directory's k_only cell whatever it is named).
 Its float-order replicate is the same config with GPTQ in the other float mode
-(:func:`rope_quant.sweep.decide.replicate_config`: the cells ``rope-quant decide`` adds). A value is read only
+(:func:`rope_quant.sweep.decide_plan.replicate_config`: the cells ``rope-quant decide`` adds). A value is read only
 from a complete record (:func:`rope_quant.sweep.records.is_complete`). A claim cell scored otherwise than at the
 directory's evaluation windows (C4's support windows, C7's long-context protocol) is the config the claims sweep
 planned for it (:func:`rope_quant.sweep.claim_scoring.scored_config`, at the scoring budget of the manifest's
-``meta``); a long-context cell's value is its length's entry.
+``meta``); a long-context cell's value is its length's entry. At a seed where the directory has no comparator cell
+(``rope-quant decide`` adds a seed's cells for the open claims only), the base is the comparator's config at its
+first seed with that seed.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rope_quant.claims.registry import Metric, Override
 from rope_quant.claims.stores import MissingCellError, ReplicateValues
-from rope_quant.sweep.cellkind import SweepError, config_seed
+from rope_quant.sweep.cellkind import SweepError, config_seed, run_of, with_overrides
 from rope_quant.sweep.claim_scoring import ScoringBudget, scored_config, scored_tokens, scored_value
-from rope_quant.sweep.decide import replicate_config
+from rope_quant.sweep.decide_plan import replicate_config
 from rope_quant.sweep.manifest import Manifest, cell_relpath, load_manifest
 from rope_quant.sweep.records import is_complete, read_record
 
 
 class DirectoryStore:
-    """The :class:`~rope_quant.claims.stores.Store` of results directory ``out`` (its manifest read once)."""
+    """The :class:`~rope_quant.claims.stores.Store` of results directory ``out`` (its manifest read once);
+    ``replicate(cfg)``: a cell's float-order replicate config (None: it has none)."""
 
-    def __init__(self, out: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
+    def __init__(self, out: str | os.PathLike[str], manifest: Manifest | None = None,
+                 replicate: Callable[[Any], Any | None] = replicate_config) -> None:
         self.out = Path(out)
         self.manifest = manifest if manifest is not None else load_manifest(out)
+        self.replicate = replicate
         self._by_key = {cfg.key(): (name, cfg) for name, cfg in self.manifest.cells}
         self._base = {config_seed(cfg): cfg for name, cfg in self.manifest.cells if name == self.manifest.comparator}
         self.scoring = ScoringBudget.from_meta(self.manifest.meta)
@@ -43,7 +48,9 @@ class DirectoryStore:
         sweep planned it (:func:`~rope_quant.sweep.claim_scoring.scored_config`)."""
         base = self._base.get(int(seed))
         if base is None:
-            raise MissingCellError(cell, seed, f"comparator {self.manifest.comparator!r} (the base config)")
+            if not self._base:
+                raise MissingCellError(cell, seed, f"comparator {self.manifest.comparator!r} (the base config)")
+            base = with_overrides(next(iter(self._base.values())), seed=int(seed))
         return scored_config(cell, base, self.scoring)
 
     def seeds(self) -> list[int]:
@@ -90,7 +97,7 @@ class DirectoryStore:
         found: dict[int, float] = {}
         for seed in seeds:
             cfg = self.config(cell, seed)
-            rep = replicate_config(cfg)
+            rep = self.replicate(cfg)
             if rep is None and _weights_quantised(cfg):
                 return None  # RTN weights: a float-order replicate is not built
             value = self._read(cfg if rep is None else rep, metric)
@@ -112,7 +119,6 @@ def _weights_quantised(cfg: Any) -> bool:
     """Whether ``cfg`` quantises its weights. Unquantised weights (4-bit keys alone) have no step that depends on
     the float order: the cell is its own float-order replicate (a shift of 0), as on the pytest front."""
     from rope_quant.quant.quantizers import OFF_BITS
-    from rope_quant.sweep.decide import run_of
 
     run = run_of(cfg)
     return run.w_bits < OFF_BITS and str(run.weights) != "none"

@@ -5,8 +5,8 @@ comparator's config at that seed with the cell's overrides, scored as the pytest
 (:func:`~rope_quant.sweep.claim_scoring.scored_config`: a plain run cell at the evaluation windows, one at the support
 windows for C4, a long-context cell at its length for C7), as :class:`~rope_quant.sweep.claim_store.DirectoryStore`
 reads it; a cell whose weights are GPTQ gets its float-order replicate, ``NAME`` +
-:data:`~rope_quant.sweep.decide.REPLICATE_SUFFIX` (:func:`~rope_quant.sweep.decide.replicate_config`, the cells
-``rope-quant decide`` adds). A cell is named by what sets it apart from the comparator
+:data:`~rope_quant.sweep.decide_plan.REPLICATE_SUFFIX` (:func:`~rope_quant.sweep.decide_plan.replicate_config`, the
+cells ``rope-quant decide`` adds). A cell is named by what sets it apart from the comparator
 (``pairwise_only+estimator=k_only``, ``block_hadamard+eval_windows=3+r3_block=2``, ``hadamard+eval_windows=1+L=1024``),
 so one config has one name whichever claims ask for it, and a later run with other claims or seeds is the same
 study. The study's manifest says ``"study": "claims"`` (:data:`STUDY`) and keeps its scoring budget in its ``meta``
@@ -23,7 +23,7 @@ from rope_quant.claims.registry import Claim, Override
 from rope_quant.defaults import DEFAULT_COMPARATOR
 from rope_quant.sweep.cellkind import SweepError, run_of, with_overrides
 from rope_quant.sweep.claim_scoring import SCORING_META, ScoringBudget, long_length, scored_config
-from rope_quant.sweep.decide import REPLICATE_SUFFIX, replicate_config
+from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX, replicate_config
 from rope_quant.sweep.manifest import Manifest
 
 STUDY = "claims"
@@ -112,6 +112,11 @@ def cells_at(comp: Any, claims: Iterable[Claim], meta: dict[str, dict[str, Any]]
             if claim.id not in entry["claims"]:
                 entry["claims"].append(claim.id)
     return list(found.values())
+
+
+def requested_claims(manifest: Manifest) -> set[str]:
+    """The ids of the claims a claims study was run for (its cells' ``meta[name]["claims"]``)."""
+    return {str(cid) for entry in manifest.meta.values() for cid in entry.get("claims", ())}
 
 
 def cells_per_claim(claims: Sequence[Claim], comp: Any, scoring: ScoringBudget | None = None) -> dict[str, list[str]]:

@@ -162,7 +162,7 @@ def _dims_from_config(model: str) -> Any:
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-    from rope_quant.experiment.data import CorpusError
+    from rope_quant.experiment.documents import CorpusError
     from rope_quant.model.arch import ModelStructureError, UnsupportedModelTypeError
     from rope_quant.model.loading import ModelLoadError, ModelNotFoundError
 
@@ -256,9 +256,10 @@ def check_corpus_text(name: str, seqlen: int) -> None:
     """A local corpus path holds UTF-8 text and a calibration window of ``seqlen`` tokens: "corpus X: missing /
     empty / binary / not UTF-8 / shorter than one window" before any model loads (the token counts of every
     window are checked after the tokenizer loads, :func:`check_windows`). Embedded and hub names pass."""
-    from rope_quant.experiment import data
+    from rope_quant.experiment import corpora
+    from rope_quant.experiment.documents import CorpusError
 
-    if name.lower() in data.list_corpora(include_unavailable=True) or name.lower() in data.HF_WIKITEXT_NAMES:
+    if name.lower() in corpora.list_corpora(include_unavailable=True) or name.lower() in corpora.HF_WIKITEXT_NAMES:
         return
     path = Path(name).expanduser()
     if not path.exists():
@@ -270,8 +271,8 @@ def check_corpus_text(name: str, seqlen: int) -> None:
         if b"\0" in raw:
             raise PreflightError(f"corpus {name}: binary (NUL bytes), not UTF-8 text")
     try:
-        split = data.load_text(path)
-    except data.CorpusError as exc:
+        split = corpora.load_text(path)
+    except CorpusError as exc:
         text = str(exc)
         if "UTF-8" in text:
             raise PreflightError(f"corpus {name}: not UTF-8 text ({text})") from None

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from rope_quant.defaults import DEFAULT_COMPARATOR
+from rope_quant.defaults import DEFAULT_COMPARATOR, LOWER_BIT_SETTINGS
 from rope_quant.experiment.config import Budget
 from rope_quant.sweep.cellkind import CellKindName, kind_named, kind_of
 from rope_quant.sweep.manifest import LongContextConfig, Manifest, SweepError, build_manifest, with_overrides
@@ -211,10 +211,9 @@ def corpus_tag(corpus: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]", "_", PurePath(corpus).name or corpus) or "corpus"
 
 
-#: ``compare --configs lower-bits`` (App. F): the lower bit settings and the W4A4KV4 reference, as (W, A, K, V).
+#: ``compare --configs lower-bits`` (App. F): the lower bit settings and the W4A4KV4 reference
+#: (:data:`rope_quant.defaults.LOWER_BIT_SETTINGS`).
 LOWER_BITS = "lower-bits"
-LOWER_BIT_SETTINGS: dict[str, tuple[int, int, int, int]] = {
-    "W4A4KV4": (4, 4, 4, 4), "W4A3KV4": (4, 3, 4, 4), "W3A3KV3": (3, 3, 3, 3)}
 LOWER_BIT_CONFIGS = ("hadamard", "pairwise_plus_hadamard", "pairwise_only")
 
 

@@ -323,18 +323,17 @@ def decide_claim(front: Front, claim_id: str, rq_claim: Any, rq_run: Any) -> tup
     if isinstance(claim, str):
         pytest.skip(f"{claim_id} on {front.model}: the architecture lacks a premise ({claim})")
     exp = front.exp
-    adapted = claim
 
     def run(e: Any) -> Any:
-        result = evaluate(adapted, ExperimentStore(e), e.budget.seeds, plan=e.plan)
+        result = evaluate(claim, ExperimentStore(e), e.budget.seeds, plan=e.plan)
         return result.verdict, result
 
-    (verdict, result), _ = exp.decided(run, adapted.id)
+    (verdict, result), _ = exp.decided(run, claim.id)
     parts = result.part_verdicts
     if verdict.stop.startswith("time budget"):  # the stop reaches each part still open, not "open at look k"
         parts = {k: v if v.decided or v.stop else replace(v, stop=verdict.stop) for k, v in parts.items()}
     row = result.to_dict(model=exp.model)
     rq_run(front.about)
-    rq_claim(adapted.title, row["expected"], row["measured"], model=exp.model, verdict=verdict,
-             parts=parts, claim_id=adapted.id, **row["numbers"])
+    rq_claim(claim.title, row["expected"], row["measured"], model=exp.model, verdict=verdict,
+             parts=parts, claim_id=claim.id, **row["numbers"])
     return verdict, result

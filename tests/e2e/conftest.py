@@ -92,17 +92,16 @@ class Experiment:
     def paired_claim(self, form: Any, treatment: Sequence[float], control: Sequence[float], *,
                      replicates: Mapping[int, tuple[float, float]] | str | None, margin: float = 0.0,
                      tokens: int | None = None, parts: int = 1) -> Any:
-        """The fixed-n rule's :func:`~rope_quant.core.verdict.paired_claim`, or with ``--rq-until-decided`` the
-        sequential rule's (:func:`rope_quant.core.sequential.paired_claim`); ``parts``: the sampled parts of the
-        claim this one belongs to (the sequential rule spends its refuted side at α / parts)."""
-        if self.plan is None:
-            from rope_quant.core.verdict import paired_claim
+        """The paired comparison decided by the one engine (:func:`rope_quant.claims.values.decide`: a claim of
+        one paired part over these values): the fixed-n rule, or with ``--rq-until-decided`` the sequential rule at
+        this look; ``parts``: the sampled parts of the claim this one belongs to (the sequential rule spends its
+        refuted side at α / parts). Returns the part's verdict."""
+        from rope_quant.claims import values
 
-            return paired_claim(form, treatment, control, replicates=replicates, margin=margin, tokens=tokens)
-        from rope_quant.core import sequential
-
-        return sequential.paired_claim(form, treatment, control, self.plan.with_parts(parts), replicates=replicates,
-                                       margin=margin, tokens=tokens)
+        plan = None if self.plan is None else self.plan.with_parts(parts)
+        result = values.decide(values.paired(form, margin=margin), treatment, control, replicates=replicates,
+                               tokens=tokens, plan=plan)
+        return result.parts[0].verdict
 
     def decided(self, evaluate: Callable[[Experiment], Any], name: str,
                 verdict_of: Callable[[Any], Any] = lambda r: r[0]) -> tuple[Any, Experiment]:
@@ -334,15 +333,41 @@ def explicit_models(config: pytest.Config) -> tuple[str, ...]:
     return tuple(config.getoption("--rq-model") or ())
 
 
+#: The fixtures of an e2e test that runs on the default model: the session's ``experiment`` or the model itself.
+DEFAULT_MODEL_FIXTURES = frozenset({"experiment", "embedded_model"})
+_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--rq-model`` naming other models only, nothing runs on the default model: this directory's tests
+    that use :data:`DEFAULT_MODEL_FIXTURES` are deselected (the registry and cross-model claims run on the named
+    models)."""
+    named = explicit_models(config)
+    if not named or DEFAULT_MODEL in {m.lower() for m in named}:
+        return
+    here = Path(__file__).resolve().parent
+    bound = {id(it) for it in items if DEFAULT_MODEL_FIXTURES.intersection(getattr(it, "fixturenames", ()))
+             and Path(str(it.path)).resolve().is_relative_to(here)}
+    if bound:
+        config.hook.pytest_deselected(items=[it for it in items if id(it) in bound])
+        items[:] = [it for it in items if id(it) not in bound]
+        config.stash[_DESELECTED] = len(bound)
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    count = config.stash.get(_DESELECTED, 0)
+    if not count:
+        return []
+    return [f"rope_quant: --rq-model names other models only: {count} e2e tests that run on {DEFAULT_MODEL} "
+            f"deselected (add --rq-model={DEFAULT_MODEL} to run them)"]
+
+
 @pytest.fixture(scope="session")
 def experiment(request, build_cache, e2e_budget, rq_options) -> Experiment:
     """The embedded SmolLM2-135M under the paper's W4A4KV4 pipeline: the default model's registry front
     (test_registry_claims.py) and the statements of test_claims.py and its siblings share it. With ``--rq-model``
-    naming other models only, those sibling statements skip; the registry claims run on the named models."""
-    named = explicit_models(request.config)
-    if named and DEFAULT_MODEL not in {m.lower() for m in named}:
-        pytest.skip(f"--rq-model {', '.join(named)}: this statement runs on {DEFAULT_MODEL} only; the registry "
-                    "claims (tests/e2e/test_registry_claims.py) run on the named models")
+    naming other models only, the tests that use it are deselected (:func:`pytest_collection_modifyitems`); the
+    registry claims run on the named models."""
     base = request.getfixturevalue("embedded_model")
     return Experiment(base, build_cache, e2e_budget, rq_options.corpus, plan=sequential_plan(rq_options, e2e_budget),
                       time_budget=rq_options.time_budget)

@@ -1,6 +1,6 @@
 """A user's checkpoint given by path builds what the embedded model builds: SmolLM2 written with
 ``save_pretrained`` under another name gives seed 0's W4A4KV4 GPTQ weights (the e2e budget, whip R1, hadamard R3)
-bit for bit, and the same perplexity, as ``smollm2-135m``. So a table run with ``--rq-model PATH`` on a copy of
+bit for bit, and the same perplexity, as ``smollm2-135m``. So a table run with ``--rq-model=PATH`` on a copy of
 the embedded model reads the embedded table's numbers (docs/models.md, "A checkpoint given by path").
 
 ``slow`` (two GPTQ builds, about 7 minutes on 2 cores). Measured 2026-11-29 (Intel Xeon, 2 threads): both

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rope_quant.claims.paper import BLOCKS, PHI_STAR
 from rope_quant.core import stats
 from rope_quant.core.verdict import deterministic
+from rope_quant.defaults import KEYS_ALONE
 
-PHI_STAR = dict(r3="pairwise_only", angle="phi_star")
 
 def _fmt(values) -> str:
     return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
@@ -42,8 +43,6 @@ def test_c3_k_only_mean_below_rows(experiment) -> None:
     mean = float(np.mean(k_only) - np.mean(rows))
     assert mean < 0, f"k_only does not improve on rows on average: {mean:+.3f}"
 
-
-BLOCKS = (2, 4, 8, 16, 32, 64)
 
 
 def _support_rows(experiment, seed: int) -> dict[str, dict]:
@@ -100,7 +99,6 @@ def test_c4_k_range_and_error_non_increasing_in_block_size(experiment, rq_claim,
 #: ~4.5 sd. Under W4A4KV4 the activation quantisers add more rounding decisions for the same noise to flip, so
 #: there the endpoint is asserted on the K metrics and its perplexity difference is recorded.
 C4_ENDPOINT_PPL_TOL = 1e-2
-K_ONLY = dict(w_bits=16, a_bits=16, k_bits=4, v_bits=16, weights="none", r1="identity", r2="identity", r4=False)
 
 
 def test_c4_block_endpoints_match(experiment, rq_claim) -> None:
@@ -121,8 +119,8 @@ def test_c4_block_endpoints_match(experiment, rq_claim) -> None:
         b2 = max(b2, *(rel("b=2", "pair_h2", m) for m in ("k_range_mean", "k_rel_err", "ppl")))
         k64 = max(k64, *(rel("b=64", "hadamard", m) for m in ("k_range_mean", "k_rel_err")))
         p64_w4 = max(p64_w4, rel("b=64", "hadamard", "ppl"))
-    k_only_64 = experiment.cell(0, r3="block_hadamard", r3_block=64, **K_ONLY)["ppl"]
-    k_only_had = experiment.cell(0, r3="hadamard", **K_ONLY)["ppl"]
+    k_only_64 = experiment.cell(0, r3="block_hadamard", r3_block=64, **KEYS_ALONE)["ppl"]
+    k_only_had = experiment.cell(0, r3="hadamard", **KEYS_ALONE)["ppl"]
     p64 = abs(k_only_64 - k_only_had) / k_only_had
     holds = b2 <= 1e-6 and k64 <= 5e-3 and p64 <= C4_ENDPOINT_PPL_TOL
     rq_claim("C4 (Table M) endpoints b=2 ≡ pair_h2, b=d_h ≡ hadamard",

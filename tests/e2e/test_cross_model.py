@@ -6,16 +6,17 @@ architecture run on the embedded SmolLM2-135M (Llama: MHA, head_dim 64, one RoPE
 
 Settings (App. I):
 
-- **KV-only, W16A16KV4** (:data:`KV_ONLY`): 4-bit keys and nothing else quantised, no offline rotation. It
-  isolates R3's effect on the keys and is valid on both architectures (Gemma 3's sandwich norms refuse R1).
+- **KV-only, W16A16KV4** (:data:`rope_quant.defaults.KEYS_ALONE`): 4-bit keys and nothing else quantised, no
+  offline rotation. It isolates R3's effect on the keys and is valid on both architectures (Gemma 3's sandwich
+  norms refuse R1).
 - **W4A16KV4** (:data:`W4A16KV4`, ``slow``): GPTQ weights, no R1, R2 random Hadamard, R4 online, 4-bit KV.
-  Measured 2026-11-24 (2 threads, 3 seeds, 12 x 512 pydoc tokens, ``-k w4a16 --rq-model M``): smollm2-135m
+  Measured 2026-11-24 (2 threads, 3 seeds, 12 x 512 pydoc tokens, ``-k w4a16 --rq-model=M``): smollm2-135m
   hadamard 15.407, 15.437, 15.433 vs pairwise_only 17.599, 17.600, 17.740 (smallest gap +14.0%), 7 min 46 s;
   gemma3-270m 55.269, 49.295, 50.596 vs 182.464, 177.727, 147.928 (+192%), 11 min 40 s: C1 and C8 hold on both.
 
 The module is in the ``slow`` subset (``tox -e slow``; ``pytest -m e2e --run-slow``): on 2 cores the KV-only
 claims take about 10 minutes per model at 1 thread and would not fit the default run's CI budget. Both
-embedded models run by default; ``pytest -m e2e --run-slow --rq-model gemma3-270m`` runs these claims on the
+embedded models run by default; ``pytest -m e2e --run-slow --rq-model=gemma3-270m`` runs these claims on the
 named models only (the W4A4KV4 pipeline claims of test_claims.py skip there).
 
 **Verdicts** (the one rule of :mod:`rope_quant.core.verdict`). C1, C4 and C8 are every-seed criteria (holds
@@ -36,14 +37,12 @@ import pytest
 
 from rope_quant.core import stats
 from rope_quant.core.verdict import Form, combine_all, decide, deterministic
-from rope_quant.defaults import DEFAULT_MODEL
+from rope_quant.defaults import DEFAULT_MODEL, KEYS_ALONE
 
 pytestmark = pytest.mark.slow
 
 #: The embedded models (the default run covers both).
 MODELS = (DEFAULT_MODEL, "gemma3-270m")
-#: W16A16KV4: 4-bit keys alone (RTN-free: no weight quantiser), no offline rotation.
-KV_ONLY = dict(w_bits=16, a_bits=16, k_bits=4, v_bits=16, weights="none", r1="identity", r2="identity", r4=False)
 #: W4A16KV4: GPTQ weights without R1 (App. I), R2 random Hadamard and R4 online (valid on both families).
 W4A16KV4 = dict(w_bits=4, a_bits=16, k_bits=4, v_bits=16, r1="identity")
 
@@ -99,9 +98,9 @@ def _fmt(values) -> str:
 def test_c1_kv_only_pairwise_only_worse(xexp, rq_claim, rq_record) -> None:
     """C1 on 4-bit keys alone: ppl(pairwise_only) > ppl(hadamard) in every seed (holds or fails); the
     pairwise+Hadamard row is recorded for the table."""
-    had = xexp.per_seed(r3="hadamard", **KV_ONLY)
-    pw = xexp.per_seed(r3="pairwise_only", **KV_ONLY)
-    pph = xexp.per_seed(r3="pairwise_plus_hadamard", **KV_ONLY)
+    had = xexp.per_seed(r3="hadamard", **KEYS_ALONE)
+    pw = xexp.per_seed(r3="pairwise_only", **KEYS_ALONE)
+    pph = xexp.per_seed(r3="pairwise_plus_hadamard", **KEYS_ALONE)
     for seed, h, p, q in zip(xexp.budget.seeds, had, pw, pph, strict=True):
         rq_record("Cross-model, W16A16KV4", model=_name(xexp), seed=seed, hadamard=h, pairwise_only=p,
                   pairwise_plus_hadamard=q)
@@ -117,7 +116,7 @@ def test_c1_kv_only_pairwise_only_worse(xexp, rq_claim, rq_record) -> None:
 def test_c8_kv_only_k_diagnostics_favour_hadamard(xexp, rq_claim) -> None:
     """C8 on 4-bit keys alone: K range and relative K error lower under hadamard than pairwise_only, every
     seed (means over every key of every window: robust to float order)."""
-    metrics = {m: (xexp.per_seed(m, r3="hadamard", **KV_ONLY), xexp.per_seed(m, r3="pairwise_only", **KV_ONLY))
+    metrics = {m: (xexp.per_seed(m, r3="hadamard", **KEYS_ALONE), xexp.per_seed(m, r3="pairwise_only", **KEYS_ALONE))
                for m in ("k_range_mean", "k_rel_err")}
     holds = all(h < p for had, pw in metrics.values() for h, p in zip(had, pw, strict=True))
     rq_claim("C8 (Table E) K range / K error, W16A16KV4", "hadamard < pairwise_only every seed",
@@ -130,12 +129,12 @@ def test_c3_kv_only_k_only_beats_rows(xexp, rq_claim, request) -> None:
     """C3 on 4-bit keys alone: the paired 90% interval of ppl(k_only) − ppl(rows) lies below zero (the rule's
     LESS form, spread from the b = d_h rebuild). A strict xfail on Gemma 3 (:data:`DISAGREEMENTS`)."""
     _expect(request, "C3", xexp)
-    rows = xexp.per_seed(r3="pairwise_only", estimator="rows", **KV_ONLY)
-    k_only = xexp.per_seed(r3="pairwise_only", estimator="k_only", **KV_ONLY)
+    rows = xexp.per_seed(r3="pairwise_only", estimator="rows", **KEYS_ALONE)
+    k_only = xexp.per_seed(r3="pairwise_only", estimator="k_only", **KEYS_ALONE)
     seed = xexp.replicate_seed
     d_h = _blocks(xexp)[-1]
-    noise = abs(xexp.cell(seed, r3="hadamard", **KV_ONLY)["ppl"]
-                - xexp.cell(seed, r3="block_hadamard", r3_block=d_h, **KV_ONLY)["ppl"])
+    noise = abs(xexp.cell(seed, r3="hadamard", **KEYS_ALONE)["ppl"]
+                - xexp.cell(seed, r3="block_hadamard", r3_block=d_h, **KEYS_ALONE)["ppl"])
     verdict = decide(Form.LESS, [k - r for k, r in zip(k_only, rows, strict=True)], noise=noise, tokens=xexp.tokens())
     if not verdict.note:
         verdict = replace(verdict, note="offset rule: no float-mode replicate exists without GPTQ")
@@ -158,7 +157,7 @@ def test_c4_kv_only_k_metrics_non_increasing_in_block_size(xexp, rq_claim, rq_re
     """C4 (Table M) on 4-bit keys alone: K range and relative K error non-increasing in b = 2 … d_h, every
     seed (d_h = 64 on SmolLM2, 256 on Gemma 3)."""
     blocks = _blocks(xexp)
-    w = dict(eval_windows=xexp.budget.support_windows, **KV_ONLY)
+    w = dict(eval_windows=xexp.budget.support_windows, **KEYS_ALONE)
     series: dict[str, list[list[float]]] = {"k_range_mean": [], "k_rel_err": []}
     for seed in xexp.budget.seeds:
         cells: dict[int, Any] = {b: xexp.cell(seed, r3="block_hadamard", r3_block=b, **w) for b in blocks}

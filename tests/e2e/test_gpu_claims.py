@@ -2,7 +2,7 @@
 
 Run on a CUDA node with local checkpoints (nothing is downloaded)::
 
-    pytest -m gpu_e2e --rq-model /ckpt/Llama-3.2-1B --rq-model /ckpt/Mistral-7B-v0.3 \
+    pytest -m gpu_e2e --rq-model=/ckpt/Llama-3.2-1B --rq-model=/ckpt/Mistral-7B-v0.3 \
            --rq-corpus=/data/wikitext-2-raw --rq-seeds 0-2 [--rq-until-decided] [--rq-claims-out=DIR]
 
 One test per (model, registry claim) (the paper's, rope_quant/claims/paper.py, and the key quantisers',

@@ -19,7 +19,7 @@ the replicates' cells at the claim length: ``slow``.
 at :data:`GPU_LENGTHS`; the claim is checked at every discriminative length found, and the test fails,
 with the numbers, when there is none::
 
-    pytest -m gpu_e2e tests/e2e/test_niah_claims.py --rq-model /ckpt/Llama-3.2-1B --rq-seeds 0,1,2
+    pytest -m gpu_e2e tests/e2e/test_niah_claims.py --rq-model=/ckpt/Llama-3.2-1B --rq-seeds 0,1,2
 """
 
 from __future__ import annotations

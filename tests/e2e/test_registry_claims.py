@@ -1,6 +1,6 @@
 """The registry's claims (rope_quant/claims) through the e2e suite's paired experiment: the paper's claims table.
 
-``pytest -m e2e`` runs them on the default model; ``pytest -m e2e --rq-model PATH`` (a local Hugging Face
+``pytest -m e2e`` runs them on the default model; ``pytest -m e2e --rq-model=PATH`` (a local Hugging Face
 directory, a GGUF file, or an embedded name) runs every registry claim whose premises the model meets
 (rope_quant/claims/premises.py), through the same :class:`Experiment` (paired cells, float-order replicates,
 ``--rq-until-decided``) and decided by the one engine (``rope_quant.claims.engine.evaluate``), on the path

@@ -37,11 +37,11 @@ def main(shape: str, layers: int, vocab: int, windows: int, seqlen: int, r1: str
     tokens = min(64, seqlen)
     r1_matrix, steps = None, 0
     if r1 == "whip":
-        from rope_quant.rotations import whip
+        from rope_quant.rotations import whip, whip_model
 
-        fitted = whip.calibrate_model_rotations(model, ids, fit_r1=True, fit_r2=False, seed=0,
-                                                r1=whip.WhipConfig(epochs=1, batch_size=64, lr=1e-3),
-                                                tokens_per_sample=tokens)
+        fitted = whip_model.calibrate_model_rotations(model, ids, fit_r1=True, fit_r2=False, seed=0,
+                                                      r1=whip.WhipConfig(epochs=1, batch_size=64, lr=1e-3),
+                                                      tokens_per_sample=tokens)
         r1_matrix, steps = fitted.r1, fitted.r1_result.n_steps
     t_whip = time.perf_counter() - t0
     t0 = time.perf_counter()

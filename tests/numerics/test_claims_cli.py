@@ -22,7 +22,7 @@ from rope_quant.claims.premises import adapt, facts_of_checkpoint
 from rope_quant.core import sequential
 from rope_quant.core.verdict import Outcome
 from rope_quant.sweep.claim_store import DirectoryStore
-from rope_quant.sweep.decide import REPLICATE_SUFFIX
+from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX
 from rope_quant.sweep.manifest import read_manifest
 from rope_quant.sweep.records import complete_records
 
@@ -346,3 +346,60 @@ def test_decide_stops_a_claim_whose_cell_fails(tmp_path: Path) -> None:
                                             "seed 2)"), rows["C3"]["stopped"]
     assert rows["C3"]["decision"]["outcome"] == "inconclusive" and rows["C1"]["decision"]["outcome"] == "holds"
     assert max(c["seed"] for c in read_manifest(out)["cells"]) == 2
+
+
+def test_the_requested_table_is_written_when_other_claims_cannot_adapt(tmp_path: Path, capsys) -> None:
+    """A tiny Llama with head_dim 16 (real cells, RTN weights): C1 and C8 are decided and written, and the key
+    claims whose resolved widths cannot reach their target there (rope_pair_bits 3/4 averaging 4 − 32/16 = 2 bits),
+    which nobody asked for, are left out with that reason, printed and in claims.json, instead of stopping the
+    report with no table."""
+    from tests._support.reliability import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "tiny16")
+    out = tmp_path / "cl"
+    code = cli.main(["claims", "--model", str(model), "--claims", "C1,C8", "--seeds", "0,1,2", "--weights", "rtn",
+                     "--out", str(out), *TINY])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    data = json.loads((out / "claims.json").read_text())
+    assert [r["id"] for r in data["claims"]] == ["C1", "C8"]
+    assert all(r["seeds"] == [0, 1, 2] and r["decision"]["outcome"] for r in data["claims"])
+    left = {d["id"]: d["reason"] for d in data["left_out"]}
+    pairbits = [c.id for c in registry.claims(registry.KEYS) if c.id.startswith("K-pairbits-")]
+    assert pairbits and set(pairbits) <= set(left)
+    for cid in pairbits:
+        assert "its cells cannot adapt to head_dim 16" in left[cid], left[cid]
+        assert "cannot average the target 2.0 bits" in left[cid], left[cid]
+        assert f"left out: {cid}: " in printed.out
+
+
+def _unequal_claim() -> registry.Claim:
+    """A key claim at equal bits whose cells store unequal bits at d = 64 (KVQuant's G = 32: 5 bits, 4.5 for the
+    reference)."""
+    from rope_quant.claims.registry import Claim, MarginRule, Part, cell
+    from rope_quant.core.verdict import Form
+
+    return Claim("X-unequal", "x", "unequal bits", "nowhere",
+                 {"scheme": cell(k_quant="kvquant_prerope", k_token_group=32), "reference": cell(r3="hadamard")},
+                 (Part("p", "scheme", "reference", Form.NON_SUPERIOR, margin=MarginRule.equivalence("reference")),),
+                 group=registry.KEYS, equal_bits=True)
+
+
+def test_a_claim_nobody_asked_for_never_stops_the_table(tmp_path: Path, capsys) -> None:
+    """An entry whose cells store unequal bits stops a run that asks for it, before any cell runs; a run asking
+    for C1 alone writes C1's table and leaves that entry out with the reason (``report`` and ``decide`` read the
+    same directory)."""
+    with registry.temporary() as reg:
+        reg.register(_unequal_claim())
+        cells = Cells()
+        assert _claims(tmp_path / "asked", "--claims", "C1,X-unequal", "--seeds", "0,1", cells=cells) == 2
+        assert "X-unequal" in capsys.readouterr().err and cells.calls == []
+        out = tmp_path / "c1"
+        assert _claims(out, "--claims", "C1", "--seeds", "0,1") == 0
+        data = json.loads((out / "claims.json").read_text())
+        left = {d["id"]: d["reason"] for d in data["left_out"]}
+        assert [r["id"] for r in data["claims"]] == ["C1", "C8"]  # C8 reads C1's cells: planned
+        assert left["X-unequal"].startswith("it cannot be adapted to smollm2-135m: claim X-unequal, part 'p': its "
+                                            "cells do not store equal bits"), left["X-unequal"]
+        assert cli.main(["report", str(out)]) == 0
+        assert "left out: X-unequal: it cannot be adapted to smollm2-135m" in capsys.readouterr().out

@@ -285,10 +285,11 @@ def test_every_paper_entry_is_decided_over_a_store_of_its_cells() -> None:
 
 
 def test_the_paper_entries_match_their_sources() -> None:
-    """App. F's bit settings are the sweep preset's; C4's steps are b → 2b up to d_h with C2's scaled margin."""
-    from rope_quant.sweep.presets import LOWER_BIT_SETTINGS
+    """App. F's cells are every bit setting of the sweep preset; C4's steps are b → 2b up to d_h with C2's scaled
+    margin."""
+    from rope_quant.defaults import LOWER_BIT_SETTINGS
 
-    assert paper.LOWER_BITS == LOWER_BIT_SETTINGS
+    assert {name.split()[-1] for name in paper.APP_F.cells} == set(LOWER_BIT_SETTINGS)
     steps = [p for p in paper.C4_PPL.parts if p.statistic is Statistic.PAIRED]
     assert [p.name for p in steps] == ["b=2→4", "b=4→8", "b=8→16", "b=16→32", "b=32→64"]
     assert all(p.form is Form.NON_SUPERIOR and p.margin == MarginRule.equivalence("hadamard") for p in steps)
@@ -310,7 +311,7 @@ def test_a_results_directory_is_a_store(tmp_path: Path) -> None:
     with its seed; so is a cell scored on support windows, which a ``compare`` directory does not hold."""
     from rope_quant.experiment.config import RunConfig
     from rope_quant.sweep.claim_store import DirectoryStore
-    from rope_quant.sweep.decide import REPLICATE_SUFFIX, replicate_config
+    from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX, replicate_config
     from rope_quant.sweep.manifest import Manifest, build_manifest
     from rope_quant.sweep.runner import run_cells
 
@@ -342,3 +343,25 @@ def test_a_results_directory_is_a_store(tmp_path: Path) -> None:
         engine.evaluate(paper.C2, store, seeds)
     with pytest.raises(MissingCellError, match=r"cell \{r3=block_hadamard, r3_block=2, scoring=support\} at seed 0"):
         engine.evaluate(paper.C4_PPL, store, seeds)
+
+
+def test_the_engine_records_the_outlier_flag_by_seed_number() -> None:
+    """A sequential claim whose fifth seed blew up (+9 ppl among gaps of about +1): the part's and the claim's verdict
+    carry the flag naming seed 13 (SEEDS[4]), the row's ``outlier`` says its 5% is not covered, and a claim with no
+    such seed records none (rope_quant.core.outlier)."""
+    store = MemoryStore(tokens=6144)
+    had = [14.0, 14.2, 13.9, 14.1, 14.0]
+    _fill(store, HAD, had, seed=31)
+    _fill(store, PW, [h + g for h, g in zip(had, [1.1, 0.9, 1.0, 1.2, 9.0], strict=True)], seed=32)
+    claim = _claim("T-blow", Part("gap", "pairwise_only", "hadamard", Form.GREATER))
+    result = engine.evaluate(claim, store, SEEDS, sequential.Plan(3, 40))
+    flag = result.verdict.outlier
+    assert flag is not None and flag.seeds == (13,) and flag.indices == (4,)
+    row = result.to_dict()
+    assert row["outlier"].startswith("outlier: seed 13 (") and row["outlier"].endswith("its 5% is not covered")
+    assert list(row["decision"]["outlier"]["seeds"]) == [13] and "seed 13" in row["verdict"]
+    clean = MemoryStore(tokens=6144)
+    _fill(clean, HAD, had, seed=31)
+    _fill(clean, PW, [h + g for h, g in zip(had, [1.1, 0.9, 1.0, 1.2, 0.95], strict=True)], seed=32)
+    quiet = engine.evaluate(claim, clean, SEEDS, sequential.Plan(3, 40))
+    assert quiet.verdict.outlier is None and quiet.to_dict()["outlier"] == ""

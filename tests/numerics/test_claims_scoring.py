@@ -21,7 +21,7 @@ from rope_quant.claims import engine, registry
 from rope_quant.sweep.cellkind import run_of
 from rope_quant.sweep.claim_scoring import SCORING_META, ScoringBudget
 from rope_quant.sweep.claim_store import DirectoryStore
-from rope_quant.sweep.decide import REPLICATE_SUFFIX
+from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX
 from rope_quant.sweep.kinds.long_context import LongContextConfig
 from rope_quant.sweep.manifest import read_manifest
 from tests.numerics.test_claims_cli import Cells as PlainCells

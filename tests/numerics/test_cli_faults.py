@@ -303,8 +303,8 @@ def test_r1_refusal_note_on_stdout_names_the_norms(tmp_path: Path, capsys, monke
     assert "post_attention_layernorm" in line and "--r1 identity" in line
 
 
-def test_r1_rule_lives_in_arch() -> None:
-    from rope_quant.model.arch import choose_r1
+def test_r1_rule() -> None:
+    from rope_quant.rotations.r1_choice import choose_r1
 
     assert choose_r1("m", None, None, 4).r1 == "whip"
     assert choose_r1("m", "norms", "identity", 4).r1 == "identity"

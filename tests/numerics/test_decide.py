@@ -93,7 +93,7 @@ def test_adds_seeds_only_for_open_claims_and_stops_at_m_with_the_reason(tmp_path
     assert any("s per seed measured" in line and "ETA" in line for line in lines), lines
     names = {c["name"] for c in read_manifest(out)["cells"]}
     assert {"worse.float-order", "hadamard.float-order"} <= names
-    table = decide.table(result, decide.claims_of(manifest))
+    table = decide.table(result, decide.config_claims(manifest))
     assert "| worse − hadamard > 0 |" in table and "holds" in table
 
 
@@ -269,3 +269,63 @@ def test_the_real_pipeline_on_a_tiny_llama_builds_float_order_replicates(embedde
     for (name, seed), rec in by.items():
         float64 = rec["config"]["quant"]["w"]["gptq"]["float64"]
         assert float64 is name.endswith(decide.REPLICATE_SUFFIX), (name, seed)
+
+
+def test_the_engine_reads_each_config_claim_as_the_rule_on_its_records(tmp_path: Path) -> None:
+    """Each config claim's decision in decisions.json is the sequential rule itself on the records: the per-seed
+    differences config − control and the float-order shifts, read from the cell records at the seeds the claim
+    used (``core.sequential.decide``, the reference the engine must agree with, verdict dict for verdict dict)."""
+    from rope_quant.core.sequential import Plan
+    from rope_quant.core.sequential import decide as rule
+    from rope_quant.core.verdict import Form
+
+    out, manifest = make_dir(tmp_path)
+    decide.decide_directory(out, manifest, max_seeds=8, futility=0.0, cell_fn=Cells(), replicate=replicate, log=None)
+    ppl = {(r["name"], r["seed"]): r["result"]["ppl"] for r in complete_records(out)}
+    saved = json.loads((out / decide.DECISIONS_FILE).read_text())
+    plan = Plan(saved["plan"]["first"], saved["plan"]["max_seeds"], futility=0.0)
+    suffix = decide.REPLICATE_SUFFIX
+    for row in saved["claims"]:
+        t, c, seeds = row["config"], row["control"], range(row["seeds"])
+        diffs = [ppl[(t, s)] - ppl[(c, s)] for s in seeds]
+        shifts = [(ppl[(t + suffix, s)] - ppl[(c + suffix, s)]) - d for s, d in zip(seeds, diffs, strict=True)]
+        direct = json.loads(json.dumps(rule(Form.GREATER, diffs, shifts, plan).to_dict()))
+        assert direct == row["decision"], row["config"]
+
+
+def test_a_config_claim_is_the_comparators_config_with_overrides(tmp_path: Path) -> None:
+    """App. F's lower-bits directory pairs each config with its own setting's control (not the comparator): each
+    config claim's cells, read as the comparator's config with their overrides (the directory store), are the
+    manifest's configs at every seed; deciding one adds only its config and control (no comparator cell)."""
+    from rope_quant.experiment.config import RunConfig
+    from rope_quant.sweep.claim_store import DirectoryStore
+    from rope_quant.sweep.presets import lower_bits_manifest
+
+    manifest = lower_bits_manifest(RunConfig.from_flat(model="smollm2-135m", weights="gptq"), (0, 1))
+    claims = decide.config_claims(manifest)
+    assert {c.id: decide.claim_control(c) for c in claims}["pairwise_only+W3A3KV3"] == "hadamard+W3A3KV3"
+    store = DirectoryStore(tmp_path, manifest)
+    keys = {(n, cfg.seed): cfg.key() for n, cfg in manifest.cells}
+    for claim in claims:
+        for name in claim.cell_names():
+            for seed in (0, 1, 5):  # seed 5: not in the directory, the comparator's config at that seed
+                got = store.config(claim.cells[name], seed).key()
+                assert got == keys.get((name, seed), got) and (seed == 5 or (name, seed) in keys), (name, seed)
+    assert store.config(claims[0].cells[claims[0].id], 5).seed == 5
+
+
+def test_a_config_that_is_no_override_of_the_comparator_is_refused(tmp_path: Path) -> None:
+    """A config whose settings the comparator's flat fields cannot rebuild is refused before anything is built."""
+    bad = dataclasses.make_dataclass("Odd", [("seed", int, 0), ("r3", str, "x")], frozen=True)
+
+    class Odd(bad):  # type: ignore[misc, valid-type]
+        def key(self) -> str:
+            return f"{self.seed}-{self.r3}-{id(self)}"  # a key no override reproduces
+
+        def weight_key(self) -> str:
+            return str(self.seed)
+
+    manifest = build_manifest(Odd(), {"hadamard": {"r3": "hadamard"}, "other": {"r3": "other"}}, (0, 1),
+                              study="compare")
+    with pytest.raises(decide.DecideError, match="'other' is not the comparator"):
+        decide.config_claims(manifest)

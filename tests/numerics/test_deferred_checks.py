@@ -12,6 +12,7 @@ import torch
 from rope_quant.calib.diagnostics import KDiagnostics, NonFiniteKeysError
 from rope_quant.quant import deferred
 from rope_quant.quant import quantizers as Q
+from rope_quant.quant.static import StaticChannelQuantizer
 from tests._support.host_syncs import count_host_syncs
 
 
@@ -122,7 +123,7 @@ def test_deferred_k_diagnostics_equal_the_direct_ones_and_raise_on_nonfinite_key
 @pytest.mark.parametrize("mode", FINITE + ["nonfinite"])
 def test_deferred_static_quantiser_is_the_exact_path_or_asks_for_it(symmetric: bool, mode: str) -> None:
     calib = _rows(0, 40, 24, "plain" if mode == "nonfinite" else mode)
-    q = Q.StaticChannelQuantizer(24, bits=4, clip_ratio=0.9, symmetric=symmetric)
+    q = StaticChannelQuantizer(24, bits=4, clip_ratio=0.9, symmetric=symmetric)
     q.observe(calib)
     q.finalize()
     x = _rows(1, 30, 24, mode) * 1.5  # beyond the frozen ranges too

@@ -169,7 +169,7 @@ def test_ct_key_quantiser_forms_are_the_formats_own_limits() -> None:
     from compressed_tensors.quantization import QuantizationArgs
     from pydantic import ValidationError
 
-    from rope_quant.quant import key_quantizers as keyq
+    from rope_quant.quant import keys as keyq
 
     assert set(compressed.KEY_QUANT_FORMS) == {m.value for m in keyq.KeyQuantName}
     assert [n for n, why in compressed.KEY_QUANT_FORMS.items() if why is None] == ["per_token"]

@@ -26,8 +26,9 @@ from hypothesis import strategies as st
 from rope_quant import cli
 from rope_quant.experiment.config import RunConfig
 from rope_quant.model.loading import CheckpointError, ModelNotFoundError, check_checkpoint, load_model
-from rope_quant.quant.quantizers import StaticChannelQuantizer, fake_quant_per_token
+from rope_quant.quant.quantizers import fake_quant_per_token
 from rope_quant.quant.rtn import GPTQError, _rtn, rtn_quantize
+from rope_quant.quant.static import StaticChannelQuantizer
 from rope_quant.sweep.loaded_models import ModelCache
 from rope_quant.sweep.manifest import ManifestMismatchError, build_manifest, claim_study, read_manifest, reconcile
 from rope_quant.sweep.records import status

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
 from rope_quant.quant import quantizers as Q
+from rope_quant.quant.static import StaticChannelQuantizer
 from tests._support import tiny_llama
 
 # ----------------------------------------------------------------------------- the reference (old code)
@@ -233,7 +234,7 @@ def test_static_channel_quantizer_matches_reference() -> None:
     for mode in MODES:
         x = _special(torch.randn(9, 48, generator=gen) * 2, mode, gen)
         for symmetric in (False, True):
-            q = Q.StaticChannelQuantizer(48, bits=4, clip_ratio=0.9, symmetric=symmetric)
+            q = StaticChannelQuantizer(48, bits=4, clip_ratio=0.9, symmetric=symmetric)
             q.observe(calib)
             q.finalize()
             a, b = q._params
@@ -301,7 +302,7 @@ def test_per_token_groups_take_the_vectorised_rows_clamp(monkeypatch) -> None:
         Q.fake_quant_per_token(x, 4)
     assert rows == [False, True, False] and plain == []
     Q.fake_quant_per_token(x, 4, group_size=1)
-    q = Q.StaticChannelQuantizer(64, bits=4)
+    q = StaticChannelQuantizer(64, bits=4)
     q.observe(x)
     q(x)
     assert rows == [False, True, False] and len(plain) == 2

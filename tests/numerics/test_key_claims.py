@@ -217,7 +217,7 @@ def test_a_pre_rope_quantiser_sees_the_key_of_w_k_with_a_foldable_r3_folded_in()
     the quantiser) is another model."""
     from rope_quant.core import transforms as T
     from rope_quant.model import arch
-    from rope_quant.quant import key_quantizers as keyq
+    from rope_quant.quant import keys as keyq
     from rope_quant.quant.quantizers import QuantConfig
     from rope_quant.rotations import attention
     from rope_quant.rotations.fold_r3 import fold_r3

@@ -1,4 +1,4 @@
-"""The key quantisers (rope_quant.quant.key_quantizers) and their axis on the cell: each option against a reference
+"""The key quantisers (rope_quant.quant.keys) and their axis on the cell: each option against a reference
 written here from its paper's definition, the bits accounting by hand, the attention's streaming state, the default
 path bit for bit, every existing key unchanged, and the bad parameters refused before any model loads."""
 
@@ -18,7 +18,7 @@ from rope_quant import cli
 from rope_quant.calib.stats import CalibrationStats
 from rope_quant.experiment.config import PipelineError, RunConfig
 from rope_quant.model import arch
-from rope_quant.quant import key_quantizers as keyq
+from rope_quant.quant import keys as keyq
 from rope_quant.quant.quantizers import QuantConfig, fake_quant
 from rope_quant.quant.rtn import GPTQConfig
 from rope_quant.rotations import attention

@@ -1,4 +1,5 @@
-"""The package layout: imports point down the layers of docs/ARCHITECTURE.md, with no cycle.
+"""The package layout: imports point down the layers of docs/ARCHITECTURE.md, with no cycle, and a module over 500
+lines says why in its docstring.
 
 Every import is read from the source (deferred imports inside functions included), so a lazy import cannot
 hide an upward dependency.
@@ -128,3 +129,22 @@ def test_the_checks_can_fail():
     assert LAYERS.index("sweep") > LAYERS.index("core")  # core -> sweep would be reported as upward
     with pytest.raises(ValueError):
         LAYERS.index("nowhere")
+
+
+MAX_LINES = 500
+REASON = "Over 500 lines because"
+
+
+def _long_without_reason(sources: dict[str, str]) -> list[str]:
+    """Modules over :data:`MAX_LINES` lines whose docstring does not say why (one concept per module)."""
+    return sorted(name for name, text in sources.items()
+                  if len(text.splitlines()) > MAX_LINES and REASON not in (ast.get_docstring(ast.parse(text)) or ""))
+
+
+def test_a_module_over_500_lines_states_its_reason():
+    sources = {_module_name(p): p.read_text() for p in ROOT.rglob("*.py")}
+    long = _long_without_reason(sources)
+    assert not long, f"split these modules or say in their docstring why they stay whole ({REASON} ...): {long}"
+    planted = '"""A module."""\n' + "x = 1\n" * MAX_LINES
+    assert _long_without_reason({"planted": planted}) == ["planted"]
+    assert _long_without_reason({"kept": f'"""A module.\n\n{REASON} it is one table."""\n' + "x = 1\n" * 600}) == []

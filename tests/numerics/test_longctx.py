@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from rope_quant import cli
-from rope_quant.experiment import data, longctx
+from rope_quant.experiment import corpora, data, longctx
 from rope_quant.experiment.config import Estimator, RunConfig
+from rope_quant.experiment.documents import SEPARATOR
 from rope_quant.sweep import presets
 from rope_quant.sweep.manifest import LongContextConfig, SweepError, config_from_dict, read_manifest
 from tests._support import tiny_base
@@ -65,7 +66,7 @@ def _pg19(root: Path, n_test: int) -> list[str]:
 def test_stream_is_the_first_64_documents_of_a_pg19_folder(tmp_path: Path) -> None:
     texts = _pg19(tmp_path / "pg19", 70)
     stream = longctx.eval_stream(tmp_path / "pg19", CharTokenizer(), cache_dir=tmp_path / "cache")
-    joined = data.SEPARATOR.join(texts[:64])
+    joined = SEPARATOR.join(texts[:64])
     assert stream.n_tokens == len(joined)
     assert stream.ids.tolist() == [ord(c) % 1000 for c in joined]
     assert len(stream.documents) == 64 and stream.total_documents == 70
@@ -74,7 +75,7 @@ def test_stream_is_the_first_64_documents_of_a_pg19_folder(tmp_path: Path) -> No
     assert again.ids.tolist() == stream.ids.tolist()
     assert len(list((tmp_path / "cache" / "corpora").glob("*.pt"))) == 1
     whole = longctx.eval_stream(tmp_path / "pg19", CharTokenizer(), None, use_cache=False)
-    assert whole.n_tokens == len(data.SEPARATOR.join(texts)) and whole.describe()["max_documents"] is None
+    assert whole.n_tokens == len(SEPARATOR.join(texts)) and whole.describe()["max_documents"] is None
     record = longctx.protocol_record(stream, (256, 1024), 24, "pydoc")
     assert record["calib_corpus"] == "pydoc" and record["eval_corpus"] == str(tmp_path / "pg19")
     assert record["n_stream_tokens"] == len(joined) and record["n_documents"] == 64
@@ -91,7 +92,7 @@ def test_stream_of_a_proof_pile_jsonl_split_follows_the_same_rule(tmp_path: Path
     lines = [f"theorem {i}: " + "x + y = z. " * (5 + i % 7) for i in range(80)]
     (root / "test.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines))
     stream = longctx.eval_stream(root, CharTokenizer(), use_cache=False)
-    assert stream.n_tokens == len(data.SEPARATOR.join(lines[:64]))
+    assert stream.n_tokens == len(SEPARATOR.join(lines[:64]))
     assert stream.documents[-1] == "test.jsonl:64" and stream.total_documents == 80
     with pytest.raises(longctx.LongContextProtocolError, match="max_documents"):
         longctx.eval_stream(root, CharTokenizer(), 0, use_cache=False)
@@ -166,7 +167,7 @@ def _fake(cfg) -> dict:
 
 
 def test_cli_defaults_to_other_corpora_and_prints_the_deviations(tmp_path: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(data, "list_corpora", lambda include_unavailable=False: ["pydoc", "shakespeare", "kjv"])
+    monkeypatch.setattr(corpora, "list_corpora", lambda include_unavailable=False: ["pydoc", "shakespeare", "kjv"])
     out = tmp_path / "lc"
     argv = ["long-context", "--seeds", "0,1", "--lengths", "1024,2048", "--out", str(out), "--quiet",
             "--no-figures", "--phi-star-estimators", "all"]
@@ -255,7 +256,7 @@ def test_preflight_checks_lengths_against_the_evaluation_stream(tmp_path: Path) 
     calib = tmp_path / "small.txt"
     calib.write_text("\n\n".join(["short calibration text. " * 40] * 5))  # eval side: ~1,000 characters
     texts = _pg19(tmp_path / "pg19", 70)
-    n = len(data.SEPARATOR.join(texts[:64]))
+    n = len(SEPARATOR.join(texts[:64]))
     cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
     models = ModelCache(lambda model, device: (LlamaForCausalLM(cfg).eval(), CharTokenizer()))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rope_quant import cli
+from rope_quant.defaults import LOWER_BIT_SETTINGS
 from rope_quant.sweep import presets
 
 
@@ -27,7 +28,7 @@ def test_lower_bits_pairs_each_setting_with_its_own_hadamard(tmp_path: Path) -> 
     assert len(summary["configs"]) == 9
     paired = summary["paired"]
     assert set(paired) == {f"{r3}+{s}" for r3 in ("pairwise_only", "pairwise_plus_hadamard")
-                           for s in presets.LOWER_BIT_SETTINGS}
+                           for s in LOWER_BIT_SETTINGS}
     # paired within the setting: the 3·missing offset cancels, the pairwise_only penalty remains
     assert paired["pairwise_only+W4A4KV4"]["mean"] == pytest.approx(1.0)
     assert paired["pairwise_only+W4A3KV4"]["mean"] == pytest.approx(2.0)

@@ -11,12 +11,12 @@ from rope_quant.quant.quantizers import (
     NotCalibratedError,
     QuantConfig,
     QuantConfigError,
-    StaticChannelQuantizer,
     fake_quant,
     fake_quant_per_token,
     quant_step,
 )
 from rope_quant.quant.rtn import rtn_quantize
+from rope_quant.quant.static import StaticChannelQuantizer
 
 
 def _x(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -11,11 +11,11 @@ from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 from rope_quant.quant import diagnostic
 from rope_quant.quant.quantizers import (
     QuantConfig,
-    StaticChannelQuantizer,
     fake_quant,
     quant_step,
     selected_step,
 )
+from rope_quant.quant.static import StaticChannelQuantizer
 from tests._support import tiny_base
 
 TINY = dict(seqlen=32, calib_windows=2, eval_windows=2, weights="rtn", r1="random_hadamard")

@@ -133,14 +133,20 @@ def test_a_table_that_does_not_fit_is_refused_with_the_remedy(monkeypatch: pytes
     assert lines == []  # neither a plan printed as fitting nor a model loaded
 
 
-def test_gpu_e2e_collects_one_test_per_registry_claim_per_model() -> None:
-    """``pytest -m gpu_e2e`` over two models: each claim once per model, a model's claims in a row (collected, or
-    run and each skipped without CUDA with the reason: one pytest process either way)."""
+def test_gpu_e2e_collects_one_test_per_registry_claim_per_model(tmp_path: Path) -> None:
+    """``pytest -m gpu_e2e`` over two models (two Llama configs: ``--rq-model`` is checked before collection): each
+    claim once per model, a model's claims in a row (collected, or run and each skipped without CUDA with the
+    reason: one pytest process either way)."""
     import torch
 
+    from tests._support.models import tiny_llama
+
+    for name in ("a", "b"):
+        tiny_llama().config.save_pretrained(tmp_path / name)
     cuda = torch.cuda.is_available()
     argv = [sys.executable, "-m", "pytest", "-m", "gpu_e2e", "tests/e2e/test_gpu_claims.py", "-p", "no:cacheprovider",
-            "--rq-model", "/ckpt/a", "--rq-model", "/ckpt/b", *(["--collect-only", "-q"] if cuda else ["-v", "-rs"])]
+            f"--rq-model={tmp_path / 'a'}", f"--rq-model={tmp_path / 'b'}",
+            *(["--collect-only", "-q"] if cuda else ["-v", "-rs"])]
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     ids = [line.split("[", 1)[1].split("]", 1)[0] for line in out.stdout.splitlines()
            if line.startswith("tests/e2e/test_gpu_claims.py::test_gpu_registry_claim[")]

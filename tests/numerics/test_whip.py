@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 
 from rope_quant.core import hadamard
 from rope_quant.rotations import offline as rotation
-from rope_quant.rotations import whip
+from rope_quant.rotations import whip, whip_model
 from rope_quant.rotations.whip import RELEASED_R2, WhipConfig, WhipError
 from tests._support import tiny_llama
 
@@ -210,7 +210,7 @@ def test_bad_input_raises_whip_errors():
     with pytest.raises(WhipError):
         whip.whip_loss(x, torch.eye(8))
     with pytest.raises(WhipError):
-        whip.collect_r2_samples(_tiny_model(), torch.zeros(1, 4, dtype=torch.long), source="k_proj")
+        whip_model.collect_r2_samples(_tiny_model(), torch.zeros(1, 4, dtype=torch.long), source="k_proj")
     assert issubclass(WhipError, ValueError)
 
 
@@ -230,36 +230,36 @@ def test_collected_samples_are_invariant_to_untie_fuse_and_r1():
     """R1 data (normalised residual) is unchanged by untie/fuse; R2 data (v_proj out) also by R1."""
     model = _tiny_model()
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
-    x1 = whip.collect_r1_samples(model, ids, tokens_per_sample=8, seed=3)
-    v = whip.collect_r2_samples(model, ids)
-    o = whip.collect_r2_samples(model, ids, source="o_proj_input")
+    x1 = whip_model.collect_r1_samples(model, ids, tokens_per_sample=8, seed=3)
+    v = whip_model.collect_r2_samples(model, ids)
+    o = whip_model.collect_r2_samples(model, ids, source="o_proj_input")
     assert x1.shape == (2 * 2 * 2, 8, 64)  # windows × layers × {attn, mlp} norms
     assert torch.allclose(x1.pow(2).mean(-1), torch.ones(8, 8), atol=5e-3)  # unit RMS (up to eps)
     assert len(v) == 2 and v[0].shape == (2, 20, 2, 16) and o[0].shape == (2, 20, 4, 16)
     work = copy.deepcopy(model)
     rotation.untie_embeddings(work)
     rotation.fuse_norms(work)
-    torch.testing.assert_close(whip.collect_r1_samples(work, ids, tokens_per_sample=8, seed=3), x1,
+    torch.testing.assert_close(whip_model.collect_r1_samples(work, ids, tokens_per_sample=8, seed=3), x1,
                                rtol=1e-4, atol=1e-5)
     q = rotation.r1_hadamard(64, 1)
     rotation.apply_r1(work, q)
-    x1_rot = whip.collect_r1_samples(work, ids, tokens_per_sample=8, seed=3)
+    x1_rot = whip_model.collect_r1_samples(work, ids, tokens_per_sample=8, seed=3)
     torch.testing.assert_close(x1_rot, x1 @ q.float(), rtol=1e-4, atol=1e-4)  # R1 rotates exactly these
-    for a, b in zip(whip.collect_r2_samples(work, ids), v, strict=True):
+    for a, b in zip(whip_model.collect_r2_samples(work, ids), v, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_calibrate_model_rotations_shapes():
     model = _tiny_model()
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    out = whip.calibrate_model_rotations(model, ids, seed=0, tokens_per_sample=16,
+    out = whip_model.calibrate_model_rotations(model, ids, seed=0, tokens_per_sample=16,
                                          r1=WhipConfig(epochs=3, lr=1e-2), r2=WhipConfig(epochs=3, lr=1e-2))
     assert out.r1.shape == (64, 64) and out.r2.shape == (2, 2, 16, 16)
     assert _ortho_err(out.r1) < ORTHO_TOL and _ortho_err(out.r2) < ORTHO_TOL
     assert out.r1_result.n_steps > 0 and all(r.n_steps > 0 for r in out.r2_results)
     assert out.r1_result.final_loss < out.r1_result.initial_loss
     # released R2 settings on this model leave R2 at its initialisation, layer by layer
-    rel = whip.calibrate_model_rotations(model, ids, fit_r1=False, seed=0, r2=RELEASED_R2)
+    rel = whip_model.calibrate_model_rotations(model, ids, fit_r1=False, seed=0, r2=RELEASED_R2)
     assert rel.r1 is None
     assert all(r.n_steps == 0 and torch.equal(r.rotation, r.init) for r in rel.r2_results)
 
@@ -272,8 +272,8 @@ def test_whip_r1_on_embedded_model_beats_hadamard_on_held_out_text(embedded_mode
     text = "\n\n".join(topics[k] for k in sorted(topics))
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     calib, test = ids[:128][None], ids[4096:4224][None]
-    x = whip.collect_r1_samples(model, calib, tokens_per_sample=64, seed=0)
-    x_test = whip.collect_r1_samples(model, test, tokens_per_sample=128, seed=1)
+    x = whip_model.collect_r1_samples(model, calib, tokens_per_sample=64, seed=0)
+    x_test = whip_model.collect_r1_samples(model, test, tokens_per_sample=128, seed=1)
     res = whip.fit_rotation(x, n=576, seed=0, lr=1e-2, epochs=2, batch_size=8)
     r_whip = res.rotation.float()
     r_had = hadamard.random_hadamard(576, 0, torch.float32)
@@ -294,8 +294,8 @@ def test_r1_samples_come_from_the_decoder_without_lm_head() -> None:
     handle = model.lm_head.register_forward_hook(lambda *_: calls.append(1))
     try:
         ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
-        samples = whip.collect_r1_samples(model, ids, tokens_per_sample=8)
-        whip.collect_r2_samples(model, ids)
+        samples = whip_model.collect_r1_samples(model, ids, tokens_per_sample=8)
+        whip_model.collect_r2_samples(model, ids)
     finally:
         handle.remove()
     assert calls == []

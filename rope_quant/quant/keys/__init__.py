@@ -2,8 +2,8 @@
 
 The package: ``base.py`` (names, constants, errors, checks), ``rope.py`` (RoPE undone and redone), ``allocation.py``
 (rope_pair_bits' widths), ``quantizers.py`` (the built per-layer quantisers), ``options.py`` (the options and their
-bits) and ``registry.py`` (names to options, entry points). ``rope_quant.quant.key_quantizers`` is the same public
-names.
+bits) and ``registry.py`` (names to options, entry points). The old path ``rope_quant.quant.key_quantizers`` is this
+package, with a DeprecationWarning (:mod:`rope_quant._deprecation`).
 
 The paper quantises post-R3 keys with the dynamic per-token quantiser (:func:`rope_quant.quant.quantizers.fake_quant`).
 This module names that rule and the alternatives, so that a cell can swap its key quantiser and be compared with

@@ -1,0 +1,65 @@
+"""A claim over values measured elsewhere: per-seed lists put in a :class:`~rope_quant.claims.stores.MemoryStore`
+and decided by the one engine (:func:`rope_quant.claims.engine.evaluate`).
+
+The e2e suite measures some claims' cells outside any store (App. D's static control, App. G's retrieval
+accuracy: cells of a kind the claims sweep does not run yet). :func:`paired` writes such a comparison as a claim
+of one paired part over two cells, ``treatment`` and ``control`` (:data:`TREATMENT`, :data:`CONTROL`), and
+:func:`decide` reads it at seed indices 0 … n−1 from the values given, with their float-order replicates, under
+the fixed-n rule or a sequential plan: the verdict is the engine's, as for every registry claim.
+
+Standard library and ``claims/`` only at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from rope_quant.claims.engine import ClaimResult, evaluate
+from rope_quant.claims.registry import NO_MARGIN, Claim, MarginRule, Metric, Part, Statistic
+from rope_quant.claims.stores import MemoryStore
+from rope_quant.core.verdict import Form
+
+if TYPE_CHECKING:
+    from rope_quant.core.sequential import Plan
+
+TREATMENT = "treatment"
+CONTROL = "control"
+VALUES = "values"
+"""The one key of the two cells (not a config field: the cells are never built, their values are given)."""
+
+PairReplicates = Mapping[int, tuple[float, float]] | str | None
+"""Seed index → (treatment, control) in the other float order; a str: why the replicate failed; None: none."""
+
+
+def paired(form: Form, *, margin: float = 0.0, title: str = "treatment − control", metric: Metric = Metric.PPL,
+           statistic: Statistic = Statistic.PAIRED) -> Claim:
+    """A claim of one part, ``treatment`` against ``control`` in ``form`` read by ``statistic`` (a margin > 0: a
+    fixed margin in the metric's units, for the forms that take one)."""
+    rule = MarginRule.fixed(margin) if margin else NO_MARGIN
+    part = Part(title, TREATMENT, CONTROL, form, statistic, margin=rule, metric=metric)
+    return Claim(title, title, title, "measured values", {TREATMENT: {VALUES: TREATMENT}, CONTROL: {VALUES: CONTROL}},
+                 (part,), premises=(), group=VALUES)
+
+
+def decide(claim: Claim, treatment: Sequence[float], control: Sequence[float], *,
+           replicates: PairReplicates = None, tokens: int | None = None, plan: Plan | None = None) -> ClaimResult:
+    """``claim`` (:func:`paired`) read by the engine over ``treatment`` and ``control`` at seed indices 0 … n−1
+    (``replicates``: :data:`PairReplicates`; ``tokens``: scored tokens per cell; ``plan``: the sequential rule's
+    look at n seeds, else the fixed-n rule)."""
+    if len(treatment) != len(control):
+        raise ValueError(f"treatment has {len(treatment)} values but control has {len(control)}")
+    store = MemoryStore(tokens=tokens)
+    seeds = range(len(treatment))
+    metric = claim.parts[0].metric
+    store.put_seeds(claim.cells[TREATMENT], seeds, treatment, metric=metric)
+    store.put_seeds(claim.cells[CONTROL], seeds, control, metric=metric)
+    if isinstance(replicates, str):
+        store.replicate_failed(claim.cells[TREATMENT], replicates)
+    elif replicates is not None:
+        for i, (t, c) in replicates.items():
+            if not 0 <= int(i) < len(treatment):
+                raise ValueError(f"replicate of seed index {i}: the values have {len(treatment)} seeds")
+            store.put(claim.cells[TREATMENT], int(i), t, metric=metric, replicate=True)
+            store.put(claim.cells[CONTROL], int(i), c, metric=metric, replicate=True)
+    return evaluate(claim, store, seeds, plan)
