@@ -39,9 +39,10 @@ from rope_quant.claims.registry import (
     side_cells,
 )
 
-_SCORED_BY = {Scoring.SUPPORT: "the budget's support windows (Table M)",
-              Scoring.LONG: "the long-context protocol of App. A.4",
-              Scoring.RUNTIME: "llama.cpp (a GGUF export of the cell)"}
+_SCORED_BY = {Scoring.RUNTIME: "llama.cpp (a GGUF export of the cell)"}
+_NOT_SWEPT = frozenset(_SCORED_BY)
+"""The scorings the claims sweep has no cell kind for (support and long-context cells it runs:
+sweep/claim_scoring.py)."""
 
 
 def select(names: Iterable[str] | None = None) -> list[Claim]:
@@ -58,12 +59,12 @@ def select(names: Iterable[str] | None = None) -> list[Claim]:
 
 
 def scoring_reason(claim: Claim) -> str | None:
-    """Why a plain run cell cannot score ``claim`` (its cells are scored another way), or None."""
-    other = [s for s in dict.fromkeys(scoring_of(claim.cells[n]) for n in claim.cell_names()) if s is not Scoring.EVAL]
+    """Why the claims sweep cannot score ``claim`` (its cells are scored by llama.cpp), or None."""
+    other = [s for s in dict.fromkeys(scoring_of(claim.cells[n]) for n in claim.cell_names()) if s in _NOT_SWEPT]
     if not other:
         return None
-    return (f"its cells are scored on {' and '.join(_SCORED_BY.get(s, s.value) for s in other)}, which a plain run "
-            "cell of this sweep does not score; its e2e test decides it (pytest -m e2e)")
+    return (f"its cells are scored by {' and '.join(_SCORED_BY.get(s, s.value) for s in other)}, which a cell of "
+            "this sweep does not score; its e2e test decides it (pytest -m e2e --run-slow)")
 
 
 NOT_ADAPTED = "it cannot be adapted to"

@@ -3,8 +3,10 @@
 The cells every chosen claim reads (its parts' treatment and control cells as config overrides on the
 comparator, each with its float-order replicate) at the seeds given become one manifest
 (:mod:`rope_quant.sweep.claims_sweep`, study ``claims``), run through the one sweep path
-(:func:`rope_quant.cli.execute.sweep`: resume, shards, cell claims, Slurm). Before any model loads the plan is
-printed: the claims left out and why, the cells per claim, and the cost estimate of ``rope-quant plan``
+(:func:`rope_quant.cli.execute.sweep`: resume, shards, cell claims, Slurm). C4's cells are scored on the support
+windows (``--support-windows``) and C7's at long context (``--long-windows`` windows per length on
+``--long-corpus``), as the pytest front scores them (:mod:`rope_quant.sweep.claim_scoring`). Before any model loads
+the plan is printed: the claims left out and why, the cells per claim, and the cost estimate of ``rope-quant plan``
 (``--dry-run`` stops there). The end, and ``rope-quant report DIR`` later, write the claims table
 (``DIR/claims.json``, ``DIR/claims.md``: :mod:`rope_quant.analysis.claims_report`).
 """
@@ -20,6 +22,7 @@ from rope_quant.cli.args import CLIError, parse_names, parse_seed_list
 from rope_quant.cli.common import DEFAULT_SEEDS, base_config, check_comparator, checkpoint
 from rope_quant.cli.execute import Cells, sweep
 from rope_quant.cli.options import add_sweep
+from rope_quant.sweep.claim_scoring import ScoringBudget
 
 HELP = "the paper's claims: every claim's cells and float-order replicates as one sweep, then the claims table"
 SOURCE = "rope-quant report"
@@ -32,7 +35,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("claims", help=HELP, description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--claims", default=None, metavar="ID,GROUP,...",
                    help=f"the claims to run, by id or group ({', '.join(registry.groups())}: every claim of the "
-                        f"group; default: the {registry.PAPER} group's claims a plain run cell can score); ids: {ids}")
+                        f"group; default: the {registry.PAPER} group's claims); ids: {ids}")
+    defaults = ScoringBudget()
+    p.add_argument("--support-windows", type=int, default=defaults.support_windows, metavar="N",
+                   help=f"windows scored per cell of C4's block-size steps (Table M; default "
+                        f"{defaults.support_windows}, as pytest's front)")
+    p.add_argument("--long-windows", type=int, default=defaults.long_windows, metavar="N",
+                   help=f"windows scored per length of C7's long-context cells (App. A.4; default "
+                        f"{defaults.long_windows}, as pytest's front)")
+    p.add_argument("--long-corpus", default=defaults.long_corpus, metavar="NAME",
+                   help=f"the corpus C7's long-context cells score, its first 64 evaluation documents (App. A.4; "
+                        f"default {defaults.long_corpus}, as pytest's front)")
     p.add_argument("--dry-run", action="store_true",
                    help="check the input, print the plan (claims left out, cells per claim, cost estimate) and stop: "
                         "nothing is run or written")
@@ -54,7 +67,8 @@ def applicable(claims: Sequence[Any], model: Any, seq_len: int,
     """The claims that run on ``model`` (each as :func:`rope_quant.claims.premises.adapt` runs it there: a
     refused R1 becomes ``r1=identity``, named in its title; model-dependent values resolved; a claim at equal
     bits per key element checked at T = ``seq_len``, the evaluation windows' length), and claim id → why the
-    others are left out: their cells are not plain run cells, or the model lacks a premise. Read from the model's
+    others are left out: their cells are scored where this sweep cannot (llama.cpp), or the model lacks a
+    premise. Read from the model's
     config alone (``model``: its name, or its :class:`~rope_quant.claims.premises.ModelFacts` already read); a
     config that cannot be read is left to the model checks. Unequal bits of a ``requested`` claim (default: every
     claim) stop the run (:class:`CLIError` naming the cells and their bits); any other claim they leave out with
@@ -119,19 +133,29 @@ def _seed_count(args: argparse.Namespace) -> None:
 
 def cost_lines(args: argparse.Namespace, manifest: Any) -> list[str]:
     """The cost estimate of ``rope-quant plan`` for this sweep (:func:`rope_quant.claims.selection.cost_plan`, as
-    pytest's registry fronts make it): one plan seed per weight build, the cells as its evaluations (config only, no
-    weights); a line saying why when the plan cannot model it."""
+    pytest's registry fronts make it): one plan seed per weight build, the short-context cells as its evaluations,
+    each long-context cell at its length (``--long-windows`` windows; config only, no weights); a line saying why
+    when the plan cannot model it."""
+    from rope_quant.claims.registry import Scoring
     from rope_quant.claims.selection import CellConfig, cost_plan
     from rope_quant.experiment.plan import format_plan
+    from rope_quant.sweep.cellkind import run_of
+    from rope_quant.sweep.claim_scoring import long_length
 
+    configs = [CellConfig(name, cfg, scoring=Scoring.EVAL if long_length(cfg) is None else Scoring.LONG,
+                          length=long_length(cfg)) for name, cfg in manifest.cells]
     try:
-        cost = cost_plan(manifest.cells[0][1], [CellConfig(name, cfg) for name, cfg in manifest.cells],
-                         device=args.device, dtype=args.dtype, whip_epochs=args.whip_epochs,
+        cost = cost_plan(run_of(manifest.cells[0][1]), configs, device=args.device, dtype=args.dtype,
+                         whip_epochs=args.whip_epochs, long_windows=args.long_windows,
                          offload=args.offload == "cpu", config=checkpoint(args).config)
     except Exception as exc:  # noqa: BLE001 - an estimate the plan cannot make must not stop the run
         return [f"cost estimate: none ({type(exc).__name__}: {exc})"]
+    lengths = sorted({c.length for c in configs if c.length})
+    long = (f", {sum(1 for c in configs if c.length)} long-context cells at L = {', '.join(map(str, lengths))}"
+            if lengths else "")
     return [f"cost estimate (`rope-quant plan`, {cost.builds} weight builds (seed × bits × float order) as its "
-            f"seeds, ≤ {cost.plan.protocol.configs} cells each as its configs):", format_plan(cost.plan)]
+            f"seeds, ≤ {cost.plan.protocol.configs} short-context cells each as its configs{long}):",
+            format_plan(cost.plan)]
 
 
 def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], seeds: Sequence[int],
@@ -144,7 +168,8 @@ def print_plan(args: argparse.Namespace, manifest: Any, claims: Sequence[Any], s
 
     for line in left_out_lines(dropped):
         print(line, flush=True)
-    per_claim = cells_per_claim(claims, comparator_at(manifest.cells[0][1], seeds[0], args.comparator))
+    per_claim = cells_per_claim(claims, comparator_at(manifest.cells[0][1], seeds[0], args.comparator),
+                                ScoringBudget.from_meta(manifest.meta))
     rows = [{"claim": c.id, "cells per seed": ", ".join(per_claim[c.id])} for c in claims]
     print(f"claims plan: {len(claims)} claims at seeds {','.join(map(str, seeds))} on {args.model} (every cell "
           f"the comparator {args.comparator}'s config with the claim's overrides)", flush=True)
@@ -178,10 +203,29 @@ def write_report(out: str | Path, facts: Any = None) -> dict[str, Any]:
     return {"markdown": "\n".join(lines), "files": files}
 
 
+def scoring_budget(args: argparse.Namespace, claims: Sequence[Any]) -> ScoringBudget:
+    """The sizes of the support and long-context cells from the flags (a bad one: :class:`CLIError`); the long
+    corpus is checked only where a chosen claim scores at long context."""
+    from rope_quant.claims.registry import Scoring, scoring_of
+    from rope_quant.cli.validate import check_corpus
+    from rope_quant.sweep.cellkind import SweepError
+
+    for flag_name, value in (("--support-windows", args.support_windows), ("--long-windows", args.long_windows)):
+        if value < 1:
+            raise CLIError(f"{flag_name} must be an integer >= 1, got {value}")
+    if any(scoring_of(c.cells[n]) is Scoring.LONG for c in claims for n in c.cell_names()):
+        check_corpus(args.long_corpus)
+    try:
+        return ScoringBudget(args.support_windows, args.long_windows, args.long_corpus)
+    except SweepError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def run(args: argparse.Namespace, cells: Cells) -> int:
     from rope_quant.sweep.claims_sweep import claims_manifest
 
     chosen = chosen_claims(args.claims)  # an unknown id: exit 2 before anything else
+    scoring = scoring_budget(args, chosen)
     _seed_count(args)
     check_comparator(args.comparator, ())
     defaulted = args.weights is None
@@ -197,7 +241,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
         if not kept:
             raise CLIError(f"no claim left to run on {args.model}: "
                            + "; ".join(f"{cid}: {why}" for cid, why in dropped.items()))
-        manifest = claims_manifest(base, kept, seeds, comparator=args.comparator)
+        manifest = claims_manifest(base, kept, seeds, comparator=args.comparator, scoring=scoring)
         print_plan(args, manifest, kept, seeds, dropped)
         return manifest
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +281,19 @@ def make_plan(mc: ModelCost, device: str = "cpu", dtype: str | None = None, prot
             0, 0, n_win * length * ((fwd_tok + attn_l + head_tok) / rate + r4_s) * pc.FAKEQUANT_OVERHEAD,
             p.seeds * p.configs)
     return Plan(mc, dev, dtype, p, offload, stages)
+
+
+def long_context_cells(plan: Plan, cells: Mapping[int, int], windows: int) -> Plan:
+    """``plan`` with each long-context stage at ``windows`` windows per cell (the plan scores
+    ``eval_windows × seqlen // L`` windows at L), run once per cell scored at that length (``cells``: L → count);
+    a sweep of single-length cells (the claims' C7) is counted this way."""
+    eval_tokens = plan.protocol.eval_windows * plan.protocol.seqlen
+    for i, stage in enumerate(plan.stages):
+        for length, count in cells.items():
+            if stage.name == f"long context L={length}":
+                per = stage.seconds * windows / max(1, eval_tokens // length)
+                plan.stages[i] = replace(stage, seconds=per, repeats=count)
+    return plan
 
 
 def check_fits(plan: Plan, gpu_bytes: int | None = None, host_bytes: int | None = None) -> None:

@@ -61,9 +61,16 @@ def config_dict(cfg: Any) -> dict[str, Any]:
 
 
 def with_overrides(cfg: Any, **overrides: Any) -> Any:
-    """``cfg.override(**overrides)`` (flat names, ``RunConfig``) or ``dataclasses.replace`` for plain dataclasses."""
+    """``cfg.override(**overrides)`` (flat names, ``RunConfig``) or ``dataclasses.replace`` for plain dataclasses.
+    A cell wrapping a run (:class:`WrapsRun`: long-context, NIAH, static, lm-eval) takes the names of its own fields
+    itself and passes the others to its run (``seed``, ``gptq``: the run's)."""
     if hasattr(cfg, "override"):
         return cfg.override(**overrides)
+    if kind_of(cfg).wraps_run:  # a wrapping kind's config is a dataclass holding its run as ``run``
+        own = {f.name for f in dataclasses.fields(cfg)} - {"run"}
+        mine = {k: v for k, v in overrides.items() if k in own}
+        rest = {k: v for k, v in overrides.items() if k not in own}
+        return dataclasses.replace(cfg, **mine, **({"run": with_overrides(cfg.run, **rest)} if rest else {}))
     return dataclasses.replace(cfg, **overrides)
 
 

@@ -7,23 +7,25 @@ claim's ``{"r3": "pairwise_only", "estimator": "k_only"}`` is the directory's k_
 Its float-order replicate follows the one rule of :mod:`rope_quant.experiment.replicate`: a GPTQ cell's is the same
 config with GPTQ in the other float mode (:func:`rope_quant.sweep.decide_plan.replicate_config`: the cells ``rope-quant
 decide`` adds), a cell with unquantised weights is its own, an RTN cell has none. A value is read only
-from a complete record (:func:`rope_quant.sweep.records.is_complete`). The directory's plain run cells are scored
-at its own evaluation windows: a claim cell scored otherwise (C4's support windows, C7's long-context protocol)
-is refused by name. At a seed where the directory has no comparator cell (``rope-quant decide`` adds a seed's
-cells for the open claims only), the base is the comparator's config at its first seed with that seed.
+from a complete record (:func:`rope_quant.sweep.records.is_complete`). A claim cell scored otherwise than at the
+directory's evaluation windows (C4's support windows, C7's long-context protocol) is the config the claims sweep
+planned for it (:func:`rope_quant.sweep.claim_scoring.scored_config`, at the scoring budget of the manifest's
+``meta``); a long-context cell's value is its length's entry. At a seed where the directory has no comparator cell
+(``rope-quant decide`` adds a seed's cells for the open claims only), the base is the comparator's config at its
+first seed with that seed.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rope_quant.claims.registry import Metric, Override, Scoring, describe, overrides_of, scoring_of
+from rope_quant.claims.registry import Metric, Override
 from rope_quant.claims.stores import MissingCellError, ReplicateValues
 from rope_quant.sweep.cellkind import SweepError, config_seed, run_of, with_overrides
+from rope_quant.sweep.claim_scoring import ScoringBudget, scored_config, scored_tokens, scored_value
 from rope_quant.sweep.decide_plan import replicate_config
 from rope_quant.sweep.manifest import Manifest, cell_relpath, load_manifest
 from rope_quant.sweep.records import is_complete, read_record
@@ -40,19 +42,17 @@ class DirectoryStore:
         self.replicate = replicate
         self._by_key = {cfg.key(): (name, cfg) for name, cfg in self.manifest.cells}
         self._base = {config_seed(cfg): cfg for name, cfg in self.manifest.cells if name == self.manifest.comparator}
+        self.scoring = ScoringBudget.from_meta(self.manifest.meta)
 
     def config(self, cell: Mapping[str, Override], seed: int) -> Any:
-        """The config of ``cell`` at ``seed``: the comparator's with the cell's overrides."""
-        scoring = scoring_of(cell)
-        if scoring is not Scoring.EVAL:
-            raise SweepError(f"cell {{{describe(cell)}}} is scored by {scoring.value}: a results directory holds plain "
-                             "run cells scored at its own evaluation windows")
+        """The config of ``cell`` at ``seed``: the comparator's with the cell's overrides, scored as the claims
+        sweep planned it (:func:`~rope_quant.sweep.claim_scoring.scored_config`)."""
         base = self._base.get(int(seed))
         if base is None:
             if not self._base:
                 raise MissingCellError(cell, seed, f"comparator {self.manifest.comparator!r} (the base config)")
             base = with_overrides(next(iter(self._base.values())), seed=int(seed))
-        return with_overrides(base, **overrides_of(cell))
+        return scored_config(cell, base, self.scoring)
 
     def seeds(self) -> list[int]:
         """The seeds at which the directory holds its comparator (the base of every claim cell), in manifest order."""
@@ -65,21 +65,24 @@ class DirectoryStore:
         return self._base[next(iter(self._base)) if seed is None else int(seed)]
 
     def planned(self, cell: Mapping[str, Override], seed: int) -> bool:
-        """Whether the manifest names ``cell``'s config at ``seed`` (computed or not); False for a cell scored
-        otherwise than at the directory's evaluation windows."""
-        if scoring_of(cell) is not Scoring.EVAL or int(seed) not in self._base:
+        """Whether the manifest names ``cell``'s config at ``seed`` (computed or not)."""
+        if int(seed) not in self._base:
             return False
         return self.config(cell, seed).key() in self._by_key
 
-    def _read(self, cfg: Any, metric: str) -> float | None:
+    def _result(self, cfg: Any) -> dict[str, Any] | None:
+        """The result of ``cfg``'s complete record (None: not planned, or not computed yet)."""
         hit = self._by_key.get(cfg.key())
         if hit is None:
             return None
         path = self.out / cell_relpath(hit[0], cfg)
         if not is_complete(path, cfg.key()):
             return None
-        value = ((read_record(path) or {}).get("result") or {}).get(str(metric))
-        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+        return dict((read_record(path) or {}).get("result") or {})
+
+    def _read(self, cfg: Any, metric: str) -> float | None:
+        result = self._result(cfg)
+        return None if result is None else scored_value(cfg, result, metric)
 
     def values(self, cell: Mapping[str, Override], seeds: Sequence[int], metric: str = Metric.PPL) -> list[float]:
         out = []
@@ -110,10 +113,8 @@ class DirectoryStore:
         """The scored tokens of the cell's first complete record (None when no record says)."""
         for seed in self._base:
             cfg = self.config(cell, seed)
-            hit = self._by_key.get(cfg.key())
-            if hit is None or not is_complete(path := self.out / cell_relpath(hit[0], cfg), cfg.key()):
-                continue
-            n = ((read_record(path) or {}).get("result") or {}).get("n_tokens")
-            return int(n) if isinstance(n, int) and n > 0 else None
+            result = self._result(cfg)
+            if result is not None:
+                return scored_tokens(cfg, result)
         return None
 

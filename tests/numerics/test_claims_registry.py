@@ -308,7 +308,7 @@ def test_a_results_directory_is_a_store(tmp_path: Path) -> None:
     """``sweep.claim_store.DirectoryStore`` reads a ``compare`` directory's complete records: C3's cells are the
     comparator's config with their overrides (the directory names them otherwise), the replicates are the
     ``.float-order`` cells; the verdict is the rule's on the recorded values. A cell the directory lacks is named
-    with its seed; a cell scored on support windows is refused."""
+    with its seed; so is a cell scored on support windows, which a ``compare`` directory does not hold."""
     from rope_quant.experiment.config import RunConfig
     from rope_quant.sweep.claim_store import DirectoryStore
     from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX, replicate_config
@@ -341,7 +341,7 @@ def test_a_results_directory_is_a_store(tmp_path: Path) -> None:
     assert result.verdict == direct and direct.outcome is Outcome.HOLDS and result.parts[0].tokens == 4096
     with pytest.raises(MissingCellError, match=r"cell \{r3=pairwise_plus_hadamard\} at seed 0"):
         engine.evaluate(paper.C2, store, seeds)
-    with pytest.raises(ValueError, match="scored by support"):
+    with pytest.raises(MissingCellError, match=r"cell \{r3=block_hadamard, r3_block=2, scoring=support\} at seed 0"):
         engine.evaluate(paper.C4_PPL, store, seeds)
 
 
