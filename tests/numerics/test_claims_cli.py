@@ -143,7 +143,11 @@ def test_report_writes_the_engines_verdicts_in_the_claims_json(swept: Path, tmp_
     assert "C2" not in rows and left["C2"].startswith("not in this directory (its cells are not in the manifest): "
                                                       "`rope-quant claims --claims C2` into it adds them")
     assert sorted(rows) == ["C1", "C3", "C8"]  # C8 reads C1's cells (hadamard, pairwise_only): planned
-    assert {i for i in left if not i.startswith("K-") and not left[i].startswith("not in this directory")} == set()
+    assert {i for i in left if registry.get(i).group == registry.PAPER
+            and not left[i].startswith("not in this directory")} == set()
+    runtime = set(registry.active().ids("llamacpp"))  # scored by llama.cpp: pytest's front decides them
+    assert {i for i in runtime if i in left} == {"L1", "L2", "L3"}
+    assert all("scored by llama.cpp" in left[i] for i in ("L1", "L2", "L3"))
     assert {"C4-ppl", "C7", "C7-8K"} <= set(left) and "C4-ppl" not in rows
     # at T = 64 (d = 64) KVQuant's and KIVI's streaming groups quantise under a quarter of the keys read
     assert {i for i in left if i.startswith("K-")} == {f"K-{s}-{r}-{b}" for s in ("kvquant", "kivi")
