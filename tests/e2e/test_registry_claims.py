@@ -91,12 +91,28 @@ def ufront(request, umodel, fronts, build_cache, e2e_budget, rq_options, experim
     return front
 
 
-def test_registry_claim(ufront, claim_id: str, rq_claim, rq_run) -> None:
+#: Registry claims measured NOT to hold on a model at this budget: strict xfails with the measured numbers, so that
+#: a fix of the cause flips them to a pass and fails the xfail.
+MEASURED_NOT_TO_HOLD: dict[tuple[str, str], str] = {
+    ("smollm2-135m", "L3"): (
+        "measured 2026-12-06 at 50f241d (Intel Xeon, 2 threads, llama-cpp-python 0.3.36, seeds 0-2, 12 x 512 pydoc "
+        "tokens, KV only, q4_0 keys): the simulator agrees with llama.cpp with its rotation on (13.211 against "
+        "13.180) but not off (14.183 against 15.226, -1.043, outside 2% of ppl); the folded cells -0.25 and -0.26 "
+        "(inconclusive). docs/llamacpp.md names two candidate causes: llama.cpp's K rows in the interleaved pair "
+        "order of its NORM rope (other blocks of 32), and its q8_0 queries in the K dot product"),
+}
+
+
+def test_registry_claim(request, umodel: str, ufront, claim_id: str, rq_claim, rq_run) -> None:
     """One registry claim on the model: adapted to it (premises, model-dependent values, equal bits at the
     budget's T), decided by the engine (fixed-n, or the sequential rule with ``--rq-until-decided``), its row
     recorded with the model and any deviation; fails on refuted or fails (a question beyond the paper, the key
-    claims: on fails only, refuted being one of its answers)."""
+    claims: on fails only, refuted being one of its answers); a strict xfail where :data:`MEASURED_NOT_TO_HOLD`
+    records the claim measured not to hold there."""
     from tests._support.registry_front import decide_claim
 
+    reason = MEASURED_NOT_TO_HOLD.get((umodel, claim_id))
+    if reason is not None:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     verdict, _ = decide_claim(ufront, claim_id, rq_claim, rq_run)
     assert not registry.get(claim_id).fails_test(verdict), verdict.text()
