@@ -22,6 +22,8 @@ perplexity). Every entry is ``slow`` (a GGUF export per cell and seed).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from rope_quant.claims.registry import (
     Claim,
     MarginRule,
@@ -54,7 +56,7 @@ CELLS: dict[str, tuple[Override, bool]] = {
 }
 
 
-def _cells(scoring: Scoring) -> dict[str, object]:
+def _cells(scoring: Scoring) -> dict[str, Mapping[str, Override]]:
     return {name: cell(scoring, **KEYS_ALONE, k_quant=K_TYPE, r3=r3, runtime_rotation=rot)
             for name, (r3, rot) in CELLS.items()}
 
