@@ -32,6 +32,8 @@ class GPTQCell:
     seed: int = 0
     r3: str = "hadamard"
     float64: bool = False
+    w_bits: int = 4  # GPTQ weights at 4 bits: the one replicate rule rebuilds the cell in the other float mode
+    weights: str = "gptq"
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]

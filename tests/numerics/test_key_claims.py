@@ -43,7 +43,7 @@ def test_one_entry_per_scheme_r3_and_setting_registered_on_import() -> None:
     ids = registry.active().ids(registry.KEYS)
     assert len(ids) == len(keys.SCHEMES) * len(keys.R3S) * len(keys.SETTINGS) == 16
     assert ids == tuple(c.id for c in keys.KEY_CLAIMS) and "K-kvquant-id-KV4" in ids and "K-kivi-fold-W4A4KV4" in ids
-    assert registry.groups() == (registry.PAPER, registry.KEYS)
+    assert registry.groups() == (registry.PAPER, registry.KEYS, "llamacpp")  # llama.cpp's: claims/runtime.py
     for claim in keys.KEY_CLAIMS:
         assert claim.equal_bits and claim.group == registry.KEYS
         (part,) = claim.parts
