@@ -72,15 +72,10 @@ class GGUFWeightType(StrEnum):
         return LlamaFileType.ALL_F32 if self == GGUFWeightType.F32 else LlamaFileType[f"MOSTLY_{self.name}"]
 
 
-#: model_type -> (llama.cpp's architecture name, W_Q/W_K rows interleaved per pair in the file). Mistral checkpoints
-#: are llama in llama.cpp.
+#: model_type -> (llama.cpp's architecture name, W_Q/W_K rows interleaved per pair in the file): the families of
+#: :data:`rope_quant.model.arch.ARCHITECTURES` that name a ``gguf_arch``.
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "llama": ("llama", True),
-    "mistral": ("llama", True),
-    "qwen2": ("qwen2", False),
-    "qwen3": ("qwen3", False),
-    "gemma3_text": ("gemma3", False),
-}
+    t: (s.gguf_arch, s.gguf_pairs_interleaved) for t, s in arch.ARCHITECTURES.items() if s.gguf_arch is not None}
 
 
 def _gguf_arch(model_type: str) -> tuple[str, bool]:

@@ -97,6 +97,9 @@ class ArchSpec:
     ``qk_norm_heads_first``: the q/k norms run after the (b, L, H, d) -> (b, H, L, d) transpose (Gemma 3),
     not before it (Qwen3).
     ``refused``: extra (rotation, reason) declarations beyond those derived from the structure.
+    ``gguf_arch``: llama.cpp's name for the family (None: llama.cpp does not load it); ``gguf_pairs_interleaved``:
+    llama.cpp rotates interleaved pairs (2i, 2i + 1) of a head (its NORM rope), so the GGUF's W_Q/W_K rows and
+    the runtime's K rows hold a head in that order, not in the rotate_half order (i, i + d/2) of transformers.
     ``staged``: the decoder layer is the residual block :mod:`rope_quant.model.layer_stages` reproduces
     (pre-attention norm, attention, optional post-attention norm, residual add; pre-MLP norm, MLP, optional
     post-MLP norm, residual add), so GPTQ may run it in two stages; False keeps GPTQ on whole-layer forwards.
@@ -129,6 +132,8 @@ class ArchSpec:
     qk_norm_heads_first: bool = False
     refused: tuple[tuple[str, str], ...] = field(default=())
     staged: bool = True
+    gguf_arch: str | None = None
+    gguf_pairs_interleaved: bool = False
 
     @property
     def has_qk_norm(self) -> bool:
@@ -152,13 +157,14 @@ def register(spec: ArchSpec) -> ArchSpec:
     return spec
 
 
-for _t in ("llama", "mistral", "qwen2"):
-    register(ArchSpec(_t))
-register(ArchSpec("qwen3", q_norm="q_norm", k_norm="k_norm"))
+for _t in ("llama", "mistral"):  # Mistral checkpoints are llama in llama.cpp
+    register(ArchSpec(_t, gguf_arch="llama", gguf_pairs_interleaved=True))
+register(ArchSpec("qwen2", gguf_arch="qwen2"))
+register(ArchSpec("qwen3", q_norm="q_norm", k_norm="k_norm", gguf_arch="qwen3"))
 register(ArchSpec(
     "gemma3_text", q_norm="q_norm", k_norm="k_norm", pre_mlp_norm="pre_feedforward_layernorm",
     post_attn_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm",
-    norm_offset=1.0, inv_freq_by_layer_type=True, qk_norm_heads_first=True,
+    norm_offset=1.0, inv_freq_by_layer_type=True, qk_norm_heads_first=True, gguf_arch="gemma3",
 ))
 
 

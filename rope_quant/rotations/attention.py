@@ -14,7 +14,9 @@ lives on the model, never in globals), then
    else ``apply`` to both; ``x -> M_h x`` per head; q heads of a GQA group use their KV head's matrix, which
    the transform derives from the tensor's head count): since ``(M_q q)^T (M_k k) = q^T k`` for
    ``M_q = M_k^{-T}`` (orthogonal ``M``: the same matrix), the logits are unchanged in exact arithmetic; then,
-   with ``runtime_rotation`` on, llama.cpp's own online Hadamard on q and k (:mod:`.runtime_rotation`);
+   in a cell that simulates llama.cpp (``runtime_rotation``, or a ggml K format), q and k in the runtime's
+   element order and, with ``runtime_rotation`` on, llama.cpp's own online Hadamard on them
+   (:mod:`.runtime_rotation`);
 2. streams K diagnostics on the post-R3 keys of the new tokens (before quantisation);
 3. fake-quantises K and V per token per head (asymmetric dynamic INT-b, group = head_dim by default),
    or with the static per-channel control (App. A.6, D) when one is installed, or K with the layer's key
@@ -53,7 +55,12 @@ from rope_quant.core import rope
 from rope_quant.model import arch
 from rope_quant.quant import diagnostic as qdiag
 from rope_quant.quant.quantizers import QuantConfig, fake_quant, selected_step
-from rope_quant.rotations.runtime_rotation import RuntimeRotationError, apply_runtime_rotation, runtime_block
+from rope_quant.rotations.runtime_rotation import (
+    RuntimeRotationError,
+    apply_runtime_rotation,
+    runtime_block,
+    runtime_row_order,
+)
 
 __all__ = [
     "ATTN_NAME",
@@ -109,6 +116,9 @@ class AttentionState:
     ``key_quant``: a :class:`rope_quant.quant.keys.KeyQuantizer` used for K instead of ``k``
     (None, the default: ``k``, the paper's per-token rule, exactly as before).
     ``runtime_block``: the order of llama.cpp's online Hadamard on q and k after R3 (None, the default: off).
+    ``runtime_order``: the model family's permutation into llama.cpp's K row
+    (:func:`~rope_quant.rotations.runtime_rotation.runtime_row_order`; None: the same order), used when the cell
+    simulates the runtime (:attr:`simulates_runtime`).
     """
 
     layer_idx: int
@@ -122,6 +132,12 @@ class AttentionState:
     enabled: bool = True
     key_quant: Any = None
     runtime_block: int | None = None
+    runtime_order: torch.Tensor | None = None
+
+    @property
+    def simulates_runtime(self) -> bool:
+        """The cell stands for llama.cpp's K cache: its online rotation on, or a ggml K format."""
+        return self.runtime_block is not None or bool(getattr(self.key_quant, "runtime_row", False))
 
     @property
     def k_bits(self) -> int:
@@ -175,6 +191,8 @@ def rq_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
             tr = state.transform
             query = getattr(tr, "apply_query", tr.apply)(query)
             key = getattr(tr, "apply_key", tr.apply)(key)
+        if state.runtime_order is not None and state.simulates_runtime:  # llama.cpp's K row order
+            query, key = query[..., state.runtime_order], key[..., state.runtime_order]
         if state.runtime_block is not None:  # llama.cpp's online Hadamard of a quantised K cache, after R3
             query = apply_runtime_rotation(query, state.runtime_block)
             key = apply_runtime_rotation(key, state.runtime_block)
@@ -389,6 +407,7 @@ def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None,
         block = runtime_block(geom.head_dim) if runtime_rotation else None
     except RuntimeRotationError as exc:
         raise AttentionWrapError(str(exc)) from None
+    order = runtime_row_order(geom.head_dim, arch.spec_for(model).gguf_pairs_interleaved)
     register_attention(name)
     states = []
     for i, mod in enumerate(mods):
@@ -398,6 +417,7 @@ def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None,
             k_static=None if k_static is None else k_static[i],
             v_static=None if v_static is None else v_static[i],
             diagnostics=diagnostics, key_quant=None if key_quant is None else key_quant[i], runtime_block=block,
+            runtime_order=order,
         )
         setattr(mod, STATE_ATTR, st)
         states.append(st)

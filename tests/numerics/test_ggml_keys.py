@@ -26,6 +26,7 @@ from rope_quant.rotations.runtime_rotation import (  # noqa: E402
     RuntimeRotationError,
     apply_runtime_rotation,
     runtime_block,
+    runtime_row_order,
 )
 
 pytestmark = pytest.mark.numerics
@@ -268,9 +269,11 @@ def _recorded(model, ids, states_kwargs):
     return seen[-1], logits
 
 
-def test_smollm2_attention_sees_the_rotated_block_quantised_keys(embedded_model):
-    """SmolLM2 (head_dim 64): with the switch on, SDPA gets H·q and ggml_q4_0(H·k), H the 64-point Sylvester
-    Hadamard; without key quantisation the rotation leaves the logits unchanged; with q4_0 keys it changes them."""
+def test_smollm2_attention_sees_the_rotated_block_quantised_keys_in_llama_cpps_row_order(embedded_model):
+    """SmolLM2 (head_dim 64, llama: interleaved pairs in llama.cpp): a cell that simulates the runtime hands SDPA
+    q and k in llama.cpp's row order P (pair i at 2i, 2i + 1); with the switch on, H·P·q and ggml_q4_0(H·P·k), H the
+    64-point Sylvester Hadamard; with q4_0 keys alone, P·q and ggml_q4_0(P·k). Without key quantisation the
+    rotation leaves the logits unchanged; with q4_0 keys it changes them."""
     model = copy.deepcopy(embedded_model[0])
     geom = attention.check_model(model)
     assert geom.head_dim == 64 and runtime_block(geom.head_dim) == 64
@@ -281,14 +284,50 @@ def test_smollm2_attention_sees_the_rotated_block_quantised_keys(embedded_model)
     (q_rot, k_rot), rotated = _recorded(model, ids, {"runtime_rotation": True})
     (q_q4, k_q4), q4_off = _recorded(model, ids, {"key_quant": quant})
     (q_q4r, k_q4r), q4_on = _recorded(model, ids, {"key_quant": quant, "runtime_rotation": True})
+    order = runtime_row_order(64, pairs_interleaved=True)
+    assert order is not None and order[:4].tolist() == [0, 32, 1, 33]
     h = _sylvester(64).float()
-    assert torch.allclose(q_rot, q_plain @ h, atol=1e-5) and torch.allclose(k_rot, k_plain @ h, atol=1e-5)
-    assert torch.equal(k_q4, ggml.fake_quant_ggml(k_plain, "q4_0")) and torch.equal(q_q4, q_plain)
+    q_row, k_row = q_plain[..., order], k_plain[..., order]
+    assert torch.allclose(q_rot, q_row @ h, atol=1e-5) and torch.allclose(k_rot, k_row @ h, atol=1e-5)
+    assert torch.equal(k_q4, ggml.fake_quant_ggml(k_row, "q4_0")) and torch.equal(q_q4, q_row)
     assert torch.equal(k_q4r, ggml.fake_quant_ggml(k_rot, "q4_0")) and torch.equal(q_q4r, q_rot)
+    # the runtime's blocks of 32 hold 16 whole pairs; the rotate_half order's hold one half of 32 pairs
+    assert not torch.equal(k_q4, ggml.fake_quant_ggml(k_plain, "q4_0")[..., order])
     assert (rotated - plain).abs().max().item() < 1e-3  # an orthogonal rotation of q and k: float error only
     assert (q4_on - q4_off).abs().max().item() > 1e-2  # the quantised cache sees other keys
     assert (q4_off - plain).abs().max().item() > 1e-2
     attention.uninstall_attention(model)
+
+
+def test_the_simulators_row_order_is_the_gguf_exports_row_order():
+    """The permutation the simulator applies to a head is the one the GGUF export applies to W_K's rows (so
+    llama.cpp's K row, W_K's rows times the input, is our key in that order), for every llama.cpp family."""
+    from rope_quant.export import gguf_export
+
+    w = np.arange(3 * 8 * 5, dtype=np.float32).reshape(3 * 8, 5)  # 3 heads of head_dim 8
+    for model_type, (_, interleaved) in gguf_export.GGUF_ARCHITECTURES.items():
+        order = runtime_row_order(8, interleaved)
+        in_file = gguf_export.interleave_pairs(w, 3) if interleaved else w
+        ours = w.reshape(3, 8, 5)[:, order.numpy()] if order is not None else w.reshape(3, 8, 5)
+        assert np.array_equal(in_file, ours.reshape(w.shape)), model_type
+    assert gguf_export.GGUF_ARCHITECTURES["llama"] == ("llama", True)
+    assert gguf_export.GGUF_ARCHITECTURES["gemma3_text"] == ("gemma3", False)
+
+
+def test_a_neox_family_keeps_its_order_and_other_key_quantisers_are_not_permuted():
+    """Gemma 3 (NEOX rope in llama.cpp) has no runtime order; on a llama model a key quantiser that does not stand
+    for llama.cpp's cache (the paper's per-token rule) sees the key in transformers' order."""
+    from tests._support import tiny_gemma3, tiny_llama
+
+    gemma = tiny_gemma3(layers=1)
+    assert all(st.runtime_order is None for st in attention.install_attention(gemma, None))
+    llama = tiny_llama(layers=1, hidden=128, heads=2, kv_heads=1)  # head_dim 64
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    pt = keyq.option_from("per_token", QuantConfig(bits=4))
+    quant = [pt.build(keyq.KeyQuantContext(64, 1))]
+    (q_plain, k_plain), _ = _recorded(llama, ids, {})
+    (q_pt, _), _ = _recorded(llama, ids, {"key_quant": quant})
+    assert torch.equal(q_pt, q_plain)
 
 
 def test_install_refuses_the_rotation_where_the_runtime_skips_it():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -237,10 +237,13 @@ class RopePairBitsQuantizer(KeyQuantizer):
 @dataclass
 class GgmlQuantizer(KeyQuantizer):
     """llama.cpp's K-cache format ``fmt``: each key row quantised in blocks of 32 and read back
-    (:func:`~rope_quant.quant.keys.ggml.fake_quant_ggml`); token-local."""
+    (:func:`~rope_quant.quant.keys.ggml.fake_quant_ggml`); token-local. ``runtime_row``: the attention gives it
+    the key in llama.cpp's element order (:func:`~rope_quant.rotations.runtime_rotation.runtime_row_order`), whose
+    blocks of 32 the runtime quantises."""
 
     fmt: ggml.GgmlFormat = ggml.GgmlFormat.Q4_0
     name: str = KeyQuantName.GGML_Q4_0.value
+    runtime_row: ClassVar[bool] = True
 
     def __call__(self, key: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return ggml.fake_quant_ggml(key, self.fmt)
