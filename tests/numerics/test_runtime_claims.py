@@ -81,3 +81,29 @@ def test_the_engine_decides_l1_and_reads_l3_within_its_share():
     assert far_result.verdict.outcome is Outcome.REFUTED
     margin = far_result.parts[0].margin
     assert margin is not None and margin.value == pytest.approx(L3_TOLERANCE * 14.5)
+
+
+def test_the_figure_reads_each_cell_of_l3_and_the_verdicts_of_its_model(tmp_path):
+    """The figure's panel holds L3's per-seed numbers per cell (llama.cpp's as control, the simulator's as
+    treatment) and the outcomes of L1–L3 of the same model; a JSON without L3 is refused with what to run."""
+    import json
+
+    from rope_quant.analysis.llamacpp_figure import llamacpp_figure, plot_llamacpp, runtime_panels
+
+    def row(cid, outcome, numbers=None):
+        return {"id": cid, "model": "m", "decision": {"outcome": outcome}, "numbers": numbers or {}}
+
+    numbers = {f"ppl_sim({c}) ≡ ppl_llama.cpp({c}) within 2%": {"treatment": [10.0 + i, 10.5 + i],
+                                                                 "control": [11.0 + i, 11.0 + i]}
+               for i, c in enumerate(CELLS)}
+    rows = [row("L1", "holds"), row("L2", "refuted"), row("L3", "inconclusive", numbers)]
+    (panel,) = runtime_panels(rows)
+    assert panel.runtime["fold_off"] == [13.0, 13.0] and panel.simulated["on"] == [11.0, 11.5]
+    assert panel.verdicts == {"L1": "holds", "L2": "refuted", "L3": "inconclusive"}
+    fig = llamacpp_figure([panel])
+    assert fig.axes[0].get_title() == "m: L1 holds, L2 refuted, L3 inconclusive"
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()][0] == "no R3\nrotation off"
+    (tmp_path / "claims.json").write_text(json.dumps({"claims": rows}))
+    assert plot_llamacpp([tmp_path], tmp_path / "f.png").stat().st_size > 0
+    with pytest.raises(ValueError, match=r"no L3 row"):
+        llamacpp_figure(runtime_panels(rows[:2]))
