@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
 from rope_quant.claims import registry
@@ -58,6 +59,31 @@ def select(names: Iterable[str] | None = None) -> list[Claim]:
     return list(out.values())
 
 
+class LeftOutKind(StrEnum):
+    """Why a claim of a model's table does not run there."""
+
+    PREMISE = "premise"  # the model lacks a premise of the claim (premises.adapt)
+    NOT_ADAPTED = "not adapted"  # its cells cannot be adapted to the model (unequal bits at T), and nobody asked
+    NOT_SWEPT = "not swept"  # its cells are scored where the claims sweep cannot (scoring_reason)
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A claim left out of a model's table: of which kind, on which model, and the detail; ``str()`` is the reason
+    both fronts print."""
+
+    kind: LeftOutKind
+    model: str
+    detail: str
+
+    def __str__(self) -> str:
+        if self.kind is LeftOutKind.PREMISE:
+            return f"model {self.model} lacks a premise: {self.detail}"
+        if self.kind is LeftOutKind.NOT_ADAPTED:
+            return f"it cannot be adapted to {self.model}: {self.detail}"
+        return self.detail
+
+
 def scoring_reason(claim: Claim) -> str | None:
     """Why the claims sweep cannot score ``claim`` (its cells are scored by llama.cpp), or None."""
     other = [s for s in dict.fromkeys(scoring_of(claim.cells[n]) for n in claim.cell_names()) if s in _NOT_SWEPT]
@@ -67,27 +93,28 @@ def scoring_reason(claim: Claim) -> str | None:
             "this sweep does not score; its e2e test decides it (pytest -m e2e --run-slow)")
 
 
-NOT_ADAPTED = "it cannot be adapted to"
-"""The start of :func:`table`'s reason for a claim left out because it cannot be adapted to the model."""
-
-
 def table(claims: Iterable[Claim], facts: ModelFacts, seq_len: int, *, plain_only: bool = False,
-          requested: Collection[str] | None = None) -> dict[str, Claim | str]:
+          requested: Collection[str] | None = None) -> dict[str, Claim | LeftOut]:
     """Claim id → the claim as it runs on the model of ``facts`` at evaluation windows of ``seq_len`` tokens
     (premises, model-dependent values and equal bits: :func:`~rope_quant.claims.premises.adapt`), or why it does
-    not (a str: the premise the model lacks; with ``plain_only``, :func:`scoring_reason`). A ``requested`` claim
-    (default: every claim) that cannot be adapted (its cells store unequal bits at T) raises
+    not (a :class:`LeftOut`: the premise the model lacks; with ``plain_only``, :func:`scoring_reason`). A
+    ``requested`` claim (default: every claim) that cannot be adapted (its cells store unequal bits at T) raises
     :class:`~rope_quant.claims.registry.ClaimError`; any other is left out with that reason, so a claim nobody
     asked for never stops the table of those asked for."""
-    out: dict[str, Claim | str] = {}
+    out: dict[str, Claim | LeftOut] = {}
     for claim in claims:
         why = scoring_reason(claim) if plain_only else None
+        if why is not None:
+            out[claim.id] = LeftOut(LeftOutKind.NOT_SWEPT, facts.name, why)
+            continue
         try:
-            out[claim.id] = why if why is not None else adapt(claim, facts, seq_len=seq_len)
+            got = adapt(claim, facts, seq_len=seq_len)
         except ClaimError as exc:
             if requested is None or claim.id in requested:
                 raise
-            out[claim.id] = f"{NOT_ADAPTED} {facts.name}: {exc}"
+            out[claim.id] = LeftOut(LeftOutKind.NOT_ADAPTED, facts.name, str(exc))
+            continue
+        out[claim.id] = got if isinstance(got, Claim) else LeftOut(LeftOutKind.PREMISE, facts.name, got)
     return out
 
 

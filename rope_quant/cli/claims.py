@@ -82,14 +82,8 @@ def applicable(claims: Sequence[Any], model: Any, seq_len: int,
         table = selection.table(claims, facts, seq_len, plain_only=True, requested=requested)
     except ClaimError as exc:
         raise CLIError(str(exc)) from None
-    kept = [got for got in table.values() if not isinstance(got, str)]
-    out: dict[str, str] = {}
-    for claim in claims:
-        why = table[claim.id]
-        if isinstance(why, str):
-            given = selection.scoring_reason(claim) or why.startswith(selection.NOT_ADAPTED)
-            out[claim.id] = why if given else f"model {facts.name} lacks a premise: {why}"
-    return kept, out
+    kept = [got for got in table.values() if not isinstance(got, selection.LeftOut)]
+    return kept, {cid: str(why) for cid, why in table.items() if isinstance(why, selection.LeftOut)}
 
 
 def directory_claims(store: Any, facts: Any = None) -> tuple[list[Any], dict[str, str]]:

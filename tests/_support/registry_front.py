@@ -39,6 +39,7 @@ from rope_quant.claims.registry import (
     overrides_of,
     scoring_of,
 )
+from rope_quant.claims.selection import LeftOut
 from rope_quant.claims.stores import ReplicateValues
 
 DEFAULT_SEEDS = (0, 1, 2)
@@ -138,7 +139,7 @@ class Front:
 
     model: str
     exp: Any
-    claims: dict[str, Claim | str]
+    claims: dict[str, Claim | LeftOut]
     plan: str
     offload: str = "none"
     about: dict[str, Any] = field(default_factory=dict)
@@ -175,17 +176,17 @@ def table_plan(model: str, device: str, corpus: str, budget: Any, claims: Sequen
                      dtype="float32", long_windows=budget.long_windows, check=requested, config=config)
 
 
-def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mapping[str, Claim | str],
+def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mapping[str, Claim | LeftOut],
               plan: Any, cells: int, builds: int, selected: Sequence[str] | None = None) -> str:
     """The printed plan: the claims that run and those that skip, the cells and builds, the plan's table (of the
     whole table; ``selected``: the claim ids collected (``-k``), named when fewer than the table's)."""
     from rope_quant.experiment.plan import format_plan
 
     runs = [c.id + (" (deviation)" if "[deviation:" in c.title else "") for c in claims.values()
-            if not isinstance(c, str)]
-    skips = [f"{cid}: {why}" for cid, why in claims.items() if isinstance(why, str)]
+            if isinstance(c, Claim)]
+    skips = [f"{cid}: {why}" for cid, why in claims.items() if isinstance(why, LeftOut)]
     evals = "every" if budget.eval_windows is None else str(budget.eval_windows)
-    chosen = [cid for cid in claims if not isinstance(claims[cid], str)
+    chosen = [cid for cid in claims if isinstance(claims[cid], Claim)
               and (selected is None or cid in set(selected))]
     return "\n".join([
         f"registry claims plan: {model} on {device}, protocol {protocol} ({budget.calib_windows} x {budget.seqlen} "
@@ -239,7 +240,7 @@ def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_
         table = selection.table(registry.claims() if claims is None else claims, facts, budget.seqlen)
     except ClaimError as exc:  # unequal bits per key element at this T: refused before the model loads
         pytest.fail(f"{model}: {exc}", pytrace=False)
-    running = [c for c in table.values() if not isinstance(c, str)]
+    running = [c for c in table.values() if isinstance(c, Claim)]
     mode, text = "none", f"registry claims plan: {model}: no claim runs"
     if running:
         try:
@@ -290,8 +291,8 @@ def decide_claim(front: Front, claim_id: str, rq_claim: Any, rq_run: Any) -> tup
     from rope_quant.claims.engine import evaluate
 
     claim = front.claims[claim_id]
-    if isinstance(claim, str):
-        pytest.skip(f"{claim_id} on {front.model}: the architecture lacks a premise ({claim})")
+    if isinstance(claim, LeftOut):
+        pytest.skip(f"{claim_id} on {front.model}: {claim}")
     exp = front.exp
 
     def run(e: Any) -> Any:

@@ -142,6 +142,6 @@ def claims_json(user_properties: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def test_a_claim_whose_premise_the_shape_lacks_skips_with_the_reason(cpu_front, rq_claim, rq_run) -> None:
     front, _ = cpu_front
-    with pytest.raises(pytest.skip.Exception, match="C4-ppl on .*: the architecture lacks a premise "
-                                                   r"\(head_dim_64: head_dim 128"):
+    with pytest.raises(pytest.skip.Exception, match="C4-ppl on .*: model .* lacks a premise: "
+                                                   r"head_dim_64: head_dim 128"):
         decide_claim(front, "C4-ppl", rq_claim, rq_run)

@@ -220,3 +220,28 @@ def test_every_front_reads_a_cells_replicate_by_the_one_rule(overrides: dict[str
                   (Part("t < c", "t", "c", Form.LESS),))
     keys, builds, _ = table_cells(MODEL, "pydoc", "cpu", _budget((0, 1)), [claim])
     assert len(keys) == 4 * (2 if kind == "rebuild" else 1)  # 2 cells x 2 seeds, each with its rebuilt replicate
+
+
+def test_a_left_out_claim_carries_its_kind_and_the_reason_both_fronts_print() -> None:
+    """The table's left-out entries are typed: a claim scored by llama.cpp is not swept (``plain_only``, the CLI),
+    one whose cells store unequal bits is not adapted (when nobody asked for it), one whose premise the model lacks
+    is a premise; ``str()`` is the reason printed by the CLI and the pytest front alike."""
+    facts = facts_of_checkpoint(MODEL)
+    unequal = Claim("X-unequal", "x", "unequal bits", "nowhere",
+                    {"scheme": cell(k_quant="kvquant_prerope", k_token_group=32), "reference": cell(r3="hadamard")},
+                    (Part("p", "scheme", "reference", Form.NON_SUPERIOR, margin=MarginRule.equivalence("reference")),),
+                    group=registry.KEYS, equal_bits=True)
+    table = selection.table([registry.get("L1"), unequal], facts, 512, plain_only=True, requested=())
+    runtime, adapted = table["L1"], table["X-unequal"]
+    assert isinstance(runtime, selection.LeftOut) and runtime.kind is selection.LeftOutKind.NOT_SWEPT
+    assert str(runtime).startswith("its cells are scored by llama.cpp")
+    assert isinstance(adapted, selection.LeftOut) and adapted.kind is selection.LeftOutKind.NOT_ADAPTED
+    assert str(adapted).startswith(f"it cannot be adapted to {MODEL}: claim X-unequal")
+    from dataclasses import replace
+
+    from rope_quant.claims.registry import Premise
+
+    wide = replace(facts, premises={**facts.premises, Premise.HEAD_DIM_64: "head_dim 128"})
+    premise = selection.table([registry.get("C4-ppl")], wide, 512)["C4-ppl"]
+    assert isinstance(premise, selection.LeftOut) and premise.kind is selection.LeftOutKind.PREMISE
+    assert str(premise).startswith(f"model {MODEL} lacks a premise: head_dim_64"), str(premise)
