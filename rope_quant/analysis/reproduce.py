@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from rope_quant.core.verdict import RULE_OFFSET, Form, decide_interval
+from rope_quant.claims.values import decide_block
+from rope_quant.core.verdict import RULE_OFFSET, Form
 from rope_quant.io import markdown_table
 from rope_quant.sweep.manifest import study_of
 
@@ -94,10 +95,9 @@ def _protocol_differences(a: dict[str, set[str]], b: dict[str, set[str]]) -> lis
 
 
 def _dir_verdict(block: Mapping[str, Any]) -> str:
-    if block.get("low") is None or block.get("sd") is None:
+    v = decide_block(Form.GREATER, {k: block.get(k) for k in ("n", "mean", "sd", "low", "high")})
+    if v is None:
         return f"n={block.get('n')}: no interval"
-    v = decide_interval(Form.GREATER, int(block["n"]), float(block["mean"]), float(block["sd"]), float(block["low"]),
-                        float(block["high"]))
     return {"holds": "worse (CI > 0)", "refuted": "better (CI < 0)"}.get(v.outcome.value, "undecided")
 
 

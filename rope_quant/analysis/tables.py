@@ -130,14 +130,11 @@ def sign_budget(block: Mapping[str, Any]) -> tuple[int | None, str]:
     """(seeds, text): the budget that decides the sign of Δ at 80% power where its 90% CI straddles 0
     (:mod:`rope_quant.core.verdict`, GREATER form, no numerical spread), as seeds at today's tokens per cell
     or tokens per cell at today's seeds (the block's ``tokens``); (None, "") when decided or n < 2."""
-    from rope_quant.core.verdict import Form, decide_interval
+    from rope_quant.claims.values import decide_block
+    from rope_quant.core.verdict import Form
 
-    if block.get("sd") is None or block.get("low") is None:
-        return None, ""
-    tokens = block.get("tokens")
-    v = decide_interval(Form.GREATER, int(block["n"]), float(block["mean"]), float(block["sd"]),
-                        float(block["low"]), float(block["high"]), tokens=int(tokens) if tokens else None)
-    if v.decided or v.budget is None:
+    v = decide_block(Form.GREATER, block)
+    if v is None or v.decided or v.budget is None:
         return None, ""
     b = v.budget
     if b.seeds is None and b.tokens is None:

@@ -6,6 +6,11 @@ accuracy: cells of a kind the claims sweep does not run yet). :func:`paired` wri
 of one paired part over two cells, ``treatment`` and ``control`` (:data:`TREATMENT`, :data:`CONTROL`), and
 :func:`decide` reads it at seed indices 0 … n−1 from the values given, with their float-order replicates, under
 the fixed-n rule or a sequential plan: the verdict is the engine's, as for every registry claim.
+:func:`decide_block` and :func:`decide_diffs` read the rule on what a compare run's ``summary.json`` holds (a
+paired interval, per-seed differences: its report columns, the sign's budget, the foldable gap share's equivalence,
+two runs side by side). A compare run builds no float-order replicate, so these read the rule alone, not a claim
+of the engine (whose paired parts read the replicates too); with them no verdict is computed outside ``claims/``
+and ``core/``.
 
 Standard library and ``claims/`` only at import.
 """
@@ -13,12 +18,13 @@ Standard library and ``claims/`` only at import.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rope_quant.claims.engine import ClaimResult, evaluate
 from rope_quant.claims.registry import NO_MARGIN, Claim, MarginRule, Metric, Part, Statistic
 from rope_quant.claims.stores import MemoryStore
-from rope_quant.core.verdict import Form
+from rope_quant.core.verdict import Form, Verdict, decide_interval
+from rope_quant.core.verdict import decide as _decide_rule
 
 if TYPE_CHECKING:
     from rope_quant.core.sequential import Plan
@@ -63,3 +69,19 @@ def decide(claim: Claim, treatment: Sequence[float], control: Sequence[float], *
             store.put(claim.cells[TREATMENT], int(i), t, metric=metric, replicate=True)
             store.put(claim.cells[CONTROL], int(i), c, metric=metric, replicate=True)
     return evaluate(claim, store, seeds, plan)
+
+
+def decide_block(form: Form, block: Mapping[str, Any], *, margin: float = 0.0) -> Verdict | None:
+    """The rule (:func:`rope_quant.core.verdict.decide_interval`) on a summary's paired block (``n``, ``mean``,
+    ``sd``, ``low``, ``high``, optional ``tokens`` per cell), or None where the block has no interval (n < 2)."""
+    if block.get("sd") is None or block.get("low") is None or block.get("high") is None:
+        return None
+    tokens = block.get("tokens")
+    return decide_interval(form, int(block["n"]), float(block["mean"]), float(block["sd"]), float(block["low"]),
+                           float(block["high"]), margin=margin, tokens=int(tokens) if tokens else None)
+
+
+def decide_diffs(form: Form, diffs: Sequence[float], *, margin: float = 0.0, tokens: int | None = None) -> Verdict:
+    """The rule (:func:`rope_quant.core.verdict.decide`) on a compare run's per-seed differences (no replicate);
+    ``tokens``: scored tokens per cell, so the budget also reads in tokens."""
+    return _decide_rule(form, list(diffs), margin=margin, tokens=tokens)
