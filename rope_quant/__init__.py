@@ -13,8 +13,9 @@ The public API is the names in ``__all__``, loaded on first use (``import rope_q
 Everything else is importable from its layer, bottom up (imports point downwards; docs/ARCHITECTURE.md):
 ``io`` → ``core`` (pure math, the R3 registry) → ``model`` (architecture adapter, loading) → ``quant``
 (quantisers, GPTQ) → ``calib`` (statistics, angle objectives, diagnostics) → ``rotations`` (R1/R2/R4, whip,
-the attention hook) → ``experiment`` (config, pipeline, data, evaluation) → ``sweep`` (manifests, records,
-runner, presets, report) → ``cli``. ``pytest_plugin`` imports nothing heavy. The 0.1.0 flat module paths
+the attention hook) → ``corpora`` (text, documents, token streams) → ``planning`` (the cost plan) → ``scoring``
+(perplexity, long context, NIAH) → ``experiment`` (config, pipeline) → ``sweep`` (manifests, records, runner,
+presets) → ``analysis`` (report) → ``cli``. ``pytest_plugin`` imports nothing heavy. The 0.1.0 flat module paths
 (``rope_quant.hadamard``, ...) still import, with a DeprecationWarning, until 0.3.0: one import hook and one
 table in ``_deprecation.py``, no files.
 """
@@ -49,8 +50,8 @@ _PUBLIC: dict[str, str] = {
     "run_cell": "rope_quant.experiment.pipeline",
     "QuantizedModel": "rope_quant.experiment.pipeline",
     "load_model": "rope_quant.model.loading",
-    "load_corpus": "rope_quant.experiment.data",
-    "perplexity": "rope_quant.experiment.evaluate",
+    "load_corpus": "rope_quant.corpora.token_streams",
+    "perplexity": "rope_quant.scoring.evaluate",
     # the R3 registry (names, build, register, ...) and its base class
     "transforms": "rope_quant.core",
     "R3Transform": "rope_quant.core.transforms",
@@ -97,6 +98,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see; never executed
     from rope_quant.core.hadamard import hadamard_matrix, hadamard_transform, random_hadamard
     from rope_quant.core.stats import PairedCI, equivalent, holm, paired_ci, paired_t_pvalue
     from rope_quant.core.transforms import R3Transform
+    from rope_quant.corpora.token_streams import load_corpus
     from rope_quant.experiment.config import (
         Budget,
         PipelineError,
@@ -109,8 +111,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see; never executed
         WeightSpec,
         WhipSpec,
     )
-    from rope_quant.experiment.data import load_corpus
-    from rope_quant.experiment.evaluate import perplexity
     from rope_quant.experiment.pipeline import QuantizedModel, build_quantized_model, run_cell
     from rope_quant.model.loading import load_model
     from rope_quant.quant.quantizers import QuantConfig
+    from rope_quant.scoring.evaluate import perplexity

@@ -27,10 +27,10 @@ MOVED_MODULES: dict[str, str] = {
     "angles": "rope_quant.core.angles",
     "attention": "rope_quant.rotations.attention",
     "calibration": "rope_quant.calib.moments",
-    "data": "rope_quant.experiment.data",
+    "data": "rope_quant.corpora.token_streams",
     "diagnostics": "rope_quant.calib.diagnostics",
     "envinfo": "rope_quant.experiment.envinfo",
-    "evaluate": "rope_quant.experiment.evaluate",
+    "evaluate": "rope_quant.scoring.evaluate",
     "gptq": "rope_quant.quant.gptq",
     "hadamard": "rope_quant.core.hadamard",
     "models": "rope_quant.model.loading",
@@ -55,6 +55,18 @@ MOVED_MODULES: dict[str, str] = {
     "sweep.report": "rope_quant.analysis.report",
     "sweep.reproduce": "rope_quant.analysis.reproduce",
     "sweep.titles": "rope_quant.analysis.titles",
+    # experiment/ keeps one cell's config and build pipeline; its corpora, scoring and cost plan are packages now
+    "experiment.corpora": "rope_quant.corpora.sources",
+    "experiment.documents": "rope_quant.corpora.documents",
+    "experiment.data": "rope_quant.corpora.token_streams",
+    "experiment.evaluate": "rope_quant.scoring.evaluate",
+    "experiment.longctx": "rope_quant.scoring.longctx",
+    "experiment.generate": "rope_quant.scoring.generate",
+    "experiment.niah": "rope_quant.scoring.niah",
+    "experiment.plan": "rope_quant.planning.plan",
+    "experiment.plan_costs": "rope_quant.planning.plan_costs",
+    "experiment.memory_check": "rope_quant.planning.memory_check",
+    "experiment.stages": "rope_quant.planning.stages",
 }
 
 # 0.1.0 modules that a later split spread over more than one module: old path -> the homes beside its
@@ -62,7 +74,7 @@ MOVED_MODULES: dict[str, str] = {
 # these (PEP 562 ``__getattr__``); it is not the same object as any of them, so patch the new path.
 SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     "calibration": ("rope_quant.calib.stats",),
-    "data": ("rope_quant.experiment.corpora", "rope_quant.experiment.documents"),
+    "data": ("rope_quant.corpora.sources", "rope_quant.corpora.documents"),
     "gptq": ("rope_quant.quant.rtn",),
     "whip": ("rope_quant.rotations.whip_model",),
 }

@@ -3,7 +3,7 @@ paper's named bit settings (App. F's lower bits, 4-bit keys alone): the one plac
 nothing of the project).
 
 The embedded SmolLM2-135M (:mod:`rope_quant.model.loading`) and the embedded ``pydoc`` corpus
-(:mod:`rope_quant.experiment.corpora`) run everywhere offline; the run configuration, the CLI and the pytest
+(:mod:`rope_quant.corpora.sources`) run everywhere offline; the run configuration, the CLI and the pytest
 plugin default to them. Every paired statistic compares a configuration against the comparator, the online
 Hadamard R3 of the paper, unless a run names another (``--comparator``) or a config names its own control.
 """

@@ -156,7 +156,7 @@ def cell_configs(claim: Claim, base: Any, *, replicated: Collection[str] | None 
 
 @dataclass(frozen=True)
 class CostPlan:
-    """The cost of a claims table: the plan (``rope_quant.experiment.plan.Plan``), the offload decision when it
+    """The cost of a claims table: the plan (``rope_quant.planning.plan.Plan``), the offload decision when it
     was checked against this machine (else None), its short-context cells and its weight builds."""
 
     plan: Any
@@ -171,11 +171,11 @@ def cost_plan(base: Any, configs: Sequence[CellConfig], *, device: str, dtype: s
     seqlen, evaluation windows): one plan seed per weight build (seed × bits × float order), the short-context cells
     per build as its configs, each long-context cell at its L (``long_windows`` windows each). ``check``: the
     requested offload mode, checked against this machine
-    (:func:`rope_quant.experiment.memory_check.decide`, which raises ``PlanDoesNotFit`` naming the stage, the need
+    (:func:`rope_quant.planning.memory_check.decide`, which raises ``PlanDoesNotFit`` naming the stage, the need
     and the remedy), the plan then made with the offload it decides; else the plan with ``offload``. ``config``:
     the model's config where read already."""
-    from rope_quant.experiment import memory_check
-    from rope_quant.experiment import plan as planning
+    from rope_quant.planning import memory_check
+    from rope_quant.planning import plan as planning
 
     short = {c.config.key() for c in configs if c.scoring is not Scoring.LONG}
     builds = {c.config.weight_key() for c in configs}

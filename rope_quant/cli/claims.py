@@ -132,7 +132,7 @@ def cost_lines(args: argparse.Namespace, manifest: Any) -> list[str]:
     when the plan cannot model it."""
     from rope_quant.claims.registry import Scoring
     from rope_quant.claims.selection import CellConfig, cost_plan
-    from rope_quant.experiment.plan import format_plan
+    from rope_quant.planning.plan import format_plan
     from rope_quant.sweep.cellkind import run_of
     from rope_quant.sweep.claim_scoring import long_length
 

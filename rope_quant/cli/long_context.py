@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, cells: Cells) -> int:
 
 def _default_eval_corpora(args: argparse.Namespace, used: list[str]) -> tuple[str, ...]:
     """A.4's default: evaluate on installed long corpora other than the calibration corpus (else on it)."""
-    from rope_quant.experiment import longctx
+    from rope_quant.scoring import longctx
 
     corpora = longctx.default_eval_corpora(args.corpus)
     if not corpora:
@@ -105,8 +105,8 @@ def _protocol(args: argparse.Namespace, manifest: Any, seeds: Sequence[int], len
               corpora: Sequence[str], explicit: bool, appj: bool, used: list[str]) -> Any:
     """The A.4 protocol on a long-context manifest: the first ``--eval-docs`` documents, the evaluation corpora
     (cells ``CONFIG+CORPUS`` for several), the φ* cells of ``--phi-star-estimators``; prints the deviations."""
-    from rope_quant.experiment import longctx
     from rope_quant.experiment.config import Estimator
+    from rope_quant.scoring import longctx
     from rope_quant.sweep import presets
 
     if args.phi_star_estimators:

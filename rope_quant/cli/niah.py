@@ -18,7 +18,7 @@ NIAH_FLAGGED = ("lengths", "depths", "probes", "digits", "template")
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """``rope-quant niah``: needle-in-a-haystack retrieval (RULER format) of FP and each quantised config."""
-    from rope_quant.experiment.niah import Template
+    from rope_quant.scoring.niah import Template
     from rope_quant.sweep.niah import DEFAULT_CONFIGS
 
     p = sub.add_parser("niah", help=HELP,
@@ -45,7 +45,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, cells: Cells) -> int:
     """Build the NIAH manifest (seed x [fp, configs]) and run it like every other sweep, with the NIAH report."""
     from rope_quant.analysis.niah_report import niah_report
-    from rope_quant.experiment.niah import NiahError, NiahSpec
+    from rope_quant.scoring.niah import NiahError, NiahSpec
     from rope_quant.sweep.niah import niah_manifest
 
     configs = parse_configs(args.configs)

@@ -37,9 +37,9 @@ def _seed_count(text: str) -> int:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from rope_quant.experiment import plan as planning  # deferred: `rope-quant --help` loads no torch
-    from rope_quant.experiment.plan_costs import DeviceName
     from rope_quant.model import shapes
+    from rope_quant.planning import plan as planning  # deferred: `rope-quant --help` loads no torch
+    from rope_quant.planning.plan_costs import DeviceName
 
     p = subparsers.add_parser(
         "plan", help=HELP,
@@ -91,8 +91,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rope_quant.cli.args import CLIError
-    from rope_quant.experiment import plan as planning
     from rope_quant.model import arch
+    from rope_quant.planning import plan as planning
 
     try:
         _check_flags(args)

@@ -16,12 +16,12 @@ from rope_quant.cli.args import CLIError, unknown_name
 
 def check_corpus(name: str) -> str:
     """An embedded corpus name, ``wikitext2``, or an existing local path (else the closest names)."""
-    from rope_quant.experiment import corpora
+    from rope_quant.corpora import sources
 
-    known = corpora.list_corpora(include_unavailable=True)
-    if name in known and name not in corpora.list_corpora():
-        raise CLIError(f"corpus {name!r} is not installed here; available: {', '.join(corpora.list_corpora())}")
-    if name in known or name.lower() in corpora.HF_WIKITEXT_NAMES or Path(name).expanduser().exists():
+    known = sources.list_corpora(include_unavailable=True)
+    if name in known and name not in sources.list_corpora():
+        raise CLIError(f"corpus {name!r} is not installed here; available: {', '.join(sources.list_corpora())}")
+    if name in known or name.lower() in sources.HF_WIKITEXT_NAMES or Path(name).expanduser().exists():
         return name
     if "/" in name or "\\" in name or "." in name:  # looks like a path: call it missing
         raise CLIError(f"corpus {name}: missing (no such file or directory)")
@@ -81,14 +81,14 @@ def resolve_dtype(device: str, dtype: str) -> str:
 
 
 def check_memory(args: argparse.Namespace, configs: int = 1, seeds: int = 1) -> str:
-    """The plan for this run's settings against this machine (:func:`rope_quant.experiment.memory_check.decide`),
+    """The plan for this run's settings against this machine (:func:`rope_quant.planning.memory_check.decide`),
     before any model loads: the offload mode to run with (announced when streamed), else a :class:`CLIError`
     (exit 2) naming the stage and the plan's remedy. A model whose config cannot be read is left to the
     pipeline's own checks."""
     from rope_quant.cli.common import checkpoint, resolve_budget
-    from rope_quant.experiment import memory_check, plan
     from rope_quant.model import arch
     from rope_quant.model.loading import ModelLoadError, ModelNotFoundError
+    from rope_quant.planning import memory_check, plan
 
     budget, _ = resolve_budget(args)
     fallback = "cpu" if args.offload == "cpu" else "none"

@@ -1,1 +1,1 @@
-"""One cell: configuration, the quantised-model pipeline, corpora and perplexity."""
+"""One cell: its configuration and the quantised-model pipeline."""

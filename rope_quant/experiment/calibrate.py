@@ -122,10 +122,10 @@ def read_stats_cache(path: Path | None, expected: Any) -> Any:
 def calibration_batch(model: nn.Module, n_windows: int, seqlen: int) -> int:
     """Windows per calibration forward: 1 on the CPU (a batch there only adds memory; each window's
     arithmetic is the same), on a GPU as many as fit in
-    :data:`rope_quant.experiment.plan_costs.CALIB_MEMORY_FRACTION` of the free memory
-    (:func:`~rope_quant.experiment.plan_costs.calib_window_bytes` per window; the plan counts the same)."""
-    from rope_quant.experiment import plan_costs
+    :data:`rope_quant.planning.plan_costs.CALIB_MEMORY_FRACTION` of the free memory
+    (:func:`~rope_quant.planning.plan_costs.calib_window_bytes` per window; the plan counts the same)."""
     from rope_quant.model import offload
+    from rope_quant.planning import plan_costs
 
     dev = offload.compute_device(model)
     if dev.type != "cuda" or n_windows <= 1:

@@ -99,7 +99,7 @@ def model_identity(name_or_path: str) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _named_corpus_identity(name: str) -> str:
-    from rope_quant.experiment.corpora import load_text
+    from rope_quant.corpora.sources import load_text
 
     split = load_text(name)
     h = hashlib.sha256(b"rope_quant-corpus-text-v1\0")
@@ -113,7 +113,7 @@ def _named_corpus_identity(name: str) -> str:
 
 def _local_corpus(name_or_path: str) -> Path | None:
     """The resolved path of a local corpus, or None for embedded / ``wikitext2`` names."""
-    from rope_quant.experiment.corpora import HF_WIKITEXT_NAMES, list_corpora
+    from rope_quant.corpora.sources import HF_WIKITEXT_NAMES, list_corpora
 
     key = str(name_or_path).lower()
     if key in list_corpora(include_unavailable=True) or key in HF_WIKITEXT_NAMES:

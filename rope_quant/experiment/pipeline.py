@@ -77,8 +77,8 @@ from rope_quant.experiment.config import (
     WeightMode,
 )
 from rope_quant.experiment.key_quant import key_bits_per_element, key_quantizers
-from rope_quant.experiment.stages import StageName, stage
 from rope_quant.io import save_tensors
+from rope_quant.planning.stages import StageName, stage
 from rope_quant.quant import gptq, rtn
 from rope_quant.quant.rtn import GPTQConfig
 from rope_quant.rotations import attention
@@ -283,7 +283,7 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     :class:`rope_quant.core.rope.OddHeadDimError` or :class:`rope_quant.core.rope.MissingInvFreqError` for models
     the pipeline cannot handle, before any expensive step.
     """
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
 
     counters = PipelineCounters() if counters is None else counters
     timing: dict[str, float] = {}
@@ -298,8 +298,8 @@ def build_quantized_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = 
     inv_freq, inv_source = rope_frequencies(model, geom.head_dim)
     fingerprint = weight_cache.model_fingerprint(model) if cache_dir is not None else ""
     if corpus is None:
-        corpus = data.load_corpus(cfg.corpus, tokenizer)
-    calib = data.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
+        corpus = token_streams.load_corpus(cfg.corpus, tokenizer)
+    calib = token_streams.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
     cache = Path(cache_dir) if cache_dir is not None else None
     timing["load_s"] = time.perf_counter() - t0
 
@@ -409,7 +409,7 @@ def run_cell(cfg: RunConfig, cache_dir: str | os.PathLike | None = None,
              base: tuple[nn.Module, Any] | None = None, progress: bool = False,
              qm: QuantizedModel | None = None, corpus: Any = None) -> dict[str, Any]:
     """Build (unless ``qm`` is given) and evaluate one cell: perplexity and K diagnostics (JSON-able dict)."""
-    from rope_quant.experiment import evaluate
+    from rope_quant.scoring import evaluate
 
     if qm is None:
         qm = build_quantized_model(cfg, cache_dir=cache_dir, base=base, progress=progress, corpus=corpus)

@@ -104,7 +104,8 @@ def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = Non
     pruned, before the weights are rebuilt; otherwise the rebuild adds a note to ``notes``. ``fold=False`` keeps
     W_Q/W_K as the cell has them (compressed-tensors: a fold would move quantised rows off their grid).
     """
-    from rope_quant.experiment import data, pipeline
+    from rope_quant.corpora import token_streams
+    from rope_quant.experiment import pipeline
     from rope_quant.rotations.offline import RotationKind, rotate_model
 
     weights = WeightSource(weights)
@@ -115,8 +116,8 @@ def build_export_model(cfg: RunConfig, cache_dir: str | os.PathLike | None = Non
     model0, tokenizer = base
     notes: list[str] = []
     if corpus is None:
-        corpus = data.load_corpus(cfg.corpus, tokenizer)
-    calib = data.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
+        corpus = token_streams.load_corpus(cfg.corpus, tokenizer)
+    calib = token_streams.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
     r3 = cfg.online
     if fold and r3_split(r3.transform, arch.dims(model0).head_dim, r3.block)[0]:  # before the expensive build
         check_fold_layout(model0, r3.transform, r3.block)

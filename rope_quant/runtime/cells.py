@@ -4,7 +4,7 @@ The cell's model is built by the pipeline as for the simulator (its R3 fitted on
 exported to a GGUF with R1, R2 and its RoPE-commuting R3 folded (:mod:`rope_quant.export.gguf_export`, f32
 weights: the cells of the runtime claims leave the weights unquantised), and scored by llama.cpp
 (:func:`rope_quant.runtime.llamacpp.score_windows`) on the evaluator's windows
-(:func:`rope_quant.experiment.evaluate.eval_windows`), so a runtime cell and its simulated twin score the same
+(:func:`rope_quant.scoring.evaluate.eval_windows`), so a runtime cell and its simulated twin score the same
 tokens. The cell's key quantiser names llama.cpp's K cache type (``ggml_q4_0`` → ``q4_0``; unquantised keys →
 ``f16``) and its ``runtime_rotation`` the runtime's online K Hadamard. The GGUF lives in a temporary directory for
 the scoring only.
@@ -42,13 +42,14 @@ def score_cell(cfg: Any, *, base: tuple[Any, Any] | None = None, cache_dir: str 
     """Perplexity of the cell ``cfg`` in llama.cpp on the evaluator's windows: ``ppl``, ``n_tokens``, ``k_type``,
     ``runtime_rotation``. Bad input (a key quantiser llama.cpp lacks, an architecture it cannot load, a
     non-commuting R3) is refused before the model is built."""
-    from rope_quant.experiment import data, evaluate
+    from rope_quant.corpora import token_streams
     from rope_quant.export import build, gguf_export
+    from rope_quant.scoring import evaluate
 
     k_type = k_cache_type(cfg)
     rotation = bool(cfg.online.runtime_rotation)
     em = build.build_export_model(cfg, cache_dir, base=base)
-    corpus = data.load_corpus(cfg.corpus, em.tokenizer)
+    corpus = token_streams.load_corpus(cfg.corpus, em.tokenizer)
     windows = evaluate.eval_windows(corpus.eval_ids, cfg.budget.seqlen, cfg.budget.eval_windows)
     with tempfile.TemporaryDirectory(prefix="rq-runtime-cell-") as tmp:
         out = gguf_export.write_gguf(em, tmp, gguf_export.GGUFWeightType(RUNTIME_WEIGHTS),

@@ -6,10 +6,10 @@ head dimension is a multiple of 64 (``attn_rot_k`` in its ``src/llama-kv-cache.c
 :func:`score_windows` sets it around the context's creation only and restores the environment after.
 
 :func:`score_windows` is the one scoring function (a store calls it per cell): a GGUF path, token windows (the
-evaluator's own, :func:`rope_quant.experiment.evaluate.eval_windows`), the K cache type, the rotation flag and
+evaluator's own, :func:`rope_quant.scoring.evaluate.eval_windows`), the K cache type, the rotation flag and
 the thread count in; each window's NLL sum (nats, float64) and its number of scored predictions (``L - 1``) out.
 The NLL is computed here from llama.cpp's logits (``llm.scores``), not by llama.cpp's perplexity tool, so it
-scores exactly the predictions :func:`rope_quant.experiment.evaluate.perplexity` scores. V stays at f16.
+scores exactly the predictions :func:`rope_quant.scoring.evaluate.perplexity` scores. V stays at f16.
 
 Every check that needs no model runs first: the windows, the file, the head dimension against the rotation,
 and whether llama-cpp-python is installed (the error names the ``[llamacpp]`` extra and its build flags).
@@ -109,7 +109,7 @@ class WindowScores:
 
     @property
     def window_nll(self) -> tuple[float, ...]:
-        """Each window's mean NLL (what :class:`rope_quant.experiment.evaluate.PPLResult` holds)."""
+        """Each window's mean NLL (what :class:`rope_quant.scoring.evaluate.PPLResult` holds)."""
         return tuple(s / n for s, n in zip(self.nll_sums, self.n_tokens, strict=True))
 
 

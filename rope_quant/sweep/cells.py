@@ -100,9 +100,9 @@ def pipeline_cell_fn(
         # a resolved corpus is held under its content identity: new text under the same path is reloaded
         corpus_key = run_cfg.corpus if run_cfg.corpus_id is None else f"{run_cfg.corpus}@{run_cfg.corpus_id}"
         if corpus_key not in corpora:
-            from rope_quant.experiment import data
+            from rope_quant.corpora import token_streams
 
-            corpora[corpus_key] = data.load_corpus(run_cfg.corpus, base[1])
+            corpora[corpus_key] = token_streams.load_corpus(run_cfg.corpus, base[1])
         qm = pipeline.build_quantized_model(run_cfg, cache_dir=cache_dir, base=base,
                                             corpus=corpora[corpus_key], progress=progress)
         current.append(qm)

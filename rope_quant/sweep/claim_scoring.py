@@ -36,7 +36,7 @@ digit, so no cell's meta takes it)."""
 class ScoringBudget:
     """The sizes a claims study scores its support and long-context cells at: ``support_windows`` windows per C4
     cell, ``long_windows`` windows per length of a C7 cell on the first ``long_docs`` evaluation documents of
-    ``long_corpus`` (None: A.4's 64, ``rope_quant.experiment.longctx.EVAL_DOCUMENTS``)."""
+    ``long_corpus`` (None: A.4's 64, ``rope_quant.scoring.longctx.EVAL_DOCUMENTS``)."""
 
     support_windows: int = 3
     long_windows: int = 1
@@ -82,7 +82,7 @@ def scored_config(cell: Mapping[str, Override], comparator: Any, budget: Scoring
 def _docs(budget: ScoringBudget) -> int:
     if budget.long_docs is not None:
         return budget.long_docs
-    from rope_quant.experiment.longctx import EVAL_DOCUMENTS  # deferred: imports torch
+    from rope_quant.scoring.longctx import EVAL_DOCUMENTS  # deferred: imports torch
 
     return int(EVAL_DOCUMENTS)
 

@@ -1,7 +1,7 @@
 """NIAH sweeps (App. G): the manifest of ``rope-quant niah`` and what computes one of its cells.
 
 A cell is a :class:`~rope_quant.sweep.kinds.niah.NiahConfig` (its cell kind): one configuration at one seed
-answering every probe of a :class:`~rope_quant.experiment.niah.NiahSpec` (lengths × depths × probes). ``fp`` cells
+answering every probe of a :class:`~rope_quant.scoring.niah.NiahSpec` (lengths × depths × probes). ``fp`` cells
 answer with the unquantised model (plain SDPA, no rotation); the other cells with the seed's quantised model (the
 pipeline's, reconfigured per R3 in the paired design, see :mod:`rope_quant.sweep.cells`), whose online R3 and K/V
 quantisers act during generation. Cells are written, resumed and sharded by the ordinary runner; each record keeps
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rope_quant.defaults import DEFAULT_COMPARATOR
-from rope_quant.experiment.niah import NiahSpec
+from rope_quant.scoring.niah import NiahSpec
 from rope_quant.sweep.kinds.niah import NiahConfig, haystack_stream, niah_result, scored
 from rope_quant.sweep.manifest import Manifest, with_overrides
 

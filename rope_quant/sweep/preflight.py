@@ -135,7 +135,7 @@ def check_windows(corpus: Any, cells: Iterable[Any]) -> list[str]:
 def check_eval_streams(cells: Iterable[Any], tokenizer: Any) -> list[str]:
     """Long-context cells scored on their own stream (App. A.4: another corpus, the first documents) find at
     least one window of every length in it; returns notes on lengths that get fewer windows than the cap."""
-    from rope_quant.experiment import evaluate, longctx
+    from rope_quant.scoring import evaluate, longctx
 
     errors: list[str] = []
     notes: list[str] = []
@@ -175,7 +175,7 @@ def _dims_from_config(model: str) -> Any:
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-    from rope_quant.experiment.documents import CorpusError
+    from rope_quant.corpora.documents import CorpusError
     from rope_quant.model.arch import ModelStructureError, UnsupportedModelTypeError
     from rope_quant.model.loading import ModelLoadError, ModelNotFoundError
 
@@ -213,9 +213,9 @@ def preflight(manifest: Manifest, models: ModelCache, *, load: bool,
                 continue
             for corpus_name in dict.fromkeys(run_of(cfg).corpus for _, cfg in cells):
                 if corpus_name not in corpora:
-                    from rope_quant.experiment import data
+                    from rope_quant.corpora import token_streams
 
-                    corpora[corpus_name] = data.load_corpus(corpus_name, tokenizer)
+                    corpora[corpus_name] = token_streams.load_corpus(corpus_name, tokenizer)
                 notes += check_windows(corpora[corpus_name], [cfg for _, cfg in cells
                                                               if run_of(cfg).corpus == corpus_name])
             notes += check_eval_streams([cfg for _, cfg in cells], tokenizer)
@@ -273,10 +273,10 @@ def check_corpus_text(name: str, seqlen: int) -> None:
     """A local corpus path holds UTF-8 text and a calibration window of ``seqlen`` tokens: "corpus X: missing /
     empty / binary / not UTF-8 / shorter than one window" before any model loads (the token counts of every
     window are checked after the tokenizer loads, :func:`check_windows`). Embedded and hub names pass."""
-    from rope_quant.experiment import corpora
-    from rope_quant.experiment.documents import CorpusError
+    from rope_quant.corpora import sources
+    from rope_quant.corpora.documents import CorpusError
 
-    if name.lower() in corpora.list_corpora(include_unavailable=True) or name.lower() in corpora.HF_WIKITEXT_NAMES:
+    if name.lower() in sources.list_corpora(include_unavailable=True) or name.lower() in sources.HF_WIKITEXT_NAMES:
         return
     path = Path(name).expanduser()
     if not path.exists():
@@ -288,7 +288,7 @@ def check_corpus_text(name: str, seqlen: int) -> None:
         if b"\0" in raw:
             raise PreflightError(f"corpus {name}: binary (NUL bytes), not UTF-8 text")
     try:
-        split = corpora.load_text(path)
+        split = sources.load_text(path)
     except CorpusError as exc:
         text = str(exc)
         if "UTF-8" in text:

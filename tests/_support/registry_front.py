@@ -180,7 +180,7 @@ def plan_text(model: str, device: str, budget: Any, protocol: str, claims: Mappi
               plan: Any, cells: int, builds: int, selected: Sequence[str] | None = None) -> str:
     """The printed plan: the claims that run and those that skip, the cells and builds, the plan's table (of the
     whole table; ``selected``: the claim ids collected (``-k``), named when fewer than the table's)."""
-    from rope_quant.experiment.plan import format_plan
+    from rope_quant.planning.plan import format_plan
 
     runs = [c.id + (" (deviation)" if "[deviation:" in c.title else "") for c in claims.values()
             if isinstance(c, Claim)]
@@ -227,9 +227,9 @@ def open_front(model: str, device: str, budget: Any, *, corpus: str, experiment_
     from rope_quant.claims import selection
     from rope_quant.claims.premises import facts_of_checkpoint
     from rope_quant.claims.registry import ClaimError
-    from rope_quant.experiment import plan as planning
     from rope_quant.model.arch import ArchitectureError
     from rope_quant.model.loading import ModelLoadError, ModelNotFoundError, load_model
+    from rope_quant.planning import plan as planning
 
     try:
         facts = facts_of_checkpoint(model)

@@ -5,7 +5,7 @@ CPU initialisation), hands it to the pipeline as the loaded model (no working co
 once), and runs the paper's protocol for one seed: 128 × 2048 calibration, whip R1 10 epochs, the offline
 rotations, the calibration statistics, then each R3 configuration over the evaluation windows, and GPTQ. Per
 stage it prints the wall time, the GPU peak (allocated), the plan's prediction
-(:func:`rope_quant.experiment.plan.make_plan`) and the 0.2.0 GPU target (per 8B layer on an
+(:func:`rope_quant.planning.plan.make_plan`) and the 0.2.0 GPU target (per 8B layer on an
 H100: calibration ≤ 0.5 s, GPTQ ≤ 3 s, whip R1 ≤ 2 s per seed, evaluation ≤ 1.3× the plain bf16 forward; Table 1
 ≤ 15 GPU-minutes). Never asserts on time.
 
@@ -181,7 +181,7 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype) -> Any:
 
 
 def make_plan(model: Any, args: argparse.Namespace, dtype: str, configs: int) -> dict[str, float]:
-    from rope_quant.experiment import plan
+    from rope_quant.planning import plan
 
     mc = plan.model_cost(_meta_twin(model), args.shape)
     protocol = plan.Protocol(calib_windows=args.calib_windows, seqlen=args.seqlen, eval_windows=args.eval_windows,
@@ -226,9 +226,10 @@ def plain_forward_s(model: Any, windows: torch.Tensor, device: str, cuda: bool) 
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    from rope_quant.experiment import data, pipeline
+    from rope_quant.corpora import token_streams
+    from rope_quant.experiment import pipeline
     from rope_quant.experiment.config import RunConfig
-    from rope_quant.experiment.stages import StageName, StageOutOfMemoryError
+    from rope_quant.planning.stages import StageName, StageOutOfMemoryError
     from rope_quant.quant import gptq
 
     cuda = args.device.startswith("cuda")
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             plans = make_plan(model, args, dtype_name, len(configs))
             layers_note = f"{n_layers} layers"
             tok = ByteTokenizer()
-            corpus = data.load_corpus("pydoc", tok, use_cache=False)
+            corpus = token_streams.load_corpus("pydoc", tok, use_cache=False)
             n_eval = min(args.eval_windows, corpus.eval_ids.numel() // args.seqlen)
             eval_ids = corpus.eval_ids[: n_eval * args.seqlen].reshape(n_eval, args.seqlen)
             plain_s = plain_forward_s(model, eval_ids, args.device, cuda)

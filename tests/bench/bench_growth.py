@@ -54,11 +54,11 @@ def _reset_peak() -> bool:
 
 
 def bench_eval(base, rows: list) -> None:
-    from rope_quant.experiment import data
-    from rope_quant.experiment.evaluate import perplexity
+    from rope_quant.corpora import token_streams
+    from rope_quant.scoring.evaluate import perplexity
 
     model = base[0]
-    corpus = data.load_corpus("shakespeare", base[1])
+    corpus = token_streams.load_corpus("shakespeare", base[1])
     ids = corpus.eval_ids
     perplexity(model, ids[:256], seqlen=256, max_windows=1)  # warm-up
     for L in (1024, 2048, 4096, 8192):
@@ -76,15 +76,15 @@ def bench_eval(base, rows: list) -> None:
 
 def bench_calib(base, rows: list, seqlen: int) -> None:
     from rope_quant.calib.stats import CalibrationStats
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
     from rope_quant.experiment.pipeline import K_SAMPLE_ROWS
     from rope_quant.rotations import attention
 
     model = base[0]
     geom = attention.check_model(model)
-    corpus = data.load_corpus("pydoc", base[1])
+    corpus = token_streams.load_corpus("pydoc", base[1])
     for n in (4, 16, 64):
-        windows = data.calibration_windows(corpus, n, seqlen, 0)
+        windows = token_streams.calibration_windows(corpus, n, seqlen, 0)
         stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim,
                                  sample_rows=K_SAMPLE_ROWS)
         t0 = time.perf_counter()

@@ -159,13 +159,13 @@ def bench_calibstats(base, corpus, windows: int = 4, seqlen: int = 512, rounds: 
     """The calibration statistics (moments, top-k candidates, the 2048-row K sample) of real pre-RoPE q/k, ms
     per layer-window: torch CPU tensors (the pipeline's path) against numpy arrays (the host path), side by side."""
     from rope_quant.calib.stats import CalibrationStats
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
     from rope_quant.experiment.config import K_SAMPLE_ROWS
     from rope_quant.rotations import attention
 
     model = base[0]
     geom = attention.check_model(model)
-    qk = _capture_qk(model, data.calibration_windows(corpus, windows, seqlen, 0))
+    qk = _capture_qk(model, token_streams.calibration_windows(corpus, windows, seqlen, 0))
     as_numpy = [[(q.numpy(), k.numpy()) for q, k in layers] for layers in qk]
 
     def run(batches) -> Callable[[], None]:
@@ -190,13 +190,13 @@ def bench_calibstats(base, corpus, windows: int = 4, seqlen: int = 512, rounds: 
 def bench_range(base, corpus) -> dict:
     from rope_quant.calib.objectives import estimate_angles
     from rope_quant.calib.stats import CalibrationStats
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
     from rope_quant.rotations import attention
 
     model = base[0]
     geom = attention.check_model(model)
     stats = CalibrationStats(geom.n_layers, geom.n_q_heads, geom.n_kv_heads, geom.head_dim, sample_rows=2048)
-    windows = data.calibration_windows(corpus, 4, 512, 0)
+    windows = token_streams.calibration_windows(corpus, 4, 512, 0)
     with attention.calibration_hooks(model, stats), torch.no_grad():
         for row in windows:
             model.model(input_ids=row[None], use_cache=False)
@@ -246,13 +246,13 @@ def main(argv: list[str] | None = None, base=None, corpus=None) -> None:
     if unknown:
         ap.error(f"--only: unknown part(s) {', '.join(unknown)}; expected calib, fq, calibstats, range or cache")
     torch.set_num_threads(args.threads)
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
     from rope_quant.model.loading import load_model
 
     if base is None:
         base = load_model("smollm2-135m", device="cpu")
     if corpus is None:
-        corpus = data.load_corpus("pydoc", base[1])
+        corpus = token_streams.load_corpus("pydoc", base[1])
     lengths = tuple(int(n) for n in args.fq_lengths.split(","))
     ids = corpus.eval_ids[:L_FWD].unsqueeze(0)
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()}", flush=True)

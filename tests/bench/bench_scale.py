@@ -26,7 +26,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rope_quant.experiment import plan_costs  # noqa: E402
+from rope_quant.planning import plan_costs  # noqa: E402
 from tests.numerics.scale_pipeline_probe import (  # noqa: E402
     GIB,
     SLOW_CASES,

@@ -118,10 +118,10 @@ def _build_and_cells(cfg: Any, cache: str, base: tuple[Any, Any], corpus: Any,
 def measure(base: tuple[Any, Any], cfg: Any, corpus: Any, cells: tuple[tuple[str, dict], ...] = CELLS,
             replicate: bool = True) -> dict[str, Any]:
     """Every figure of the bench for one seed of ``cfg`` on ``base`` (model, tokenizer): a JSON-able dict."""
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
     from rope_quant.quant.rtn import GPTQConfig
 
-    calib = data.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
+    calib = token_streams.calibration_windows(corpus, cfg.budget.calib_windows, cfg.budget.seqlen, cfg.seed)
     plain = [plain_forward_s(base[0], calib)]
     out: dict[str, Any] = {"calib_windows": int(calib.shape[0]), "seqlen": int(calib.shape[1]),
                            "threads": torch.get_num_threads(), "loadavg_before": os.getloadavg()}
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     torch.set_num_threads(args.threads)
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
     from rope_quant.experiment.pipeline import RunConfig
     from rope_quant.io import atomic_write_json
     from rope_quant.model.loading import load_model
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_model("smollm2-135m", device="cpu")
     cfg = RunConfig.from_flat(seed=args.seed, seqlen=args.seqlen, calib_windows=args.calib_windows,
                               eval_windows=args.eval_windows)
-    corpus = data.load_corpus(cfg.corpus, base[1])
+    corpus = token_streams.load_corpus(cfg.corpus, base[1])
     out = measure(base, cfg, corpus, CELLS[:args.cells], replicate=not args.no_replicate)
     import subprocess
 

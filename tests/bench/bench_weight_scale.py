@@ -93,9 +93,10 @@ def _cell_id(setting: str, seed: int, candidate: str) -> str:
 
 def run(args: argparse.Namespace) -> None:
     """Measure the cells not yet in ``args.out`` (setting-major, then seed, then candidate)."""
-    from rope_quant.experiment import data, evaluate
+    from rope_quant.corpora import token_streams
     from rope_quant.model.loading import load_model
     from rope_quant.quant import gptq
+    from rope_quant.scoring import evaluate
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -115,10 +116,10 @@ def run(args: argparse.Namespace) -> None:
                 bases.clear()  # one base model in memory at a time
                 t = time.perf_counter()
                 model, tok = load_model(MODELS[model_key], dtype=torch.float32)
-                bases[model_key] = (model, tok, data.load_corpus("pydoc", tok))
+                bases[model_key] = (model, tok, token_streams.load_corpus("pydoc", tok))
                 print(f"loaded {model_key} in {time.perf_counter() - t:.1f} s", flush=True)
             base, _tok, corpus = bases[model_key]
-            calib = data.calibration_windows(corpus, args.calib, SEQLEN, seed)
+            calib = token_streams.calibration_windows(corpus, args.calib, SEQLEN, seed)
             t = time.perf_counter()
             rotated = _rotate(base, model_key, rotation, seed)
             rot_s = time.perf_counter() - t

@@ -3,7 +3,7 @@
     PYTHONPATH=. python tests/bench/llamacpp_ppl.py --model smollm2-135m [--gguf NAME=PATH ...]
         [--k-types q4_0] [--corpus pydoc] [--seqlen 512] [--windows 8] [--threads 2]
 
-The windows are ``rope_quant.experiment.evaluate.eval_windows`` of the corpus' evaluation stream, tokenised by
+The windows are ``rope_quant.scoring.evaluate.eval_windows`` of the corpus' evaluation stream, tokenised by
 ``--model``'s tokenizer (what ``rope-quant run`` scores); every file is scored on them by
 ``rope_quant.runtime.llamacpp.score_windows``. Without ``--gguf`` the model's own GGUF file is scored. A quantised
 K type is scored with the rotation on and off; f16 once (llama.cpp rotates only a quantised cache).
@@ -29,13 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from rope_quant.experiment import data, evaluate
+    from rope_quant.corpora import token_streams
     from rope_quant.model.loading import model_path, resolve_model
+    from rope_quant.scoring import evaluate
 
     src = resolve_model(a.model)
     tok = AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file) if src.gguf_file else \
         AutoTokenizer.from_pretrained(src.directory)
-    windows = evaluate.eval_windows(data.load_corpus(a.corpus, tok).eval_ids, a.seqlen, a.windows)
+    windows = evaluate.eval_windows(token_streams.load_corpus(a.corpus, tok).eval_ids, a.seqlen, a.windows)
     files = [tuple(g.split("=", 1)) for g in a.gguf] or [(f"{a.model} (as shipped)", str(model_path(src)))]
     print(f"{a.corpus}: {windows.shape[0]} windows of {a.seqlen} tokens ({a.model}'s tokenizer), "
           f"{a.threads} threads, V f16")

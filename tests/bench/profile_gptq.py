@@ -45,14 +45,14 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the raw pstats here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
     from rope_quant.experiment.pipeline import RunConfig, build_quantized_model, run_cell
     from rope_quant.model.loading import load_model
 
     t = time.perf_counter()
     base = load_model("smollm2-135m", device="cpu")
     cfg = RunConfig.from_flat(seed=0, seqlen=512, calib_windows=args.calib_windows, eval_windows=args.eval_windows)
-    corpus = data.load_corpus(cfg.corpus, base[1])
+    corpus = token_streams.load_corpus(cfg.corpus, base[1])
     print(f"load {time.perf_counter() - t:.1f} s; weight key {cfg.weight_key()}; threads {torch.get_num_threads()}")
     prof = cProfile.Profile()
     with tempfile.TemporaryDirectory() as cache:

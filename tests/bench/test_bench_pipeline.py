@@ -25,7 +25,7 @@ import torch
 from _timing import paired_best
 
 from rope_quant.calib.stats import CalibrationStats
-from rope_quant.experiment import data
+from rope_quant.corpora import token_streams
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 from rope_quant.quant import deferred
 from rope_quant.rotations import attention
@@ -38,7 +38,7 @@ W4A4KV4 = dict(w_bits=16, weights="none", a_bits=4, k_bits=4, v_bits=4, seqlen=2
 
 @pytest.fixture(scope="module")
 def corpus(embedded_model):
-    return data.load_corpus("pydoc", embedded_model[1])
+    return token_streams.load_corpus("pydoc", embedded_model[1])
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,8 @@ def test_calibration_pass_vs_plain(benchmark, rq_record, embedded_model, ids, tm
 
 _MEMORY_SCRIPT = r"""
 import json, resource, sys, torch
-from rope_quant.experiment import data
-from rope_quant.experiment import evaluate
+from rope_quant.corpora import token_streams
+from rope_quant.scoring import evaluate
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 from rope_quant.quant import deferred
 torch.set_num_threads(int(sys.argv[2]))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rope_quant.experiment import data
+from rope_quant.corpora import token_streams
 from rope_quant.experiment.pipeline import RunConfig
 from tests._support import ByteTokenizer, tiny_llama
 
@@ -31,7 +31,7 @@ def result():
     base = (tiny_llama(256, layers=2, tied=True), ByteTokenizer())
     cfg = RunConfig.from_flat(model="tiny", corpus="pydoc", seed=0, seqlen=64, calib_windows=2, eval_windows=2,
                               whip_epochs=1)
-    corpus = data.load_corpus("pydoc", base[1])
+    corpus = token_streams.load_corpus("pydoc", base[1])
     before = {k: v.clone() for k, v in base[0].state_dict().items()}
     out = bench.measure(base, cfg, corpus)
     assert all(torch.equal(v, base[0].state_dict()[k]) for k, v in before.items())  # the base is never written

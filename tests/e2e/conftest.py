@@ -239,14 +239,14 @@ class Experiment:
     def long_context(self, seed: int = 0, lengths: tuple[int, ...] | None = None,
                      **overrides: Any) -> dict[int, Any]:
         """Perplexity per length on the long-form corpus (App. A.4 protocol), one entry per length."""
-        from rope_quant.experiment import evaluate
+        from rope_quant.scoring import evaluate
 
         b = self.budget
         lengths = tuple(lengths or b.long_lengths)
         key = ("long", lengths, self.config(seed, **overrides).key())
 
         def compute() -> Any:
-            from rope_quant.experiment.longctx import eval_stream
+            from rope_quant.scoring.longctx import eval_stream
 
             qm = self.quantized(self.config(seed, **overrides))
             stream = eval_stream(b.long_corpus, qm.tokenizer)  # A.4: the first 64 evaluation documents

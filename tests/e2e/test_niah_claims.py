@@ -1,7 +1,7 @@
 """App. G's NIAH claim on the embedded model: at a discriminative length, hadamard retrieves at least as well as
 pairwise_only (accuracy averaged over seeds and depths).
 
-Protocol (App. G, RULER format, :mod:`rope_quant.experiment.niah`): a key-value needle "The special magic
+Protocol (App. G, RULER format, :mod:`rope_quant.scoring.niah`): a key-value needle "The special magic
 number for X is N." (N: 7 digits) in a ``pydoc`` haystack at 5 depths, RULER's question at the end, greedy
 decoding through the quantised model of the session ``experiment`` (W4A4KV4, GPTQ, whip R1, random-Hadamard
 R2, online R4; the quantised KV cache is in effect during generation), exact match of N. FP is the plain model.
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from rope_quant.core.verdict import Form, combine_all, deterministic
-from rope_quant.experiment.niah import NiahSpec, accuracy_table, run_probes
+from rope_quant.scoring.niah import NiahSpec, accuracy_table, run_probes
 from rope_quant.sweep.niah import SATURATION, SEPARATION
 
 #: Candidate claim lengths (tokens), scanned shortest first at the requested seeds; the claim is checked at the
@@ -56,7 +56,7 @@ def niah_accuracies(exp: Any, length: int, probes: int = PROBES, replicate: bool
     seeds only, with GPTQ in the other float mode (the numerical replicates).
 
     Every R3 variant of a seed reuses one built model (``reconfigure``) and answers the same probes."""
-    from rope_quant.experiment.data import load_corpus
+    from rope_quant.corpora.token_streams import load_corpus
     from rope_quant.experiment.pipeline import build_quantized_model
 
     seeds = tuple(exp.replicate_seeds) if replicate else tuple(exp.budget.seeds)

@@ -10,7 +10,7 @@ original on a 32-token probe (max relative logit error), inside the real run.
 
 ``python scale_pipeline_probe.py SHAPE LAYERS VOCAB CALIB SEQLEN CONFIGS [DTYPE] [WEIGHTS] [WHIP_EPOCHS]``
 (CONFIGS comma-separated R3 names) prints one JSON line: the stage times, the peak RSS (overall and per stage,
-sampled), the logit error, the model bytes and the plan's prediction (:func:`rope_quant.experiment.plan.make_plan`
+sampled), the logit error, the model bytes and the plan's prediction (:func:`rope_quant.planning.plan.make_plan`
 on device ``cpu`` for the same settings).
 """
 
@@ -186,9 +186,9 @@ def _instrument_rotation(record: dict) -> Any:
 def plan_for(shape: str, layers: int, vocab: int, calib: int, seqlen: int, configs: int, dtype: str,
              weights: str, whip_epochs: int) -> Any:
     """The plan of the same settings on device ``cpu`` (whip schedule and sample size as in the run)."""
-    from rope_quant.experiment import plan as planning
     from rope_quant.experiment.config import WhipSpec
     from rope_quant.model import shapes
+    from rope_quant.planning import plan as planning
 
     spec = WhipSpec()
     mc = planning.model_cost(shapes.build_meta(shape, layers=layers, vocab=vocab), shape)

@@ -19,8 +19,8 @@ import torch
 
 def main(shape: str, layers: int, vocab: int, windows: int, seqlen: int, r1: str = "whip",
          dtype: str = "float32") -> dict:
-    from rope_quant.experiment import plan as planning
     from rope_quant.model import shapes
+    from rope_quant.planning import plan as planning
     from rope_quant.rotations import offline
 
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -81,7 +81,7 @@ class _QOnly:
 
 def _cached_steps(model, ids: torch.Tensor, n: int) -> list[torch.Tensor]:
     """Prefill, then n greedy decode steps through the KV cache; the logits of every step."""
-    from rope_quant.experiment.generate import cache_keyword
+    from rope_quant.scoring.generate import cache_keyword
 
     kw = cache_keyword(model)
     out = model(ids, use_cache=True)

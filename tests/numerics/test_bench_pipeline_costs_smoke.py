@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rope_quant.experiment import data
+from rope_quant.corpora import token_streams
 from rope_quant.rotations import attention
 from tests._support import ByteTokenizer, tiny_llama
 
@@ -36,7 +36,7 @@ def _printed(out: str, part: str) -> dict:
 def test_fq_and_calibstats_parts_run_on_a_tiny_model(bench, capsys) -> None:
     tok = ByteTokenizer()
     base = (tiny_llama(256, layers=2, tied=True), tok)
-    corpus = data.load_corpus("pydoc", tok, use_cache=False)
+    corpus = token_streams.load_corpus("pydoc", tok, use_cache=False)
     threads = torch.get_num_threads()
     try:
         bench.main(["--threads", "1", "--only", "fq,calibstats", "--fq-lengths", "32,64", "--rounds", "1",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rope_quant import io
-from rope_quant.experiment import data
+from rope_quant.corpora import token_streams
 from rope_quant.model import model_cache
 
 
@@ -17,13 +17,13 @@ def test_every_cache_root_honours_xdg(tmp_path: Path, monkeypatch: pytest.Monkey
     for env in (io.CACHE_ENV, model_cache.CACHE_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert data.default_cache_dir() == tmp_path / "xdg" / "rope_quant"
+    assert token_streams.default_cache_dir() == tmp_path / "xdg" / "rope_quant"
     assert model_cache.cache_root() == tmp_path / "xdg" / "rope_quant" / "models"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert model_cache.cache_root() == Path.home() / ".cache" / "rope_quant" / "models"
     monkeypatch.setenv(model_cache.CACHE_ENV, str(tmp_path / "m"))
     monkeypatch.setenv(io.CACHE_ENV, str(tmp_path / "c"))
-    assert model_cache.cache_root() == tmp_path / "m" and data.default_cache_dir() == tmp_path / "c"
+    assert model_cache.cache_root() == tmp_path / "m" and token_streams.default_cache_dir() == tmp_path / "c"
 
 
 def test_read_cache_is_content_or_none_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from rope_quant.calib.stats import CalibrationStats
-from rope_quant.experiment import act_quant, calibrate, pipeline, plan_costs
+from rope_quant.experiment import act_quant, calibrate, pipeline
 from rope_quant.model import offload
+from rope_quant.planning import plan_costs
 from rope_quant.rotations import attention
 from tests._support import ByteTokenizer, tiny_llama
 

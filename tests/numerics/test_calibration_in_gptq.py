@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rope_quant.calib.stats import CalibrationStats
-from rope_quant.experiment import calibrate, data
+from rope_quant.corpora import token_streams
+from rope_quant.experiment import calibrate
 from rope_quant.experiment.act_quant import forward_windows, install_activation_quantizers
 from rope_quant.experiment.pipeline import GPTQConfig, PipelineCounters, RunConfig, build_quantized_model
 from rope_quant.model import arch
@@ -84,7 +85,7 @@ def test_a_gptq_build_gathers_its_statistics_in_gptq_and_a_weight_hit_reads_the_
         embedded_model, tmp_path, monkeypatch):
     """One pass fewer per GPTQ build; deleting the statistics file makes the next build (a weight-cache hit) run
     the calibration pass, whose file is byte for byte the one GPTQ's pass wrote."""
-    corpus = data.load_corpus("pydoc", embedded_model[1])
+    corpus = token_streams.load_corpus("pydoc", embedded_model[1])
     base = tiny_base(embedded_model)
     cfg = RunConfig.from_flat(**TINY, r3="hadamard", gptq=GPTQConfig(grid=20))
     passes = []

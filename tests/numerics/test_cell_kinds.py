@@ -16,7 +16,7 @@ import pytest
 
 import rope_quant
 from rope_quant.experiment.config import RunConfig, StaticScope
-from rope_quant.experiment.niah import NiahSpec
+from rope_quant.scoring.niah import NiahSpec
 from rope_quant.sweep import cellkind, records
 from rope_quant.sweep.cellkind import CellKind, CellKindName, SweepError, WrapsRun, config_dict, kind_of, register
 from rope_quant.sweep.lm_eval import lm_eval_manifest

@@ -240,7 +240,7 @@ def test_bad_input_is_refused_before_any_cell_runs(tmp_path: Path, capsys, flags
 def test_a_table_that_does_not_fit_is_refused_after_its_plan(tmp_path: Path, capsys, monkeypatch) -> None:
     """The claims plan (cells per claim, cost estimate) is printed, then the memory check refuses the run with the
     plan's remedy (exit 2) before any model loads or cell runs."""
-    from rope_quant.experiment import memory_check
+    from rope_quant.planning import memory_check
 
     monkeypatch.setenv(memory_check.ENV_HOST, "0.01")  # 10 MiB of host RAM
     out, cells = tmp_path / "cl", Cells()

@@ -14,22 +14,22 @@ import numpy as np
 import pytest
 import torch
 
-from rope_quant.experiment import corpora as corpus_text
-from rope_quant.experiment import data
-from rope_quant.experiment.corpora import list_corpora, load_text
-from rope_quant.experiment.data import (
-    Corpus,
-    SamplingError,
-    StreamTooShortError,
-    calibration_windows,
-    load_corpus,
-)
-from rope_quant.experiment.documents import (
+from rope_quant.corpora import sources as corpus_text
+from rope_quant.corpora import token_streams
+from rope_quant.corpora.documents import (
     CorpusError,
     CorpusFormatError,
     CorpusNotInstalledError,
     Document,
     UnknownCorpusError,
+)
+from rope_quant.corpora.sources import list_corpora, load_text
+from rope_quant.corpora.token_streams import (
+    Corpus,
+    SamplingError,
+    StreamTooShortError,
+    calibration_windows,
+    load_corpus,
 )
 
 OPTIONAL = {
@@ -436,7 +436,7 @@ def test_cache_roundtrip_without_retokenising(tmp_path, tokenizer, monkeypatch):
     def must_not_tokenise(*args, **kwargs):
         raise AssertionError("retokenised despite a valid cache")
 
-    monkeypatch.setattr(data, "_tokenize", must_not_tokenise)
+    monkeypatch.setattr(token_streams, "_tokenize", must_not_tokenise)
     second = load_corpus("pydoc", tokenizer, cache_dir=tmp_path)
     assert torch.equal(first.calib_ids, second.calib_ids) and torch.equal(first.eval_ids, second.eval_ids)
     assert second.eval_docs == first.eval_docs
@@ -458,4 +458,4 @@ def test_cache_key_depends_on_text_and_corrupt_cache_recovers(tmp_path, tokenize
     assert any("unreadable corpus cache" in r.getMessage() and str(b.cache_path) in r.getMessage()
                for r in caplog.records)
     assert torch.equal(c.calib_ids, b.calib_ids) and torch.equal(c.eval_ids, b.eval_ids)
-    assert c.cache_path is not None and data._read_cache(c.cache_path) is not None  # rewritten
+    assert c.cache_path is not None and token_streams._read_cache(c.cache_path) is not None  # rewritten

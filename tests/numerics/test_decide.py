@@ -243,7 +243,7 @@ def test_the_real_pipeline_on_a_tiny_llama_builds_float_order_replicates(embedde
     """decide over a GPTQ compare directory on a 2-layer Llama (the embedded tokenizer) through the real cell
     function: the replicate cells are the same cells with ``gptq.float64`` flipped (their records say so and their
     weight keys differ), every claim gets a sequential verdict, and each cell record is written once."""
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
     from rope_quant.experiment.config import RunConfig
     from rope_quant.sweep.cells import pipeline_cell_fn
     from rope_quant.sweep.loaded_models import ModelCache
@@ -251,7 +251,7 @@ def test_the_real_pipeline_on_a_tiny_llama_builds_float_order_replicates(embedde
 
     base = tiny_base(embedded_model)
     models = ModelCache()
-    models.put("tiny", "cpu", base, {"pydoc": data.load_corpus("pydoc", base[1])})
+    models.put("tiny", "cpu", base, {"pydoc": token_streams.load_corpus("pydoc", base[1])})
     run = RunConfig.from_flat(model="tiny", weights="gptq", r1="random_hadamard", seqlen=64, calib_windows=2,
                               eval_windows=2)
     manifest = build_manifest(run, {"hadamard": {"r3": "hadamard"}, "pairwise_only": {"r3": "pairwise_only"}},

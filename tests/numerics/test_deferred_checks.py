@@ -163,7 +163,7 @@ def _quantised_tiny():  # type: ignore[no-untyped-def]
 
 
 def test_perplexity_windows_equal_the_exact_path_and_nonfinite_keys_still_raise() -> None:
-    from rope_quant.experiment.evaluate import perplexity, window_nll_sum
+    from rope_quant.scoring.evaluate import perplexity, window_nll_sum
 
     model, diag = _quantised_tiny()
     stream = torch.randint(0, 96, (96,), generator=torch.Generator().manual_seed(0))

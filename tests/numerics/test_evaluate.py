@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rope_quant.experiment.data import load_corpus
-from rope_quant.experiment.evaluate import (
+from rope_quant.corpora.token_streams import load_corpus
+from rope_quant.scoring.evaluate import (
     EmptyWindowSetError,
     InvalidWindowSpecError,
     NonFiniteNLLError,

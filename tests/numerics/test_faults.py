@@ -602,7 +602,7 @@ def test_two_cli_runs_of_different_studies_started_together(tmp_path, monkeypatc
 def test_out_of_memory_in_a_stage_is_recorded_with_its_name_and_the_other_cells_go_on(tmp_path, monkeypatch, oom):
     """An OOM in the middle of a stage (here RTN, first call only) makes that cell's record name the
     stage; the study's other cells complete, and a rerun computes only the failed cell."""
-    from rope_quant.experiment.stages import StageName
+    from rope_quant.planning.stages import StageName
     from rope_quant.quant import rtn
 
     monkeypatch.setenv("ROPE_QUANT_CACHE_DIR", str(tmp_path / "token-cache"))

@@ -1,4 +1,4 @@
-"""Greedy decoding with a growing KV cache (rope_quant.experiment.generate), the NIAH task's decoder (App. G).
+"""Greedy decoding with a growing KV cache (rope_quant.scoring.generate), the NIAH task's decoder (App. G).
 
 Checks: the loop equals transformers' greedy ``generate``; under identity R3 with 16-bit W/A/K/V the
 pipeline's model continues exactly like the plain model (tiny random Llama, a tiny random Gemma 3 with
@@ -17,10 +17,10 @@ import transformers
 from transformers import LlamaForCausalLM
 
 from rope_quant.core import transforms as T
-from rope_quant.experiment.generate import GenerationError, greedy_generate
 from rope_quant.experiment.pipeline import RunConfig, build_quantized_model
 from rope_quant.quant.quantizers import QuantConfig
 from rope_quant.rotations import attention
+from rope_quant.scoring.generate import GenerationError, greedy_generate
 from tests._support import tiny_gemma3 as _shared_tiny_gemma3
 from tests._support import tiny_llama as _shared_tiny_llama
 

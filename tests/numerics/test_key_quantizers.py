@@ -381,7 +381,7 @@ def test_two_configs_at_equal_bits_report_equal_bits():
 
 def _stepwise(model, ids: torch.Tensor) -> torch.Tensor:
     """The logits of every position, one token at a time through the KV cache (the streaming definition)."""
-    from rope_quant.experiment.generate import cache_keyword
+    from rope_quant.scoring.generate import cache_keyword
 
     kw = cache_keyword(model)
     out = model(ids[:, :1], use_cache=True)
@@ -455,7 +455,7 @@ def test_kvquant_prerope_in_attention_quantises_the_pre_rope_key():
         seen.append(key.detach())
         return sdpa(module, query, key, value, mask, **kw)
 
-    from rope_quant.experiment.generate import cache_keyword
+    from rope_quant.scoring.generate import cache_keyword
 
     ids = torch.randint(0, 96, (1, 33), generator=torch.Generator().manual_seed(1))
     kw = cache_keyword(model)
@@ -528,9 +528,9 @@ def test_the_default_per_token_path_is_bit_identical(monkeypatch):
 
 @pytest.fixture(scope="module")
 def corpus(embedded_model):
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
 
-    return data.load_corpus("pydoc", embedded_model[1])
+    return token_streams.load_corpus("pydoc", embedded_model[1])
 
 
 def test_the_pipeline_installs_each_key_quantiser_and_returns_to_the_default(embedded_model, corpus):

@@ -80,9 +80,10 @@ def test_smollm2_folded_export_equals_unrotated_in_llamacpp(embedded_model, smol
 
 
 def test_scores_on_our_windows_equal_our_perplexity(embedded_model, smol_exports) -> None:
-    from rope_quant.experiment import data, evaluate
+    from rope_quant.corpora import token_streams
+    from rope_quant.scoring import evaluate
 
-    corpus = data.load_corpus("pydoc", embedded_model[1])
+    corpus = token_streams.load_corpus("pydoc", embedded_model[1])
     windows = evaluate.eval_windows(corpus.eval_ids, 128, 2)
     ours = evaluate.perplexity(embedded_model[0], corpus.eval_ids, 128, 2, progress=False)
     got = lc.score_windows(smol_exports[0], windows, "f16", rotation=True, n_threads=2)

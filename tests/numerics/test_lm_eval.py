@@ -22,8 +22,10 @@ import pytest
 import torch
 
 from rope_quant import cli
-from rope_quant.experiment import corpora, evaluate, pipeline
+from rope_quant.corpora import sources
 from rope_quant.experiment import lm_eval as rle
+from rope_quant.experiment import pipeline
+from rope_quant.scoring import evaluate
 from rope_quant.sweep.loaded_models import ModelCache
 
 REL_TOL = 1e-4
@@ -48,7 +50,7 @@ def lm_eval_installed():
 def pydoc_documents(tokenizer, n: int = 3, low: int = 48, high: int = 200) -> list[str]:
     """The first ``n`` pydoc evaluation documents of ``low``..``high`` tokens (disjoint from calibration)."""
     docs = []
-    for doc in corpora.load_text("pydoc").eval:
+    for doc in sources.load_text("pydoc").eval:
         text = doc.text.strip()
         if low <= len(tokenizer.encode(text, add_special_tokens=False)) <= high:
             docs.append(text)
@@ -80,7 +82,7 @@ def write_next_sentence_task(folder: Path, n_items: int = 8, seed: int = 0,
     """A 4-way multiple-choice task: which sentence follows (up to) two sentences of a pydoc paragraph; the 3
     distractors are sentences of other documents."""
     rng = random.Random(seed)
-    docs = [_sentences(d.text) for d in corpora.load_text("pydoc").eval]
+    docs = [_sentences(d.text) for d in sources.load_text("pydoc").eval]
     ok = [[s for s in doc if 6 <= len(s.split()) <= 24] for doc in docs]
     items = []
     for i, doc in enumerate(docs):

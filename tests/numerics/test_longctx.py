@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from rope_quant import cli
-from rope_quant.experiment import corpora, data, longctx
+from rope_quant.corpora import sources, token_streams
+from rope_quant.corpora.documents import SEPARATOR
 from rope_quant.experiment.config import Estimator, RunConfig
-from rope_quant.experiment.documents import SEPARATOR
+from rope_quant.scoring import longctx
 from rope_quant.sweep import presets
 from rope_quant.sweep.manifest import LongContextConfig, SweepError, config_from_dict, read_manifest
 from tests._support import tiny_base
@@ -167,7 +168,7 @@ def _fake(cfg) -> dict:
 
 
 def test_cli_defaults_to_other_corpora_and_prints_the_deviations(tmp_path: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(corpora, "list_corpora", lambda include_unavailable=False: ["pydoc", "shakespeare", "kjv"])
+    monkeypatch.setattr(sources, "list_corpora", lambda include_unavailable=False: ["pydoc", "shakespeare", "kjv"])
     out = tmp_path / "lc"
     argv = ["long-context", "--seeds", "0,1", "--lengths", "1024,2048", "--out", str(out), "--quiet",
             "--no-figures", "--phi-star-estimators", "all"]
@@ -215,7 +216,7 @@ def test_matched_cells_under_every_estimator_record_the_protocol(embedded_model,
     from rope_quant.sweep.loaded_models import ModelCache
 
     base = tiny_llama(embedded_model)
-    corpus = data.load_corpus("pydoc", base[1])
+    corpus = token_streams.load_corpus("pydoc", base[1])
     models = ModelCache()
     models.put("tiny", "cpu", base, {"pydoc": corpus})
     fn = pipeline_cell_fn(models=models)

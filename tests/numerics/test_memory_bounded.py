@@ -11,11 +11,13 @@ import torch
 
 from rope_quant import cli
 from rope_quant.cli.validate import check_memory, resolve_dtype
-from rope_quant.experiment import data, memory_check, pipeline
-from rope_quant.experiment import plan as planning
+from rope_quant.corpora import token_streams
+from rope_quant.experiment import pipeline
 from rope_quant.experiment.config import RunConfig
-from rope_quant.experiment.plan_costs import GIB
 from rope_quant.model.offload import OffloadMode
+from rope_quant.planning import memory_check
+from rope_quant.planning import plan as planning
+from rope_quant.planning.plan_costs import GIB
 from rope_quant.sweep.manifest import read_manifest
 from tests._support import TINY, tiny_base
 from tests._support.models import tiny_llama
@@ -72,7 +74,7 @@ def _old_load(cfg, base, partial=False, stream=False):
 def test_cells_need_no_model_deepcopy_and_match_the_old_path_bit_for_bit(embedded_model, tmp_path, monkeypatch):
     base = tiny_base(embedded_model)
     before = {k: v.clone() for k, v in base[0].state_dict().items()}
-    corpus = data.load_corpus("pydoc", base[1])
+    corpus = token_streams.load_corpus("pydoc", base[1])
     configs = ["hadamard", "pairwise_only", "pairwise_plus_hadamard"]
     cfgs = [RunConfig.from_flat(**TINY, r3=r3, weights="rtn", seed=seed) for seed in (0, 1) for r3 in configs]
 

@@ -37,7 +37,7 @@ def test_a_later_load_reads_the_state_and_equals_a_fresh_gguf_parse(embedded_mod
     """A second load never parses the GGUF; a fresh parse (``state_cache=False``) gives the same logits and the
     same token ids on the default corpus's first evaluation documents, and the same tokenizer fingerprint (the
     corpus token cache's key)."""
-    from rope_quant.experiment import corpora, data
+    from rope_quant.corpora import sources, token_streams
 
     fresh, fresh_tok = loading.load_model(DEFAULT_MODEL, state_cache=False)
 
@@ -46,8 +46,8 @@ def test_a_later_load_reads_the_state_and_equals_a_fresh_gguf_parse(embedded_mod
 
     monkeypatch.setattr(loading, "_read_gguf", refuse)
     cached, tok = loading.load_model(DEFAULT_MODEL)
-    assert data.tokenizer_fingerprint(tok) == data.tokenizer_fingerprint(fresh_tok)
-    text = "\n".join(d.text for d in corpora.load_text("pydoc").eval[:20])
+    assert token_streams.tokenizer_fingerprint(tok) == token_streams.tokenizer_fingerprint(fresh_tok)
+    text = "\n".join(d.text for d in sources.load_text("pydoc").eval[:20])
     ids = tok(text)["input_ids"]
     assert len(ids) > 512
     assert ids == fresh_tok(text)["input_ids"]

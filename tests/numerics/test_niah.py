@@ -13,8 +13,8 @@ import torch
 
 from rope_quant import cli
 from rope_quant.analysis import niah_report
-from rope_quant.experiment import data
-from rope_quant.experiment.niah import HEADER, NiahError, NiahSpec, accuracy_table, make_probe, run_probes, score
+from rope_quant.corpora import token_streams
+from rope_quant.scoring.niah import HEADER, NiahError, NiahSpec, accuracy_table, make_probe, run_probes, score
 from rope_quant.sweep import niah as sweep_niah
 from rope_quant.sweep.manifest import config_from_dict, read_manifest
 from rope_quant.sweep.records import is_complete, status
@@ -29,7 +29,7 @@ def tok(embedded_model):
 
 @pytest.fixture(scope="module")
 def stream(tok):
-    return data.load_corpus("pydoc", tok).eval_ids
+    return token_streams.load_corpus("pydoc", tok).eval_ids
 
 
 # ----------------------------------------------------------------------------- probes

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from rope_quant.experiment import data, pipeline
+from rope_quant.corpora import token_streams
+from rope_quant.experiment import pipeline
 from rope_quant.experiment.config import RunConfig
 from rope_quant.model import offload
 from rope_quant.quant import gptq, rtn
@@ -65,7 +66,7 @@ def test_gptq_streams_one_pinned_layer_and_gives_the_same_weights():
 def test_the_pipeline_streams_whip_gptq_calibration_and_evaluation_with_equal_results(embedded_model, tmp_path,
                                                                                         monkeypatch):
     base = tiny_base(embedded_model)
-    corpus = data.load_corpus("pydoc", base[1])
+    corpus = token_streams.load_corpus("pydoc", base[1])
     cfg = RunConfig.from_flat(**TINY, r3="pairwise_only", weights="gptq", gptq=rtn.GPTQConfig(grid=20))
     plain = pipeline.run_cell(cfg, base=base, corpus=corpus)
     streamers: list[offload.Streamer] = []

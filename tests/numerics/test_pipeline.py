@@ -15,12 +15,14 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from rope_quant.core import rope
-from rope_quant.experiment import act_quant, data, evaluate, pipeline
+from rope_quant.corpora import token_streams
+from rope_quant.experiment import act_quant, pipeline
 from rope_quant.experiment.pipeline import GPTQConfig, PipelineError, RunConfig, build_quantized_model, run_cell
 from rope_quant.quant import gptq
 from rope_quant.quant.quantizers import QuantConfig, fake_quant_per_token
 from rope_quant.rotations import attention
 from rope_quant.rotations import offline as rotation
+from rope_quant.scoring import evaluate
 from tests._support import TINY, tiny_base
 
 R3_VARIANTS = [("identity", None), ("hadamard", None), ("pairwise_only", None),
@@ -30,7 +32,7 @@ OFF = dict(w_bits=16, a_bits=16, k_bits=16, v_bits=16, weights="none")
 
 @pytest.fixture(scope="module")
 def corpus(embedded_model):
-    return data.load_corpus("pydoc", embedded_model[1])
+    return token_streams.load_corpus("pydoc", embedded_model[1])
 
 
 
@@ -190,7 +192,7 @@ def test_weight_cache_is_shared_by_r3_variants(embedded_model, corpus, tmp_path)
     np.testing.assert_array_equal(first.stats.pooled("rows").s11, second.stats.pooled("rows").s11)
     # Same R3 on both: identical outputs (the restored model also has the online R4 and act quantisers).
     first.reconfigure(other)
-    ids = data.calibration_windows(corpus, 1, 64, seed=7)
+    ids = token_streams.calibration_windows(corpus, 1, 64, seed=7)
     with torch.no_grad():
         torch.testing.assert_close(first.model(ids).logits, second.model(ids).logits, rtol=0, atol=0)
     # A different weight setting misses the cache.

@@ -35,6 +35,11 @@ MOVED_LATER = {
     "quant.key_quantizers": "quant.keys",
     **{f"sweep.{m}": f"analysis.{m}" for m in ("figures", "gap_share", "kind_reports", "protocol_report", "report",
                                                 "reproduce", "titles")},
+    # experiment/ split: one cell's config and build pipeline stay; corpora, scoring and the cost plan moved out
+    "experiment.corpora": "corpora.sources", "experiment.documents": "corpora.documents",
+    "experiment.data": "corpora.token_streams",
+    **{f"experiment.{m}": f"scoring.{m}" for m in ("evaluate", "longctx", "generate", "niah")},
+    **{f"experiment.{m}": f"planning.{m}" for m in ("plan", "plan_costs", "memory_check", "stages")},
 }
 
 
@@ -167,8 +172,8 @@ SPLIT_OUT = {
     "gptq": {"quant.rtn": ("GPTQConfig", "GPTQError", "weight_scales", "quantize_with_scales", "rtn_quantize",
                            "quantize_model_rtn")},
     "whip": {"rotations.whip_model": ("collect_r1_samples", "collect_r2_samples", "calibrate_model_rotations")},
-    "data": {"experiment.corpora": ("load_text", "list_corpora", "parse_bible_output"),
-             "experiment.documents": ("CorpusError", "CorpusFormatError", "Document", "TextSplit", "split_documents")},
+    "data": {"corpora.sources": ("load_text", "list_corpora", "parse_bible_output"),
+             "corpora.documents": ("CorpusError", "CorpusFormatError", "Document", "TextSplit", "split_documents")},
 }
 # A 0.1.0 name of each split module that stayed in the module its old path's MOVED_MODULES entry names.
 STAYED = {"calibration": "PairMoments", "gptq": "quantize_model_gptq", "whip": "fit_rotation", "data": "load_corpus"}
@@ -182,7 +187,7 @@ def test_a_split_old_module_serves_every_0_1_0_name_from_its_new_home(old):
     _forget(f"rope_quant.{old}")
     with pytest.warns(DeprecationWarning, match=r"module rope_quant\.\w+ is deprecated .*0\.3\.0.* and "):
         shimmed = importlib.import_module(f"rope_quant.{old}")
-    for home, names in {**SPLIT_OUT[old], MOVED_BY_2DA0636[old]: (STAYED[old],)}.items():
+    for home, names in {**SPLIT_OUT[old], _now(MOVED_BY_2DA0636[old]): (STAYED[old],)}.items():
         module = importlib.import_module(f"rope_quant.{home}")
         for name in names:
             with pytest.warns(DeprecationWarning, match=rf"rope_quant\.{old}\.{name} .*use {module.__name__}"):
@@ -210,6 +215,18 @@ def test_the_warning_points_at_the_importing_line():
     with pytest.warns(DeprecationWarning) as caught:
         import rope_quant.rope  # noqa: F401
     assert caught[0].filename == __file__
+
+
+def test_a_module_moved_out_of_a_package_imports_from_it():
+    """``from rope_quant.experiment import evaluate`` (the package stays, the module left it) warns with the new
+    path and gives the new module."""
+    from rope_quant.scoring import evaluate as new
+
+    _forget("rope_quant.experiment.evaluate")
+    with pytest.warns(DeprecationWarning, match=r"rope_quant\.experiment\.evaluate .*rope_quant\.scoring\.evaluate"):
+        from rope_quant.experiment import evaluate
+    assert evaluate is new
+    assert importlib.import_module("rope_quant.experiment").evaluate is new
 
 
 def test_the_old_from_import_forms_work():
@@ -264,6 +281,7 @@ def test_a_package_still_refuses_names_it_never_had(package):
 def test_the_new_paths_do_not_warn():
     code = ("import warnings; warnings.simplefilter('error'); "
             + "; ".join(f"import rope_quant.{_now(new)}" for new in MOVED_BY_2DA0636.values())
+            + "; " + "; ".join(f"import rope_quant.{new}" for new in MOVED_LATER.values())
             + "; from rope_quant.quant.quantizers import QuantConfig; from rope_quant.sweep.runner import run_cells"
             + "; print('ok')")
     assert _run(code) == "ok"

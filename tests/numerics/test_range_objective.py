@@ -300,10 +300,10 @@ def tiny_llama(embedded_model):
 
 def test_matched_phi_star_cell_equals_separate_phi_star_cells(embedded_model, tmp_path):
     """The matched cell at L is the φ* cell with average_length = L; range cells build and run."""
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
 
     base = tiny_llama(embedded_model)
-    corpus = data.load_corpus("pydoc", base[1])
+    corpus = token_streams.load_corpus("pydoc", base[1])
     run = RunConfig.from_flat(model="tiny", r3="pairwise_only", estimator="k_only", position_average=True,
                               weights="rtn", w_bits=4, seqlen=64, calib_windows=4, eval_windows=2)
     models = ModelCache()

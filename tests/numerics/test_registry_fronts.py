@@ -23,7 +23,7 @@ from rope_quant.claims import registry, selection
 from rope_quant.claims.premises import facts_of_checkpoint
 from rope_quant.claims.registry import Claim, MarginRule, Part, cell
 from rope_quant.core.verdict import Form
-from rope_quant.experiment import memory_check
+from rope_quant.planning import memory_check
 from rope_quant.pytest_plugin import RQOptions
 from tests._support.registry_front import open_front, table_configs
 

@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from rope_quant import cli
-from rope_quant.experiment import data, identity, pipeline
+from rope_quant.corpora import token_streams
+from rope_quant.experiment import identity, pipeline
 from rope_quant.experiment.config import RunConfig
 from rope_quant.sweep import records
 from rope_quant.sweep.loaded_models import ModelCache
@@ -94,7 +95,7 @@ def test_statistics_cache_is_keyed_by_the_calibration_windows(tmp_path, tiny_mod
     for seed in (1, 2, 1):
         path = tmp_path / f"c{seed}.txt"
         path.write_text(corpus_text(seed))
-        corpus = data.load_corpus(str(path), base[1], use_cache=False)
+        corpus = token_streams.load_corpus(str(path), base[1], use_cache=False)
         pipeline.build_quantized_model(cfg, cache_dir=tmp_path / "cache", base=base, corpus=corpus,
                                        counters=counters)
     assert counters.calibration_passes == 2  # text 1, text 2; text 1 again is a cache hit
@@ -256,7 +257,7 @@ def test_garbage_weight_cache_is_warned_and_rebuilt(tmp_path, tiny_model, caplog
     from rope_quant.model.loading import load_model
 
     base = load_model(str(tiny_model))
-    corpus = data.load_corpus(str(_write(tmp_path / "c.txt", corpus_text(1))), base[1], use_cache=False)
+    corpus = token_streams.load_corpus(str(_write(tmp_path / "c.txt", corpus_text(1))), base[1], use_cache=False)
     cfg = RunConfig.from_flat(model="tiny", r3="hadamard", weights="rtn", seqlen=64, calib_windows=2)
     cache = tmp_path / "cache"
     pipeline.build_quantized_model(cfg, cache_dir=cache, base=base, corpus=corpus)
@@ -281,16 +282,16 @@ def test_truncated_corpus_token_cache_is_warned_and_rebuilt(tmp_path, tiny_model
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     path = _write(tmp_path / "c.txt", corpus_text(1))
-    first = data.load_corpus(str(path), tok, cache_dir=tmp_path / "tc")
+    first = token_streams.load_corpus(str(path), tok, cache_dir=tmp_path / "tc")
     assert first.cache_path is not None and first.cache_path.is_file()
     first.cache_path.write_bytes(first.cache_path.read_bytes()[:64])
     with caplog.at_level(logging.WARNING, logger="rope_quant.cache"):
-        again = data.load_corpus(str(path), tok, cache_dir=tmp_path / "tc")
+        again = token_streams.load_corpus(str(path), tok, cache_dir=tmp_path / "tc")
     assert any(first.cache_path.name in r.getMessage() for r in caplog.records)
     assert torch.equal(again.calib_ids, first.calib_ids) and torch.equal(again.eval_ids, first.eval_ids)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rope_quant.cache"):
-        third = data.load_corpus(str(path), tok, cache_dir=tmp_path / "tc")  # rewritten: read without warning
+        third = token_streams.load_corpus(str(path), tok, cache_dir=tmp_path / "tc")  # rewritten: read without warning
     assert torch.equal(third.eval_ids, first.eval_ids) and not caplog.records
 
 

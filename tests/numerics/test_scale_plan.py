@@ -9,8 +9,8 @@ import json
 import pytest
 
 from rope_quant.cli import plan as cli_plan
-from rope_quant.experiment import plan as planning
 from rope_quant.model import shapes
+from rope_quant.planning import plan as planning
 
 GIB = 1 << 30
 
@@ -97,7 +97,7 @@ def test_gpu_plan_prices_layer_windows_and_columns_from_the_h100_measurements():
     (34.2 s), and calibration grows with layers x windows, not with FLOPs alone."""
     import dataclasses
 
-    from rope_quant.experiment import plan_costs as pc
+    from rope_quant.planning import plan_costs as pc
 
     mc = planning.model_cost(planning.read_model("llama-3-8b"))
     two = dataclasses.replace(mc, n_layers=2, params=mc.params - 30 * mc.layer_params)

@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from rope_quant.experiment import data, weight_cache
+from rope_quant.corpora import token_streams
+from rope_quant.experiment import weight_cache
 from rope_quant.experiment.pipeline import GPTQConfig, RunConfig, build_quantized_model
 from rope_quant.quant import gptq, gptq_solve, packing, rtn
 
@@ -62,7 +63,7 @@ def test_gptq_and_rtn_codes_dequantise_bit_for_bit(cfg, bits):
 
 @pytest.fixture(scope="module")
 def corpus(embedded_model):
-    return data.load_corpus("pydoc", embedded_model[1])
+    return token_streams.load_corpus("pydoc", embedded_model[1])
 
 
 @pytest.mark.parametrize("weights", ["gptq", "rtn"])
@@ -84,7 +85,7 @@ def test_weight_cache_round_trip_is_bit_identical(tiny_base_model, corpus, tmp_p
     assert sd1.keys() == sd2.keys()
     for k in sd1:
         assert packing.bitwise_equal(sd1[k], sd2[k]), k
-    ids = data.calibration_windows(corpus, 1, 64, seed=7)
+    ids = token_streams.calibration_windows(corpus, 1, 64, seed=7)
     with torch.no_grad():
         assert torch.equal(first.model(ids).logits, second.model(ids).logits)
     # fp32 bytes of the coded weights vs their codes: 4-bit codes (0.5 B) + the -0.0 mask (0.125 B) + per-row
@@ -104,7 +105,7 @@ def test_weight_cache_round_trip_is_bit_identical(tiny_base_model, corpus, tmp_p
 
 def _logits(qm, corpus) -> torch.Tensor:
     with torch.no_grad():
-        return qm.model(data.calibration_windows(corpus, 1, 64, seed=7)).logits
+        return qm.model(token_streams.calibration_windows(corpus, 1, 64, seed=7)).logits
 
 
 @pytest.mark.parametrize("r1", ["whip", "identity"])

@@ -22,7 +22,7 @@ class LongContextConfig(WrapsRun):
     ``eval_corpus``: the corpus scored at long context when it differs from the calibration corpus
     ``run.corpus`` (App. A.4: calibrate on one corpus, evaluate on others); None scores ``run.corpus``.
     ``eval_docs``: the stream is the first ``eval_docs`` documents of the evaluation split, concatenated
-    (A.4: 64; :mod:`rope_quant.experiment.longctx`); None scores the whole evaluation split (older cells).
+    (A.4: 64; :mod:`rope_quant.scoring.longctx`); None scores the whole evaluation split (older cells).
     """
 
     run: Any
@@ -80,10 +80,10 @@ def _ppl_entry(value: Any) -> dict[str, Any]:
 
 
 def long_context_stream(cfg: LongContextConfig, run_cfg: Any, qm: Any) -> tuple[Any, Any]:
-    """The token stream a long-context cell scores and its :class:`~rope_quant.experiment.longctx.EvalStream`:
+    """The token stream a long-context cell scores and its :class:`~rope_quant.scoring.longctx.EvalStream`:
     the first ``cfg.eval_docs`` evaluation documents of ``cfg.eval_corpus`` (else the calibration corpus), or
     the whole evaluation split when ``eval_docs`` is None (older cells)."""
-    from rope_quant.experiment import longctx
+    from rope_quant.scoring import longctx
 
     corpus = cfg.eval_corpus or run_cfg.corpus
     if cfg.eval_docs is not None:
@@ -92,7 +92,7 @@ def long_context_stream(cfg: LongContextConfig, run_cfg: Any, qm: Any) -> tuple[
     if corpus == run_cfg.corpus:
         ids, docs = qm.corpus.eval_ids, qm.corpus.eval_docs
     else:
-        from rope_quant.experiment.data import load_corpus
+        from rope_quant.corpora.token_streams import load_corpus
 
         loaded = load_corpus(corpus, qm.tokenizer)
         ids, docs = loaded.eval_ids, loaded.eval_docs
@@ -101,8 +101,8 @@ def long_context_stream(cfg: LongContextConfig, run_cfg: Any, qm: Any) -> tuple[
 
 def evaluate(cfg: LongContextConfig, ctx: CellContext) -> dict[str, Any]:
     """``{"lengths": {L: {ppl, nll, n_windows, n_tokens, seqlen} | {error...}}, k_range_mean, ..., "protocol"}``."""
-    from rope_quant.experiment import evaluate as ev
-    from rope_quant.experiment.longctx import deviations, protocol_record
+    from rope_quant.scoring import evaluate as ev
+    from rope_quant.scoring.longctx import deviations, protocol_record
 
     run_cfg, progress = cfg.run, ctx.progress
     qm, reused = ctx.quantized(cfg)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rope_quant.experiment.niah import NiahSpec, accuracy_table, run_probes
+from rope_quant.scoring.niah import NiahSpec, accuracy_table, run_probes
 from rope_quant.sweep.cellkind import CellContext, CellKind, CellKindName, WrapsRun, config_dict, register
 from rope_quant.sweep.scoring import scored_niah
 
@@ -56,10 +56,10 @@ def niah_result(cfg: NiahConfig, model: Any, tokenizer: Any, stream: Any, progre
 
 def haystack_stream(cfg: NiahConfig, tokenizer: Any, corpora: dict) -> Any:
     """The evaluation token stream of the haystack corpus (cached in ``corpora`` by name)."""
-    from rope_quant.experiment import data
+    from rope_quant.corpora import token_streams
 
     if cfg.spec.corpus not in corpora:
-        corpora[cfg.spec.corpus] = data.load_corpus(cfg.spec.corpus, tokenizer)
+        corpora[cfg.spec.corpus] = token_streams.load_corpus(cfg.spec.corpus, tokenizer)
     return corpora[cfg.spec.corpus].eval_ids
 
 

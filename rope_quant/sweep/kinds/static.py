@@ -117,14 +117,15 @@ def deviations(cfg: StaticConfig, windows_used: Mapping[int, int] | None = None,
 
 def evaluate_static_cell(cfg: StaticConfig, qm: Any, progress: bool = False) -> dict[str, Any]:
     """Score ``qm`` (built for ``cfg.run``) at every length under the cell's scope; the JSON-able result."""
-    from rope_quant.experiment import evaluate, static_control
+    from rope_quant.experiment import static_control
     from rope_quant.quant import diagnostic
+    from rope_quant.scoring import evaluate
 
     run = cfg.run
     eval_ids = qm.corpus.eval_ids
     eval_name = run.corpus
     if cfg.eval_corpus is not None and cfg.eval_corpus != run.corpus:
-        from rope_quant.experiment.data import load_corpus
+        from rope_quant.corpora.token_streams import load_corpus
 
         eval_ids = load_corpus(cfg.eval_corpus, qm.tokenizer).eval_ids
         eval_name = cfg.eval_corpus

@@ -1,7 +1,7 @@
 """A corpus's documents and the split rule: calibration and evaluation never share a document.
 
 :class:`Document` (an identity and a text), :class:`TextSplit` (a corpus's two sides and the rule that cut them),
-the corpus errors, and the rules that :mod:`rope_quant.experiment.corpora` applies: a single-stream corpus is
+the corpus errors, and the rules that :mod:`rope_quant.corpora.sources` applies: a single-stream corpus is
 de-duplicated by content, kept in order and cut at the first document boundary where the calibration side reaches
 :data:`CALIB_FRACTION` of the characters (a single text: at the first blank line after it); a corpus with given
 splits keeps them, less any evaluation document that repeats a calibration text. Stdlib only.

@@ -1,6 +1,6 @@
 """Greedy decoding with a growing KV cache, through whatever attention the model has installed (App. G).
 
-The NIAH task (:mod:`rope_quant.experiment.niah`) decodes its answer with the same quantised model the
+The NIAH task (:mod:`rope_quant.scoring.niah`) decodes its answer with the same quantised model the
 perplexity path scores: the one :func:`rope_quant.experiment.pipeline.build_quantized_model` returns,
 with the online R3 and the K/V quantisers of :mod:`rope_quant.rotations.attention` in the attention
 function and the activation quantisers on the linears. Nothing here knows about quantisation.

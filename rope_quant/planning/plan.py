@@ -4,7 +4,7 @@ The model is read on the meta device (no weights). Memory is counted from the sh
 largest float64 block of the rotation algebra (:mod:`rope_quant.rotations.folding` folds one block at a time),
 the whip samples and fit matrices, GPTQ's layer inputs and Hessians, the activations of one window (of a batch
 of windows in a GPU's calibration). On the CPU, time is FLOP count over the measured rates times fitted
-overheads; on a GPU it is per unit of the work (:class:`rope_quant.experiment.plan_costs.GpuCosts`, measured on
+overheads; on a GPU it is per unit of the work (:class:`rope_quant.planning.plan_costs.GpuCosts`, measured on
 an H100): decoder forwards per layer-window at the measured bf16 rate (quantised: times the measured
 overhead), calibration statistics per layer-window, GPTQ's Hessians at the float32 rate plus its column loop
 per column, whip's steps and checks on the device. :func:`check_fits` raises :class:`PlanDoesNotFit` with the
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from rope_quant.core import hadamard
-from rope_quant.experiment import plan_costs as pc
-from rope_quant.experiment.stages import StageName
 from rope_quant.model import arch, shapes
+from rope_quant.planning import plan_costs as pc
+from rope_quant.planning.stages import StageName
 from rope_quant.rotations.folding import fold_block_rows
 from rope_quant.rotations.whip import AUTO_ANALYTIC_ABOVE
 

@@ -2,7 +2,7 @@
 decision, or a refusal with the plan's remedy.
 
 :func:`decide` reads the model's config only (no weights), builds the plan
-(:func:`rope_quant.experiment.plan.make_plan`) and checks it (:func:`~rope_quant.experiment.plan.check_fits`)
+(:func:`rope_quant.planning.plan.make_plan`) and checks it (:func:`~rope_quant.planning.plan.check_fits`)
 against the budgets of this machine: the CUDA device's memory and the physical host RAM, each overridable
 with an environment variable (:data:`ENV_GPU`, :data:`ENV_HOST`, in GiB; tests use them to make a tiny model
 "not fit"). ``--offload auto`` streams (``cpu``) exactly when the plan does not fit without offload and fits
@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from rope_quant.experiment import plan as planning
-from rope_quant.experiment.plan_costs import GIB, DeviceName
 from rope_quant.model.offload import OffloadMode
+from rope_quant.planning import plan as planning
+from rope_quant.planning.plan_costs import GIB, DeviceName
 
 __all__ = ["ENV_GPU", "ENV_HOST", "Decision", "gpu_budget", "host_budget", "plan_for", "decide", "protocol_for"]
 
@@ -117,7 +117,7 @@ def plan_for(model: str, device: str, dtype: str, protocol: planning.Protocol, o
 
 def decide(model: str, device: str, dtype: str, protocol: planning.Protocol, requested: OffloadMode | str,
            gpu_bytes: int | None = None, host_bytes: int | None = None, config: Any = None) -> Decision:
-    """The offload to run with, or :class:`~rope_quant.experiment.plan.PlanDoesNotFit` (stage, need, budget,
+    """The offload to run with, or :class:`~rope_quant.planning.plan.PlanDoesNotFit` (stage, need, budget,
     remedy). ``gpu_bytes`` / ``host_bytes`` default to :func:`gpu_budget` / :func:`host_budget`; ``config``: the
     model's config where the caller has read it already (:func:`plan_for`)."""
     from rope_quant.model.loading import load_config

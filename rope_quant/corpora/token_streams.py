@@ -1,4 +1,4 @@
-"""Token streams: a corpus (:mod:`rope_quant.experiment.corpora`) tokenised into disjoint calibration and
+"""Token streams: a corpus (:mod:`rope_quant.corpora.sources`) tokenised into disjoint calibration and
 evaluation streams, cached on disk, and the calibration windows drawn from them.
 
 Each side's text is tokenised with ``add_special_tokens=False`` (transformers 4.x adds BOS otherwise). Token
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from rope_quant.corpora.documents import CorpusError, CorpusFormatError, TextSplit
+from rope_quant.corpora.sources import load_text
 from rope_quant.defaults import DEFAULT_CORPUS
-from rope_quant.experiment.corpora import load_text
-from rope_quant.experiment.documents import CorpusError, CorpusFormatError, TextSplit
 from rope_quant.io import cache_root, load_tensors, read_cache, save_tensors
 
 __all__ = [

@@ -5,13 +5,13 @@ One *probe* is a prompt of exactly ``length`` tokens::
     HEADER  haystack[:p]  NEEDLE  haystack[p:]  QUESTION
 
 * the haystack is a contiguous slice of a corpus's evaluation token stream
-  (:mod:`rope_quant.experiment.corpora`: ``pydoc``, ``shakespeare``, ...), at a start drawn per probe;
+  (:mod:`rope_quant.corpora.sources`: ``pydoc``, ``shakespeare``, ...), at a start drawn per probe;
 * the needle is RULER's key-value sentence "The special magic number for X is N." with X an
   adjective-noun key and N a random ``digits``-digit number, inserted at depth ``d`` (a fraction of the
   haystack), moved forward to the next line or sentence end within :data:`SNAP_TOKENS` tokens;
 * the question is RULER's: "What is the special magic number for X mentioned in the provided text? The
   special magic number for X mentioned in the provided text is" — the model completes it;
-* greedy decoding (:func:`rope_quant.experiment.generate.greedy_generate`) of at most ``digits + 4``
+* greedy decoding (:func:`rope_quant.scoring.generate.greedy_generate`) of at most ``digits + 4``
   tokens, through the model's installed attention (the quantised KV cache is in effect);
 * exact match: the first run of digits in the continuation equals N (``correct``). RULER's looser
   substring score (N anywhere in the continuation) is recorded too (``contains``).
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rope_quant.experiment.generate import greedy_generate
+from rope_quant.scoring.generate import greedy_generate
 
 __all__ = [
     "NiahError",

@@ -3,8 +3,8 @@
 The paper calibrates on WikiText-2 and scores long context on Proof-Pile and PG19:
 
 - **the evaluation stream** is the first :data:`EVAL_DOCUMENTS` (64) documents of the corpus's evaluation
-  split, in the split's order, concatenated (``"\\n\\n"``, as every stream of :mod:`rope_quant.experiment.data`)
-  and tokenised without special tokens. Documents are the units :func:`rope_quant.experiment.corpora.load_text`
+  split, in the split's order, concatenated (``"\\n\\n"``, as every stream of :mod:`rope_quant.corpora.token_streams`)
+  and tokenised without special tokens. Documents are the units :func:`rope_quant.corpora.sources.load_text`
   gives: a PG19 book (one ``.txt`` file, in sorted path order), a Proof-Pile JSON line, a pydoc topic, a KJV
   book, a Shakespeare play, a WikiText split (one document);
 - **the windows**: at each context length L the first ``min(cap, ⌊N/L⌋)`` non-overlapping windows of the
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from rope_quant.experiment import corpora, data
-from rope_quant.experiment.documents import SEPARATOR, CorpusFormatError, Document, TextSplit
+from rope_quant.corpora import sources, token_streams
+from rope_quant.corpora.documents import SEPARATOR, CorpusFormatError, Document, TextSplit
 from rope_quant.io import load_tensors, read_cache, save_tensors
 
 #: Documents of the evaluation split concatenated into the long-context stream (App. A.4).
@@ -118,15 +118,15 @@ def eval_stream(
     chosen documents are tokenised (a PG19 or Proof-Pile test split is never tokenised whole); the ids are
     cached under ``<cache>/corpora/`` (atomic), keyed by the tokenizer and the exact document texts.
     """
-    split = corpora.load_text(name_or_path)
+    split = sources.load_text(name_or_path)
     docs = first_documents(split, max_documents)
     if not docs:
         raise CorpusFormatError(f"corpus {split.name!r} has no evaluation documents")
     path = None
     ids = None
     if use_cache:
-        root = Path(cache_dir).expanduser() if cache_dir is not None else data.default_cache_dir()
-        path = _cache_path(root, split.name, docs, data.tokenizer_fingerprint(tokenizer))
+        root = Path(cache_dir).expanduser() if cache_dir is not None else token_streams.default_cache_dir()
+        path = _cache_path(root, split.name, docs, token_streams.tokenizer_fingerprint(tokenizer))
         ids = _read_cached(path)
     if ids is None:
         text = SEPARATOR.join(d.text for d in docs)
@@ -168,7 +168,7 @@ def protocol_record(stream: EvalStream, lengths: Iterable[int], cap: int | None,
 def default_eval_corpora(calib_corpus: str, available: Sequence[str] | None = None) -> tuple[str, ...]:
     """The default long-context corpora: the first :data:`PAPER_EVAL_CORPORA` of
     :data:`PREFERRED_EVAL_CORPORA` that are installed and differ from ``calib_corpus`` (may be fewer)."""
-    have = set(corpora.list_corpora() if available is None else available)
+    have = set(sources.list_corpora() if available is None else available)
     chosen = [c for c in PREFERRED_EVAL_CORPORA if c in have and c != calib_corpus]
     return tuple(chosen[:PAPER_EVAL_CORPORA])
 

@@ -1,7 +1,7 @@
 """The stages of one cell, by name, and what an out-of-memory error inside one becomes (names the stage).
 
 :class:`StageName` is the one source of the stage names: the rows of ``rope-quant plan``
-(:mod:`rope_quant.experiment.plan`) and the stage an error record names (:mod:`rope_quant.sweep.records`) are
+(:mod:`rope_quant.planning.plan`) and the stage an error record names (:mod:`rope_quant.sweep.records`) are
 the same strings. :func:`stage` wraps one stage of :func:`rope_quant.experiment.pipeline.build_quantized_model`
 or :func:`~rope_quant.experiment.pipeline.run_cell`: a ``torch.OutOfMemoryError`` (CUDA) or ``MemoryError``
 (host) raised inside it becomes :class:`StageOutOfMemoryError`, which names the stage and the remedy. The sweep

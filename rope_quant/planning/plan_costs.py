@@ -1,4 +1,4 @@
-"""Cost constants of the plan's cost model (:mod:`rope_quant.experiment.plan`), and device specs.
+"""Cost constants of the plan's cost model (:mod:`rope_quant.planning.plan`), and device specs.
 
 The CPU's matmul rates are measured when a plan is made (:func:`measure_cpu_flops`: machines differ by 2×
 and more); the constants below are ratios to those rates, fitted on the 1-layer full-width probes

@@ -29,10 +29,10 @@ Split rules (calibration and evaluation never share a document):
   of the characters;
 - a single-document text: cut at the first blank line at or after 80% of its characters.
 
-The documents, their split and the corpus errors: :mod:`rope_quant.experiment.documents`. Each side is one
+The documents, their split and the corpus errors: :mod:`rope_quant.corpora.documents`. Each side is one
 text, its documents joined with ``"\\n\\n"``; WikiText keeps the standard GPTQ convention, ``"\\n\\n".join``
 of the dataset rows. Tokenising, the token-stream cache and the calibration windows:
-:mod:`rope_quant.experiment.data`. Stdlib only (``datasets`` is imported lazily, for ``wikitext2`` alone).
+:mod:`rope_quant.corpora.token_streams`. Stdlib only (``datasets`` is imported lazily, for ``wikitext2`` alone).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import subprocess
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from rope_quant.experiment.documents import (
+from rope_quant.corpora.documents import (
     SEPARATOR,
     CorpusFormatError,
     CorpusNotInstalledError,
