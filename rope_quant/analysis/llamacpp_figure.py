@@ -11,6 +11,7 @@ where its crosses lie inside the band). The panel's title carries L1's, L2's and
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,14 @@ CELL_LABELS = {"off": "no R3\nrotation off", "on": "no R3\nrotation on", "fold_o
 
 @dataclass(frozen=True)
 class RuntimePanel:
-    """One model's L3 numbers: cell → (llama.cpp's per-seed ppl, the simulator's), and the claims' verdicts."""
+    """One model's L3 numbers: cell → (llama.cpp's per-seed ppl, the simulator's), the claims' verdicts and the
+    best foldable R3 the claims resolved to on it."""
 
     model: str
     runtime: Mapping[str, Sequence[float]]
     simulated: Mapping[str, Sequence[float]]
     verdicts: Mapping[str, str]
+    fold: str = ""
 
 
 def _cell_of(part_name: str) -> str | None:
@@ -65,7 +68,8 @@ def runtime_panels(rows: Sequence[Mapping[str, Any]]) -> list[RuntimePanel]:
                 runtime[cell] = [float(v) for v in numbers["control"]]
         verdicts: dict[str, str] = {cid: str((claims[cid].get("decision") or {}).get("outcome") or "")
                                      for cid in ("L1", "L2", "L3", "L1-sim", "L2-sim") if cid in claims}
-        panels.append(RuntimePanel(model, runtime, simulated, verdicts))
+        fold = re.search(r"best foldable R3: r3=([A-Za-z0-9_]+)", str(l3.get("claim") or ""))
+        panels.append(RuntimePanel(model, runtime, simulated, verdicts, fold[1] if fold else ""))
     return panels
 
 
@@ -88,7 +92,8 @@ def llamacpp_figure(panels: Sequence[RuntimePanel]) -> Any:
         ax.set_xlim(-0.6, len(cells) - 0.4)
         ax.set_ylabel("perplexity (q4_0 keys)")
         verdicts = ", ".join(f"{cid} {out}" for cid, out in panel.verdicts.items())
-        ax.set_title(f"{panel.model}: {verdicts}", fontsize=9)
+        fold = f" (foldable R3: {panel.fold})" if panel.fold else ""
+        ax.set_title(f"{panel.model}{fold}\n{verdicts}", fontsize=9)
         legend_outside(ax)
     fig.suptitle("llama.cpp against the simulator, KV-only with q4_0 keys, one marker per seed", fontsize=10)
     fig.tight_layout()

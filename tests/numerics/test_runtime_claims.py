@@ -97,11 +97,12 @@ def test_the_figure_reads_each_cell_of_l3_and_the_verdicts_of_its_model(tmp_path
                                                                  "control": [11.0 + i, 11.0 + i]}
                for i, c in enumerate(CELLS)}
     rows = [row("L1", "holds"), row("L2", "refuted"), row("L3", "inconclusive", numbers)]
+    rows[2]["claim"] = "llama.cpp: the simulator agrees [on llama: best foldable R3: r3=pairwise_scaled, estimator=x]"
     (panel,) = runtime_panels(rows)
     assert panel.runtime["fold_off"] == [13.0, 13.0] and panel.simulated["on"] == [11.0, 11.5]
     assert panel.verdicts == {"L1": "holds", "L2": "refuted", "L3": "inconclusive"}
     fig = llamacpp_figure([panel])
-    assert fig.axes[0].get_title() == "m: L1 holds, L2 refuted, L3 inconclusive"
+    assert fig.axes[0].get_title() == "m (foldable R3: pairwise_scaled)\nL1 holds, L2 refuted, L3 inconclusive"
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()][0] == "no R3\nrotation off"
     (tmp_path / "claims.json").write_text(json.dumps({"claims": rows}))
     assert plot_llamacpp([tmp_path], tmp_path / "f.png").stat().st_size > 0
