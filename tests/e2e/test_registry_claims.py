@@ -94,6 +94,13 @@ def ufront(request, umodel, fronts, build_cache, e2e_budget, rq_options, experim
 #: Registry claims measured NOT to hold on a model at this budget: strict xfails with the measured numbers, so that
 #: a fix of the cause flips them to a pass and fails the xfail.
 MEASURED_NOT_TO_HOLD: dict[tuple[str, str], str] = {
+    ("gemma3-270m", "C3"): (
+        "measured at 2791aad (2026-11-29, Intel Xeon, 2 threads, transformers 5.24, the e2e budget, seeds 0-2, "
+        "R1 refused by the architecture): k_only is worse than rows, ppl 1576.72, 1453.71, 1389.55 against "
+        "1299.61, 1275.35, 1201.77; +214.420 (90% CI +122.536, +306.304): refuted (docs/runs/"
+        "claims-pytest-gemma3-xeon-2threads.json)"),
+    ("gemma3-270m", "C3-mean"): (
+        "the same cells as C3 (measured at 2791aad): mean ppl(k_only) − mean ppl(rows) = +214.420 > 0: fails"),
     ("gemma3-270m", "L3"): (
         "measured 2026-12-06 at 252746a (Intel Xeon, 2 threads, llama-cpp-python 0.3.36, seeds 0-2, 12 x 512 pydoc "
         "tokens, KV only, q4_0 keys): with llama.cpp's rotation off the simulator gives 39.694 against its 41.135 "

@@ -142,7 +142,7 @@ def test_report_writes_the_engines_verdicts_in_the_claims_json(swept: Path, tmp_
     left = {d["id"]: d["reason"] for d in data["left_out"]}
     assert "C2" not in rows and left["C2"].startswith("not in this directory (its cells are not in the manifest): "
                                                       "`rope-quant claims --claims C2` into it adds them")
-    assert sorted(rows) == ["C1", "C3", "C8"]  # C8 reads C1's cells (hadamard, pairwise_only): planned
+    assert sorted(rows) == ["C1", "C3", "C3-mean", "C8"]  # C8 reads C1's cells, C3-mean C3's: planned
     assert {i for i in left if registry.get(i).group == registry.PAPER
             and not left[i].startswith("not in this directory")} == set()
     runtime = set(registry.active().ids("llamacpp"))  # scored by llama.cpp: pytest's front decides them
@@ -268,7 +268,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path, capsys) -> N
     out, cells = tmp_path / "cl", Cells()
     assert _claims(out, "--dry-run", cells=cells) == 0
     printed = capsys.readouterr().out
-    for text in ("claims plan: 12 claims at seeds 0,1,2", "| App-F |", "| C4-ppl |", "| C7-8K | pairwise_only+L=8192",
+    for text in ("claims plan: 13 claims at seeds 0,1,2", "| App-F |", "| C4-ppl |", "| C7-8K | pairwise_only+L=8192",
                  "cost estimate", "long context L=8192", "dry run: "):
         assert text in printed, text
     assert "left out" not in printed
@@ -447,7 +447,7 @@ def test_every_entry_of_paper_py_is_registered_in_its_order() -> None:
     defined = [v for v in vars(paper).values() if isinstance(v, registry.Claim)]
     assert defined and all(registry.get(c.id) is c for c in defined)
     assert paper.PAPER == registry.claims(registry.PAPER)[: len(paper.PAPER)]
-    assert [c.id for c in paper.PAPER] == ["C1", "C2", "C3", "C4-ppl", "C6", "C7", "C7-8K", "C8", "App-F",
+    assert [c.id for c in paper.PAPER] == ["C1", "C2", "C3", "C3-mean", "C4-ppl", "C6", "C7", "C7-8K", "C8", "App-F",
                                            "beyond-commuting", "beyond-range", "beyond-range-pph"]
 
 
