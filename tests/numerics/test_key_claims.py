@@ -196,7 +196,8 @@ def test_the_cli_selects_the_key_group_and_plans_without_loading(tmp_path: Path,
 
 def test_the_pytest_front_runs_the_paper_claims_by_default_and_the_key_claims_in_slow_only() -> None:
     """On the default model the registry front is the paper's claims table: the claims CI's budget holds run by
-    default (C1, C2, C3 and its mean sign, C4's perplexity steps, C8), the rest of the paper's and every key claim in ``slow``."""
+    default (C1, C2, C3 and its mean sign, C4's perplexity steps, C8), the rest of the paper's and every key claim
+    in ``slow``."""
     def collect(*flags: str) -> list[str]:
         out = subprocess.run([sys.executable, "-m", "pytest", "tests/e2e/test_registry_claims.py", "--collect-only",
                               "-q", "-p", "no:cacheprovider", *flags], capture_output=True, text=True, cwd=REPO)
