@@ -94,7 +94,7 @@ def gap_share_table(summary: Mapping[str, Any], baseline: str = "pairwise_only",
                "k_range_mean": float(np.mean(k_range)) if k_range else None,
                "k_rel_err": float(np.mean(k_err)) if k_err else None, "share": g["share"],
                "share_low": g["low"], "share_high": g["high"], "n": len(seeds)}
-        eq = _equivalence([by_seed[name][s] for s in seeds], [by_seed[comp][s] for s in seeds], margin,
+        eq = _equivalence([by_seed[name][s] - by_seed[comp][s] for s in seeds], margin,
                           (summary.get("paired", {}).get(name) or {}).get("tokens"))
         row.update({"equivalent": eq.outcome.value, "equivalence_budget_seeds": eq.budget.seeds if eq.budget else None,
                     "equivalence_budget_tokens": eq.budget.tokens if eq.budget else None})
@@ -136,14 +136,13 @@ def _equivalence_text(v: Any) -> str:
     return v.text()
 
 
-def _equivalence(treatment: list[float], control: list[float], margin: Any, tokens: Any):
+def _equivalence(diffs: list[float], margin: Any, tokens: Any):
     """The TOST verdict (a foldable R3's question: the paired CI against the comparator inside the margin), with its
     budget, on the per-seed differences (:func:`rope_quant.claims.values.decide_diffs`); tokens per cell make the
     budget also read in tokens."""
     from rope_quant.claims.values import decide_diffs
     from rope_quant.core.verdict import Form
 
-    diffs = [t - c for t, c in zip(treatment, control, strict=True)]
     return decide_diffs(Form.EQUIVALENT, diffs, margin=margin.value, tokens=int(tokens) if tokens else None)
 
 

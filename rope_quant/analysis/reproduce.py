@@ -95,7 +95,7 @@ def _protocol_differences(a: dict[str, set[str]], b: dict[str, set[str]]) -> lis
 
 
 def _dir_verdict(block: Mapping[str, Any]) -> str:
-    v = decide_block(Form.GREATER, {k: block.get(k) for k in ("n", "mean", "sd", "low", "high")})
+    v = decide_block(Form.GREATER, block)
     if v is None:
         return f"n={block.get('n')}: no interval"
     return {"holds": "worse (CI > 0)", "refuted": "better (CI < 0)"}.get(v.outcome.value, "undecided")

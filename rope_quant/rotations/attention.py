@@ -408,6 +408,8 @@ def install_attention(model: nn.Module, transforms: Sequence[Any] | None = None,
     except RuntimeRotationError as exc:
         raise AttentionWrapError(str(exc)) from None
     order = runtime_row_order(geom.head_dim, arch.spec_for(model).gguf_pairs_interleaved)
+    if order is not None:  # on the model's device once, not per forward
+        order = order.to(next(model.parameters()).device)
     register_attention(name)
     states = []
     for i, mod in enumerate(mods):
