@@ -33,6 +33,7 @@ import torch
 from rope_quant.core import transforms
 from rope_quant.core.hadamard import hadamard_matrix
 from rope_quant.core.rope import pair_indices
+from rope_quant.core.threads import one_cpu_thread
 from rope_quant.quant.quantizers import fake_quant_per_token
 
 __all__ = ["ALPHAS", "SMOOTH_ALPHA", "fit_for", "post_rope", "query_weights", "pair_radius",
@@ -173,7 +174,8 @@ def fit_learned_orthogonal(ctx: transforms.FitContext) -> list[dict[str, Any]]:
 
         def matrices(a: torch.Tensor) -> torch.Tensor:
             b = a - a.transpose(-1, -2)
-            return torch.linalg.solve(eye - b, eye + b) @ h0
+            with one_cpu_thread(b.device):  # LAPACK's rounding follows the thread count (rope_quant.core.threads)
+                return torch.linalg.solve(eye - b, eye + b) @ h0
 
         with torch.no_grad():
             best_m = matrices(a).detach().clone()

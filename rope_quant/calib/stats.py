@@ -12,12 +12,11 @@ still load): each component writes and reads its own section of the arrays.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
 import zipfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from rope_quant.calib.moments import PairMoments, _check_geometry
 from rope_quant.calib.rules import check_stream
 from rope_quant.core.angles import PairCov
 from rope_quant.core.rope import check_head_dim, check_layout, pair_indices
+from rope_quant.core.threads import one_cpu_thread
 from rope_quant.io import atomic_write_bytes
 from rope_quant.model import arch
 
@@ -69,26 +69,6 @@ def _to_numpy_float(x: Any) -> np.ndarray:
         return t.numpy()
     arr = np.asarray(x)
     return arr if arr.dtype in (np.float32, np.float64) else arr.astype(np.float64)
-
-
-@contextlib.contextmanager
-def _one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """Run a CPU statistics update on one intra-op thread (the process's thread count is restored after).
-
-    One layer-window's update is a few MB of float64 work split into ~15 ops; with 2 OpenMP threads on a
-    loaded 2-core machine every op waits at its barrier for a thread the scheduler has parked (measured
-    2026-11-28: 89 ms per layer-window at 2 threads against 6.2 ms at 1, at load 6-7). The numpy host path it
-    replaced is single-threaded too. One thread also makes the CPU statistics independent of the thread count.
-    """
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
@@ -262,7 +242,7 @@ class CalibrationStats:
         keys = None
         if stream == "k" and self.sample_rows:
             keys = self._ksample.draw_keys(layer, tuple(x.shape))
-        with _one_cpu_thread(x.device):
+        with one_cpu_thread(x.device):  # 1 thread: faster at this size, and thread-count free
             self._device.update(layer, stream, x, rows, self._sel_a, self._sel_b, keys)
 
     def candidates(self, layer: int) -> np.ndarray:

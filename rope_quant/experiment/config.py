@@ -71,6 +71,7 @@ from rope_quant.rotations.offline import RotationKind
 __all__ = [
     "KEY_VERSION",
     "WEIGHT_CACHE_FORMAT",
+    "WHIP_FIT_REVISION",
     "K_SAMPLE_ROWS",
     "PipelineError",
     "WeightMode",
@@ -101,8 +102,12 @@ KEY_VERSION = 4
 #: Format of the on-disk weight cache and revision of the GPTQ arithmetic that fills it (part of the weight key,
 #: so a cache written by another revision is rebuilt, never read). 2: the staged layer forward, one Cholesky with
 #: a triangular inverse, and the float-order replicate's float64 scope (Hessian sums and factorisation only):
-#: the same algorithm in another float order.
-WEIGHT_CACHE_FORMAT = 2
+#: the same algorithm in another float order. 3: the factorisations on one CPU thread (:mod:`rope_quant.core.threads`),
+#: so the weights are the same at any thread count (a format-2 file holds whatever its writer's thread count gave).
+WEIGHT_CACHE_FORMAT = 3
+#: Revision of the whip fit's arithmetic (part of the R1 cache key). 2: its factorisations on one CPU thread
+#: (:mod:`rope_quant.core.threads`), so the fit is the same at any thread count.
+WHIP_FIT_REVISION = 2
 #: Pre-RoPE K tokens sampled per layer during calibration (positions kept) for the ``range`` objective.
 K_SAMPLE_ROWS = 2048
 #: How the K sample draws its keys (part of the statistics cache key: a file sampled another way is rebuilt, not

@@ -15,7 +15,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from rope_quant.experiment.config import WEIGHT_CACHE_FORMAT, PipelineError, RunConfig, versioned_hash
+from rope_quant.experiment.config import (
+    WEIGHT_CACHE_FORMAT,
+    WHIP_FIT_REVISION,
+    PipelineError,
+    RunConfig,
+    versioned_hash,
+)
 from rope_quant.io import atomic_writer, cache_log, load_tensors, read_cache
 from rope_quant.model import arch
 
@@ -31,7 +37,8 @@ def r1_cache_path(cache: Path | None, cfg: RunConfig, fingerprint: str, data_fp:
     setting that uses it."""
     if cache is None:
         return None
-    key = versioned_hash({"seed": cfg.seed, "whip": dataclasses.asdict(cfg.rotation.whip)})
+    key = versioned_hash({"seed": cfg.seed, "whip": dataclasses.asdict(cfg.rotation.whip),
+                          "revision": WHIP_FIT_REVISION})
     return cache / f"r1-whip-{key}-{fingerprint}-{data_fp}.pt"
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rope_quant.core.threads import one_cpu_thread
 from rope_quant.quant.rtn import (
     GPTQConfig,
     GPTQError,
@@ -127,9 +128,10 @@ def _upper_inverse_factor(Hd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     unique). The same matrix as ``chol(cholesky_inverse(chol(Hd)), upper=True)`` in exact arithmetic, at about
     half the cost: the inverse is never formed.
     """
-    L, info = torch.linalg.cholesky_ex(Hd.flip(0, 1))
-    eye = torch.eye(Hd.shape[0], dtype=Hd.dtype, device=Hd.device)
-    return torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1), info
+    with one_cpu_thread(Hd.device):  # LAPACK's rounding follows the thread count (rope_quant.core.threads)
+        L, info = torch.linalg.cholesky_ex(Hd.flip(0, 1))
+        eye = torch.eye(Hd.shape[0], dtype=Hd.dtype, device=Hd.device)
+        return torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1), info
 
 
 def _inverse_hessian_factor(H: torch.Tensor, percdamp: float, max_tries: int = 6) -> torch.Tensor:

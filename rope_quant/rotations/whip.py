@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from rope_quant.core import hadamard
+from rope_quant.core.threads import one_cpu_thread
 
 __all__ = [
     "WhipError",
@@ -177,7 +178,8 @@ QR_METHODS = ("householder", "cholesky")
 
 
 def _qr_householder(a: torch.Tensor) -> torch.Tensor:
-    q, r = torch.linalg.qr(a)
+    with one_cpu_thread(a.device):  # LAPACK's rounding follows the thread count (rope_quant.core.threads)
+        q, r = torch.linalg.qr(a)
     d = torch.diagonal(r, dim1=-2, dim2=-1)
     s = torch.where(d < 0, -torch.ones_like(d), torch.ones_like(d))
     return q * s.unsqueeze(-2)
@@ -189,9 +191,10 @@ def _cholesky_pass(a: torch.Tensor, checked: bool = True) -> torch.Tensor:
     ``checked=False``: no host read of the factorisation's status (a failure leaves non-finite values,
     which the caller's device-side check catches)."""
     gram = a.transpose(-1, -2) @ a
-    lower = torch.linalg.cholesky(gram) if checked else torch.linalg.cholesky_ex(gram).L  # AᵀA = L Lᵀ, R = Lᵀ
-    # Q = A L⁻ᵀ  <=>  Qᵀ = L⁻¹ Aᵀ
-    return torch.linalg.solve_triangular(lower, a.transpose(-1, -2), upper=False).transpose(-1, -2)
+    with one_cpu_thread(a.device):  # LAPACK's rounding follows the thread count (rope_quant.core.threads)
+        lower = torch.linalg.cholesky(gram) if checked else torch.linalg.cholesky_ex(gram).L  # AᵀA = L Lᵀ, R = Lᵀ
+        # Q = A L⁻ᵀ  <=>  Qᵀ = L⁻¹ Aᵀ
+        return torch.linalg.solve_triangular(lower, a.transpose(-1, -2), upper=False).transpose(-1, -2)
 
 
 def qr_orthogonal(a: torch.Tensor, method: str = "cholesky",
@@ -251,7 +254,8 @@ class _QRAnalytic(torch.autograd.Function):
         q, r = ctx.saved_tensors
         m = -(gq.transpose(-1, -2) @ q)
         b = gq + q @ (torch.tril(m) + torch.tril(m, -1).transpose(-1, -2))
-        return torch.linalg.solve_triangular(r.transpose(-1, -2), b, upper=False, left=False), None, None
+        with one_cpu_thread(b.device):
+            return torch.linalg.solve_triangular(r.transpose(-1, -2), b, upper=False, left=False), None, None
 
 
 # ------------------------------------------------------------------------------------------ fitting

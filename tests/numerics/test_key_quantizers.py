@@ -586,7 +586,9 @@ def test_the_pipeline_installs_each_key_quantiser_and_returns_to_the_default(emb
 # ----------------------------------------------------------------------------- the config: keys and errors
 
 
-#: (flat config, (key, weight_key, stats_key)) computed before the key-quantiser axis existed.
+#: (flat config, (key, weight_key, stats_key)) computed before the key-quantiser axis existed, at weight-cache
+#: format 2 (the keys a new field must keep; a new format changes the weight keys on purpose, see below).
+PINNED_FORMAT = 2
 FLAT_KEYS = [
     ({}, ('v4-93b7f31c5c32f184', 'v4-113f13dc5da25546', 'v4-e9f9c17b6ec5a039')),
     ({'k_bits': 3}, ('v4-aed76555e8398683', 'v4-113f13dc5da25546', 'v4-e9f9c17b6ec5a039')),
@@ -679,7 +681,15 @@ def _keys_of(cfg: RunConfig) -> tuple[str, str, str]:
     return cfg.key(), cfg.weight_key(), cfg.stats_key()
 
 
-def test_every_existing_key_is_unchanged():
+def test_every_existing_key_is_unchanged(monkeypatch):
+    """A new config field with a default keeps every key, read at the format the keys were pinned at; the current
+    format changes the weight keys (and the cell and statistics keys, which are read on the quantised weights)."""
+    from rope_quant.experiment import config as config_module
+
+    current = _keys_of(RunConfig.from_flat())
+    monkeypatch.setattr(config_module, "WEIGHT_CACHE_FORMAT", PINNED_FORMAT)
+    pinned = _keys_of(RunConfig.from_flat())
+    assert current[1] != pinned[1]  # the format is part of the weight key (and of the keys built on the weights)
     for flat, keys in FLAT_KEYS:
         cfg = RunConfig.from_flat(**flat) if isinstance(flat, dict) else RunConfig.from_flat(gptq=GPTQConfig(mse=False))
         assert _keys_of(cfg) == keys, flat
