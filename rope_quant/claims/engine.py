@@ -18,7 +18,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from rope_quant.claims.registry import Claim, ClaimError, Diff, MarginKind, Metric, Part, Side, Statistic
+from rope_quant.claims.registry import (
+    EVERY_SEED_FORMS,
+    Claim,
+    ClaimError,
+    Diff,
+    MarginKind,
+    Metric,
+    Part,
+    Side,
+    Statistic,
+)
 from rope_quant.claims.stores import ReplicateValues, Store
 from rope_quant.claims_json import holds_of
 from rope_quant.core import verdict as rule
@@ -174,11 +184,12 @@ def _pair_up(a: ReplicateValues, b: ReplicateValues,
 
 def _part(claim: Claim, part: Part, reader: _Reader, plan: Plan | None) -> PartResult:
     metric = str(part.metric)
-    t, c = reader.values(part.treatment, metric), reader.values(part.control, metric)
+    t, c = reader.values(part.treatment, metric), reader.values(part.control, str(part.control_metric or metric))
     margin = _margin(claim, part, reader)
     tokens = reader.tokens(part.treatment)
     if part.statistic is not Statistic.PAIRED:
-        return PartResult(part.name, _deterministic(part, t, c, reader), tuple(t), tuple(c), margin, tokens, None)
+        return PartResult(part.name, _deterministic(part, t, c, reader, margin), tuple(t), tuple(c), margin, tokens,
+                          None)
     by_seed = _pair_up(reader.replicates(part.treatment, metric), reader.replicates(part.control, metric),
                        lambda x, y: (x, y))
     index = {s: i for i, s in enumerate(reader.seeds)}
@@ -214,15 +225,24 @@ def _margin(claim: Claim, part: Part, reader: _Reader) -> Margin | None:
     return rule.equivalence_margin(mean)
 
 
-def _deterministic(part: Part, t: list[float], c: list[float], reader: _Reader) -> Verdict:
+def _every_seed(form: Form, x: float, y: float, m: float) -> bool:
+    """One seed of an :attr:`Statistic.EVERY_SEED` part (registry.EVERY_SEED_FORMS)."""
+    return {Form.GREATER: x > y, Form.LESS: x < y, Form.NON_SUPERIOR: x <= y + m, Form.NON_INFERIOR: x >= y - m,
+            Form.EQUIVALENT: abs(x - y) <= m}[form]
+
+
+def _deterministic(part: Part, t: list[float], c: list[float], reader: _Reader, margin: Margin | None) -> Verdict:
     """A part without sampling error: holds or fails (its note: the part's, else the criterion in words)."""
     import numpy as np
 
     tn, cn = _side_name(part.treatment), _side_name(part.control)
     sign = ">" if part.form is Form.GREATER else "<"
     if part.statistic is Statistic.EVERY_SEED:
-        holds = all((x > y) if part.form is Form.GREATER else (x < y) for x, y in zip(t, c, strict=True))
-        text = f"{part.metric.value}({tn}) {sign} {part.metric.value}({cn}) in every seed"
+        m = margin.value if margin else 0.0
+        holds = all(_every_seed(part.form, x, y, m) for x, y in zip(t, c, strict=True))
+        within = f" within ±{m:.3g}" if margin else ""
+        text = (f"{part.metric.value}({tn}) {EVERY_SEED_FORMS[part.form]} "
+                f"{(part.control_metric or part.metric).value}({cn}){within} in every seed")
     elif part.statistic is Statistic.MEANS:
         mt, mc = float(np.mean(t)), float(np.mean(c))
         holds = mt > mc if part.form is Form.GREATER else mt < mc

@@ -42,6 +42,19 @@ class Metric(StrEnum):
     K_RANGE_MEAN = "k_range_mean"
     K_REL_ERR = "k_rel_err"
     K_BITS = "k_bits_per_element"  # the stored bits per key element of the cell's key cache (after calibration)
+    R1_LOSS_INIT = "rotation_fit.loss_init"  # the whip loss of R1 at its random-Hadamard start (App. A.1)
+    R1_LOSS_FIT = "rotation_fit.loss_fit"  # the whip loss of the fitted R1
+
+
+def metric_value(result: Mapping[str, Any], metric: str) -> float:
+    """A :class:`Metric` of a cell's result: a key, or a dotted path into a nested record (``rotation_fit.loss_fit``);
+    a KeyError names what is missing."""
+    value: Any = result
+    for key in str(metric).split("."):
+        if not isinstance(value, Mapping) or key not in value:
+            raise KeyError(f"the cell's result has no {metric!r}")
+        value = value[key]
+    return float(value)
 
 
 class Resolve(StrEnum):
@@ -78,7 +91,7 @@ class Statistic(StrEnum):
     """How a part reads its per-seed values."""
 
     PAIRED = "paired"  # the rule on treatment − control per seed, with the float-order replicates
-    EVERY_SEED = "every_seed"  # no sampling error: the form's sign holds in every seed (holds or fails)
+    EVERY_SEED = "every_seed"  # no sampling error: the form holds in every seed (holds or fails; EVERY_SEED_FORMS)
     MEANS = "means"  # no sampling error: the form's sign holds between the seed means
     WITHIN_SHARE = "within_share"  # no sampling error: |mean(t − c)| < share · mean(reference − c)
 
@@ -215,6 +228,10 @@ class MarginRule:
 
 NO_MARGIN = MarginRule()
 _MARGIN_FORMS = (Form.EQUIVALENT, Form.NON_INFERIOR, Form.NON_SUPERIOR)
+EVERY_SEED_FORMS = {Form.GREATER: ">", Form.LESS: "<", Form.NON_SUPERIOR: "≤", Form.NON_INFERIOR: "≥",
+                    Form.EQUIVALENT: "≡"}
+"""The forms :attr:`Statistic.EVERY_SEED` reads, per seed: t > c, t < c, t ≤ c + m, t ≥ c − m (m: the part's margin,
+0 without one; C4's "non-increasing in b"), |t − c| ≤ m (a margin needed; C4's endpoints)."""
 
 
 def side_cells(side: Side) -> tuple[str, ...]:
@@ -225,8 +242,9 @@ def side_cells(side: Side) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Part:
     """One comparison of a claim: ``treatment`` against ``control`` in ``form``, read by ``statistic`` on
-    ``metric``. ``reference`` / ``share``: :attr:`Statistic.WITHIN_SHARE`'s scale (C2's robust part: a quarter
-    of pairwise_only's gap). ``note``: the text a deterministic part's verdict carries."""
+    ``metric`` (``control_metric``: the control's, where it reads another: A.1's whip loss after the fit against the
+    same cell's loss before). ``reference`` / ``share``: :attr:`Statistic.WITHIN_SHARE`'s scale (C2's robust part:
+    a quarter of pairwise_only's gap). ``note``: the text a deterministic part's verdict carries."""
 
     name: str
     treatment: Side
@@ -238,18 +256,30 @@ class Part:
     reference: str | None = None
     share: float | None = None
     note: str = ""
+    control_metric: Metric | None = None
 
     def __post_init__(self) -> None:
         needs = self.form in _MARGIN_FORMS
-        if self.statistic is Statistic.PAIRED and needs != (self.margin.kind is not MarginKind.NONE):
+        margin = self.margin.kind is not MarginKind.NONE
+        if self.statistic is Statistic.PAIRED and needs != margin:
             raise ClaimError(f"part {self.name!r}: {self.form.value} " + (
                 "needs a margin" if needs else "takes no margin (its boundary is 0)"))
-        if self.statistic is not Statistic.PAIRED:
+        if self.statistic is Statistic.EVERY_SEED:
+            if self.form not in EVERY_SEED_FORMS:
+                raise ClaimError(f"part {self.name!r}: {self.statistic.value} reads "
+                                 f"{', '.join(f.value for f in EVERY_SEED_FORMS)}, not {self.form.value}")
+            if self.form is Form.EQUIVALENT and not margin:
+                raise ClaimError(f"part {self.name!r}: {self.form.value} every seed needs a margin")
+            if self.form in (Form.GREATER, Form.LESS) and margin:
+                raise ClaimError(f"part {self.name!r}: {self.form.value} every seed takes no margin")
+        elif self.statistic is not Statistic.PAIRED:
             if self.form not in (Form.GREATER, Form.LESS) and self.statistic is not Statistic.WITHIN_SHARE:
                 raise ClaimError(f"part {self.name!r}: {self.statistic.value} reads greater or less, not "
                                  f"{self.form.value}")
-            if self.margin.kind is not MarginKind.NONE:
+            if margin:
                 raise ClaimError(f"part {self.name!r}: {self.statistic.value} takes no margin")
+        if self.control_metric is not None and self.statistic is Statistic.PAIRED:
+            raise ClaimError(f"part {self.name!r}: a paired part reads one metric on both sides")
         within = self.statistic is Statistic.WITHIN_SHARE
         if within != (self.reference is not None and self.share is not None):
             raise ClaimError(f"part {self.name!r}: reference and share go with {Statistic.WITHIN_SHARE.value} only")

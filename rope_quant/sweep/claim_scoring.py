@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from rope_quant.claims.registry import Override, Scoring, length_of, overrides_of, scoring_of
+from rope_quant.claims.registry import Override, Scoring, length_of, metric_value, overrides_of, scoring_of
 from rope_quant.sweep.cellkind import CellKindName, SweepError, kind_of, run_of, with_overrides
 from rope_quant.sweep.kinds.long_context import LongContextConfig
 
@@ -102,8 +102,11 @@ def scored_value(cfg: Any, result: Mapping[str, Any], metric: str) -> float | No
     length = long_length(cfg)
     if length is not None:
         result = (result.get("lengths") or {}).get(str(length)) or {}
-    value = result.get(str(metric))
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    try:
+        value = metric_value(result, str(metric))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def scored_tokens(cfg: Any, result: Mapping[str, Any]) -> int | None:

@@ -36,6 +36,7 @@ from rope_quant.claims.registry import (
     Override,
     Scoring,
     length_of,
+    metric_value,
     overrides_of,
     scoring_of,
 )
@@ -104,7 +105,7 @@ class ExperimentStore:
             return float(self.exp.long_context(seed, (length,), **ov)[length].ppl)
         if scoring_of(cell) is Scoring.RUNTIME:
             return float(self.exp.runtime_cell(seed, **ov)[str(metric)])
-        return float(self.exp.cell(seed, **ov)[str(metric)])
+        return metric_value(self.exp.cell(seed, **ov), str(metric))
 
     def values(self, cell: Mapping[str, Override], seeds: Sequence[int], metric: str = Metric.PPL) -> list[float]:
         return [self._value(cell, int(s), metric) for s in seeds]

@@ -142,7 +142,8 @@ def test_report_writes_the_engines_verdicts_in_the_claims_json(swept: Path, tmp_
     left = {d["id"]: d["reason"] for d in data["left_out"]}
     assert "C2" not in rows and left["C2"].startswith("not in this directory (its cells are not in the manifest): "
                                                       "`rope-quant claims --claims C2` into it adds them")
-    assert sorted(rows) == ["C1", "C3", "C3-mean", "C8"]  # C8 reads C1's cells, C3-mean C3's: planned
+    # C8 and A1-whip read C1's cells, C3-mean C3's: planned
+    assert sorted(rows) == ["A1-whip", "C1", "C3", "C3-mean", "C8"]
     assert {i for i in left if registry.get(i).group == registry.PAPER
             and not left[i].startswith("not in this directory")} == set()
     runtime = set(registry.active().ids("llamacpp"))  # scored by llama.cpp: pytest's front decides them
@@ -268,7 +269,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path, capsys) -> N
     out, cells = tmp_path / "cl", Cells()
     assert _claims(out, "--dry-run", cells=cells) == 0
     printed = capsys.readouterr().out
-    for text in ("claims plan: 13 claims at seeds 0,1,2", "| App-F |", "| C4-ppl |", "| C7-8K | pairwise_only+L=8192",
+    for text in ("claims plan: 16 claims at seeds 0,1,2", "| App-F |", "| C4-ppl |", "| C7-8K | pairwise_only+L=8192",
                  "cost estimate", "long context L=8192", "dry run: "):
         assert text in printed, text
     assert "left out" not in printed
@@ -367,7 +368,7 @@ def test_the_requested_table_is_written_when_other_claims_cannot_adapt(tmp_path:
     printed = capsys.readouterr()
     assert code == 0, printed.err
     data = json.loads((out / "claims.json").read_text())
-    assert [r["id"] for r in data["claims"]] == ["C1", "C8"]
+    assert [r["id"] for r in data["claims"]] == ["C1", "C8", "A1-whip"]  # A1-whip reads C1's hadamard cell
     assert all(r["seeds"] == [0, 1, 2] and r["decision"]["outcome"] for r in data["claims"])
     left = {d["id"]: d["reason"] for d in data["left_out"]}
     pairbits = [c.id for c in registry.claims(registry.KEYS) if c.id.startswith("K-pairbits-")]
@@ -403,7 +404,7 @@ def test_a_claim_nobody_asked_for_never_stops_the_table(tmp_path: Path, capsys) 
         assert _claims(out, "--claims", "C1", "--seeds", "0,1") == 0
         data = json.loads((out / "claims.json").read_text())
         left = {d["id"]: d["reason"] for d in data["left_out"]}
-        assert [r["id"] for r in data["claims"]] == ["C1", "C8"]  # C8 reads C1's cells: planned
+        assert [r["id"] for r in data["claims"]] == ["C1", "C8", "A1-whip"]  # they read C1's cells: planned
         assert left["X-unequal"].startswith("it cannot be adapted to smollm2-135m: claim X-unequal, part 'p': its "
                                             "cells do not store equal bits"), left["X-unequal"]
         assert cli.main(["report", str(out)]) == 0
@@ -447,8 +448,9 @@ def test_every_entry_of_paper_py_is_registered_in_its_order() -> None:
     defined = [v for v in vars(paper).values() if isinstance(v, registry.Claim)]
     assert defined and all(registry.get(c.id) is c for c in defined)
     assert paper.PAPER == registry.claims(registry.PAPER)[: len(paper.PAPER)]
-    assert [c.id for c in paper.PAPER] == ["C1", "C2", "C3", "C3-mean", "C4-ppl", "C6", "C7", "C7-8K", "C8", "App-F",
-                                           "beyond-commuting", "beyond-range", "beyond-range-pph"]
+    assert [c.id for c in paper.PAPER] == ["C1", "C2", "C3", "C3-mean", "C4-ppl", "C4-K", "C4-ends", "C6", "C7",
+                                           "C7-8K", "C8", "App-F", "A1-whip", "beyond-commuting", "beyond-range",
+                                           "beyond-range-pph"]
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["plan", "run"])

@@ -89,7 +89,7 @@ def test_the_cli_and_the_pytest_front_give_equal_support_and_long_values(tmp_pat
         assert len(set(cli_values)) == len(SEEDS) and all(v > 1 for v in cli_values), cli_values  # scored, per seed
         assert front.tokens(given) == store.tokens(claim_cell), what
     rows = {r["id"] for r in json.loads((out / "claims.json").read_text())["claims"]}
-    assert rows == {"C4-ppl", "C7"}
+    assert rows == {"C4-ppl", "C7", "C4-K", "A1-whip"}  # C4-K reads C4-ppl's cells, A1-whip the comparator's
 
 
 def test_the_cli_defaults_are_the_pytest_fronts_sizes() -> None:

@@ -196,14 +196,15 @@ def test_the_cli_selects_the_key_group_and_plans_without_loading(tmp_path: Path,
 
 def test_the_pytest_front_runs_the_paper_claims_by_default_and_the_key_claims_in_slow_only() -> None:
     """On the default model the registry front is the paper's claims table: the claims CI's budget holds run by
-    default (C1, C2, C3 and its mean sign, C4's perplexity steps, C8), the rest of the paper's and every key claim
-    in ``slow``."""
+    default (C1, C2, C3 and its mean sign, C4's perplexity steps, K metrics and endpoints, C8, A.1's whip fit), the
+    rest of the paper's and every key claim in ``slow``."""
     def collect(*flags: str) -> list[str]:
         out = subprocess.run([sys.executable, "-m", "pytest", "tests/e2e/test_registry_claims.py", "--collect-only",
                               "-q", "-p", "no:cacheprovider", *flags], capture_output=True, text=True, cwd=REPO)
         return [line.split("[", 1)[1].rstrip("]") for line in out.stdout.splitlines() if "::" in line]
 
-    assert collect() == [f"smollm2-135m-{c}" for c in ("C1", "C2", "C3", "C3-mean", "C4-ppl", "C8")]
+    assert collect() == [f"smollm2-135m-{c}" for c in ("C1", "C2", "C3", "C3-mean", "C4-ppl", "C4-K", "C4-ends", "C8",
+                                                       "A1-whip")]
     slow = collect("--run-slow")
     assert slow == [f"smollm2-135m-{c.id}" for c in registry.claims()]
     assert [c.id for c in keys.KEY_CLAIMS] == [c.split("-", 2)[2] for c in slow if "-K-" in c]

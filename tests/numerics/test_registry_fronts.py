@@ -84,8 +84,10 @@ def test_the_plan_of_the_whole_table_is_printed_before_the_model_loads(monkeypat
     assert {registry.PAPER, registry.KEYS} <= {c.group for c in registry.claims()}
     # the paper's 120 short-context cells and 18 builds, the key claims' 108 and 9 (the next test),
     # sharing W4A4KV4's per-token reference (3 seeds x 2 float orders) and W4A4KV4's 6 builds
-    # 222 of the paper and key claims, 12 of the llama.cpp claims (4 KV-only configs x 3 seeds)
-    assert "cells: 234 short-context cells over 21 weight builds (seed x bits x float order)" in text, text
+    # 222 of the paper and key claims, 12 of the llama.cpp claims (4 KV-only configs x 3 seeds), 6 of C4-ends
+    # (pair_h2 on support windows and b=64 on 4-bit keys alone, 3 seeds each, no replicate: deterministic parts;
+    # hadamard on 4-bit keys alone is the key claims' reference)
+    assert "cells: 240 short-context cells over 21 weight builds (seed x bits x float order)" in text, text
     for length in (1024, 4096, 8192):
         row = next(line for line in text.splitlines() if line.startswith(f"| long context L={length} |"))
         assert row.endswith("| 12 |"), row  # 2 cells x 3 seeds x 2 float orders, one window each
