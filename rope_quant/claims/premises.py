@@ -184,13 +184,18 @@ def resolve(claim: Claim, facts: ModelFacts) -> Claim | str:
     for name in todo:  # a value resolved from d may leave the cell's key quantiser unable to run at d
         if why := head_dim_refusal(cells[name], d):
             return f"its cells cannot adapt to head_dim {d}: {why}"
-    label = "; ".join(f"{_LABEL[Resolve(v)]}: {', '.join(f'{k}={x}' for k, x in items.items())}"
+    label = "; ".join(f"{_label(Resolve(v), items)}: {', '.join(f'{k}={x}' for k, x in items.items())}"
                       for v, items in named.items())
     return replace(claim, cells=cells, title=f"{claim.title} [on {facts.model_type or 'this model'}: {label}]")
 
 
 _LABEL = {Resolve.HEAD_DIM: "G = head_dim", Resolve.EQUAL_PAIR_AVG: "equal-bits mean width",
           Resolve.BEST_FOLDABLE_R3: "best foldable R3"}
+
+
+def _label(what: Resolve, items: Mapping[str, Override]) -> str:
+    """How a claim's title names a resolved value: a block size b = d_h (C4's last block) or the key's label."""
+    return "b = head_dim" if what is Resolve.HEAD_DIM and set(items) == {"r3_block"} else _LABEL[what]
 
 
 def _resolved(what: Resolve, key: str, cell: Mapping[str, Override], facts: ModelFacts) -> dict[str, Override] | str:

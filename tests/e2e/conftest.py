@@ -353,7 +353,7 @@ _DESELECTED = pytest.StashKey[int]()
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """With ``--rq-model`` naming other models only, nothing runs on the default model: this directory's tests
-    that use :data:`DEFAULT_MODEL_FIXTURES` are deselected (the registry and cross-model claims run on the named
+    that use :data:`DEFAULT_MODEL_FIXTURES` are deselected (the registry's claims, App. I's among them, run on the named
     models)."""
     named = explicit_models(config)
     if not named or DEFAULT_MODEL in {m.lower() for m in named}:

@@ -101,6 +101,10 @@ MEASURED_NOT_TO_HOLD: dict[tuple[str, str], str] = {
         "claims-pytest-gemma3-xeon-2threads.json)"),
     ("gemma3-270m", "C3-mean"): (
         "the same cells as C3 (measured at 2791aad): mean ppl(k_only) − mean ppl(rows) = +214.420 > 0: fails"),
+    ("gemma3-270m", "C3-kv"): (
+        "measured 2026-11-27 at d84b643 (Intel Xeon, 1 thread, seeds 0-2, 12 x 512 pydoc tokens, W16A16KV4, no BOS; "
+        "Gemma 3 has one KV head): k_only 299.34, 266.58, 262.86 against rows 149.75, 148.42, 162.19; +122.81 (90% "
+        "CI +81.01, +164.60): refuted (docs/runs/claims-xeon-1thread-cross-model.json)"),
     ("gemma3-270m", "L3"): (
         "measured 2026-12-06 at 252746a (Intel Xeon, 2 threads, llama-cpp-python 0.3.36, seeds 0-2, 12 x 512 pydoc "
         "tokens, KV only, q4_0 keys): with llama.cpp's rotation off the simulator gives 39.694 against its 41.135 "

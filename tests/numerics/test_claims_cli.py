@@ -269,7 +269,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path, capsys) -> N
     out, cells = tmp_path / "cl", Cells()
     assert _claims(out, "--dry-run", cells=cells) == 0
     printed = capsys.readouterr().out
-    for text in ("claims plan: 16 claims at seeds 0,1,2", "| App-F |", "| C4-ppl |", "| C7-8K | pairwise_only+L=8192",
+    for text in ("claims plan: 20 claims at seeds 0,1,2", "| App-F |", "| C4-ppl |", "| C7-8K | pairwise_only+L=8192",
                  "cost estimate", "long context L=8192", "dry run: "):
         assert text in printed, text
     assert "left out" not in printed

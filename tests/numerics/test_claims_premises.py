@@ -29,7 +29,9 @@ def _llama(head_dim: int) -> SimpleNamespace:
 def test_a_llama_checkpoint_meets_every_premise_at_head_dim_64() -> None:
     got = premises_of(_llama(64))
     assert got == {Premise.ROPE: None, Premise.R1_FOLDABLE: None, Premise.HEAD_DIM_64: None}
-    assert all(adapt(c, got) is c for c in registry.claims(registry.PAPER))  # every paper claim runs as written
+    fixed = [c for c in registry.claims(registry.PAPER) if not c.unresolved()]  # C4-K-kv's last block is d_h
+    assert len(fixed) == len(registry.claims(registry.PAPER)) - 1
+    assert all(adapt(c, got) is c for c in fixed)  # every paper claim without a model-dependent value runs as written
     small = premises_of(_llama(16))
     assert small[Premise.HEAD_DIM_64] is not None and "head_dim 16" in small[Premise.HEAD_DIM_64]
     assert isinstance(adapt(registry.get("C4-ppl"), small), str)  # C4's blocks end at 64: skipped with the reason

@@ -86,8 +86,10 @@ def test_the_plan_of_the_whole_table_is_printed_before_the_model_loads(monkeypat
     # sharing W4A4KV4's per-token reference (3 seeds x 2 float orders) and W4A4KV4's 6 builds
     # 222 of the paper and key claims, 12 of the llama.cpp claims (4 KV-only configs x 3 seeds), 6 of C4-ends
     # (pair_h2 on support windows and b=64 on 4-bit keys alone, 3 seeds each, no replicate: deterministic parts;
-    # hadamard on 4-bit keys alone is the key claims' reference)
-    assert "cells: 240 short-context cells over 21 weight builds (seed x bits x float order)" in text, text
+    # hadamard on 4-bit keys alone is the key claims' reference), 30 and 3 builds of App. I's (claims/cross_model.py:
+    # per seed pairwise_only and k_only on 4-bit keys alone, C4's 6 blocks there on support windows, and W4A16KV4's
+    # hadamard and pairwise_only, one GPTQ build without a replicate: every-seed parts)
+    assert "cells: 270 short-context cells over 24 weight builds (seed x bits x float order)" in text, text
     for length in (1024, 4096, 8192):
         row = next(line for line in text.splitlines() if line.startswith(f"| long context L={length} |"))
         assert row.endswith("| 12 |"), row  # 2 cells x 3 seeds x 2 float orders, one window each
@@ -102,7 +104,7 @@ def test_the_plan_names_the_claims_a_session_selects(monkeypatch: pytest.MonkeyP
         _front(monkeypatch, lines, selected=["C1", "K-kivi-id-KV4", "not-a-claim"])
     total = len(registry.claims())
     assert f"collected here: 2 of the {total} (the plan below is the whole table's): C1, K-kivi-id-KV4" in lines[0]
-    assert "cells: 234 short-context cells" in lines[0]
+    assert "cells: 270 short-context cells" in lines[0]
 
 
 def test_the_key_claims_resolve_from_the_config_and_count_their_cells() -> None:
