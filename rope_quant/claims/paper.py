@@ -56,6 +56,7 @@ class PaperClaim(StrEnum):
     BEYOND_COMMUTING = "beyond-commuting"
     BEYOND_RANGE = "beyond-range"
     BEYOND_RANGE_PPH = "beyond-range-pph"
+    BEYOND_LEARNED = "beyond-learned"
 
 
 PIPELINE = (Premise.ROPE, Premise.R1_FOLDABLE)
@@ -263,6 +264,19 @@ BEYOND_RANGE_PPH = register(Claim(
      "hadamard": HADAMARD},
     (Part("K range below hadamard's, every seed", "pph range per_head", "hadamard", Form.LESS, Statistic.EVERY_SEED,
           metric=Metric.K_RANGE_MEAN),), PIPELINE, slow=True))
+
+KV_ONLY: Mapping[str, Override] = {k: v for k, v in KEYS_ALONE.items() if k not in ("weights", "r4")}
+"""4-bit keys alone as the foldable rows were measured (docs/foldable_r3.md): :data:`~rope_quant.defaults.KEYS_ALONE`
+with the default weight mode (GPTQ at 16 bits: no quantiser) and the online R4 left on."""
+
+BEYOND_LEARNED = register(Claim(
+    PaperClaim.BEYOND_LEARNED, "Beyond: learned orthogonal R3 vs hadamard, K error, KV4",
+    "The learned orthogonal R3 (not foldable; it starts at the Hadamard and keeps its best iterate on the "
+    "calibration sample) has a relative K error on the evaluation keys at most the Hadamard's, in every seed.",
+    "beyond the paper", {"learned_orthogonal": cell(r3="learned_orthogonal", **KV_ONLY),
+                         "hadamard": cell(r3="hadamard", **KV_ONLY)},
+    (Part("k_rel_err(learned_orthogonal) ≤ k_rel_err(hadamard) every seed", "learned_orthogonal", "hadamard",
+          Form.NON_SUPERIOR, Statistic.EVERY_SEED, metric=Metric.K_REL_ERR),), (Premise.ROPE,), slow=True))
 
 PAPER: tuple[Claim, ...] = claims(GROUP)
 """Every entry of this module, in the claims table's order: the order they are registered in above."""

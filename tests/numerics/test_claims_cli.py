@@ -269,7 +269,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path, capsys) -> N
     out, cells = tmp_path / "cl", Cells()
     assert _claims(out, "--dry-run", cells=cells) == 0
     printed = capsys.readouterr().out
-    for text in ("claims plan: 20 claims at seeds 0,1,2", "| App-F |", "| C4-ppl |", "| C7-8K | pairwise_only+L=8192",
+    for text in ("claims plan: 21 claims at seeds 0,1,2", "| App-F |", "| C4-ppl |", "| C7-8K | pairwise_only+L=8192",
                  "cost estimate", "long context L=8192", "dry run: "):
         assert text in printed, text
     assert "left out" not in printed
@@ -450,7 +450,7 @@ def test_every_entry_of_paper_py_is_registered_in_its_order() -> None:
     assert paper.PAPER == registry.claims(registry.PAPER)[: len(paper.PAPER)]
     assert [c.id for c in paper.PAPER] == ["C1", "C2", "C3", "C3-mean", "C4-ppl", "C4-K", "C4-ends", "C6", "C7",
                                            "C7-8K", "C8", "App-F", "A1-whip", "beyond-commuting", "beyond-range",
-                                           "beyond-range-pph"]
+                                           "beyond-range-pph", "beyond-learned"]
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["plan", "run"])
