@@ -365,3 +365,54 @@ def test_the_engine_records_the_outlier_flag_by_seed_number() -> None:
     _fill(clean, PW, [h + g for h, g in zip(had, [1.1, 0.9, 1.0, 1.2, 0.95], strict=True)], seed=32)
     quiet = engine.evaluate(claim, clean, SEEDS, sequential.Plan(3, 40))
     assert quiet.verdict.outlier is None and quiet.to_dict()["outlier"] == ""
+
+
+def test_every_seed_reads_at_most_at_least_and_equivalence_within_a_margin() -> None:
+    """The every-seed statistic per seed: ≤ (C4-K: non-increasing in b) holds on ties and fails on one seed above;
+    ≡ within a relative margin (C4-ends) holds inside it and fails one seed outside; the control may read another
+    metric of the same cell (A1-whip: the fitted loss against the start)."""
+    small, big = cell(r3="block_hadamard", r3_block=4), cell(r3="block_hadamard", r3_block=2)
+    store = MemoryStore()
+    store.put_seeds(big, SEEDS, [10.0, 10.0, 10.0, 10.0, 10.0], metric=Metric.K_RANGE_MEAN)
+
+    def decide(values: list[float], part: Part) -> Outcome:
+        store.put_seeds(small, SEEDS, values, metric=part.metric)
+        claim = Claim("X-every", "x", "x", "x", {"small": small, "big": big}, (part,), premises=())
+        return engine.evaluate(claim, store, SEEDS).verdict.outcome
+
+    at_most = Part("≤", "small", "big", Form.NON_SUPERIOR, Statistic.EVERY_SEED, metric=Metric.K_RANGE_MEAN)
+    assert decide([9.0, 10.0, 9.5, 9.9, 10.0], at_most) is Outcome.HOLDS  # ties hold
+    assert decide([9.0, 10.0, 9.5, 10.001, 9.0], at_most) is Outcome.FAILS
+    at_least = Part("≥", "small", "big", Form.NON_INFERIOR, Statistic.EVERY_SEED, metric=Metric.K_RANGE_MEAN)
+    assert decide([10.0, 10.5, 11.0, 10.0, 12.0], at_least) is Outcome.HOLDS
+    assert decide([10.0, 9.99, 11.0, 10.0, 12.0], at_least) is Outcome.FAILS
+    same = Part("≡", "small", "big", Form.EQUIVALENT, Statistic.EVERY_SEED, MarginRule.relative("big", 5e-3),
+                metric=Metric.K_RANGE_MEAN)
+    assert decide([10.04, 9.96, 10.0, 10.049, 9.951], same) is Outcome.HOLDS  # |t − c| ≤ 0.05 = 5e-3 · mean(c)
+    assert decide([10.04, 9.96, 10.0, 10.051, 9.951], same) is Outcome.FAILS
+    store.put_seeds(big, SEEDS, [296.0, 295.7, 296.0, 296.1, 295.9], metric=Metric.R1_LOSS_INIT)
+    fit = Part("fit < start", "small", "big", Form.LESS, Statistic.EVERY_SEED, metric=Metric.R1_LOSS_FIT,
+               control_metric=Metric.R1_LOSS_INIT)
+    assert decide([287.1, 287.0, 287.5, 287.2, 287.3], fit) is Outcome.HOLDS
+    assert decide([287.1, 287.0, 296.5, 287.2, 287.3], fit) is Outcome.FAILS
+
+
+def test_every_seed_parts_refuse_what_they_cannot_read() -> None:
+    with pytest.raises(ClaimError, match="needs a margin"):
+        Part("p", "a", "b", Form.EQUIVALENT, Statistic.EVERY_SEED)
+    with pytest.raises(ClaimError, match="takes no margin"):
+        Part("p", "a", "b", Form.GREATER, Statistic.EVERY_SEED, MarginRule.fixed(0.1))
+    with pytest.raises(ClaimError, match="one metric on both sides"):
+        Part("p", "a", "b", Form.GREATER, control_metric=Metric.K_RANGE_MEAN)
+    with pytest.raises(ClaimError, match="reads greater or less"):
+        Part("p", "a", "b", Form.NON_SUPERIOR, Statistic.MEANS)
+
+
+def test_a_metric_is_a_key_or_a_dotted_path_into_the_cell_record() -> None:
+    record = {"ppl": 14.2, "rotation_fit": {"kind": "whip", "loss_init": 296.0, "loss_fit": 287.1}}
+    assert registry.metric_value(record, Metric.PPL) == 14.2
+    assert registry.metric_value(record, Metric.R1_LOSS_FIT) == 287.1
+    with pytest.raises(KeyError, match="rotation_fit.loss_init"):
+        registry.metric_value({"ppl": 1.0, "rotation_fit": {}}, Metric.R1_LOSS_INIT)
+    with pytest.raises(KeyError, match="k_rel_err"):
+        registry.metric_value(record, Metric.K_REL_ERR)
