@@ -224,11 +224,12 @@ class Protocol:
 
 
 def protocol_for(claim: Claim, premises: Mapping[Premise, str | None]) -> Protocol:
-    """The nearest protocol ``claim`` runs under on a model with ``premises`` (module docstring)."""
+    """The nearest protocol ``claim`` runs under on a model with ``premises`` (module docstring). A claim whose cells
+    set R1 themselves (A1-whip: the whip fit) is about R1, so a model that refuses R1 skips it instead."""
     missing = {p: premises.get(p) or "" for p in claim.premises if premises.get(p) is not None}
     if not missing:
         return Protocol({})
-    if set(missing) == {Premise.R1_FOLDABLE}:
+    if set(missing) == {Premise.R1_FOLDABLE} and not any("r1" in c for c in claim.cells.values()):
         return Protocol({"r1": "identity"}, f"R1 refused by the architecture ({missing[Premise.R1_FOLDABLE]}): "
                                             "every cell runs with r1=identity (R2, R4 and the online R3 unchanged)")
     return Protocol({}, skip="; ".join(f"{p.value}: {why}" for p, why in missing.items()))

@@ -55,7 +55,14 @@ class Cells:
     def result(self, cfg) -> dict:
         """The cell's result (a subclass draws other numbers)."""
         value = ppl(cfg)
-        return {"ppl": value, "n_tokens": 64, "k_range_mean": value / 4, "k_rel_err": value / 100}
+        return {"ppl": value, "n_tokens": 64, "k_range_mean": value / 4, "k_rel_err": value / 100, **whip_fit(cfg)}
+
+
+def whip_fit(cfg) -> dict:
+    """A whip R1's fit record, as a real cell writes it (A1-whip reads its losses); none for another R1."""
+    if getattr(cfg, "flat", None) is None or cfg.flat().get("r1") != "whip":
+        return {}
+    return {"rotation_fit": {"kind": "whip", "loss_init": 296.0 + cfg.seed / 10, "loss_fit": 287.0, "steps": 20}}
 
 
 def _ident(cfg) -> tuple:

@@ -64,3 +64,6 @@ def test_the_nearest_protocol_is_taken_only_for_r1() -> None:
     assert protocol_for(claim, no_r1).overrides == {"r1": "identity"}
     no_rope = {**met, Premise.ROPE: "model type 'bert' is not supported"}
     assert protocol_for(claim, no_rope).skip.startswith("rope: model type 'bert'")
+    # a claim whose cells set R1 is about R1 (A1-whip: the whip fit): no R1 means no claim, not r1=identity
+    whip = protocol_for(registry.get("A1-whip"), no_r1)
+    assert whip.overrides == {} and whip.skip == "r1_foldable: sandwich norms"

@@ -25,6 +25,7 @@ from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX
 from rope_quant.sweep.kinds.long_context import LongContextConfig
 from rope_quant.sweep.manifest import read_manifest
 from tests.numerics.test_claims_cli import Cells as PlainCells
+from tests.numerics.test_claims_cli import whip_fit
 
 TINY = ["--seqlen", "64", "--calib-windows", "1", "--eval-windows", "1", "--quiet"]
 BLOCKS = (2, 4, 8, 16, 32, 64)
@@ -56,7 +57,8 @@ class Cells(PlainCells):
         if isinstance(cfg, LongContextConfig):
             (length,) = cfg.lengths
             return {"lengths": {str(length): {"ppl": value, "n_tokens": windows * (length - 1), "seqlen": length}}}
-        return {"ppl": value, "n_tokens": windows * 63, "k_range_mean": value / 4, "k_rel_err": value / 100}
+        return {"ppl": value, "n_tokens": windows * 63, "k_range_mean": value / 4, "k_rel_err": value / 100,
+                **whip_fit(cfg)}
 
 
 def _claims(out: Path, *flags: str, cells: Cells | None = None) -> int:
@@ -118,7 +120,7 @@ def test_claims_json_holds_their_rows_read_from_the_records(swept: tuple[Path, C
     counted as the pytest front counts them (windows × L)."""
     out, _ = swept
     rows = {r["id"]: r for r in json.loads((out / "claims.json").read_text())["claims"]}
-    assert set(rows) == {"C4-ppl", "C7"}
+    assert set(rows) == {"C4-ppl", "C7", "C4-K", "A1-whip"}  # C4-K reads C4-ppl's cells, A1-whip the comparator
     store = DirectoryStore(out)
     for cid in ("C4-ppl", "C7"):
         direct = json.loads(json.dumps(engine.evaluate(registry.get(cid), store, (0, 1)).to_dict("smollm2-135m")))
@@ -158,7 +160,7 @@ def test_decide_adds_seeds_with_their_support_and_long_cells(tmp_path: Path) -> 
     cells = Cells()
     assert cli.main(["decide", str(out), "--max-seeds", "3"], cell_fn=cells) == 0
     rows = {r["id"]: r for r in json.loads((out / "decisions.json").read_text())["claims"]}
-    assert set(rows) == {"C4-ppl", "C7"}
+    assert set(rows) == {"C4-ppl", "C7", "C4-K", "A1-whip"}
     extended = [cid for cid in rows if rows[cid]["seeds"] == [0, 1, 2]]
     assert extended, {cid: r["verdict"] for cid, r in rows.items()}
     want = {i for i in _expected((2,)) if i[3] == 1 and i[4] is None}  # the comparator
