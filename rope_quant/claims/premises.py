@@ -6,8 +6,8 @@ nearest protocol a claim runs under where one premise is missing (named in its r
 * ``head_dim_64``: C4's block sizes 2 … 64 end at d_h.
 
 A claim whose only missing premise is ``r1_foldable`` runs with ``r1=identity`` in every cell (R2, R4 and the
-online R3 unchanged; the paper's pipeline without R1, the deviation named); any other missing premise skips
-the claim with its reason.
+online R3 unchanged; the paper's pipeline without R1, the deviation named), unless its cells set ``r1``
+themselves (A1-whip: a claim about R1); any other missing premise skips the claim with its reason.
 
 A checkpoint's config is read once (:func:`read_checkpoint`): its :class:`ModelFacts` hold the config itself,
 the premises, head_dim (the key quantisers' limits), the geometry, the R1 refusal, or why the config cannot be
