@@ -5,7 +5,7 @@ Every verdict the rule writes keeps its per-seed paired differences (``diffs``) 
 (``float_order.shifts``). A JSON written before ``diffs`` were recorded gives them as the part's treatment −
 control (``numbers``), or, where it kept only per-config lists, as the one ordered pair of lists whose mean
 difference is the recorded mean. :func:`replay_row` rebuilds a row's sampled parts from them and reads the claim
-look by look as ``--rq-until-decided`` would have (:func:`rope_quant.core.sequential.replay_claim`); a part
+look by look as ``--rq-until-decided`` would have (the engine's :func:`rope_quant.claims.values.replay`); a part
 without sampling error keeps its recorded outcome. The replayed verdict carries the outlier flag of its seeds
 (:mod:`rope_quant.core.outlier`, computed by the rule itself, so a JSON written before the flag existed gets it too),
 naming the seeds by the row's ``seeds`` where it kept them. The recorded equivalence margin is used at every look
@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from rope_quant.analysis.reproduce import read_claims_payload
-from rope_quant.core.sequential import Plan, PlanError, Recorded, replay_claim
-from rope_quant.core.verdict import Form, Verdict, deterministic
+from rope_quant.claims.values import replay
+from rope_quant.core.sequential import Plan, PlanError, Recorded
+from rope_quant.core.verdict import Form, Verdict
 from rope_quant.io import markdown_table
 
 
@@ -66,19 +67,19 @@ def _diffs(name: str, d: Mapping[str, Any], numbers: Mapping[str, Any]) -> list[
     return found[0] if len(found) == 1 else None
 
 
-def recorded_parts(row: Mapping[str, Any]) -> tuple[list[Recorded], list[Verdict], str]:
-    """(sampled parts, fixed parts, why not replayable or "") of a claims JSON row: its ``parts`` where it has
-    them, else its ``decision`` as the claim's one part."""
+def recorded_parts(row: Mapping[str, Any]) -> tuple[list[Recorded], list[tuple[bool, str]], str]:
+    """(sampled parts, fixed parts as (holds, note), why not replayable or "") of a claims JSON row: its ``parts``
+    where it has them, else its ``decision`` as the claim's one part."""
     parts = row.get("parts") or {"claim": row.get("decision") or {}}
     got = row.get("numbers")
     numbers: Mapping[str, Any] = got if isinstance(got, Mapping) else {}
     sampled: list[Recorded] = []
-    fixed: list[Verdict] = []
+    fixed: list[tuple[bool, str]] = []
     for name, d in parts.items():
         if not isinstance(d, Mapping):
             return [], [], f"part {name!r} has no recorded verdict"
         if d.get("form") is None:  # a part without sampling error (holds / fails, no interval)
-            fixed.append(deterministic(d.get("outcome") == "holds", str(d.get("note") or name)))
+            fixed.append((d.get("outcome") == "holds", str(d.get("note") or name)))
             continue
         fo = d.get("float_order")
         diffs = _diffs(name, d, numbers)
@@ -109,7 +110,7 @@ def replay_row(row: Mapping[str, Any], plan: Plan) -> Replayed:
             why = "no sampled part: nothing for a boundary to change"
         if why:
             return Replayed(claim, recorded, seeds, shape, None, why)
-        v = replay_claim(sampled, plan, fixed)
+        v = replay(sampled, fixed, plan)
         numbers = row.get("seeds")
         if v.outlier is not None and isinstance(numbers, list) and len(numbers) >= v.n:  # name the seeds
             v = replace(v, outlier=v.outlier.at_seeds([int(s) for s in numbers]))

@@ -8,7 +8,9 @@ of one paired part over two cells, ``treatment`` and ``control`` (:data:`TREATME
 the fixed-n rule or a sequential plan: the verdict is the engine's, as for every registry claim.
 :func:`decide_block` and :func:`decide_diffs` read the rule on what a compare run's ``summary.json`` holds (a
 paired interval, per-seed differences: its report columns, the sign's budget, the foldable gap share's equivalence,
-two runs side by side). A compare run builds no float-order replicate, so these read the rule alone, not a claim
+two runs side by side); :func:`replay` reads a recorded claims-JSON row's parts again under another sequential plan
+(``rope-quant replay``, :mod:`rope_quant.analysis.replay` parsing the rows). A compare run builds no float-order
+replicate, so these read the rule alone, not a claim
 of the engine (whose paired parts read the replicates too); with them no verdict is computed outside ``claims/``
 and ``core/``.
 
@@ -27,7 +29,7 @@ from rope_quant.core.verdict import Form, Verdict, decide_interval
 from rope_quant.core.verdict import decide as _decide_rule
 
 if TYPE_CHECKING:
-    from rope_quant.core.sequential import Plan
+    from rope_quant.core.sequential import Plan, Recorded
 
 TREATMENT = "treatment"
 CONTROL = "control"
@@ -85,3 +87,13 @@ def decide_diffs(form: Form, diffs: Sequence[float], *, margin: float = 0.0, tok
     """The rule (:func:`rope_quant.core.verdict.decide`) on a compare run's per-seed differences (no replicate);
     ``tokens``: scored tokens per cell, so the budget also reads in tokens."""
     return _decide_rule(form, list(diffs), margin=margin, tokens=tokens)
+
+
+def replay(sampled: Sequence[Recorded], fixed: Sequence[tuple[bool, str]], plan: Plan) -> Verdict:
+    """A recorded claim read look by look under ``plan`` (:func:`rope_quant.core.sequential.replay_claim`): its
+    sampled parts from their per-seed differences and float-order shifts, each part without sampling error with its
+    recorded outcome ``(holds, note)``."""
+    from rope_quant.core.sequential import replay_claim
+    from rope_quant.core.verdict import deterministic
+
+    return replay_claim(list(sampled), plan, [deterministic(holds, note) for holds, note in fixed])
