@@ -35,7 +35,7 @@ from rope_quant.core import verdict as rule
 from rope_quant.core.verdict import Form, Margin, Outcome, Verdict
 
 if TYPE_CHECKING:
-    from rope_quant.core.sequential import Plan
+    from rope_quant.core.sequential import Looked, Plan
 
 Replicates = Mapping[int, tuple[float, float]] | str | None
 """``paired_claim``'s ``replicates``: seed index → (treatment, control) in the other float order, a str (why a
@@ -131,6 +131,19 @@ def evaluate(claim: Claim, store: Store, seeds: Sequence[int], plan: Plan | None
     results = tuple(_part(claim, part, reader, plan) for part in claim.parts)
     combined = rule.combine_all([r.verdict for r in results])
     return ClaimResult(claim, seeds, combined, results, RULE_FIXED if plan is None else RULE_SEQUENTIAL)
+
+
+def until_decided(claim: Claim, read: Callable[[tuple[int, ...]], ClaimResult], seeds: Sequence[int], plan: Plan, *,
+                  time_budget: float | None = None, started: float | None = None,
+                  log: Callable[[str], None] | None = None) -> Looked:
+    """Decide ``claim`` by adding seeds (docs/verdicts.md, the sequential rule): ``read(seeds)`` (the claim evaluated
+    at its look, the caller's cells built first) at ``seeds``, then at one more seed while the verdict is open, until
+    it is decided, reaches ``plan.max_seeds``, stops for futility or the next seed would pass ``time_budget``
+    (:func:`rope_quant.core.sequential.until_decided`, the one loop)."""
+    from rope_quant.core import sequential
+
+    return sequential.until_decided(read, lambda r: r.verdict, seeds, plan, time_budget=time_budget, started=started,
+                                    log=log, name=claim.id)
 
 
 class _Reader:

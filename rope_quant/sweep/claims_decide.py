@@ -2,7 +2,8 @@
 directory), and reading one claim over a directory without crashing on a missing cell.
 
 Each claim the directory planned is read at the directory's seeds, then, while it is open, at one more seed
-(:func:`rope_quant.core.sequential.until_decided`, the loop of the e2e suite's ``--rq-until-decided``): the new
+(:func:`rope_quant.claims.engine.until_decided`, the engine's loop, which the e2e suite's
+``--rq-until-decided`` also runs through :func:`rope_quant.core.sequential.until_decided`): the new
 seed's cells of that claim only (the comparator, the claim's cells and their float-order replicates,
 :mod:`rope_quant.sweep.claims_sweep`) are added to the manifest and run through the sweep runner (resumable: no
 complete cell is recomputed), and the claim is read again by :func:`rope_quant.claims.engine.evaluate` with the
@@ -148,7 +149,7 @@ def until_decided_in(out: str | os.PathLike[str], manifest: Manifest, claims: Se
     """The loop of the module docstring over directory ``out`` (its manifest ``manifest``, as loaded or as built):
     each claim is first read over the records already complete (nothing is built: a directory whose claims are
     all closed there says "no open claim"); each claim still open is then read by
-    :func:`rope_quant.core.sequential.until_decided` with the engine, ``cells_for`` naming the cells one more seed
+    :func:`rope_quant.claims.engine.until_decided`, ``cells_for`` naming the cells one more seed
     adds, which the sweep runner computes (no complete cell recomputed). ``replicate``: a config's float-order
     replicate (the directory store's)."""
     from rope_quant.sweep.records import is_complete
@@ -195,9 +196,9 @@ def until_decided_in(out: str | os.PathLike[str], manifest: Manifest, claims: Se
         return result
 
     def look(claim: Claim, build: bool) -> sequential.Looked:
-        return sequential.until_decided(lambda seeds: read_at(claim, seeds, build), lambda r: r.verdict, first_seeds,
-                                        plan, time_budget=time_budget if build else None, started=started,
-                                        log=log if build else None, name=claim.id)
+        return engine.until_decided(claim, lambda seeds: read_at(claim, seeds, build), first_seeds, plan,
+                                    time_budget=time_budget if build else None, started=started,
+                                    log=log if build else None)
 
     read = {c.id: look(c, build=False) for c in claims}  # over the complete records: nothing is built
     open_ = [c for c in claims if read[c.id].result.verdict.stop.startswith(NOT_BUILT)]
