@@ -46,3 +46,8 @@ LOWER_BIT_SETTINGS: dict[str, tuple[int, int, int, int]] = {
 KEYS_ALONE: Mapping[str, int | str | bool] = MappingProxyType({
     "w_bits": 16, "a_bits": 16, "k_bits": 4, "v_bits": 16, "weights": "none", "r1": "identity", "r2": "identity",
     "r4": False})
+
+#: App. G: FP accuracy at or above this counts as near saturation (the length is within the model's reach).
+NIAH_SATURATION = 0.9
+#: App. G: the quantised configs "separate" at a length when their mean accuracies spread by at least this much.
+NIAH_SEPARATION = 0.05

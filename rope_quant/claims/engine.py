@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from rope_quant.claims.registry import (
     EVERY_SEED_FORMS,
+    MEANS_FORMS,
     Claim,
     ClaimError,
     Diff,
+    Level,
     MarginKind,
     Metric,
     Part,
@@ -155,6 +157,8 @@ class _Reader:
         self._reps: dict[tuple[str, str], ReplicateValues] = {}
 
     def values(self, side: Side, metric: str) -> list[float]:
+        if isinstance(side, Level):
+            return [float(side.value)] * len(self.seeds)
         if isinstance(side, Diff):
             return [a - b for a, b in zip(self.values(side.of, metric), self.values(side.minus, metric), strict=True)]
         if (side, metric) not in self._values:
@@ -174,6 +178,8 @@ class _Reader:
 
     def replicates(self, side: Side, metric: str) -> ReplicateValues:
         """Seed → the side's value in the other float order (a Diff: the difference of its cells')."""
+        if isinstance(side, Level):
+            raise ClaimError(f"claim {self.claim.id}: a level has no float-order replicate (a paired part reads cells)")
         if isinstance(side, Diff):
             return _pair_up(self.replicates(side.of, metric), self.replicates(side.minus, metric),
                             lambda a, b: a - b)
@@ -182,6 +188,8 @@ class _Reader:
         return self._reps[(side, metric)]
 
     def tokens(self, side: Side) -> int | None:
+        if isinstance(side, Level):
+            return None
         return self.store.tokens(self.claim.cells[side.of if isinstance(side, Diff) else side])
 
 
@@ -249,7 +257,6 @@ def _deterministic(part: Part, t: list[float], c: list[float], reader: _Reader, 
     import numpy as np
 
     tn, cn = _side_name(part.treatment), _side_name(part.control)
-    sign = ">" if part.form is Form.GREATER else "<"
     if part.statistic is Statistic.EVERY_SEED:
         m = margin.value if margin else 0.0
         holds = all(_every_seed(part.form, x, y, m) for x, y in zip(t, c, strict=True))
@@ -258,8 +265,9 @@ def _deterministic(part: Part, t: list[float], c: list[float], reader: _Reader, 
                 f"{(part.control_metric or part.metric).value}({cn}){within} in every seed")
     elif part.statistic is Statistic.MEANS:
         mt, mc = float(np.mean(t)), float(np.mean(c))
-        holds = mt > mc if part.form is Form.GREATER else mt < mc
-        text = f"mean {part.metric.value}({tn}) {sign} mean {part.metric.value}({cn})"
+        holds = _every_seed(part.form, mt, mc, 0.0)
+        right = cn if isinstance(part.control, Level) else f"mean {part.metric.value}({cn})"
+        text = f"mean {part.metric.value}({tn}) {MEANS_FORMS[part.form]} {right}"
     else:
         assert part.reference is not None and part.share is not None
         mean = float(np.mean(t) - np.mean(c))
@@ -270,6 +278,8 @@ def _deterministic(part: Part, t: list[float], c: list[float], reader: _Reader, 
 
 
 def _side_name(side: Side) -> str:
+    if isinstance(side, Level):
+        return f"{side.value:g}"
     return f"{side.of} − {side.minus}" if isinstance(side, Diff) else side
 
 

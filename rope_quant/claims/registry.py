@@ -44,6 +44,7 @@ class Metric(StrEnum):
     K_BITS = "k_bits_per_element"  # the stored bits per key element of the cell's key cache (after calibration)
     R1_LOSS_INIT = "rotation_fit.loss_init"  # the whip loss of R1 at its random-Hadamard start (App. A.1)
     R1_LOSS_FIT = "rotation_fit.loss_fit"  # the whip loss of the fitted R1
+    ACCURACY = "accuracy"  # a NIAH cell's exact-match retrieval accuracy at its length (App. G)
 
 
 def metric_value(result: Mapping[str, Any], metric: str) -> float:
@@ -79,6 +80,9 @@ class Scoring(StrEnum):
     SUPPORT = "support"  # the budget's support windows (C4, Table M)
     LONG = "long"  # the App. A.4 long-context protocol at the cell's LENGTH
     RUNTIME = "runtime"  # llama.cpp on the evaluation windows (rope_quant.runtime.cells: the cell exported to GGUF)
+    STATIC = "static"  # App. D: the static joint control (A.6, scope both, transductive scales) at the run's seqlen
+    NIAH = "niah"  # App. G: the budget's NIAH probes at its NIAH length, answered by the cell's quantised model
+    NIAH_FP = "niah_fp"  # App. G's reference: the same probes answered by the unquantised model
 
 
 SCORING = "scoring"
@@ -184,6 +188,14 @@ def describe(c: Mapping[str, Override]) -> str:
 
 
 @dataclass(frozen=True)
+class Level:
+    """A part's control that is a constant, not a cell (App. G: FP retrieval near saturation, accuracy ≥ 0.9); read
+    only by the parts without sampling error."""
+
+    value: float
+
+
+@dataclass(frozen=True)
 class Diff:
     """A side that is the per-seed difference of two cells (``of`` − ``minus``; App. F's gap at one setting)."""
 
@@ -191,8 +203,9 @@ class Diff:
     minus: str
 
 
-Side = str | Diff
-"""A part's treatment or control: a cell name of the claim, or a :class:`Diff` of two."""
+Side = str | Diff | Level
+"""A part's treatment or control: a cell name of the claim, a :class:`Diff` of two, or (a control only) a
+:class:`Level`."""
 
 
 @dataclass(frozen=True)
@@ -232,10 +245,14 @@ EVERY_SEED_FORMS = {Form.GREATER: ">", Form.LESS: "<", Form.NON_SUPERIOR: "≤",
                     Form.EQUIVALENT: "≡"}
 """The forms :attr:`Statistic.EVERY_SEED` reads, per seed: t > c, t < c, t ≤ c + m, t ≥ c − m (m: the part's margin,
 0 without one; C4's "non-increasing in b"), |t − c| ≤ m (a margin needed; C4's endpoints)."""
+MEANS_FORMS = {Form.GREATER: ">", Form.LESS: "<", Form.NON_SUPERIOR: "≤", Form.NON_INFERIOR: "≥"}
+"""The forms :attr:`Statistic.MEANS` reads between the seed means (no margin)."""
 
 
 def side_cells(side: Side) -> tuple[str, ...]:
-    """The cell names a side reads."""
+    """The cell names a side reads (none for a :class:`Level`)."""
+    if isinstance(side, Level):
+        return ()
     return (side.of, side.minus) if isinstance(side, Diff) else (side,)
 
 
@@ -273,11 +290,16 @@ class Part:
             if self.form in (Form.GREATER, Form.LESS) and margin:
                 raise ClaimError(f"part {self.name!r}: {self.form.value} every seed takes no margin")
         elif self.statistic is not Statistic.PAIRED:
-            if self.form not in (Form.GREATER, Form.LESS) and self.statistic is not Statistic.WITHIN_SHARE:
-                raise ClaimError(f"part {self.name!r}: {self.statistic.value} reads greater or less, not "
-                                 f"{self.form.value}")
+            forms = MEANS_FORMS if self.statistic is Statistic.MEANS else (Form.GREATER, Form.LESS)
+            if self.form not in forms and self.statistic is not Statistic.WITHIN_SHARE:
+                raise ClaimError(f"part {self.name!r}: {self.statistic.value} reads "
+                                 f"{', '.join(f.value for f in forms)}, not {self.form.value}")
             if margin:
                 raise ClaimError(f"part {self.name!r}: {self.statistic.value} takes no margin")
+        if isinstance(self.treatment, Level) or (isinstance(self.control, Level)
+                                                  and self.statistic not in (Statistic.EVERY_SEED, Statistic.MEANS)):
+            raise ClaimError(f"part {self.name!r}: a level is the control of an {Statistic.EVERY_SEED.value} or "
+                             f"{Statistic.MEANS.value} part")
         if self.control_metric is not None and self.statistic is Statistic.PAIRED:
             raise ClaimError(f"part {self.name!r}: a paired part reads one metric on both sides")
         within = self.statistic is Statistic.WITHIN_SHARE

@@ -23,8 +23,10 @@ def flag(field: str) -> str:
 
 
 def did_you_mean(name: str, valid: Sequence[str]) -> str:
-    """``" (did you mean 'hadamard'?)"`` for the closest valid names (empty when none is close)."""
-    close = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.6)
+    """``" (did you mean 'hadamard'?)"`` for the closest valid names (empty when none is close; a name equal but for
+    its case first)."""
+    same = [v for v in valid if v.lower() == name.lower()]
+    close = list(dict.fromkeys(same + difflib.get_close_matches(name, list(valid), n=3, cutoff=0.6)))[:3]
     return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 

@@ -1,11 +1,13 @@
 """``rope-quant claims``: the paper's claims decided over one sweep directory, on any supported model.
 
 The cells every chosen claim reads (its parts' treatment and control cells as config overrides on the
-comparator, each with its float-order replicate) at the seeds given become one manifest
+comparator, those a paired part reads each with its float-order replicate) at the seeds given become one manifest
 (:mod:`rope_quant.sweep.claims_sweep`, study ``claims``), run through the one sweep path
 (:func:`rope_quant.cli.execute.sweep`: resume, shards, cell claims, Slurm). C4's cells are scored on the support
-windows (``--support-windows``) and C7's at long context (``--long-windows`` windows per length on
-``--long-corpus``), as the pytest front scores them (:mod:`rope_quant.sweep.claim_scoring`). Before any model loads
+windows (``--support-windows``), C7's at long context (``--long-windows`` windows per length on
+``--long-corpus``), App. D's under the static control (``--static-windows``, ``--static-eval-windows``) and App. G's
+on NIAH probes (``--niah-length``, ``--niah-probes``), as the pytest front scores them
+(:mod:`rope_quant.sweep.claim_scoring`). Before any model loads
 the plan is printed: the claims left out and why, the cells per claim, and the cost estimate of ``rope-quant plan``
 (``--dry-run`` stops there). The end, and ``rope-quant report DIR`` later, write the claims table
 (``DIR/claims.json``, ``DIR/claims.md``: :mod:`rope_quant.analysis.claims_report`).
@@ -46,6 +48,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--long-corpus", default=defaults.long_corpus, metavar="NAME",
                    help=f"the corpus C7's long-context cells score, its first 64 evaluation documents (App. A.4; "
                         f"default {defaults.long_corpus}, as pytest's front)")
+    p.add_argument("--static-windows", type=int, default=defaults.static_windows, metavar="N",
+                   help=f"App. D: windows the static scales are estimated on (A.6: up to 64; default "
+                        f"{defaults.static_windows}, as pytest's front)")
+    p.add_argument("--static-eval-windows", type=int, default=defaults.static_eval_windows, metavar="N",
+                   help=f"App. D: windows scored per static cell (default {defaults.static_eval_windows}, as "
+                        "pytest's front)")
+    p.add_argument("--niah-length", type=int, default=defaults.niah_length, metavar="L",
+                   help=f"App. G: the NIAH context length in tokens (default {defaults.niah_length}, as pytest's "
+                        "front; the paper's lengths are 2K and longer)")
+    p.add_argument("--niah-probes", type=int, default=defaults.niah_probes, metavar="N",
+                   help=f"App. G: probes per needle depth, 5 depths (App. G: 20; default {defaults.niah_probes}, "
+                        "as pytest's front)")
     p.add_argument("--dry-run", action="store_true",
                    help="check the input, print the plan (claims left out, cells per claim, cost estimate) and stop: "
                         "nothing is run or written")
@@ -136,7 +150,9 @@ def cost_lines(args: argparse.Namespace, manifest: Any) -> list[str]:
     from rope_quant.sweep.cellkind import run_of
     from rope_quant.sweep.claim_scoring import long_length
 
-    configs = [CellConfig(name, cfg, scoring=Scoring.EVAL if long_length(cfg) is None else Scoring.LONG,
+    # a static or NIAH cell is priced as a short-context cell of its run (its scale estimation and generated
+    # answers are not modelled by the plan)
+    configs = [CellConfig(name, run_of(cfg), scoring=Scoring.EVAL if long_length(cfg) is None else Scoring.LONG,
                           length=long_length(cfg)) for name, cfg in manifest.cells]
     try:
         cost = cost_plan(run_of(manifest.cells[0][1]), configs, device=args.device, dtype=args.dtype,
@@ -198,19 +214,25 @@ def write_report(out: str | Path, facts: Any = None) -> dict[str, Any]:
 
 
 def scoring_budget(args: argparse.Namespace, claims: Sequence[Any]) -> ScoringBudget:
-    """The sizes of the support and long-context cells from the flags (a bad one: :class:`CLIError`); the long
-    corpus is checked only where a chosen claim scores at long context."""
+    """The sizes of the support, long-context, static and NIAH cells from the flags (a bad one: :class:`CLIError`);
+    the long corpus is checked only where a chosen claim scores at long context."""
     from rope_quant.claims.registry import Scoring, scoring_of
     from rope_quant.cli.validate import check_corpus
     from rope_quant.sweep.cellkind import SweepError
 
-    for flag_name, value in (("--support-windows", args.support_windows), ("--long-windows", args.long_windows)):
-        if value < 1:
-            raise CLIError(f"{flag_name} must be an integer >= 1, got {value}")
+    sizes = {"--support-windows": args.support_windows, "--long-windows": args.long_windows,
+             "--static-windows": args.static_windows, "--static-eval-windows": args.static_eval_windows,
+             "--niah-length": args.niah_length, "--niah-probes": args.niah_probes}
+    for flag_name, value in sizes.items():
+        if value < 1 or (flag_name == "--niah-length" and value < 16):
+            raise CLIError(f"{flag_name} must be an integer >= {16 if flag_name == '--niah-length' else 1}, "
+                           f"got {value}")
     if any(scoring_of(c.cells[n]) is Scoring.LONG for c in claims for n in c.cell_names()):
         check_corpus(args.long_corpus)
     try:
-        return ScoringBudget(args.support_windows, args.long_windows, args.long_corpus)
+        return ScoringBudget(args.support_windows, args.long_windows, args.long_corpus,
+                             static_windows=args.static_windows, static_eval_windows=args.static_eval_windows,
+                             niah_length=args.niah_length, niah_probes=args.niah_probes)
     except SweepError as exc:
         raise CLIError(str(exc)) from None
 

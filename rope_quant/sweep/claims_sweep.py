@@ -20,9 +20,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rope_quant.claims.registry import Claim, Override
+from rope_quant.claims.selection import paired_cells
 from rope_quant.defaults import DEFAULT_COMPARATOR
-from rope_quant.sweep.cellkind import SweepError, run_of, with_overrides
-from rope_quant.sweep.claim_scoring import SCORING_META, ScoringBudget, long_length, scored_config
+from rope_quant.sweep.cellkind import SweepError, kind_of, run_of, with_overrides
+from rope_quant.sweep.claim_scoring import SCORING_META, ScoringBudget, long_length, scored_config, scored_length
 from rope_quant.sweep.decide_plan import REPLICATE_SUFFIX, replicate_config
 from rope_quant.sweep.manifest import Manifest
 
@@ -37,13 +38,17 @@ def is_claims_study(study: str) -> bool:
 
 
 def cell_name(cfg: Any, comparator: Any) -> str:
-    """A config's name in the study: its R3, then each flat field that differs from the comparator's (sorted); a
-    long-context cell's lengths last (``+L=1024``)."""
+    """A config's name in the study: its R3 (``fp`` for NIAH's unquantised reference), then each flat field that
+    differs from the comparator's (sorted); a long-context cell's length last (``+L=1024``), a static or NIAH cell's
+    kind and length (``+static_L=512``, ``+niah_L=256``)."""
     a, b = run_of(cfg).flat(), run_of(comparator).flat()
     extra = [f"{k}={_safe(a[k])}" for k in sorted(a) if k not in ("seed", "r3") and a[k] != b.get(k)]
     if (length := long_length(cfg)) is not None:
         extra.append(f"L={length}")
-    return "+".join([_safe(a["r3"]), *extra])
+    elif (length := scored_length(cfg)) is not None:
+        extra.append(f"{kind_of(cfg).name}_L={length}")
+    head = "fp" if getattr(cfg, "fp", False) else _safe(a["r3"])
+    return "+".join([head, *extra])
 
 
 def _safe(value: Any) -> str:
@@ -52,14 +57,16 @@ def _safe(value: Any) -> str:
 
 def claim_cells(claim: Claim, comparator: Any, scoring: ScoringBudget | None = None) -> list[tuple[str, Any]]:
     """The cells ``claim`` reads at the comparator's seed (scored by ``scoring``, default the e2e budget's sizes),
-    each followed by its float-order replicate when one exists (a GPTQ cell): ``(name, config)`` in the claim's
-    order, each config once."""
+    each read by a paired part followed by its float-order replicate when one exists (a GPTQ cell; the pytest
+    front's and the cost plan's rule, :func:`rope_quant.claims.selection.paired_cells`): ``(name, config)`` in the
+    claim's order, each config once."""
+    paired = paired_cells(claim)
     out: dict[str, tuple[str, Any]] = {}
     for cell_id in claim.cell_names():
         cfg = config_of(claim.cells[cell_id], comparator, scoring)
         name = cell_name(cfg, comparator)
         out.setdefault(cfg.key(), (name, cfg))
-        rep = replicate_config(cfg)
+        rep = replicate_config(cfg) if cell_id in paired else None
         if rep is not None:
             out.setdefault(rep.key(), (name + REPLICATE_SUFFIX, rep))
     return list(out.values())

@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rope_quant.defaults import DEFAULT_COMPARATOR
+from rope_quant.defaults import DEFAULT_COMPARATOR, NIAH_SATURATION, NIAH_SEPARATION
 from rope_quant.scoring.niah import NiahSpec
 from rope_quant.sweep.kinds.niah import NiahConfig, haystack_stream, niah_result, scored
 from rope_quant.sweep.manifest import Manifest, with_overrides
@@ -30,10 +30,8 @@ KIND = "niah"
 FP = "fp"
 #: The configs of the App. G table.
 DEFAULT_CONFIGS = ("hadamard", "pairwise_only", "pairwise_plus_hadamard")
-#: FP accuracy at or above this counts as near saturation.
-SATURATION = 0.9
-#: The quantised configs "separate" at a length when their mean accuracies spread by at least this much.
-SEPARATION = 0.05
+SATURATION = NIAH_SATURATION
+SEPARATION = NIAH_SEPARATION
 
 
 def niah_manifest(base: Any, configs: Sequence[str], seeds: Sequence[int], spec: NiahSpec, *,

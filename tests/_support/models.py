@@ -84,6 +84,10 @@ class ByteTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return {chr(i): i for i in range(256)}
 
+    def decode(self, ids: Any, **_: Any) -> str:
+        """The bytes back to text (NIAH reads its answers and haystack boundaries this way)."""
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
 
 #: The most ids of the BPE tokenizer a random-weight shape checkpoint is saved with (trained on the pydoc corpus).
 TOKENIZER_VOCAB = 4096

@@ -42,15 +42,21 @@ from rope_quant.claims.registry import (
 )
 from rope_quant.claims.selection import LeftOut
 from rope_quant.claims.stores import ReplicateValues
+from rope_quant.sweep.claim_scoring import ScoringBudget
+
+_SCORING = ScoringBudget()
 
 DEFAULT_SEEDS = (0, 1, 2)
+_SWEPT = frozenset({Scoring.STATIC, Scoring.NIAH, Scoring.NIAH_FP})
+"""The scorings the pytest front computes through the claims sweep's cell kinds (one function per cell)."""
 
 
 @dataclass(frozen=True)
 class FrontProtocol:
     """The sizes a registry front runs its cells at: ``seqlen`` tokens per window, ``calib_windows`` calibration
     windows per seed, ``eval_windows`` scored windows per cell (None: every window of the corpus),
-    ``support_windows`` for C4's cells, ``long_windows`` per length for C7's."""
+    ``support_windows`` for C4's cells, ``long_windows`` per length for C7's, App. D's and App. G's sizes (the
+    fields of :class:`~rope_quant.sweep.claim_scoring.ScoringBudget`)."""
 
     name: str
     seqlen: int
@@ -58,6 +64,10 @@ class FrontProtocol:
     eval_windows: int | None
     support_windows: int = 3
     long_windows: int = 1
+    static_windows: int = _SCORING.static_windows
+    static_eval_windows: int | None = _SCORING.static_eval_windows
+    niah_length: int = _SCORING.niah_length
+    niah_probes: int = _SCORING.niah_probes
 
     def budget(self, budget_cls: Any, rq_options: Any, seeds: Sequence[int] = DEFAULT_SEEDS) -> Any:
         """The ``E2EBudget`` of this protocol at ``--rq-seeds`` (else ``seeds``) with the session's replicates:
@@ -67,11 +77,15 @@ class FrontProtocol:
             else len(chosen)
         return budget_cls(seeds=chosen, seqlen=self.seqlen, calib_windows=self.calib_windows,
                           eval_windows=self.eval_windows, support_windows=self.support_windows,
-                          long_windows=self.long_windows, replicates=budget_cls.replicates_for(given, chosen))
+                          long_windows=self.long_windows, static_windows=self.static_windows,
+                          static_eval_windows=self.static_eval_windows, niah_length=self.niah_length,
+                          niah_probes=self.niah_probes, replicates=budget_cls.replicates_for(given, chosen))
 
 
-PAPER = FrontProtocol("paper", seqlen=2048, calib_windows=128, eval_windows=None)
-"""The paper's protocol (App. A.1): 128 × 2048 calibration tokens, seqlen 2048, every evaluation window."""
+PAPER = FrontProtocol("paper", seqlen=2048, calib_windows=128, eval_windows=None, static_windows=64,
+                      static_eval_windows=None, niah_length=2048, niah_probes=20)
+"""The paper's protocol (App. A.1): 128 × 2048 calibration tokens, seqlen 2048, every evaluation window; App. D's 64
+static estimation windows (A.6) scored on A.4's windows; App. G's 20 probes per depth, at 2048 tokens."""
 
 
 class ExperimentStore:
@@ -80,6 +94,20 @@ class ExperimentStore:
 
     def __init__(self, exp: Any) -> None:
         self.exp = exp
+
+    def scoring(self) -> ScoringBudget:
+        """The experiment's budget as the claims sweep's :class:`~rope_quant.sweep.claim_scoring.ScoringBudget`."""
+        b = self.exp.budget
+        return ScoringBudget(support_windows=b.support_windows, long_windows=b.long_windows, long_corpus=b.long_corpus,
+                             static_windows=b.static_windows, static_eval_windows=b.static_eval_windows,
+                             niah_length=b.niah_length, niah_probes=b.niah_probes)
+
+    def _swept(self, cell: Mapping[str, Override], seed: int, **rep: Any) -> Any:
+        """A cell the claims sweep scores through its cell kind (static, NIAH): its config, as the sweep builds it
+        (:func:`~rope_quant.sweep.claim_scoring.scored_config` on the experiment's config at ``seed``)."""
+        from rope_quant.sweep.claim_scoring import scored_config
+
+        return scored_config(cell, self.exp.config(seed, **rep), self.scoring())
 
     def _overrides(self, cell: Mapping[str, Override]) -> dict[str, Any]:
         out: dict[str, Any] = dict(overrides_of(cell))
@@ -105,6 +133,15 @@ class ExperimentStore:
             return float(self.exp.long_context(seed, (length,), **ov)[length].ppl)
         if scoring_of(cell) is Scoring.RUNTIME:
             return float(self.exp.runtime_cell(seed, **ov)[str(metric)])
+        if scoring_of(cell) in _SWEPT:
+            from rope_quant.claims.stores import MissingCellError
+            from rope_quant.sweep.claim_scoring import scored_value
+
+            cfg = self._swept(cell, seed, **(rep if rebuilt else {}))
+            value = scored_value(cfg, self.exp.kind_cell(cfg), str(metric))
+            if value is None:
+                raise MissingCellError(cell, seed, str(metric))
+            return value
         return metric_value(self.exp.cell(seed, **ov), str(metric))
 
     def values(self, cell: Mapping[str, Override], seeds: Sequence[int], metric: str = Metric.PPL) -> list[float]:
@@ -128,6 +165,11 @@ class ExperimentStore:
         ``rope-quant report`` reads them from a sweep's records; a long-context cell's window tokens."""
         if scoring_of(cell) is Scoring.LONG:
             return int(self.exp.budget.long_windows * int(length_of(cell) or 0))
+        if scoring_of(cell) in _SWEPT:
+            from rope_quant.sweep.claim_scoring import scored_tokens
+
+            cfg = self._swept(cell, self.exp.budget.seeds[0])
+            return scored_tokens(cfg, self.exp.kind_cell(cfg))
         n = self.exp.cell(self.exp.budget.seeds[0], **self._overrides(cell)).get("n_tokens")
         return int(n) if isinstance(n, int) and n > 0 else None
 

@@ -20,6 +20,9 @@ from typing import Any
 import pytest
 
 from rope_quant.defaults import DEFAULT_MODEL
+from rope_quant.sweep.claim_scoring import ScoringBudget
+
+_SCORING = ScoringBudget()  # the claims sweep's sizes of App. D's and App. G's cells, pytest's too
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,9 @@ class E2EBudget:
     calibration tokens per seed (shared by the whip fit of R1, GPTQ and the R3 statistics). The block-size
     interpolation (C4) scores ``support_windows`` windows per cell: its claims are about K range and error,
     means over every key of every window. ``long_lengths`` are scored with ``long_windows`` windows each on
-    the long-form corpus (Gutenberg plays); the ``slow`` subset adds ``slow_long_lengths``.
+    the long-form corpus (Gutenberg plays); the ``slow`` subset adds ``slow_long_lengths``. App. D's static cells
+    estimate their scales on ``static_windows`` windows (A.6: up to 64) and score ``static_eval_windows``; App. G's
+    NIAH cells answer ``niah_probes`` probes per depth (App. G: 20) at ``niah_length`` tokens.
     ``gptq_float64``: GPTQ's Hessians and column loop in float64 (``ROPE_QUANT_E2E_GPTQ_FLOAT64=1``).
 
     The numerical replicates: the first ``replicates`` seeds rebuilt with GPTQ in the other float mode (float64
@@ -49,6 +54,10 @@ class E2EBudget:
     long_lengths: tuple[int, ...] = (1024, 4096)
     slow_long_lengths: tuple[int, ...] = (8192,)
     long_windows: int = 1
+    static_windows: int = _SCORING.static_windows
+    static_eval_windows: int | None = _SCORING.static_eval_windows
+    niah_length: int = _SCORING.niah_length
+    niah_probes: int = _SCORING.niah_probes
     gptq_float64: bool = False
     replicates: int = 3
 
@@ -233,6 +242,17 @@ class Experiment:
         return self.memo(("runtime", cfg.key()),
                          lambda: cells.score_cell(cfg, base=self.base, cache_dir=self.cache_dir))
 
+    def kind_cell(self, cfg: Any) -> dict[str, Any]:
+        """A claims-sweep cell of any kind (static, NIAH: ``rope_quant.sweep.claim_scoring.scored_config``)
+        evaluated by its kind as ``rope-quant claims`` evaluates it, on this experiment's models; memoised like
+        :meth:`cell`."""
+        from rope_quant.sweep.cellkind import CellContext, kind_of, run_of
+
+        corpora: dict[str, Any] = {}
+        ctx = CellContext(quantized=lambda c: (self.quantized(run_of(c)), False),
+                          base=lambda run: (self.base, corpora))
+        return self.memo(("kind", cfg.key()), lambda: dict(kind_of(cfg).evaluate(cfg, ctx)))
+
     def per_seed(self, metric: str = "ppl", **overrides: Any) -> list[float]:
         return [float(self.cell(seed, **overrides)[metric]) for seed in self.budget.seeds]
 
@@ -264,7 +284,7 @@ CELL_MEMO_DIR = "cells-memo-v1"
 # The test modules that hand ``Experiment.memo`` the function computing a cell; the others select cells by
 # overrides, which the memo key holds, and assert on them. A change to an assertion leaves the memo valid; a
 # change here, or anywhere in ``rope_quant``, recomputes every cell.
-CELL_SOURCES = ("tests/e2e/conftest.py", "tests/e2e/test_static_claims.py", "tests/e2e/test_niah_claims.py")
+CELL_SOURCES = ("tests/e2e/conftest.py",)
 
 
 def digest_sources() -> dict[str, Path]:

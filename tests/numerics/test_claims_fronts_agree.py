@@ -92,6 +92,47 @@ def test_the_cli_and_the_pytest_front_give_equal_support_and_long_values(tmp_pat
     assert rows == {"C4-ppl", "C7", "C4-K", "A1-whip"}  # C4-K reads C4-ppl's cells, A1-whip the comparator's
 
 
+def test_the_cli_and_the_pytest_front_give_equal_static_and_niah_values(tmp_path: Path) -> None:
+    """App. D's static cells and App. G's NIAH cells (the quantised model's and FP's) through ``rope-quant claims``
+    and through the front: one config per cell and seed, equal values, the CLI's rows read from them."""
+    from tests._support.registry_front import ExperimentStore
+    from tests.e2e.conftest import E2EBudget, Experiment
+
+    model_dir = tmp_path / "tiny"
+    _config().save_pretrained(model_dir)
+    out = tmp_path / "cli"
+    sizes = {"static_windows": 2, "static_eval_windows": 1, "niah_length": 512, "niah_probes": 1}
+    argv = ["claims", "--model", str(model_dir), "--out", str(out), "--claims", "App-D,App-G",
+            "--seeds", ",".join(map(str, SEEDS)), *FLAGS,
+            *[a for k, v in sizes.items() for a in (f"--{k.replace('_', '-')}", str(v))]]
+    assert cli.main(argv, models=ModelCache(_base)) == 0
+    store = DirectoryStore(out)
+    budget = E2EBudget(seeds=SEEDS, seqlen=64, calib_windows=1, eval_windows=1, replicates=0, **sizes)
+    exp = Experiment(_base(), str(tmp_path / "front-cache"), budget, "pydoc", model=str(model_dir))
+    front = ExperimentStore(exp)
+    assert front.scoring() == store.scoring
+    for claim_id, name, metric in (("App-D", "pairwise_only", "ppl"), ("App-G", "hadamard", "accuracy"),
+                                   ("App-G", "fp", "accuracy")):
+        claim_cell = registry.get(claim_id).cells[name]
+        given = _front_cell(claim_cell, run_of(store.config(claim_cell, SEEDS[0])), exp)
+        for seed in SEEDS:  # the same config: every setting but the content ids (the CLI resolves them)
+            mine, theirs = front._swept(given, seed).to_dict(), store.config(claim_cell, seed).to_dict()
+            ids = set(identity_fields(run_of(store.config(claim_cell, seed))))
+            for d in (mine, theirs):
+                d["run"] = {k: v for k, v in d["run"].items() if k not in ids}
+            assert mine == theirs, (claim_id, name)
+        cli_values = store.values(claim_cell, SEEDS, metric)
+        assert cli_values == front.values(given, SEEDS, metric), (claim_id, name, cli_values)
+        assert front.tokens(given) == store.tokens(claim_cell), (claim_id, name)
+        if metric == "ppl":
+            assert len(set(cli_values)) == len(SEEDS) and all(v > 1 for v in cli_values), cli_values
+        else:
+            assert all(0.0 <= v <= 1.0 for v in cli_values), cli_values
+    rows = {r["id"]: r for r in json.loads((out / "claims.json").read_text())["claims"]}
+    assert set(rows) >= {"App-D", "App-G"}
+    assert "missing cell" not in rows["App-D"]["verdict"] + rows["App-G"]["verdict"]
+
+
 def test_the_cli_defaults_are_the_pytest_fronts_sizes() -> None:
     """``rope-quant claims``'s default support and long-context sizes are the e2e budget's and the registry
     fronts' (tests/e2e/conftest.py ``E2EBudget``, tests/_support/registry_front.py ``FrontProtocol``)."""

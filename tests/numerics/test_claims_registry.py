@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from rope_quant.claims.registry import (
     ClaimError,
     Diff,
     DuplicateClaimError,
+    Level,
     MarginRule,
     Metric,
     Part,
@@ -404,8 +406,29 @@ def test_every_seed_parts_refuse_what_they_cannot_read() -> None:
         Part("p", "a", "b", Form.GREATER, Statistic.EVERY_SEED, MarginRule.fixed(0.1))
     with pytest.raises(ClaimError, match="one metric on both sides"):
         Part("p", "a", "b", Form.GREATER, control_metric=Metric.K_RANGE_MEAN)
-    with pytest.raises(ClaimError, match="reads greater or less"):
-        Part("p", "a", "b", Form.NON_SUPERIOR, Statistic.MEANS)
+    with pytest.raises(ClaimError, match="reads greater, less, non_superior, non_inferior, not equivalent"):
+        Part("p", "a", "b", Form.EQUIVALENT, Statistic.MEANS)
+    with pytest.raises(ClaimError, match="a level is the control"):
+        Part("p", "a", Level(0.9), Form.GREATER)  # a paired part reads the replicates of cells
+    with pytest.raises(ClaimError, match="a level is the control"):
+        Part("p", Level(0.9), "a", Form.GREATER, Statistic.MEANS)
+
+
+def test_a_level_is_a_constant_control_of_the_means() -> None:
+    """App. G's premise: mean FP accuracy ≥ 0.9 (a tie holds, a mean below fails); the level reads no cell."""
+    fp = cell(Scoring.NIAH_FP)
+    part = Part("fp ≥ 0.9", "fp", Level(0.9), Form.NON_INFERIOR, Statistic.MEANS, metric=Metric.ACCURACY)
+    claim = Claim("X-level", "x", "x", "x", {"fp": fp}, (part,), premises=())
+    assert claim.cell_names() == ("fp",)
+    store = MemoryStore()
+    for values, outcome in (([0.92, 0.88, 0.90, 0.90, 0.90], Outcome.HOLDS),
+                            ([1.0, 1.0, 1.0, 0.5, 0.9], Outcome.FAILS)):
+        store.put_seeds(fp, SEEDS, values, metric=Metric.ACCURACY)
+        result = engine.evaluate(claim, store, SEEDS)
+        assert result.verdict.outcome is outcome, values
+        assert result.parts[0].control == (0.9,) * len(SEEDS)
+    assert "mean accuracy(fp) ≥ 0.9" in engine.evaluate(
+        Claim("X-level", "x", "x", "x", {"fp": fp}, (replace(part, note=""),), premises=()), store, SEEDS).verdict.note
 
 
 def test_a_metric_is_a_key_or_a_dotted_path_into_the_cell_record() -> None:

@@ -14,8 +14,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests._support import TINY, range_keys, tiny_base, tiny_llama
 
 TESTS = Path(__file__).resolve().parents[1]
-# Modules that other branches of the 0.2.0 renovation own; each still imports from a sibling test module.
-NOT_YET_MIGRATED = {"e2e/test_static_claims.py"}
 # Helper modules that must keep their own top-level name (submitit pickles cells by module path).
 HELPERS = {"submitit_cells", "_timing"}
 
@@ -38,7 +36,7 @@ def test_no_test_module_imports_another():
     offenders = {}
     for path in sorted(TESTS.rglob("*.py")):
         rel = path.relative_to(TESTS).as_posix()
-        if rel.startswith("_support/") or rel in NOT_YET_MIGRATED:
+        if rel.startswith("_support/"):
             continue
         if imports := _sibling_imports(path):
             offenders[rel] = imports
