@@ -13,11 +13,11 @@ parametrization's CPU run (tests/e2e/test_paper_protocol_cpu.py, :data:`PAPER` c
    printed, or a refusal with the plan's remedy, all before the model loads; then the model and the paired
    :class:`Experiment` (or an experiment the caller already holds: the default suite's on the default model);
 2. :class:`ExperimentStore`: the experiment as a claims store (each cell computed and memoised on first read);
-3. :func:`decide_claim`: one claim through ``Experiment.decided`` (fixed-n, or the sequential rule with
-   ``--rq-until-decided``) and :func:`rope_quant.claims.engine.evaluate`, its row recorded with ``rq_claim`` and
-   the run's description (the model and the fingerprint of its files, the protocol, the device:
-   :func:`rope_quant.analysis.claims_report.describe_run`, the keys ``rope-quant report DIR`` writes) with
-   ``rq_run``.
+3. :func:`decide_claim`: one claim through :func:`rope_quant.claims.engine.evaluate` (fixed-n), or with
+   ``--rq-until-decided`` through the sequential rule's loop, :func:`rope_quant.claims.engine.until_decided`; its
+   row recorded with ``rq_claim`` and the run's description (the model and the fingerprint of its files, the
+   protocol, the device: :func:`rope_quant.analysis.claims_report.describe_run`, the keys ``rope-quant report DIR``
+   writes) with ``rq_run``.
 """
 
 from __future__ import annotations
@@ -329,20 +329,27 @@ def describe(exp: Any, device: str, protocol: str) -> dict[str, Any]:
 
 def decide_claim(front: Front, claim_id: str, rq_claim: Any, rq_run: Any) -> tuple[Any, Any]:
     """``claim_id`` on the front's model: skipped with the missing premise, or decided by the engine over the
-    experiment's cells (``Experiment.decided``: the sequential rule with ``--rq-until-decided``) and recorded
-    with ``rq_claim`` (its run with ``rq_run``); returns (verdict, :class:`~rope_quant.claims.engine.ClaimResult`)."""
-    from rope_quant.claims.engine import evaluate
+    experiment's cells (with ``--rq-until-decided`` by adding seeds, every one replicated, while it is open:
+    :func:`rope_quant.claims.engine.until_decided` within ``--rq-max-seeds`` and ``--rq-time-budget``, counted from
+    the session's first claim) and recorded with ``rq_claim`` (its run with ``rq_run``); returns (verdict,
+    :class:`~rope_quant.claims.engine.ClaimResult`)."""
+    from rope_quant.claims.engine import evaluate, until_decided
 
     claim = front.claims[claim_id]
     if isinstance(claim, LeftOut):
         pytest.skip(f"{claim_id} on {front.model}: {claim}")
     exp = front.exp
-
-    def run(e: Any) -> Any:
-        result = evaluate(claim, ExperimentStore(e), e.budget.seeds, plan=e.plan)
-        return result.verdict, result
-
-    (verdict, result), _ = exp.decided(run, claim.id)
+    if exp.plan is None:
+        result = evaluate(claim, ExperimentStore(exp), exp.budget.seeds)
+        verdict = result.verdict
+    else:
+        looked = until_decided(claim, lambda seeds: evaluate(claim, ExperimentStore(exp.with_seeds(seeds)), seeds,
+                                                             plan=exp.plan),
+                               exp.budget.seeds, exp.plan, time_budget=exp.time_budget, started=exp.started,
+                               log=_stderr)
+        result, verdict = looked.result, looked.result.verdict
+        if looked.stopped.startswith("time budget"):
+            verdict = replace(verdict, stop=f"{looked.stopped}; {verdict.note}")
     parts = result.part_verdicts
     if verdict.stop.startswith("time budget"):  # the stop reaches each part still open, not "open at look k"
         parts = {k: v if v.decided or v.stop else replace(v, stop=verdict.stop) for k, v in parts.items()}

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -76,9 +75,9 @@ class E2EBudget:
 class Experiment:
     """Memoised paired cells through the public API (``pipeline.run_cell`` / ``build_quantized_model``).
 
-    ``plan`` (``--rq-until-decided``): the sequential rule's looks (:class:`rope_quant.core.sequential.Plan`); a
-    claim written with :meth:`paired_claim` and run through :meth:`decided` then gets seeds added, every one
-    replicated, while it is inconclusive (only its own cells are computed, through the same memo and cache).
+    ``plan`` (``--rq-until-decided``): the sequential rule's looks (:class:`rope_quant.core.sequential.Plan`); the
+    registry front (tests/_support/registry_front.py) then adds seeds to an inconclusive claim through
+    :meth:`with_seeds`, every one replicated (only its own cells are computed, through the same memo and cache).
     """
 
     def __init__(self, base: tuple[Any, Any], cache_dir: str, budget: E2EBudget, corpus: str,
@@ -97,40 +96,6 @@ class Experiment:
                            self.corpus, self.model, self.device, self.plan, self.time_budget, self.started)
         other._cells, other._models = self._cells, self._models
         return other
-
-    def paired_claim(self, form: Any, treatment: Sequence[float], control: Sequence[float], *,
-                     replicates: Mapping[int, tuple[float, float]] | str | None, margin: float = 0.0,
-                     tokens: int | None = None, parts: int = 1) -> Any:
-        """The paired comparison decided by the one engine (:func:`rope_quant.claims.values.decide`: a claim of
-        one paired part over these values): the fixed-n rule, or with ``--rq-until-decided`` the sequential rule at
-        this look; ``parts``: the sampled parts of the claim this one belongs to (the sequential rule spends its
-        refuted side at α / parts). Returns the part's verdict."""
-        from rope_quant.claims import values
-
-        plan = None if self.plan is None else self.plan.with_parts(parts)
-        result = values.decide(values.paired(form, margin=margin), treatment, control, replicates=replicates,
-                               tokens=tokens, plan=plan)
-        return result.parts[0].verdict
-
-    def decided(self, evaluate: Callable[[Experiment], Any], name: str,
-                verdict_of: Callable[[Any], Any] = lambda r: r[0]) -> tuple[Any, Experiment]:
-        """``evaluate(experiment)`` at the requested seeds; with ``--rq-until-decided``, again with one more seed
-        while its verdict (``verdict_of(result)``) is inconclusive, up to ``--rq-max-seeds`` and within
-        ``--rq-time-budget`` (counted from the session's first claim). Returns the last result and the
-        experiment at its seeds; a claim stopped by the time budget carries that in its verdict's ``stop``."""
-        if self.plan is None:
-            return evaluate(self), self
-        from rope_quant.core import sequential
-
-        looked = sequential.until_decided(lambda seeds: evaluate(self.with_seeds(seeds)), verdict_of,
-                                          self.budget.seeds, self.plan, time_budget=self.time_budget,
-                                          started=self.started, name=name,
-                                          log=lambda line: print(line, file=sys.__stderr__, flush=True))
-        result = looked.result
-        if looked.stopped.startswith("time budget") and isinstance(result, tuple):
-            v = verdict_of(result)
-            result = (replace(v, stop=f"{looked.stopped}; {v.note}"), *result[1:])
-        return result, self.with_seeds(looked.seeds)
 
     def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per ``key``: in memory (this pytest run), then on disk in the cache directory

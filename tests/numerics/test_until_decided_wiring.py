@@ -1,4 +1,5 @@
-"""The e2e claims' ``--rq-until-decided`` wiring (tests/e2e/conftest.py ``Experiment.decided``), on fake cells.
+"""The e2e claims' ``--rq-until-decided`` wiring (tests/_support/registry_front.py ``decide_claim`` over the e2e
+conftest's ``Experiment``), on fake cells.
 
 The e2e conftest's :class:`Experiment` is imported from its file and the registry's claims are decided as the
 registry front decides them (tests/_support/registry_front.py: the engine over an ``ExperimentStore``); only
@@ -56,16 +57,12 @@ def wiring(monkeypatch, tmp_path):
     return experiment, built
 
 
-def _registry(claim):
-    """The registry front's evaluation of ``claim`` at an experiment's seeds: (verdict, ClaimResult)."""
-    from rope_quant.claims.engine import evaluate
-    from tests._support.registry_front import ExperimentStore
+def _decide(exp, claim):
+    """``claim`` decided by the registry front (``decide_claim``: the engine over an ``ExperimentStore``, seeds added
+    by ``claims.engine.until_decided`` under a plan): (verdict, ClaimResult)."""
+    from tests._support.registry_front import Front, decide_claim
 
-    def run(e):
-        result = evaluate(claim, ExperimentStore(e), e.budget.seeds, plan=e.plan)
-        return result.verdict, result
-
-    return run
+    return decide_claim(Front("m", exp, {claim.id: claim}, "plan"), claim.id, lambda *a, **kw: None, lambda _: None)
 
 
 EQUIV = "pairwise_plus_hadamard ≡ hadamard"
@@ -76,11 +73,11 @@ def test_c2_until_decided_adds_replicated_seeds_only_while_open(wiring) -> None:
     the sequential rule after seeds were added; every cell (seed, R3, float mode) is built once, and every added
     seed carries its float-order replicate of both configs in the equivalence."""
     experiment, built = wiring
-    (verdict, result), at = experiment(Plan(3, 10)).decided(_registry(paper.C2), "C2")
+    verdict, result = _decide(experiment(Plan(3, 10)), paper.C2)
     equiv = result.part_verdicts[EQUIV]
     assert equiv.rule == RULE_SEQUENTIAL and equiv.outcome is Outcome.HOLDS, equiv.text()
-    n = len(at.budget.seeds)
-    assert 3 < n <= 10 and at.budget.replicates == n and equiv.n == n, (n, equiv.text())
+    n = len(result.seeds)
+    assert 3 < n <= 10 and result.seeds == tuple(range(n)) and equiv.n == n, (n, equiv.text())
     assert len(set(built)) == len(built), "a cell was computed twice"
     for seed in range(n):
         for r3 in ("hadamard", "pairwise_plus_hadamard"):
@@ -90,9 +87,9 @@ def test_c2_until_decided_adds_replicated_seeds_only_while_open(wiring) -> None:
 
 def test_without_the_mode_the_fixed_rule_reads_the_requested_seeds(wiring) -> None:
     experiment, built = wiring
-    (verdict, result), at = experiment(None).decided(_registry(paper.C2), "C2")
+    verdict, result = _decide(experiment(None), paper.C2)
     equiv = result.part_verdicts[EQUIV]
-    assert equiv.rule == RULE_REPLICATES and at.budget.seeds == (0, 1, 2) and equiv.n == 3
+    assert equiv.rule == RULE_REPLICATES and result.seeds == (0, 1, 2) and equiv.n == 3
     assert max(s for s, *_ in built) == 2
 
 
@@ -100,10 +97,10 @@ def test_c3_until_decided_only_builds_its_own_cells(wiring) -> None:
     """C3 (k_only 0.4 PPL below rows, noise 0.03 per cell): decided by the sequential rule; the cells built are
     C3's own (pairwise_only under both estimators, both float orders), none of C2's."""
     experiment, built = wiring
-    (verdict, _), at = experiment(Plan(3, 10)).decided(_registry(paper.C3), "C3")
+    verdict, result = _decide(experiment(Plan(3, 10)), paper.C3)
     assert verdict.rule == RULE_SEQUENTIAL and verdict.outcome is Outcome.HOLDS, verdict.text()
     assert {r3 for _, r3, _, _ in built} == {"pairwise_only"}
-    assert len(set(built)) == len(built) == 4 * len(at.budget.seeds)  # decided at the first look here
+    assert len(set(built)) == len(built) == 4 * len(result.seeds)  # decided at the first look here
 
 
 def test_c7_stopped_by_the_time_budget_says_so_in_every_open_part(wiring, monkeypatch) -> None:
