@@ -118,7 +118,8 @@ def directory_claims(store: Any, facts: Any = None) -> tuple[list[Any], dict[str
     planned, absent = planned_claims(store, kept)
     for claim in absent:
         if claim.group == registry.PAPER:  # the opt-in groups (beyond the paper, keys) are not listed
-            dropped[claim.id] = (f"not in this directory (its cells are not in the manifest): `rope-quant claims "
+            dropped[claim.id] = (f"not in this directory (its cells or their float-order replicates are not in "
+                                 f"the manifest): `rope-quant claims "
                                  f"--claims {claim.id}` into it adds them")
     return planned, dropped
 

@@ -70,6 +70,11 @@ class DirectoryStore:
             return False
         return self.config(cell, seed).key() in self._by_key
 
+    def planned_replicate(self, cell: Mapping[str, Override], seed: int) -> bool:
+        """Whether the manifest names ``cell``'s float-order replicate at ``seed`` (True where none is built)."""
+        rep = self.replicate(self.config(cell, seed)) if int(seed) in self._base else None
+        return rep is None or rep.key() in self._by_key
+
     def _result(self, cfg: Any) -> dict[str, Any] | None:
         """The result of ``cfg``'s complete record (None: not planned, or not computed yet)."""
         hit = self._by_key.get(cfg.key())

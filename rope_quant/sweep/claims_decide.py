@@ -216,7 +216,12 @@ def until_decided_in(out: str | os.PathLike[str], manifest: Manifest, claims: Se
 
 
 def planned_claims(store: DirectoryStore, claims: Sequence[Claim]) -> tuple[list[Claim], list[Claim]]:
-    """The claims whose every cell the directory's manifest names at its first seed, and the others."""
+    """The claims whose every cell the directory's manifest names at its first seed, with the float-order
+    replicate of each cell a paired part reads (a claim whose cells another claim planned without them would read
+    "no replicate exists"), and the others."""
+    from rope_quant.claims.selection import paired_cells
+
     first = store.seeds()[0] if store.seeds() else None
-    ok = [c for c in claims if first is not None and all(store.planned(c.cells[n], first) for n in c.cell_names())]
+    ok = [c for c in claims if first is not None and all(store.planned(c.cells[n], first) for n in c.cell_names())
+          and all(store.planned_replicate(c.cells[n], first) for n in paired_cells(c))]
     return ok, [c for c in claims if c not in ok]

@@ -150,8 +150,9 @@ def test_report_writes_the_engines_verdicts_in_the_claims_json(swept: Path, tmp_
         assert {k: rows[cid][k] for k in ENGINE_KEYS} == {k: direct[k] for k in ENGINE_KEYS}
     assert rows["C1"]["decision"]["outcome"] == "holds" and rows["C3"]["decision"]["outcome"] == "holds"
     left = {d["id"]: d["reason"] for d in data["left_out"]}
-    assert "C2" not in rows and left["C2"].startswith("not in this directory (its cells are not in the manifest): "
-                                                      "`rope-quant claims --claims C2` into it adds them")
+    assert "C2" not in rows and left["C2"].startswith(
+        "not in this directory (its cells or their float-order replicates are not in the manifest): "
+        "`rope-quant claims --claims C2` into it adds them")
     # C8 and A1-whip read C1's cells, C3-mean C3's: planned
     assert sorted(rows) == ["A1-whip", "C1", "C3", "C3-mean", "C8"]
     assert {i for i in left if registry.get(i).group == registry.PAPER

@@ -139,6 +139,20 @@ def test_claims_json_holds_their_rows_read_from_the_records(swept: tuple[Path, C
     assert rows["C4-ppl"]["parts"]["robust: gap(b=2) > gap(b=d_h)"]["outcome"] == "holds"
 
 
+def test_a_claim_whose_replicates_another_claim_left_out_is_left_out(tmp_path: Path, capsys) -> None:
+    """``--claims C4-K`` plans C4-ppl's cells without the float-order replicates its paired steps read: C4-ppl is
+    left out with the command that adds them, never read as "no replicate exists"."""
+    out = tmp_path / "k"
+    assert _claims(out, "--claims", "C4-K", "--seeds", "0,1") == 0
+    data = json.loads((out / "claims.json").read_text())
+    rows = {r["id"] for r in data["claims"]}
+    left = {d["id"]: d["reason"] for d in data["left_out"]}
+    assert "C4-K" in rows and "C4-ppl" not in rows
+    assert "float-order replicates are not in the manifest" in left["C4-ppl"] and "--claims C4-ppl" in left["C4-ppl"]
+    assert _claims(out, "--claims", "C4-ppl", "--seeds", "0,1") == 0
+    assert "C4-ppl" in {r["id"] for r in json.loads((out / "claims.json").read_text())["claims"]}
+
+
 def test_a_killed_run_resumes_and_redoes_nothing(tmp_path: Path) -> None:
     out, first = tmp_path / "cl", Cells(kill_after=9)
     assert _claims(out, "--claims", "C4-ppl,C7", "--seeds", "0,1", cells=first) == 130

@@ -91,7 +91,7 @@ def _replayable() -> list[Path]:
 @pytest.mark.parametrize("plan", [ROBUST, NORMAL], ids=["skew_robust", "normal"])
 def test_every_recorded_run_replayed_with_the_outlier_flag(plan: Plan) -> None:
     """Every row of every claims JSON in docs/runs that kept per-seed values, replayed under either boundary: none
-    has an outlier seed at the verdict it replays to (measured 2026-12-06: 92 rows replayed of 41 files, none
+    has an outlier seed at the verdict it replays to (measured 2026-12-06: 93 rows replayed of 42 files, none
     flagged; C2's 7 seeds of docs/runs/decided-epyc-2threads.json, two even clusters at ±0.6, are the nearest and
     are not what the flag is for). A new recorded run with a blow-up seed would fail this test and name itself."""
     files = _replayable()
@@ -99,7 +99,7 @@ def test_every_recorded_run_replayed_with_the_outlier_flag(plan: Plan) -> None:
     replayed = [(name, r) for name, r in rows if r.verdict is not None]
     flagged = [(name, r.claim, r.verdict.outlier.text()) for name, r in replayed
                if r.verdict is not None and r.verdict.outlier is not None]
-    assert len(files) == 41 and len(replayed) == 92, (len(files), len(replayed))
+    assert len(files) == 42 and len(replayed) == 93, (len(files), len(replayed))
     assert flagged == [], flagged
     whole = [(p.name, str(row.get("id") or row.get("claim"))) for p in files for row in read_claims(p)
              for part in recorded_parts(row)[0] if outlier.flag(part.diffs, max(40, len(part.diffs))) is not None]
